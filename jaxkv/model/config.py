@@ -1,0 +1,150 @@
+"""ModelConfig: the architecture hyper-parameters every loader produces and the model consumes.
+
+Loaders (GGUF, HF safetensors) translate their own metadata into this one frozen dataclass, so
+the model never looks at file formats. Field names follow HF transformers' ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (``rope_type == "llama3"``).
+
+    Attributes mirror HF's ``rope_scaling`` dict: ``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``.
+    """
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type != "llama3":
+            raise ValueError(
+                f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: 'llama3'"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral).
+
+    Attributes:
+      architecture: one of ``SUPPORTED_ARCHITECTURES``.
+      vocab_size: rows of the embedding table.
+      hidden_size: model width ``E``.
+      intermediate_size: SwiGLU width ``F``.
+      num_layers: decoder layers ``L``.
+      num_heads: query heads ``Hq``.
+      num_kv_heads: key/value heads ``Hkv`` (GQA when ``Hkv < Hq``; ``Hq % Hkv == 0``).
+      head_dim: per-head width ``D``.
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: RoPE base.
+      rope_scaling: optional Llama-3 frequency scaling.
+      max_position_embeddings: the model's trained context length.
+      tie_word_embeddings: LM head reuses the embedding table.
+      attention_bias: q/k/v projections carry a bias (Qwen2).
+      sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
+      bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture={self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config.json") -> "ModelConfig":
+        """Build from an HF ``config.json`` dict; ``source`` names the file in error messages."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: model_type={model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            scaling = None
+            if rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+                scaling = RopeScaling(
+                    rope_type=rs.get("rope_type", rs.get("type")),
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        rs.get("original_max_position_embeddings", 8192)),
+                )
+            theta = cfg.get("rope_theta")
+            if theta is None and isinstance(cfg.get("rope_parameters"), dict):
+                theta = cfg["rope_parameters"].get("rope_theta")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get(
+                "use_sliding_window") else None
+            return cls(
+                architecture=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(theta if theta is not None else 10000.0),
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                sliding_window=int(window) if window else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None

@@ -1,0 +1,178 @@
+"""Paged attention over a ragged batch: the pure-jnp reference (the specification) and impl dispatch.
+
+A step's batch is *ragged*: sequences contribute different numbers of query tokens (a prefill chunk,
+or one decode token), flattened into one token axis ``T``:
+
+    query_start_loc = [0, 5, 6, 9]          3 sequences: q_len 5 (prefill chunk), 1 (decode), 3
+    tokens          = | s0 s0 s0 s0 s0 | s1 | s2 s2 s2 | pad pad ... |   (padding after qsl[-1])
+    seq_lens        = [5, 40, 12]           kv length INCLUDING this step's tokens
+
+Causality with an offset: the i-th query token of sequence s (0-based within its chunk) sits at kv
+position ``q_pos = seq_lens[s] - q_len[s] + i`` and sees kv positions ``p <= q_pos``; with a sliding
+window W it sees only ``q_pos - p < W`` (W positions, itself included), except that the first
+``num_sinks`` positions (attention sinks) stay visible. Keys/values of position p of sequence s live
+in block ``block_tables[s, p // block_size]`` at offset ``p % block_size`` (see jaxkv/cache.py).
+
+``paged_attention`` dispatches on an explicit ``impl``; the reference below walks the kv axis in
+chunks of whole blocks with an online softmax (f32 accumulators), which is also what the kernels do.
+Its memory is O(T * chunk) rather than O(T * max_kv_len), so the engine can use it on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+ATTENTION_IMPLS = ("reference", "pallas")
+
+
+def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(
+            f"k_pages/v_pages must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {k_pages.shape} and {v_pages.shape}")
+    if q.shape[2] != k_pages.shape[3]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, k_pages has {k_pages.shape[3]}")
+    if q.shape[1] % k_pages.shape[2]:
+        raise ValueError(f"num_heads={q.shape[1]} is not a multiple of num_kv_heads={k_pages.shape[2]}")
+    if block_tables.ndim != 2 or seq_lens.shape != (block_tables.shape[0],):
+        raise ValueError(f"block_tables [S, max_blocks] and seq_lens [S] disagree: "
+                         f"{block_tables.shape} vs {seq_lens.shape}")
+    if query_start_loc.shape != (block_tables.shape[0] + 1,):
+        raise ValueError(f"query_start_loc must be [S + 1] = [{block_tables.shape[0] + 1}], "
+                         f"got {query_start_loc.shape}")
+
+
+def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int):
+    """Per-token sequence index, kv position and validity of a ragged batch.
+
+    Args:
+      query_start_loc: int32 [S + 1].
+      seq_lens: int32 [S].
+      num_tokens: T (static).
+
+    Returns:
+      (seq_idx int32 [T], q_pos int32 [T], valid bool [T]); padding tokens (t >= qsl[-1]) are
+      invalid and get seq_idx clipped into range.
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    num_seqs = seq_lens.shape[0]
+    seq_idx = jnp.searchsorted(query_start_loc[1:], t, side="right").astype(jnp.int32)
+    valid = seq_idx < num_seqs
+    seq_idx = jnp.minimum(seq_idx, num_seqs - 1)
+    q_len = query_start_loc[seq_idx + 1] - query_start_loc[seq_idx]
+    q_pos = seq_lens[seq_idx] - q_len + (t - query_start_loc[seq_idx])
+    return seq_idx, q_pos, valid
+
+
+def visible(q_pos: jax.Array, kv_pos: jax.Array, *, sliding_window: int | None,
+            num_sinks: int) -> jax.Array:
+    """Mask of kv positions a query at ``q_pos`` attends to (broadcasting; both int32)."""
+    mask = kv_pos <= q_pos
+    if sliding_window is not None:
+        in_window = q_pos - kv_pos < sliding_window
+        if num_sinks:
+            in_window = in_window | (kv_pos < num_sinks)
+        mask = mask & in_window
+    return mask
+
+
+def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                              block_tables: jax.Array, seq_lens: jax.Array,
+                              query_start_loc: jax.Array, *, sm_scale: float | None = None,
+                              sliding_window: int | None = None, num_sinks: int = 0,
+                              soft_cap: float | None = None, kv_chunk_blocks: int | None = None,
+                              return_lse: bool = False):
+    """Ragged paged attention, pure jnp (the specification the kernels are tested against).
+
+    Args:
+      q: [T, num_heads, head_dim] queries of every token of the step (padding after qsl[-1]).
+      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool.
+      block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block).
+      seq_lens: int32 [S] kv length of each sequence including this step's tokens.
+      query_start_loc: int32 [S + 1] cumulative query lengths.
+      sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+      sliding_window: attend to the last ``sliding_window`` positions only (itself included).
+      num_sinks: with a window, the first ``num_sinks`` positions stay visible (attention sinks).
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      kv_chunk_blocks: blocks per online-softmax step (static); default covers ~256 positions.
+      return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+
+    Returns:
+      out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
+      ``return_lse`` also lse f32 [T, num_heads] (-inf for padding tokens).
+    """
+    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    T, Hq, D = q.shape
+    _, bs, Hkv, _ = k_pages.shape
+    G = Hq // Hkv
+    max_blocks = block_tables.shape[1]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    chunk = kv_chunk_blocks or max(1, 256 // bs)
+    chunk = min(chunk, max_blocks)
+    num_chunks = -(-max_blocks // chunk)
+    # pad the table so every chunk is full; padded entries point at the null block (masked by position)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk - max_blocks)))
+
+    seq_idx, q_pos, valid = token_layout(query_start_loc, seq_lens, T)
+    tok_tables = tables[seq_idx]                                  # [T, num_chunks * chunk]
+    qg = q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale      # [T, Hkv, G, D]
+
+    def body(carry, c):
+        m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
+        ids = jax.lax.dynamic_slice_in_dim(tok_tables, c * chunk, chunk, axis=1)   # [T, chunk]
+        k = k_pages[ids].reshape(T, chunk * bs, Hkv, D).astype(jnp.float32)
+        v = v_pages[ids].reshape(T, chunk * bs, Hkv, D).astype(jnp.float32)
+        s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = c * chunk * bs + jnp.arange(chunk * bs, dtype=jnp.int32)
+        mask = visible(q_pos[:, None], kv_pos[None, :], sliding_window=sliding_window,
+                       num_sinks=num_sinks) & valid[:, None]      # [T, chunk*bs]
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(-1)
+        acc = alpha[..., None] * acc + jnp.einsum("thgn,tnhd->thgd", p, v)
+        return (m_new, l, acc), None
+
+    init = (jnp.full((T, Hkv, G), -jnp.inf, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
+            jnp.zeros((T, Hkv, G, D), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(num_chunks))
+    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = out.reshape(T, Hq, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(T, Hq)
+    return out, lse
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                    impl: str = "reference", interpret: bool = False, **options):
+    """Ragged paged attention with an explicit implementation choice.
+
+    Args:
+      q, k_pages, v_pages, block_tables, seq_lens, query_start_loc: as in
+        ``paged_attention_reference``.
+      impl: ``"reference"`` (pure jnp) or ``"pallas"`` (jaxkv.pallas kernels).
+      interpret: run the Pallas kernel in interpret mode (CPU).
+      **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``.
+
+    Returns:
+      [T, num_heads, head_dim] in q's dtype.
+    """
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens,
+                                         query_start_loc, **options)
+    if impl == "pallas":
+        from jaxkv.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
+
+        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
+                                      query_start_loc, interpret=interpret, **options)
+    raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of {ATTENTION_IMPLS}")

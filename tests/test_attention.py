@@ -1,0 +1,144 @@
+"""The reference paged attention against a naive per-sequence numpy loop, and cache write/gather/copy."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cache as kvcache
+from jaxkv.attention import paged_attention, paged_attention_reference
+
+
+def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, soft_cap=None):
+    """Per-sequence dense attention in float64 numpy. k_seqs[s]: [kv_len, Hkv, D]."""
+    outs = []
+    Hq = q.shape[1]
+    t0 = 0
+    for ks, vs, ql in zip(k_seqs, v_seqs, q_lens):
+        kv_len, Hkv, _ = ks.shape
+        G = Hq // Hkv
+        for i in range(ql):
+            qp = kv_len - ql + i
+            out = np.zeros((Hq, q.shape[2]))
+            for h in range(Hq):
+                s = (ks[:, h // G] @ q[t0 + i, h]) * scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.arange(kv_len)
+                mask = p <= qp
+                if window is not None:
+                    mask &= (qp - p < window) | (p < sinks)
+                s = np.where(mask, s, -np.inf)
+                w = np.exp(s - s.max())
+                out[h] = (w / w.sum()) @ vs[:, h // G]
+            outs.append(out)
+        t0 += ql
+    return np.stack(outs)
+
+
+def make_batch(rng, q_lens, kv_lens, *, Hq, Hkv, D, bs, num_blocks, pad_tokens=3, pad_seqs=1):
+    """A ragged batch over a pool whose block tables come from a random permutation of page ids."""
+    max_blocks = max(-(-n // bs) for n in kv_lens) + 1
+    perm = rng.permutation(np.arange(1, num_blocks))
+    k_pool = rng.standard_normal((num_blocks, bs, Hkv, D)).astype(np.float32)
+    v_pool = rng.standard_normal((num_blocks, bs, Hkv, D)).astype(np.float32)
+    S = len(q_lens) + pad_seqs
+    tables = np.zeros((S, max_blocks), np.int32)
+    k_seqs, v_seqs, used = [], [], 0
+    for s, n in enumerate(kv_lens):
+        nb = -(-n // bs)
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+        pos = np.arange(n)
+        k_seqs.append(k_pool[tables[s, pos // bs], pos % bs])
+        v_seqs.append(v_pool[tables[s, pos // bs], pos % bs])
+    T = sum(q_lens) + pad_tokens
+    q = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs]).astype(np.int32)
+    seq_lens = np.array(list(kv_lens) + [0] * pad_seqs, np.int32)
+    return q, k_pool, v_pool, tables, seq_lens, qsl, k_seqs, v_seqs
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("window,sinks,soft_cap", [(None, 0, None), (5, 0, None), (7, 2, 30.0)])
+def test_reference_matches_naive(Hq, Hkv, bs, window, sinks, soft_cap):
+    rng = np.random.default_rng(Hq * 100 + bs)
+    q_lens = [5, 1, 1, 3, 17]
+    kv_lens = [5, 1, 33, 2 * bs + 1, 40]
+    q, kp, vp, tables, seq_lens, qsl, ks, vs = make_batch(
+        rng, q_lens, kv_lens, Hq=Hq, Hkv=Hkv, D=16, bs=bs, num_blocks=64)
+    scale = 0.3
+    out = paged_attention_reference(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp),
+                                    jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(qsl),
+                                    sm_scale=scale, sliding_window=window, num_sinks=sinks,
+                                    soft_cap=soft_cap, kv_chunk_blocks=2)
+    want = naive_attention(q, ks, vs, q_lens, scale=scale, window=window, sinks=sinks,
+                           soft_cap=soft_cap)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
+    assert np.all(np.asarray(out[n:]) == 0), "padding tokens must produce zeros"
+
+
+def test_reference_lse_and_chunking_invariance():
+    rng = np.random.default_rng(0)
+    q, kp, vp, tables, seq_lens, qsl, *_ = make_batch(
+        rng, [3, 1], [20, 9], Hq=4, Hkv=2, D=8, bs=4, num_blocks=16)
+    args = [jnp.asarray(a) for a in (q, kp, vp, tables, seq_lens, qsl)]
+    o1, lse1 = paged_attention_reference(*args, kv_chunk_blocks=1, return_lse=True)
+    o2, lse2 = paged_attention_reference(*args, kv_chunk_blocks=5, return_lse=True)
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o2), atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse1[:4]), np.asarray(lse2[:4]), atol=1e-6, rtol=1e-6)
+    # lse of token 3 (seq 1, decode at position 8) by hand
+    s = np.einsum("hd,nhd->hn", q[3], np.repeat(
+        kp[tables[1, np.arange(9) // 4], np.arange(9) % 4], 2, axis=1)) / np.sqrt(8)
+    np.testing.assert_allclose(np.asarray(lse1[3]), np.log(np.exp(s).sum(-1)), atol=1e-5, rtol=1e-5)
+    assert np.all(np.isneginf(np.asarray(lse1[4:])))
+
+
+def test_dispatch_rejects_unknown_impl_and_bad_shapes():
+    rng = np.random.default_rng(1)
+    q, kp, vp, tables, seq_lens, qsl, *_ = make_batch(
+        rng, [2], [4], Hq=4, Hkv=2, D=8, bs=4, num_blocks=4)
+    with pytest.raises(ValueError, match="impl='triton'"):
+        paged_attention(q, kp, vp, tables, seq_lens, qsl, impl="triton")
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention(q, kp, vp, tables, seq_lens, qsl[:-1])
+    with pytest.raises(ValueError, match="num_heads=3"):
+        paged_attention(q[:, :3], kp, vp, tables, seq_lens, qsl)
+
+
+def test_cache_write_gather_bit_exact_and_copy_blocks():
+    rng = np.random.default_rng(2)
+    bs, Hkv, D = 4, 2, 8
+    cache = kvcache.init_cache(2, 12, bs, Hkv, D, jnp.float32)
+    table = np.array(rng.permutation(np.arange(1, 12))[:3], np.int32)   # 3 blocks, 11 tokens
+    n = 11
+    pos = np.arange(n)
+    slots = table[pos // bs] * bs + pos % bs
+    k = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    cache = kvcache.write(cache, 1, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    gk, gv = kvcache.gather(cache, 1, jnp.asarray(table), n)
+    assert np.array_equal(np.asarray(gk), k) and np.array_equal(np.asarray(gv), v)
+    assert not np.any(np.asarray(cache.k[0])), "another layer was written"
+    free = sorted(set(range(1, 12)) - set(table.tolist()))[:2]
+    before = np.asarray(cache.k[1][table[:2]])
+    cache = kvcache.copy_blocks(cache, jnp.asarray(table[:2]), jnp.asarray(free, dtype=jnp.int32))
+    assert np.array_equal(np.asarray(cache.k[1][np.array(free)]), before)
+    assert np.array_equal(np.asarray(cache.v[1][np.array(free)]),
+                          np.asarray(cache.v[1][table[:2]]))
+
+
+def test_cache_rejects_bad_geometry():
+    with pytest.raises(ValueError, match="num_blocks=1"):
+        kvcache.init_cache(1, 1, 16, 2, 8)
+    with pytest.raises(ValueError, match="block_size=0"):
+        kvcache.init_cache(1, 4, 0, 2, 8)
+
+
+def test_cache_is_a_pytree():
+    cache = kvcache.init_cache(3, 4, 2, 1, 4)
+    leaves = jax.tree_util.tree_leaves(cache)
+    assert len(leaves) == 6 and cache.block_size == 2 and cache.num_layers == 3
+    assert cache.nbytes == 6 * 4 * 2 * 1 * 4 * 4

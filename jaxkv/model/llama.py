@@ -1,0 +1,232 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral) in Flax NNX over a paged KV cache.
+
+The NNX modules define the parameter tree (with a logical axis name on every parameter, for
+the sharding rules); the engine holds parameters as a plain nested dict and calls the pure
+function ``forward(params, ...)``, which merges them into the module graph inside jit.
+
+One forward serves a ragged batch that mixes prefill chunks and decode tokens: each layer
+projects q/k/v for the step's tokens [T], rotates q/k, writes k/v into the cache at
+``slot_mapping`` and attends over the paged cache (jaxkv.attention).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv import cache as kvcache
+from jaxkv.attention import paged_attention
+from jaxkv.metadata import AttentionMetadata
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.rope import apply_rope, inv_frequencies
+
+_List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
+
+
+def _param(shape, dtype, axes):
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = _param((dim,), dtype, ("norm",))
+        self.eps = eps
+
+    def __call__(self, x):  # [T, E]
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype):
+        E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = _param((E, Hq, D), dtype, ("embed", "heads", "head_dim"))
+        self.k_proj = _param((E, Hkv, D), dtype, ("embed", "kv_heads", "head_dim"))
+        self.v_proj = _param((E, Hkv, D), dtype, ("embed", "kv_heads", "head_dim"))
+        self.o_proj = _param((Hq, D, E), dtype, ("heads", "head_dim", "embed"))
+        if c.attention_bias:
+            self.q_bias = _param((Hq, D), dtype, ("heads", "head_dim"))
+            self.k_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
+            self.v_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
+        self.bias = c.attention_bias
+
+    def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *, window,
+                 impl, interpret):
+        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
+        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
+        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
+        if self.bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping)
+        v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping)
+        o = paged_attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                            impl=impl, interpret=interpret, sliding_window=window)
+        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool)
+
+
+class MLP(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype):
+        E, F = c.hidden_size, c.intermediate_size
+        self.gate_proj = _param((E, F), dtype, ("embed", "mlp"))
+        self.up_proj = _param((E, F), dtype, ("embed", "mlp"))
+        self.down_proj = _param((F, E), dtype, ("mlp", "embed"))
+
+    def __call__(self, x):  # [T, E]
+        return (jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])) @ self.down_proj[...]
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype):
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c, dtype)
+
+
+class Transformer(nnx.Module):
+    """The decoder's parameter tree; call it through ``forward``."""
+
+    def __init__(self, c: ModelConfig, dtype=jnp.float32):
+        self.config = c
+        self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, ("vocab", "embed"))
+        self.layers = _List([DecoderLayer(c, dtype) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        if not c.tie_word_embeddings:
+            self.lm_head = _param((c.hidden_size, c.vocab_size), dtype, ("embed", "vocab"))
+
+    def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
+                 logits_indices, *, impl, interpret):
+        c = self.config
+        inv_freq = inv_frequencies(c)
+        x = self.embed_tokens[...][token_ids]                            # [T, E]
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            h, (k_pool, v_pool) = layer.self_attn(
+                layer.input_layernorm(x), positions, (cache.k[i], cache.v[i]), md, inv_freq,
+                window=c.sliding_window, impl=impl, interpret=interpret)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            ks.append(k_pool)
+            vs.append(v_pool)
+        if logits_indices is not None:
+            x = x[logits_indices]                                        # [S, E]
+        x = self.norm(x)
+        head = self.embed_tokens[...].T if c.tie_word_embeddings else self.lm_head[...]
+        logits = (x @ head).astype(jnp.float32)                          # [S or T, V]
+        return logits, kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract(config: ModelConfig, dtype_name: str):
+    model = nnx.eval_shape(lambda: Transformer(config, jnp.dtype(dtype_name)))
+    return nnx.split(model)
+
+
+def param_shapes(config: ModelConfig, dtype=jnp.float32) -> dict:
+    """Nested dict of ``jax.ShapeDtypeStruct`` with the structure of the params dict."""
+    return nnx.to_pure_dict(_abstract(config, jnp.dtype(dtype).name)[1])
+
+
+def logical_axes(config: ModelConfig) -> dict:
+    """Nested dict (params structure) of each parameter's logical axis names, e.g. ("embed", "mlp")."""
+    state = _abstract(config, "float32")[1]
+    axes = jax.tree_util.tree_map(lambda v: v.get_metadata()["logical_axes"], state,
+                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.to_pure_dict(axes)
+
+
+def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
+            cache: kvcache.PagedKVCache, metadata: AttentionMetadata, *, config: ModelConfig,
+            logits_indices: jax.Array | None = None, attention_impl: str = "reference",
+            interpret: bool = False) -> tuple[jax.Array, kvcache.PagedKVCache]:
+    """Runs the decoder on one ragged step, writing its K/V into the paged cache.
+
+    Args:
+      params: nested dict of arrays shaped like ``param_shapes(config)`` (e.g. from ``params_from_hf``).
+      token_ids: int32 [T] tokens of the step (prefill chunks and decode tokens, flattened).
+      positions: int32 [T] position of each token in its sequence.
+      cache: the paged cache; its pools are returned updated.
+      metadata: slots, query starts, kv lengths and block tables of the step.
+      config: the model's hyper-parameters (static).
+      logits_indices: optional int32 [S]: compute logits only for these token rows.
+      attention_impl: ``"reference"`` or ``"pallas"`` (explicit; see jaxkv.attention).
+      interpret: Pallas interpret mode (CPU).
+
+    Returns:
+      (logits float32 [S or T, vocab_size], updated cache).
+    """
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    graphdef, abstract = _abstract(config, jnp.dtype(dtype).name)
+    state = jax.tree_util.tree_map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, params)
+    model = nnx.merge(graphdef, state)
+    return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
+                 interpret=interpret)
+
+
+def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
+    """HF tensor name -> (params path, converter from the HF [out, in] array)."""
+    E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    p = f"model.layers.{i}."
+    a = ("layers", i, "self_attn")
+    m = {
+        p + "self_attn.q_proj.weight": (a + ("q_proj",), lambda w: w.T.reshape(E, Hq, D)),
+        p + "self_attn.k_proj.weight": (a + ("k_proj",), lambda w: w.T.reshape(E, Hkv, D)),
+        p + "self_attn.v_proj.weight": (a + ("v_proj",), lambda w: w.T.reshape(E, Hkv, D)),
+        p + "self_attn.o_proj.weight": (a + ("o_proj",), lambda w: w.T.reshape(Hq, D, E)),
+        p + "mlp.gate_proj.weight": (("layers", i, "mlp", "gate_proj"), lambda w: w.T),
+        p + "mlp.up_proj.weight": (("layers", i, "mlp", "up_proj"), lambda w: w.T),
+        p + "mlp.down_proj.weight": (("layers", i, "mlp", "down_proj"), lambda w: w.T),
+        p + "input_layernorm.weight": (("layers", i, "input_layernorm", "weight"), lambda w: w),
+        p + "post_attention_layernorm.weight":
+            (("layers", i, "post_attention_layernorm", "weight"), lambda w: w),
+    }
+    if c.attention_bias:
+        m[p + "self_attn.q_proj.bias"] = (a + ("q_bias",), lambda b: b.reshape(Hq, D))
+        m[p + "self_attn.k_proj.bias"] = (a + ("k_bias",), lambda b: b.reshape(Hkv, D))
+        m[p + "self_attn.v_proj.bias"] = (a + ("v_bias",), lambda b: b.reshape(Hkv, D))
+    return m
+
+
+def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,
+                   source: str = "checkpoint") -> dict:
+    """Converts HF-named tensors (torch Linear orientation [out, in]) into the params dict.
+
+    Args:
+      config: the model's hyper-parameters.
+      tensors: HF transformers state-dict names -> numpy arrays.
+      dtype: parameter dtype.
+      source: the file the tensors came from, for error messages.
+
+    Returns:
+      Nested dict of jax arrays shaped like ``param_shapes(config, dtype)``.
+    """
+    mapping = {"model.embed_tokens.weight": (("embed_tokens",), lambda w: w),
+               "model.norm.weight": (("norm", "weight"), lambda w: w)}
+    if not config.tie_word_embeddings:
+        mapping["lm_head.weight"] = (("lm_head",), lambda w: w.T)
+    for i in range(config.num_layers):
+        mapping.update(_hf_layer_map(config, i))
+    shapes = param_shapes(config, dtype)
+    params: dict = {}
+    for name, (path, convert) in mapping.items():
+        if name not in tensors:
+            raise ValueError(f"{source}: tensor {name!r} is missing")
+        value = np.asarray(convert(np.asarray(tensors[name])))
+        want = functools.reduce(lambda d, k: d[k], path, shapes).shape
+        if value.shape != want:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tensors[name].shape}, "
+                             f"which does not convert to {want}")
+        node = params
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = jnp.asarray(value, dtype)
+    return params

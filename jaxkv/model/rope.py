@@ -1,0 +1,52 @@
+"""Rotary position embeddings in HF's rotate-half (NeoX) pairing, with Llama-3 frequency scaling.
+
+Pairing: dimension ``i`` rotates with ``i + D/2`` (GGUF files store llama.cpp's interleaved
+pairing; the GGUF loader un-permutes q/k rows into this layout, so one convention serves all).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.model.config import ModelConfig
+
+
+def inv_frequencies(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies float32 [head_dim // 2], Llama-3 scaled when ``config.rope_scaling`` is set."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates ``x`` by its positions.
+
+    Args:
+      x: [T, H, D] queries or keys.
+      positions: int32 [T].
+      inv_freq: float32 [D // 2].
+
+    Returns:
+      [T, H, D] in x's dtype (the rotation is computed in float32).
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, D/2]
+    cos = jnp.cos(angles)[:, None, :]
+    sin = jnp.sin(angles)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

@@ -6,12 +6,18 @@ import numpy as np
 import pytest
 import jax.numpy as jnp
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import jax
 
-from jaxkv.model.config import ModelConfig  # noqa: E402
-from jaxkv.model.llama import params_from_hf  # noqa: E402
-from paged_runner import PagedRunner  # noqa: E402
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import init_params, params_from_hf
+from paged_runner import PagedRunner
+
+try:  # the HF oracle (test extra; not installed on the Python 3.12 CI leg)
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+needs_hf = pytest.mark.skipif(torch is None, reason="HF transformers + torch (the parity oracle) not installed")
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -26,6 +32,13 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, num_key_value_heads=4)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, sliding_window=8)),
 }
+
+
+def random_model(**overrides):
+    fields = dict(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16)
+    config = ModelConfig(**{**fields, **overrides})
+    return config, init_params(config, jax.random.PRNGKey(0), std=0.2)
 
 
 def hf_model(case, tmp_path):
@@ -43,6 +56,7 @@ def jax_params(model, path):
     return config, params_from_hf(config, tensors, jnp.float32)
 
 
+@needs_hf
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_parity_with_transformers(case, tmp_path):
     model, path = hf_model(case, tmp_path)
@@ -64,19 +78,17 @@ def test_greedy_parity_with_transformers(case, tmp_path):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
-def test_chunked_prefill_equals_one_shot(chunk, tmp_path):
-    model, path = hf_model("qwen2", tmp_path)
-    config, params = jax_params(model, path)
+def test_chunked_prefill_equals_one_shot(chunk):
+    config, params = random_model(attention_bias=True)
     prompt = list(np.random.default_rng(2).integers(0, 256, size=37))
     one = PagedRunner(params, config, block_size=8, seed=1).prefill(prompt)
     chunked = PagedRunner(params, config, block_size=8, seed=2).prefill(prompt, chunk=chunk)
     np.testing.assert_allclose(chunked, one, atol=2e-5, rtol=2e-5)
 
 
-def test_paged_decode_equals_full_forward_without_cache(tmp_path):
+def test_paged_decode_equals_full_forward_without_cache():
     """Decoding token by token over the paged cache = one no-cache forward of the whole text."""
-    model, path = hf_model("mistral", tmp_path)
-    config, params = jax_params(model, path)
+    config, params = random_model(architecture="mistral", sliding_window=8)
     tokens = list(np.random.default_rng(3).integers(0, 256, size=30))
     runner = PagedRunner(params, config, block_size=4, seed=3)
     stepwise = np.concatenate([runner.feed([t]) for t in tokens])
@@ -86,6 +98,7 @@ def test_paged_decode_equals_full_forward_without_cache(tmp_path):
     assert runner.cache.k[0].shape[0] > len(tokens) // 4   # the pool really is paged
 
 
+@needs_hf
 def test_params_from_hf_names_missing_tensor(tmp_path):
     model, path = hf_model("llama", tmp_path)
     config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))

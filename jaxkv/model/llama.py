@@ -172,6 +172,34 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
                  interpret=interpret)
 
 
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:
+    """Random parameters (normal(0, std) matrices, unit norm weights, zero biases) for tests and benchmarks.
+
+    Args:
+      config: the model's hyper-parameters.
+      key: a PRNG key.
+      dtype: parameter dtype.
+      std: standard deviation of the matrices.
+
+    Returns:
+      Nested dict of arrays shaped like ``param_shapes(config, dtype)``.
+    """
+    shapes = param_shapes(config, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+
+    def init(path, leaf, k):
+        name = str(path[-1].key)
+        if name == "weight":     # RMSNorm
+            return jnp.ones(leaf.shape, dtype)
+        if name.endswith("_bias"):
+            return jnp.zeros(leaf.shape, dtype)
+        return (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree_util.tree_unflatten(
+        treedef, [init(path, leaf, k) for (path, leaf), k in zip(leaves, keys)])
+
+
 def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
     """HF tensor name -> (params path, converter from the HF [out, in] array)."""
     E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim

@@ -1,0 +1,113 @@
+"""Params checkpoints: a params pytree as an orbax checkpoint, the ModelConfig as JSON beside it.
+
+Layout of a checkpoint directory::
+
+    <path>/
+      params/        orbax StandardCheckpointer output (one array per leaf, tensorstore)
+      jaxkv.json     {"config": ModelConfig fields or null, "metadata": caller's dict}
+
+Restoring takes optional target shardings, so a tensor-parallel model can read each device's
+shard straight from disk instead of materializing full arrays on one device first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jaxkv.model.config import ModelConfig, RopeScaling
+
+PARAMS_DIR = "params"
+METADATA_FILE = "jaxkv.json"
+
+
+def save_params(path: str | Path, params: Any, metadata: dict[str, Any] | None = None, *,
+                config: ModelConfig | None = None, overwrite: bool = False) -> None:
+    """Saves a params pytree (nested dicts of jax or numpy arrays, any dtype) and its metadata.
+
+    Args:
+      path: checkpoint directory (created).
+      params: the pytree.
+      metadata: JSON-serializable extras (e.g. the source file, a quantization recipe).
+      config: the model's ModelConfig, stored as JSON and read back by ``read_config``.
+      overwrite: replace an existing checkpoint at ``path``.
+
+    Raises:
+      ValueError: ``path`` already holds a checkpoint and ``overwrite`` is False, or the
+        metadata is not JSON-serializable.
+    """
+    path = Path(path).absolute()  # orbax wants absolute paths
+    if (path / PARAMS_DIR).exists() and not overwrite:
+        raise ValueError(f"{path}: a checkpoint already exists (pass overwrite=True)")
+    try:
+        meta_text = json.dumps({
+            "config": None if config is None else dataclasses.asdict(config),
+            "metadata": metadata or {},
+        }, indent=2)
+    except TypeError as e:
+        raise ValueError(f"{path}: metadata is not JSON-serializable: {e}") from e
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / PARAMS_DIR, params, force=overwrite)
+        ckptr.wait_until_finished()
+    (path / METADATA_FILE).write_text(meta_text, encoding="utf-8")
+
+
+def restore_params(path: str | Path, target: Any = None, shardings: Any = None) -> Any:
+    """Restores a params pytree saved by ``save_params``.
+
+    Args:
+      path: checkpoint directory.
+      target: optional pytree of arrays or ``jax.ShapeDtypeStruct`` giving the structure, shapes
+        and dtypes to restore into (casting if the dtype differs from the stored one).
+      shardings: optional pytree of ``jax.sharding.Sharding`` (same structure as the params);
+        each leaf is restored directly into that sharding. Without it and without ``target``,
+        leaves come back as saved (numpy leaves as numpy, jax leaves on their saved devices).
+
+    Returns:
+      The params pytree.
+
+    Raises:
+      FileNotFoundError: no checkpoint at ``path``.
+    """
+    path = Path(path).absolute()
+    if not (path / PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"{path / PARAMS_DIR}: no params checkpoint found")
+    with ocp.StandardCheckpointer() as ckptr:
+        if target is None and shardings is not None:
+            target = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
+        if shardings is not None:
+            target = jax.tree.map(
+                lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
+        return ckptr.restore(path / PARAMS_DIR, target)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``metadata`` dict given to ``save_params``."""
+    return _read(Path(path))["metadata"]
+
+
+def read_config(path: str | Path) -> ModelConfig | None:
+    """The ModelConfig given to ``save_params`` (None if none was saved)."""
+    cfg = _read(Path(path))["config"]
+    if cfg is None:
+        return None
+    scaling = cfg.pop("rope_scaling")
+    eos = tuple(cfg.pop("eos_token_ids"))
+    return ModelConfig(**cfg, rope_scaling=None if scaling is None else RopeScaling(**scaling),
+                       eos_token_ids=eos)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    file = path / METADATA_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found (not a jaxkv checkpoint)")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON: {e}") from e

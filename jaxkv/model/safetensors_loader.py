@@ -1,0 +1,129 @@
+"""HF model directories: ``config.json`` -> ModelConfig, ``*.safetensors`` -> float32 numpy.
+
+The safetensors layout is small enough to read directly, which lets bf16 through (safetensors'
+numpy API rejects it) and lets every corruption error name the file and the tensor::
+
+    [u64 little-endian N][N bytes of JSON header][data]
+    header: {"<name>": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, ...,
+             "__metadata__": {...}}            offsets are relative to the start of data
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxkv.model.config import ModelConfig
+
+SAFETENSORS_DTYPES = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def read_hf_config(path: str | Path) -> ModelConfig:
+    """Reads ``<path>/config.json`` into a ModelConfig.
+
+    Raises:
+      FileNotFoundError: no ``config.json``.
+      ValueError: invalid JSON, unsupported ``model_type`` or a missing field (named).
+    """
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: not found (an HF model directory needs config.json)")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON: {e}") from e
+    return ModelConfig.from_hf_dict(cfg, source=str(file))
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The weight files of an HF directory: the shards of ``model.safetensors.index.json``, else
+    ``model.safetensors``.
+
+    Raises:
+      FileNotFoundError: neither file exists, or a shard named by the index is missing.
+      ValueError: the index is not valid JSON or lacks ``weight_map``.
+    """
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from e
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: shard listed in {index.name} not found")
+        return files
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
+    """Reads one safetensors file, converting every tensor to float32.
+
+    Args:
+      file: path to a ``.safetensors`` file with F32, F16 or BF16 tensors.
+
+    Returns:
+      ``{name: float32 array}`` with the stored shapes.
+
+    Raises:
+      ValueError: truncated/corrupt header or data, or a dtype outside ``SAFETENSORS_DTYPES``
+        (the message names the file and the tensor).
+    """
+    file = Path(file)
+    raw = file.read_bytes()
+    if len(raw) < 8:
+        raise ValueError(f"{file}: corrupt safetensors file ({len(raw)} bytes, no header length)")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    if 8 + header_len > len(raw):
+        raise ValueError(f"{file}: corrupt safetensors file (header length {header_len} exceeds "
+                         f"file size {len(raw)})")
+    try:
+        header = json.loads(raw[8:8 + header_len])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: corrupt safetensors header: {e}") from e
+    data = memoryview(raw)[8 + header_len:]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{file}: corrupt header entry for tensor {name!r}: {info!r}") from e
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} has dtype {dtype_name}, which is not "
+                             f"supported; supported: {', '.join(SAFETENSORS_DTYPES)}")
+        dtype = SAFETENSORS_DTYPES[dtype_name]
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not 0 <= begin <= end <= len(data) or end - begin != expected:
+            raise ValueError(f"{file}: corrupt data for tensor {name!r}: offsets [{begin}, {end}) "
+                             f"for {expected} bytes of {dtype_name}{list(shape)} in a "
+                             f"{len(data)}-byte data section")
+        out[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape).astype(np.float32)
+    return out
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Reads all weight files of an HF directory (single or sharded) as float32.
+
+    Returns:
+      ``{hf_name: float32 array}``, exactly the stored names and shapes.
+    """
+    out = {}
+    for file in safetensors_files(path):
+        out.update(read_safetensors(file))
+    return out

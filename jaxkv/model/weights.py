@@ -1,0 +1,147 @@
+"""Model files -> LoadedModel: the one entry point the model and engine use to get weights.
+
+``load_model_files`` accepts a GGUF file, an HF directory or a name from the local store
+(``models/``), and always returns the same contract: a ModelConfig, float32 numpy tensors under HF
+transformers' names in torch ``Linear`` orientation (``[out, in]``), q/k rows in HF's rotate-half
+RoPE order, and the Tokenizer. Every tensor is checked against the shapes the config implies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import gguf as gguf_lib
+import numpy as np
+
+from jaxkv.model import gguf, safetensors_loader, store
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.tokenizer import Tokenizer
+
+# Buffers some HF checkpoints carry that are recomputed, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """Everything a model file provides.
+
+    Attributes:
+      config: architecture hyper-parameters.
+      tensors: ``{hf_name: float32 array}``; see ``expected_shapes`` for names and shapes.
+      tokenizer: the model's tokenizer and chat template.
+      source: the file or directory it came from.
+    """
+
+    config: ModelConfig
+    tensors: dict[str, np.ndarray]
+    tokenizer: Tokenizer
+    source: str
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes a checkpoint of ``config`` must hold.
+
+    With ``V`` vocab, ``E`` hidden, ``F`` intermediate, ``Hq``/``Hkv`` heads of width ``D``:
+    ``model.embed_tokens.weight [V, E]``; per layer ``i`` under ``model.layers.{i}.``:
+    ``self_attn.q_proj.weight [Hq*D, E]``, ``self_attn.{k,v}_proj.weight [Hkv*D, E]``,
+    ``self_attn.o_proj.weight [E, Hq*D]``, q/k/v biases ``[Hq*D]``/``[Hkv*D]`` when
+    ``attention_bias``, ``mlp.{gate,up}_proj.weight [F, E]``, ``mlp.down_proj.weight [E, F]``,
+    ``input_layernorm.weight [E]``, ``post_attention_layernorm.weight [E]``; then
+    ``model.norm.weight [E]`` and ``lm_head.weight [V, E]`` unless embeddings are tied.
+    """
+    e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, e)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, e),
+            p + "self_attn.k_proj.weight": (kv, e),
+            p + "self_attn.v_proj.weight": (kv, e),
+            p + "self_attn.o_proj.weight": (e, q),
+            p + "mlp.gate_proj.weight": (f, e),
+            p + "mlp.up_proj.weight": (f, e),
+            p + "mlp.down_proj.weight": (e, f),
+            p + "input_layernorm.weight": (e,),
+            p + "post_attention_layernorm.weight": (e,),
+        }
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+    return shapes
+
+
+def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
+                  source: str) -> dict[str, np.ndarray]:
+    """Validates names and shapes against ``expected_shapes(config)``.
+
+    Drops recomputed buffers (``rotary_emb.inv_freq``) and a redundant ``lm_head.weight`` of a
+    tied model (HF ignores it too).
+
+    Returns:
+      The tensors, exactly the ``expected_shapes`` names.
+
+    Raises:
+      ValueError: a missing tensor, a wrong shape, or tensors the architecture does not have,
+        naming ``source`` and the tensor.
+    """
+    shapes = expected_shapes(config)
+    tensors = {k: w for k, w in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)
+               and not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    missing = [k for k in shapes if k not in tensors]
+    if missing:
+        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing "
+                         f"of the {len(shapes)} a {config.architecture} model with this config needs)")
+    unexpected = sorted(set(tensors) - set(shapes))
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensors for architecture {config.architecture!r}: "
+                         f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    for k, shape in shapes.items():
+        if tensors[k].shape != shape:
+            raise ValueError(f"{source}: tensor {k!r} has shape {tensors[k].shape}, "
+                             f"config implies {shape}")
+    return {k: tensors[k] for k in shapes}
+
+
+def load_gguf(path: str | Path) -> LoadedModel:
+    """Loads a GGUF file (llama or qwen2 architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors)."""
+    reader = gguf_lib.GGUFReader(path)
+    config = gguf.config_from_gguf(reader)
+    tensors = check_tensors(gguf.tensors_from_gguf(reader, config), config, str(path))
+    return LoadedModel(config, tensors, Tokenizer.from_gguf_metadata(reader), str(path))
+
+
+def load_hf_dir(path: str | Path) -> LoadedModel:
+    """Loads an HF transformers directory (``config.json``, safetensors, ``tokenizer.json``)."""
+    config = safetensors_loader.read_hf_config(path)
+    tensors = check_tensors(safetensors_loader.read_hf_tensors(path), config, str(path))
+    return LoadedModel(config, tensors, Tokenizer.from_hf_dir(path), str(path))
+
+
+def load_model_files(path_or_name: str | Path) -> LoadedModel:
+    """Loads a model from a GGUF file, an HF directory or a store name.
+
+    Args:
+      path_or_name: ``*.gguf`` file; directory with ``config.json``; or a name from the local
+        store (e.g. ``store.DEFAULT_MODEL``, downloaded on first use).
+
+    Returns:
+      LoadedModel with float32 HF-named tensors.
+
+    Raises:
+      ValueError: unknown name / unsupported file, or any loader error (naming file and field).
+      FileNotFoundError: a required file inside an HF directory is missing.
+    """
+    path = store.resolve(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return load_hf_dir(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{path / 'config.json'}: not found (a model directory needs "
+                                "config.json, tokenizer.json and safetensors weights)")
+    raise ValueError(f"{path}: not a supported model file; supported: a *.gguf file, an HF "
+                     f"directory with config.json, or a store name ({', '.join(store.names())})")

@@ -1,0 +1,440 @@
+"""Continuous-batching scheduler as pure functions over an immutable ``SchedulerState``.
+
+    state = init_state(cache_config)
+    state = add_request(state, request, scheduler_config)
+    state, plan = schedule(state, scheduler_config)        # plan -> batch.build -> device step
+    state = update(state, plan, sampled_tokens)            # append tokens, detect finished
+
+Purity. The ``BlockManager`` is a *value* inside the state. A function that changes block ownership
+(``schedule``, ``update``, ``abort``) first copies it (``BlockManager.copy``: three int32
+[num_blocks] arrays and a dict of immutable tuples, once per call, not per operation), mutates only
+the copy and returns it in a new state. A state, once returned, is never mutated, so every function
+here is a function of its arguments: the same state can be scheduled twice for the same plan, and
+tests can keep old states to compare. (The alternative, returning block *ops* for the engine to
+apply, would leave the plan without real block tables and split the ownership truth in two.)
+
+One counter per request. ``num_computed_tokens`` catches up with ``num_tokens`` (prompt + generated
+tokens); there is no prefill or decode phase. A request with ``num_tokens - num_computed_tokens ==
+1`` is what other engines call a decode. ``schedule`` advances the counter for the tokens it plans
+(so two schedules without an update do not plan the same tokens twice); a sequence samples a token
+when its chunk reaches the end of the known tokens, and ``update`` appends that token.
+
+One step of ``schedule``:
+
+  1. Running requests, most urgent first, each gets ``min(remaining, budget)`` tokens, but budget
+     is first reserved for every running decode, so prefill chunks only take what decodes leave.
+     A request whose new tokens need blocks that are not free preempts the least urgent running
+     request not yet scheduled this step, repeatedly; when it is itself the least urgent one,
+     it preempts itself. Preemption is by recompute: the victim's blocks are freed, it returns to
+     the waiting queue with ``num_computed_tokens = 0`` and keeps its generated tokens.
+  2. If nobody was preempted, waiting requests are admitted in queue order, each with a prefill
+     chunk ``min(remaining, budget)``, while the budget, ``max_num_seqs`` running requests and the
+     free blocks allow; admission stops at the first request that does not fit (no overtaking).
+
+Urgency is the policy key: FCFS ``(arrival_time, n)``, priority ``(priority, arrival_time, n)``
+(``n`` = order of ``add_request``, lower key = more urgent). The waiting and running queues are kept
+sorted by it, so a preempted request, which keeps its key, goes back to the front of the waiting
+queue under FCFS, and to its priority's place under the priority policy.
+
+No deadlock, no loss: ``add_request`` rejects a request whose prompt + ``max_tokens`` exceeds
+``max_model_len`` or the usable pool, so the most urgent running request can always get its blocks
+by preempting every other one, and it is never chosen as a victim by anyone else; every step makes
+progress and every request eventually finishes or is aborted.
+
+Finishing (``update``): a sampled stop token or eos (unless ``ignore_eos``) once ``min_tokens``
+tokens exist, or ``max_tokens`` generated tokens, or an id the engine passes in ``finished_ids``
+(stop strings, found by its detokenizer). Finished and aborted requests free their blocks at once,
+wait in ``state.finished`` for the engine to read, and are listed in the next plan's
+``finished_ids``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import types
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+
+from jaxkv.block_manager import BlockManager
+from jaxkv.config import CacheConfig, SchedulerConfig
+
+FINISH_STOP = "stop"      # stop token, eos, or the engine's stop string
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_ABORT = "abort"    # abort()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StopSpec:
+    """When a request stops generating.
+
+    Attributes:
+      max_tokens: most tokens to generate (>= 1).
+      min_tokens: stop and eos tokens are ignored until this many tokens exist.
+      stop_token_ids: tokens that end generation (the token is kept in the output).
+      ignore_eos: keep generating through ``eos_token_ids``.
+      eos_token_ids: the model's end-of-sequence tokens.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be in [0, max_tokens="
+                             f"{self.max_tokens}]")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """A generation request as submitted.
+
+    Attributes:
+      request_id: any hashable id, unique among live requests.
+      prompt_token_ids: the prompt (non-empty).
+      stop: stopping rule.
+      arrival_time: FCFS order (and the priority tie-break).
+      priority: lower number = more urgent (used by the ``"priority"`` policy).
+    """
+
+    request_id: Hashable
+    prompt_token_ids: tuple[int, ...]
+    stop: StopSpec = StopSpec()
+    arrival_time: float = 0.0
+    priority: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids of request {self.request_id!r} must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestState:
+    """A request and its progress.
+
+    Attributes:
+      request: as submitted.
+      order: position in ``add_request`` order (the last tie-break of the policy key).
+      output_token_ids: generated tokens.
+      num_computed_tokens: tokens whose K/V is (being) written to the cache.
+      finish_reason: None while live, else ``"stop"``, ``"length"`` or ``"abort"``.
+    """
+
+    request: Request
+    order: int
+    output_token_ids: tuple[int, ...] = ()
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.request.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens ``[start, stop)`` of prompt + output."""
+        prompt = self.request.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):stop - len(prompt)]
+        return prompt[start:] + self.output_token_ids[:stop - len(prompt)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerState:
+    """Everything the scheduler knows. Never mutated; every function returns a new one.
+
+    Attributes:
+      block_manager: block ownership; tables exist exactly for the running requests.
+      requests: live (waiting or running) requests by id.
+      waiting: ids without blocks, most urgent first (policy key order).
+      running: ids with blocks, most urgent first (policy key order).
+      finished: requests finished or aborted since the last ``schedule``, by id.
+      num_added: requests added so far (the next ``RequestState.order``).
+    """
+
+    block_manager: BlockManager
+    requests: Mapping[Hashable, RequestState]
+    waiting: tuple[Hashable, ...] = ()
+    running: tuple[Hashable, ...] = ()
+    finished: Mapping[Hashable, RequestState] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}))
+    num_added: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step.
+
+    Attributes:
+      request_id: whose tokens these are.
+      token_ids: tokens to compute this step (>= 1).
+      start_pos: position of ``token_ids[0]`` in the sequence (= tokens already computed).
+      sample: whether a token is sampled after the last one (the chunk reaches the known end).
+      block_table: the request's physical blocks, covering positions ``< start_pos + len(token_ids)``.
+    """
+
+    request_id: Hashable
+    token_ids: tuple[int, ...]
+    start_pos: int
+    sample: bool
+    block_table: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one engine step computes.
+
+    Attributes:
+      seqs: scheduled sequences, in scheduling order (row ``i`` of the step's outputs).
+      preempted_ids: requests preempted (blocks freed, back to waiting) by this schedule.
+      finished_ids: requests finished or aborted since the previous schedule.
+    """
+
+    seqs: tuple[ScheduledSeq, ...]
+    preempted_ids: tuple[Hashable, ...] = ()
+    finished_ids: tuple[Hashable, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+def init_state(cache_config: CacheConfig) -> SchedulerState:
+    """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks."""
+    return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size),
+                          types.MappingProxyType({}))
+
+
+def _key(rs: RequestState, policy: str) -> tuple:
+    """Policy key: lower = more urgent."""
+    if policy == "priority":
+        return (rs.request.priority, rs.request.arrival_time, rs.order)
+    return (rs.request.arrival_time, rs.order)
+
+
+def _insert(queue: list, request_id: Hashable, requests: Mapping, policy: str) -> None:
+    """Insert into a key-sorted id list, after equal keys."""
+    keys = [_key(requests[i], policy) for i in queue]
+    queue.insert(bisect.bisect_right(keys, _key(requests[request_id], policy)), request_id)
+
+
+def add_request(state: SchedulerState, request: Request,
+                config: SchedulerConfig) -> SchedulerState:
+    """Queue ``request``.
+
+    Raises:
+      ValueError: the id is already live; prompt + ``max_tokens`` exceeds ``max_model_len``;
+        or the whole sequence could never fit the pool's usable blocks.
+    """
+    bm = state.block_manager
+    if request.request_id in state.requests:
+        raise ValueError(f"request_id={request.request_id!r} is already queued or running")
+    total = len(request.prompt_token_ids) + request.stop.max_tokens
+    if total > config.max_model_len:
+        raise ValueError(
+            f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
+            f"exceeds max_model_len={config.max_model_len}")
+    if bm.blocks_for(total) > bm.num_blocks - 1:
+        raise ValueError(
+            f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
+            f"tokens need {bm.blocks_for(total)} blocks but the pool has "
+            f"num_blocks - 1 = {bm.num_blocks - 1} usable blocks")
+    requests = dict(state.requests)
+    requests[request.request_id] = RequestState(request, state.num_added)
+    waiting = list(state.waiting)
+    _insert(waiting, request.request_id, requests, config.policy)
+    return dataclasses.replace(state, requests=types.MappingProxyType(requests),
+                               waiting=tuple(waiting), num_added=state.num_added + 1)
+
+
+def schedule(state: SchedulerState,
+             config: SchedulerConfig) -> tuple[SchedulerState, StepPlan]:
+    """Plan one step (see the module docstring); returns the new state and the plan."""
+    bm = state.block_manager.copy()
+    requests = dict(state.requests)
+    waiting = list(state.waiting)
+    running = list(state.running)
+    budget = config.max_num_batched_tokens
+    scheduled: list[tuple[Hashable, int]] = []  # (request id, new tokens)
+    preempted: list[Hashable] = []
+
+    def remaining(request_id):
+        rs = requests[request_id]
+        return rs.num_tokens - rs.num_computed_tokens
+
+    def preempt(request_id):
+        bm.free(request_id)
+        requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0)
+        running.remove(request_id)
+        _insert(waiting, request_id, requests, config.policy)
+        preempted.append(request_id)
+
+    # 1. running requests, most urgent first; victims are taken from the least urgent end.
+    queue = deque(running)
+    reserved = sum(remaining(i) == 1 for i in queue)  # budget kept for decodes not yet visited
+    while queue and budget > 0:
+        request_id = queue.popleft()
+        left = remaining(request_id)
+        if left == 1:
+            reserved -= 1
+            n = 1
+        else:
+            n = min(left, budget - reserved)
+            if n <= 0:
+                continue
+        new_total = requests[request_id].num_computed_tokens + n
+        while not bm.can_append_slots(request_id, new_total):
+            victim = queue.pop() if queue else request_id
+            if victim != request_id and remaining(victim) == 1:
+                reserved -= 1
+            preempt(victim)
+            if victim == request_id:
+                break
+        if request_id in preempted:
+            continue
+        bm.append_slots(request_id, new_total)
+        scheduled.append((request_id, n))
+        budget -= n
+
+    # 2. admit waiting requests with a prefill chunk, unless this step had to preempt.
+    while (not preempted and waiting and budget > 0
+           and len(running) < config.max_num_seqs):
+        request_id = waiting[0]
+        n = min(remaining(request_id), budget)
+        if not bm.can_allocate(n):
+            break
+        bm.allocate(request_id, n)
+        waiting.pop(0)
+        _insert(running, request_id, requests, config.policy)
+        scheduled.append((request_id, n))
+        budget -= n
+
+    seqs = []
+    for request_id, n in scheduled:
+        rs = requests[request_id]
+        start = rs.num_computed_tokens
+        seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n), start,
+                                 start + n == rs.num_tokens, bm.block_table(request_id)))
+        requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n)
+    plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished))
+    return SchedulerState(bm, types.MappingProxyType(requests), tuple(waiting), tuple(running),
+                          types.MappingProxyType({}), state.num_added), plan
+
+
+def _stop_reason(rs: RequestState) -> str | None:
+    """Why ``rs`` stops after its last output token, or None."""
+    stop = rs.request.stop
+    n = len(rs.output_token_ids)
+    token = rs.output_token_ids[-1]
+    if n >= stop.min_tokens and (token in stop.stop_token_ids or (
+            not stop.ignore_eos and token in stop.eos_token_ids)):
+        return FINISH_STOP
+    if n >= stop.max_tokens:
+        return FINISH_LENGTH
+    return None
+
+
+def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
+            requests: dict[Hashable, RequestState]) -> SchedulerState:
+    """A state where the live requests in ``reasons`` are finished with those reasons."""
+    bm = state.block_manager.copy()
+    finished = dict(state.finished)
+    for request_id, reason in reasons.items():
+        if request_id in bm:
+            bm.free(request_id)
+        finished[request_id] = dataclasses.replace(requests.pop(request_id),
+                                                   finish_reason=reason)
+    return dataclasses.replace(
+        state, block_manager=bm, requests=types.MappingProxyType(requests),
+        waiting=tuple(i for i in state.waiting if i not in reasons),
+        running=tuple(i for i in state.running if i not in reasons),
+        finished=types.MappingProxyType(finished))
+
+
+def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
+           finished_ids: frozenset[Hashable] = frozenset()) -> SchedulerState:
+    """Append the step's sampled tokens and finish the requests that stop.
+
+    Args:
+      state: the state ``schedule`` returned with ``plan`` (or a later one: sequences whose
+        request is no longer live, e.g. aborted meanwhile, are skipped).
+      plan: the step's plan.
+      sampled_tokens: int [>= len(plan.seqs)]; row ``i`` is the token sampled for
+        ``plan.seqs[i]`` (read only where ``sample`` is true; padding rows beyond are ignored).
+      finished_ids: live requests the engine declares finished (e.g. a stop string matched);
+        they finish with reason ``"stop"`` after this step's tokens are appended. Ids that
+        finished in this same update are ignored.
+    """
+    if len(sampled_tokens) < len(plan.seqs):
+        raise ValueError(f"sampled_tokens has {len(sampled_tokens)} rows, "
+                         f"the plan has {len(plan.seqs)} seqs")
+    requests = dict(state.requests)
+    reasons: dict[Hashable, str] = {}
+    for row, seq in enumerate(plan.seqs):
+        if not seq.sample or seq.request_id not in requests:
+            continue
+        rs = requests[seq.request_id]
+        rs = dataclasses.replace(
+            rs, output_token_ids=rs.output_token_ids + (int(sampled_tokens[row]),))
+        requests[seq.request_id] = rs
+        reason = _stop_reason(rs)
+        if reason is not None:
+            reasons[seq.request_id] = reason
+    for request_id in finished_ids:
+        if request_id not in requests:
+            raise ValueError(f"finished_ids names request_id={request_id!r}, "
+                             f"which is not queued or running")
+        reasons.setdefault(request_id, FINISH_STOP)
+    if not reasons:
+        return dataclasses.replace(state, requests=types.MappingProxyType(requests))
+    return _finish(state, reasons, requests)
+
+
+def abort(state: SchedulerState, request_id: Hashable) -> SchedulerState:
+    """Finish a queued or running request with reason ``"abort"``, freeing its blocks at once."""
+    if request_id not in state.requests:
+        raise ValueError(f"request_id={request_id!r} is not queued or running")
+    return _finish(state, {request_id: FINISH_ABORT}, dict(state.requests))
+
+
+def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
+    """Raise ``AssertionError`` unless ``state`` is consistent (block manager included).
+
+    Checks: waiting and running partition the live requests; both are sorted by the policy key;
+    exactly the running requests own block tables, each exactly ``cdiv(num_computed_tokens,
+    block_size)`` blocks long; waiting requests have computed nothing; at most
+    ``max_num_seqs`` run; counters stay within ``[0, num_tokens]``.
+    """
+    bm = state.block_manager
+    bm.check_invariants()
+    assert len(set(state.waiting)) == len(state.waiting), "duplicate id in waiting"
+    assert len(set(state.running)) == len(state.running), "duplicate id in running"
+    assert not set(state.waiting) & set(state.running), "a request is waiting and running"
+    assert set(state.waiting) | set(state.running) == set(state.requests), (
+        "waiting + running != live requests")
+    assert set(bm.request_ids()) == set(state.running), "block tables != running requests"
+    assert len(state.running) <= config.max_num_seqs, "more than max_num_seqs running"
+    assert not set(state.finished) & set(state.requests), "a finished request is still live"
+    for queue in (state.waiting, state.running):
+        keys = [_key(state.requests[i], config.policy) for i in queue]
+        assert keys == sorted(keys), "queue not in policy order"
+    for request_id in state.waiting:
+        assert state.requests[request_id].num_computed_tokens == 0, (
+            f"waiting request {request_id!r} has computed tokens")
+    for request_id in state.running:
+        rs = state.requests[request_id]
+        assert 1 <= rs.num_computed_tokens <= rs.num_tokens, (
+            f"request {request_id!r}: num_computed_tokens={rs.num_computed_tokens} "
+            f"not in [1, {rs.num_tokens}]")
+        assert len(bm.block_table(request_id)) == bm.blocks_for(rs.num_computed_tokens), (
+            f"request {request_id!r}: block table length != cdiv(num_computed_tokens, block_size)")

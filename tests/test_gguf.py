@@ -145,9 +145,14 @@ def write_tiny_gguf(path, bpe, *, tied=False, qtypes=None, add_bos=False, arch="
     for i in range(LAYERS):
         p, hp = f"blk.{i}.", f"model.layers.{i}."
         add(p + "attn_norm.weight", hp + "input_layernorm.weight", (E,))
-        add(p + "attn_q.weight", hp + "self_attn.q_proj.weight", (HQ * D, E), qtypes["attn_q"], HQ)
+        permuted = arch == "llama"  # llama.cpp permutes q/k rows of llama models only
+        add(p + "attn_q.weight", hp + "self_attn.q_proj.weight", (HQ * D, E), qtypes["attn_q"],
+            permuted and HQ)
         add(p + "attn_k.weight", hp + "self_attn.k_proj.weight", (HKV * D, E), qtypes["attn_k"],
-            HKV)
+            permuted and HKV)
+        if arch == "qwen2":
+            for proj, rows in (("q", HQ * D), ("k", HKV * D), ("v", HKV * D)):
+                add(f"{p}attn_{proj}.bias", f"{hp}self_attn.{proj}_proj.bias", (rows,))
         add(p + "attn_v.weight", hp + "self_attn.v_proj.weight", (HKV * D, E), qtypes["attn_v"])
         add(p + "attn_output.weight", hp + "self_attn.o_proj.weight", (E, HQ * D),
             qtypes["attn_output"])
@@ -180,6 +185,21 @@ def test_tiny_gguf_dequantization_and_unpermutation(tmp_path, bpe, tied):
     for k, want in expected.items():
         assert m.tensors[k].dtype == np.float32
         np.testing.assert_array_equal(m.tensors[k], want, err_msg=k)
+
+
+def test_tiny_qwen2_gguf_has_biases_and_no_permutation(tmp_path, bpe):
+    expected = write_tiny_gguf(tmp_path / "qwen2.gguf", bpe, arch="qwen2")
+    m = load_model_files(tmp_path / "qwen2.gguf")
+    assert (m.config.architecture, m.config.attention_bias) == ("qwen2", True)
+    assert set(m.tensors) == set(expected)
+    for k, want in expected.items():
+        np.testing.assert_array_equal(m.tensors[k], want, err_msg=k)
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="junk.gguf: not a valid GGUF file"):
+        load_model_files(tmp_path / "junk.gguf")
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.F16])

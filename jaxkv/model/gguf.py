@@ -14,6 +14,7 @@ Qwen2 GGUFs are not permuted (its converter keeps HF's layout).
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 
 import gguf
@@ -76,6 +77,21 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
         raise ValueError(f"q/k rows {w.shape[0]} do not split into {num_heads} heads of even width")
     rest = w.shape[1:]
     return w.reshape(num_heads, d // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def open_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Opens (memory-maps) a GGUF file.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a GGUF file, or truncated (naming the file).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: not found")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, struct.error) as e:
+        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
 
 
 def _field(reader: gguf.GGUFReader, key: str, default=KeyError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import gguf as gguf_lib
 import numpy as np
 
 from jaxkv.model import gguf, safetensors_loader, store
@@ -108,7 +107,7 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
 
 def load_gguf(path: str | Path) -> LoadedModel:
     """Loads a GGUF file (llama or qwen2 architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors)."""
-    reader = gguf_lib.GGUFReader(path)
+    reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)
     tensors = check_tensors(gguf.tensors_from_gguf(reader, config), config, str(path))
     return LoadedModel(config, tensors, Tokenizer.from_gguf_metadata(reader), str(path))

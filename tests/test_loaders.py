@@ -152,6 +152,22 @@ def test_hf_tokenizer_matches_transformers(hf_tokenizer_dir, austen):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+def test_sentencepiece_style_tokenizer_matches_transformers(tmp_path):
+    """Llama-2 style: Metaspace pre-tokenizer and byte fallback, built by LlamaTokenizer."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "h": 4, "i": 5, "▁h": 6, "▁hi": 7,
+             "e": 8, "l": 9, "o": 10, "▁he": 11}
+    vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
+    hf = transformers.LlamaTokenizer(vocab=vocab, merges=[("▁", "h"), ("▁h", "i"), ("▁h", "e")])
+    hf.save_pretrained(tmp_path)
+    ours, theirs = Tokenizer.from_hf_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(
+        tmp_path)
+    for text in ("hi hello", "  hi\n", "héllo ✓</s>", ""):
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert (ours.bos_token_id, ours.eos_token_ids) == (1, (2,))
+
+
 def test_chat_template_is_sandboxed(hf_tokenizer_dir):
     tok = Tokenizer.from_hf_dir(hf_tokenizer_dir)
     evil = Tokenizer(tok.backend, bos_token_id=None, eos_token_ids=(), special_tokens={},

@@ -176,3 +176,33 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                                       query_start_loc, interpret=interpret, **options)
     raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of {ATTENTION_IMPLS}")
+
+
+def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merges attention results over disjoint kv ranges (split-K, cascade/shared prefix).
+
+    Each part n is a softmax-normalized output over its own kv subset with that subset's
+    log-sum-exp; the merge weights part n by ``exp(lse_n - lse)``, with ``lse = log Σ_n exp(lse_n)``.
+    Parts that saw nothing (lse -inf) get weight 0; if every part is empty the result is
+    out 0 and lse -inf, like the reference for a token that sees no kv position.
+
+    Args:
+      outs: [N, ..., head_dim] normalized partial outputs (any float dtype).
+      lses: f32 [N, ...] their log-sum-exps (-inf for an empty part).
+
+    Returns:
+      (out [..., head_dim] in outs' dtype, lse f32 [...]).
+    """
+    if outs.shape[:-1] != lses.shape:
+        raise ValueError(f"outs [N, ..., head_dim] and lses [N, ...] disagree: "
+                         f"{outs.shape} vs {lses.shape}")
+    lses = lses.astype(jnp.float32)
+    m = lses.max(axis=0)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lses - m_safe)                                   # [N, ...], 0 for empty parts
+    total = w.sum(axis=0)
+    seen = total > 0
+    total_safe = jnp.where(seen, total, 1.0)
+    out = (w[..., None] * outs.astype(jnp.float32)).sum(axis=0) / total_safe[..., None]
+    lse = jnp.where(seen, m_safe + jnp.log(total_safe), -jnp.inf)
+    return out.astype(outs.dtype), lse

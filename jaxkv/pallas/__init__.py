@@ -1,0 +1,23 @@
+"""GPU attention kernels (Pallas) over the paged KV cache; the specs live in jaxkv.attention.
+
+Backend: both kernels use Pallas' Triton lowering (explicit ``plgpu.CompilerParams``), which
+runs in interpret mode on CPU and lowers to CUDA without a GPU. The backend choice stays inside
+this package: a Mosaic GPU (Hopper) kernel would sit next to these files behind the same calls.
+
+* ``ragged_paged_attention``: one launch for a ragged step (prefill chunks + decode tokens).
+* ``paged_decode_attention``: one token per sequence, split-K (flash-decoding) + LSE merge.
+"""
+
+from jaxkv.pallas.decode import DecodeConfig, default_num_splits, paged_decode_attention
+from jaxkv.pallas.ragged import (RaggedConfig, check_page_ids, default_ragged_config,
+                                 ragged_paged_attention)
+
+__all__ = [
+    "DecodeConfig",
+    "RaggedConfig",
+    "check_page_ids",
+    "default_num_splits",
+    "default_ragged_config",
+    "paged_decode_attention",
+    "ragged_paged_attention",
+]

@@ -1,0 +1,202 @@
+"""Paged decode attention on GPU with split-K (flash-decoding), Pallas (Triton lowering).
+
+One query token per sequence (the decode step). The grid is ``(S, num_kv_heads, num_splits)``:
+the kv tiles a sequence's token can see (sink tiles, then window/causal tiles, exactly as in
+ragged.py) are cut into ``num_splits`` contiguous runs, one per program, so a small batch
+still fills the GPU. Each program writes a normalized partial output and its log-sum-exp;
+``jaxkv.attention.merge_attention_states`` combines them in JAX:
+
+    visited kv tiles of sequence s:  | v0 v1 v2 | v3 v4 v5 | v6 v7 |      (num_splits = 3)
+                                        split 0    split 1   split 2  -> (o_j, lse_j) -> merge
+
+GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to
+a power of two >= 16, Triton's dot minimum), so each gathered K/V tile serves the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxkv.attention import merge_attention_states
+from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
+                                 check_seq_lens, finalize, init_carry, is_concrete, is_pow2,
+                                 kv_tile_range, next_pow2, whole_block)
+
+# Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
+_TARGET_PROGRAMS = 264
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode kernel (static; one compilation per distinct value).
+
+    Attributes:
+      block_kv: kv positions per kv tile (power of two >= 16).
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages of the kv loop.
+    """
+
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_kv", "num_warps"):
+            if not is_pow2(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
+        if self.block_kv < 16:
+            raise ValueError(f"block_kv={self.block_kv} must be >= 16 (Triton dot minimum)")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:
+    """Splits so that ``S * Hkv * splits`` reaches ~2 programs per SM, each with >= 2 kv tiles.
+
+    Args:
+      num_seqs: S.
+      num_kv_heads: Hkv.
+      max_kv_len: the longest kv length the block table can hold (max_blocks * block_size).
+      block_kv: kv positions per tile.
+
+    Returns:
+      A power of two in ``[1, 64]``.
+    """
+    want = next_pow2(max(1, -(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads))))
+    most = max(1, max_kv_len // (2 * block_kv))
+    return max(1, min(want, 1 << (most.bit_length() - 1), 64))
+
+
+def _decode_kernel(
+    # inputs
+    q_ref,       # [G_pad, D] the kv-head group of one sequence's token
+    k_ref,       # [num_blocks, block_size, Hkv, D]
+    v_ref,       # [num_blocks, block_size, Hkv, D]
+    tables_ref,  # int32 [S, max_blocks]
+    lens_ref,    # int32 [S]
+    # outputs
+    o_ref,       # f32 [G_pad, D] normalized partial output of this split
+    lse_ref,     # f32 [G_pad] its log-sum-exp (-inf if the split saw nothing)
+    *, num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
+    num_sinks: int, soft_cap: float | None):
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    kv_len = lens_ref[seq]
+    q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)                            # [rows]
+    sink_tiles, window_first, count = kv_tile_range(
+        kv_len - 1, kv_len, block_kv=block_kv, sliding_window=sliding_window,
+        num_sinks=num_sinks)
+    per_split = lax.div(count + num_splits - 1, num_splits)
+    v_start = jnp.minimum(split * per_split, count)
+    v_stop = jnp.minimum(v_start + per_split, count)
+    carry = attend_tiles(q_ref[...], q_pos, seq, head, k_ref, v_ref, tables_ref,
+                         init_carry(rows, head_dim), v_start, v_stop, sink_tiles, window_first,
+                         block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
+                         num_sinks=num_sinks, soft_cap=soft_cap)
+    out, lse = finalize(carry)
+    o_ref[...] = out
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config"))
+def _decode_call(q, k_pages, v_pages, block_tables, seq_lens, *, num_splits, sm_scale,
+                 sliding_window, num_sinks, soft_cap, interpret, config):
+    S, Hq, D = q.shape
+    Hkv = k_pages.shape[2]
+    G = Hq // Hkv
+    G_pad = max(16, next_pow2(G))
+    q4 = jnp.pad(q.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
+        sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap)
+    outs, lses = pl.pallas_call(
+        kernel,
+        grid=(S, Hkv, num_splits),
+        in_specs=[pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))]
+        + [whole_block(a.shape) for a in (k_pages, v_pages, block_tables, seq_lens)],
+        out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="jaxkv_paged_decode_attention",
+    )(q4, k_pages, v_pages, block_tables, seq_lens)
+
+    outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
+    if num_splits == 1:
+        out, lse = outs[0], lses[0]
+    else:
+        out, lse = merge_attention_states(outs, lses)
+    return out.reshape(S, Hq, D).astype(q.dtype), lse.reshape(S, Hq)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, seq_lens: jax.Array, *,
+                           num_splits: int | None = None, sm_scale: float | None = None,
+                           sliding_window: int | None = None, num_sinks: int = 0,
+                           soft_cap: float | None = None, return_lse: bool = False,
+                           interpret: bool = False, config: DecodeConfig | None = None):
+    """One decode token per sequence over a paged KV cache, split-K across programs.
+
+    Equals ``jaxkv.attention.paged_attention_reference`` with ``query_start_loc = arange(S + 1)``:
+    the token of sequence s sits at kv position ``seq_lens[s] - 1`` (sequences with
+    ``seq_lens[s] == 0`` are padding and give zeros).
+
+    Args:
+      q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.
+      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
+        page pool (block 0 is the null block). head_dim must be a power of two >= 16.
+      block_tables: int32 [S, max_blocks] page ids in ``[0, num_blocks)`` (padding entries 0).
+      seq_lens: int32 [S] kv length of each sequence including this step's token.
+      num_splits: programs per (sequence, kv head) along the kv axis (split-K); default
+        ``default_num_splits`` from the shapes.
+      sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+      sliding_window: attend to the last ``sliding_window`` positions only (itself included).
+      num_sinks: with a window, the first ``num_sinks`` positions stay visible (attention sinks).
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+      interpret: run in Pallas interpret mode (CPU).
+      config: kv tile size and Triton launch parameters; default ``DecodeConfig()``.
+
+    Returns:
+      out [S, num_heads, head_dim] in q's dtype, and with ``return_lse`` also lse float32
+      [S, num_heads] (-inf for padding sequences).
+
+    Raises:
+      ValueError: on inconsistent shapes, dtypes or options, ``num_splits < 1``, and, when the
+        metadata are concrete (not traced), page ids out of range or lengths past the table.
+    """
+    if q.ndim != 3 or q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q must be [S, num_heads, head_dim] with S = {block_tables.shape[0]} "
+                         f"(block_tables rows), got shape {q.shape}")
+    check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
+    check_options(sm_scale, sliding_window, num_sinks, soft_cap)
+    config = config or DecodeConfig()
+    S, _, D = q.shape
+    _, block_size, Hkv, _ = k_pages.shape
+    if num_splits is None:
+        num_splits = default_num_splits(S, Hkv, block_tables.shape[1] * block_size,
+                                        config.block_kv)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if is_concrete(block_tables, seq_lens):
+        check_page_ids(block_tables, k_pages.shape[0])
+        check_seq_lens(seq_lens, block_tables.shape[1], block_size)
+    out, lse = _decode_call(
+        q, k_pages, v_pages, block_tables, seq_lens, num_splits=num_splits,
+        sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
+        sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
+        soft_cap=soft_cap, interpret=interpret, config=config)
+    return (out, lse) if return_lse else out

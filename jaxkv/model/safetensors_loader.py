@@ -59,7 +59,8 @@ def safetensors_files(path: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: not a valid index (needs a 'weight_map' object): {e}") from e
+            raise ValueError(
+                f"{index}: not a valid index (needs a 'weight_map' object): {e}") from e
         files = [path / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():

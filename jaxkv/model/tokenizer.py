@@ -244,8 +244,9 @@ class Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise FileNotFoundError(f"{tok_file}: not found (an HF model directory needs "
-                                    "tokenizer.json; slow sentencepiece-only tokenizers are not supported)")
+            raise FileNotFoundError(
+                f"{tok_file}: not found (an HF model directory needs tokenizer.json; "
+                "slow sentencepiece-only tokenizers are not supported)")
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # the Rust error type is not exported

@@ -92,8 +92,8 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
                and not (k == "lm_head.weight" and config.tie_word_embeddings)}
     missing = [k for k in shapes if k not in tensors]
     if missing:
-        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing "
-                         f"of the {len(shapes)} a {config.architecture} model with this config needs)")
+        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing of "
+                         f"the {len(shapes)} a {config.architecture} model with this config needs)")
     unexpected = sorted(set(tensors) - set(shapes))
     if unexpected:
         raise ValueError(f"{source}: unexpected tensors for architecture {config.architecture!r}: "

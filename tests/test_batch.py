@@ -1,0 +1,122 @@
+"""batch.build: the exact padded device arrays, bucket choice, errors; SchedulerConfig buckets."""
+
+import numpy as np
+import pytest
+
+from jaxkv import batch
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, add_request,
+                             init_state, schedule, update)
+
+CC = CacheConfig(block_size=4, num_blocks=10)
+SC = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16,
+                     token_buckets=(8, 16), seq_buckets=(4, 8))
+
+
+def test_docstring_example_exactly():
+    plan = StepPlan((S("A", (11, 12, 13, 14, 15), 0, True, (7, 2)),
+                     S("B", (21,), 9, True, (4, 9, 1))))
+    x = batch.build(plan, CC, SC)
+    assert (x.num_tokens, x.num_seqs) == (6, 2)
+    np.testing.assert_array_equal(x.token_ids, [11, 12, 13, 14, 15, 21, 0, 0])
+    np.testing.assert_array_equal(x.positions, [0, 1, 2, 3, 4, 9, 0, 0])
+    np.testing.assert_array_equal(x.slot_mapping, [28, 29, 30, 31, 8, 5, 0, 0])
+    np.testing.assert_array_equal(x.query_start_loc, [0, 5, 6, 6, 6])
+    np.testing.assert_array_equal(x.seq_lens, [5, 10, 0, 0])
+    np.testing.assert_array_equal(x.block_tables, [[7, 2, 0, 0], [4, 9, 1, 0],
+                                                   [0, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(x.logits_indices, [4, 5, 0, 0])
+    np.testing.assert_array_equal(x.sample_mask, [True, True, False, False])
+    for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                 "block_tables", "logits_indices"):
+        assert getattr(x, name).dtype == np.int32, name
+    assert x.sample_mask.dtype == np.bool_
+
+
+def test_non_sampling_chunk_and_bucket_growth():
+    # 9 tokens -> T bucket 16; 5 seqs -> S bucket 8; a mid-prompt chunk does not sample
+    seqs = [S("p", (1, 2, 3, 4, 5), 3, False, (6, 3))]
+    seqs += [S(f"d{i}", (40 + i,), 4 + i, True, (8 - i, 5 - i)) for i in range(4)]
+    x = batch.build(StepPlan(tuple(seqs)), CC, SC)
+    assert x.token_ids.shape == x.positions.shape == x.slot_mapping.shape == (16,)
+    assert x.block_tables.shape == (8, 4) and x.query_start_loc.shape == (9,)
+    np.testing.assert_array_equal(x.positions[:9], [3, 4, 5, 6, 7, 4, 5, 6, 7])
+    np.testing.assert_array_equal(
+        x.slot_mapping[:9], [6 * 4 + 3, 3 * 4, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3,
+                             5 * 4, 4 * 4 + 1, 3 * 4 + 2, 2 * 4 + 3])
+    np.testing.assert_array_equal(x.slot_mapping[9:], 0)
+    np.testing.assert_array_equal(x.query_start_loc, [0, 5, 6, 7, 8, 9, 9, 9, 9])
+    np.testing.assert_array_equal(x.seq_lens, [8, 5, 6, 7, 8, 0, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices, [0, 5, 6, 7, 8, 0, 0, 0])
+    np.testing.assert_array_equal(x.sample_mask, [False, True, True, True, True] + [False] * 3)
+
+
+def test_exact_bucket_fit_and_empty_plan():
+    x = batch.build(StepPlan((S("a", tuple(range(8)), 0, True, (3, 1)),)), CC, SC)
+    assert x.token_ids.shape == (8,) and x.seq_lens.shape == (4,)
+    empty = batch.build(StepPlan(()), CC, SC)
+    assert (empty.num_tokens, empty.num_seqs) == (0, 0)
+    np.testing.assert_array_equal(empty.query_start_loc, [0, 0, 0, 0, 0])
+    assert not empty.sample_mask.any() and not empty.block_tables.any()
+
+
+@pytest.mark.parametrize("seq, match", [
+    (S("a", (1, 2, 3, 4, 5), 0, True, (3,)), "block_table has 1 blocks; positions < 5 need 2"),
+    (S("a", (1,), 0, True, (3, 4, 5, 6, 7)), "max_blocks_per_seq=4"),
+    (S("a", (1,), 0, True, (0,)), "outside \\[1, num_blocks=10\\)"),
+    (S("a", (1,), 0, True, (10,)), "outside \\[1, num_blocks=10\\)"),
+    (S("a", (), 0, True, (1,)), "token_ids must be non-empty"),
+    (S("a", tuple(range(17)), 0, True, (1, 2, 3, 4, 5)), "num_tokens=17, more than token_buckets"),
+])
+def test_bad_plans_raise(seq, match):
+    with pytest.raises(ValueError, match=match):
+        batch.build(StepPlan((seq,)), CC, SC)
+
+
+def test_too_many_seqs_raise():
+    plan = StepPlan(tuple(S(i, (1,), 0, True, (1,)) for i in range(9)))
+    with pytest.raises(ValueError, match="num_seqs=9, more than seq_buckets\\[-1\\]=8"):
+        batch.build(plan, CC, SC)
+
+
+def test_scheduler_plan_round_trip():
+    cc = CacheConfig(block_size=2, num_blocks=12)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=12)
+    state = init_state(cc)
+    for rid, prompt in (("a", (5, 6, 7, 8)), ("b", (9, 10, 11, 12, 13, 14, 15))):
+        state = add_request(state, Request(request_id=rid, prompt_token_ids=prompt,
+                                           stop=StopSpec(max_tokens=4)), sc)
+    state, plan = schedule(state, sc)
+    state = update(state, plan, [50, 0])
+    state, plan = schedule(state, sc)  # a decodes into a new block, b's chunk spans two
+    assert [s.block_table for s in plan.seqs] == [(1, 2, 5), (3, 4, 6, 7)]
+    x = batch.build(plan, cc, sc)
+    assert batch.max_blocks_per_seq(cc, sc) == 6 and x.block_tables.shape == (4, 6)
+    np.testing.assert_array_equal(x.token_ids[:4], [50, 13, 14, 15])
+    np.testing.assert_array_equal(x.positions[:4], [4, 4, 5, 6])
+    np.testing.assert_array_equal(x.slot_mapping[:4], [5 * 2, 6 * 2, 6 * 2 + 1, 7 * 2])
+    np.testing.assert_array_equal(x.seq_lens, [5, 7, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices, [0, 3, 0, 0])
+
+
+def test_default_buckets_and_validation():
+    sc = SchedulerConfig(max_model_len=4096)
+    assert sc.token_buckets == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    assert sc.seq_buckets == (8, 16, 32, 64, 128, 256)
+    sc = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100, max_model_len=64)
+    assert sc.token_buckets == (16, 32, 64, 100) and sc.seq_buckets == (3,)
+    assert SchedulerConfig(max_num_batched_tokens=4, max_model_len=8).token_buckets == (4,)
+    assert SchedulerConfig(max_model_len=8, seq_buckets=[8, 256]).seq_buckets == (8, 256)
+    for kwargs, match in [
+        (dict(max_num_seqs=0), "max_num_seqs=0"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0"),
+        (dict(max_model_len=0), "max_model_len=0"),
+        (dict(policy="lifo"), "policy='lifo'"),
+        (dict(token_buckets=(16, 16, 2048)), "token_buckets=.* strictly increasing"),
+        (dict(token_buckets=(0, 2048)), "token_buckets=.* positive"),
+        (dict(token_buckets=(16, 1024)), "token_buckets\\[-1\\]=1024 must be >= max_num_batched"),
+        (dict(seq_buckets=()), "seq_buckets must not be empty"),
+        (dict(seq_buckets=(8, 128)), "seq_buckets\\[-1\\]=128 must be >= max_num_seqs=256"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SchedulerConfig(**{"max_model_len": 64, **kwargs})

@@ -1,0 +1,460 @@
+"""Memory planner: how many KV blocks fit on a device, and plain-language advice when they do not.
+
+Host-only arithmetic (no jax import), so it runs before anything is allocated:
+
+    device_memory_bytes x memory_utilization = budget
+    budget = weights + activations (estimate) + KV pool [+ headroom left unused]
+    KV pool = num_blocks x block_size x kv_bytes_per_token            (num_blocks counts null block 0)
+    kv_bytes_per_token = 2 (K and V) x num_layers x num_kv_heads x kv_bytes_per_vector(dtype, head_dim)
+
+The KV size is GQA-aware: it counts *kv* heads. (The seed article's Llama-3-8B figure uses 32 heads;
+the model has 8 kv heads, so its 128 KiB/token in bf16 is a quarter of the article's 512 KiB.)
+
+``plan`` reports two levels of fitting. ``runs``: weights, activations and one sequence of
+``max_model_len`` tokens fit, so the engine can start (the scheduler preempts under load).
+``fits``: additionally ``max_num_seqs`` sequences of ``max_model_len`` tokens fit at once, so no
+request is ever preempted. When ``fits`` is False, ``reasons`` walks the OOM checklist (shorter
+``max_model_len``, fewer ``max_num_seqs``, a quantized KV cache, bf16 weights, a higher
+``memory_utilization``, tensor parallelism, a smaller ``max_num_batched_tokens``) with the concrete
+value of each lever that would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from jaxkv.model.config import ModelConfig
+
+GiB = 1 << 30
+
+# Bytes per parameter of each weight dtype.
+WEIGHT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """Storage of one KV element type.
+
+    Attributes:
+      bits: stored bits per element.
+      metadata_bytes: quantization metadata (scales, zero points) per K or V vector of one token
+        and one kv head, rounded up; a scale shared by a group of tokens counts its per-token
+        share. 0 for float types and for per-tensor scales (negligible); sub-byte formats (KIVI
+        int4/int2) put their group scales and zero points here.
+    """
+
+    bits: int
+    metadata_bytes: int = 0
+
+
+# Every KV cache dtype ``plan`` accepts; ``"auto"`` means the weight dtype.
+KV_CACHE_DTYPES = {
+    "fp32": KVFormat(bits=32),
+    "bf16": KVFormat(bits=16),
+    "fp16": KVFormat(bits=16),
+    "fp8_e4m3": KVFormat(bits=8),
+    "fp8_e5m2": KVFormat(bits=8),
+    "int8": KVFormat(bits=8),
+}
+_KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8_e4m3"}
+# The smaller KV dtypes the advice tries (int8 is the same size as fp8_e4m3).
+_SMALLER_KV = ("bf16", "fp8_e4m3")
+
+# The reference attention walks kv in chunks of ~256 positions and gathers K/V per query token.
+ATTENTION_KV_CHUNK_TOKENS = 256
+# f32 [S, V] copies the sampler keeps live: logits, log-softmax, sorted values, probabilities,
+# Gumbel noise and the penalty counts.
+SAMPLER_VOCAB_COPIES = 6
+# Tensor-parallel degrees the advice tries.
+_TP_DEGREES = (2, 4, 8)
+# Highest memory_utilization the advice suggests (the rest is for the runtime and fragmentation).
+_MAX_SUGGESTED_UTILIZATION = 0.95
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """Canonical KV dtype name: ``"auto"`` follows the weight ``dtype``; aliases are mapped.
+
+    Raises:
+      ValueError: naming ``dtype``, or ``kv_cache_dtype`` with the list of choices.
+    """
+    _check_dtype(dtype)
+    name = _KV_ALIASES.get(dtype) if kv_cache_dtype == "auto" else kv_cache_dtype
+    name = _KV_ALIASES.get(name, name)
+    if name not in KV_CACHE_DTYPES:
+        choices = ", ".join(["auto", *KV_CACHE_DTYPES, *_KV_ALIASES])
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of: {choices}")
+    return name
+
+
+def kv_bytes_per_vector(kv_dtype: str, head_dim: int) -> int:
+    """Bytes of one token's K (or V) vector of one kv head: packed elements plus metadata.
+
+    ``ceil(head_dim x bits / 8) + metadata_bytes`` (see ``KVFormat``); ``kv_dtype`` is a
+    ``KV_CACHE_DTYPES`` name or alias.
+    """
+    if kv_dtype == "auto":
+        raise ValueError("kv_dtype='auto' needs the weight dtype: use resolve_kv_cache_dtype")
+    fmt = KV_CACHE_DTYPES[resolve_kv_cache_dtype(kv_dtype, "float32")]
+    return -(-head_dim * fmt.bits // 8) + fmt.metadata_bytes
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
+    """KV bytes one token occupies over all layers: ``2 x L x Hkv x kv_bytes_per_vector``.
+
+    Args:
+      config: the model; its ``num_kv_heads`` (not ``num_heads``) counts, so GQA is accounted.
+      kv_dtype: a ``KV_CACHE_DTYPES`` name or alias (not ``"auto"``).
+    """
+    return 2 * config.num_layers * config.num_kv_heads * kv_bytes_per_vector(kv_dtype,
+                                                                               config.head_dim)
+
+
+def num_parameters(config: ModelConfig) -> int:
+    """Exact parameter count of the jaxkv (and HF) Llama-family decoder.
+
+    Embedding ``V x E``; per layer q/k/v/o projections ``E x (Hq + 2 Hkv) D + Hq D x E``, q/k/v
+    biases ``(Hq + 2 Hkv) D`` when ``attention_bias``, SwiGLU ``3 E F``, two RMSNorms ``2 E``;
+    final norm ``E``; LM head ``E x V`` unless tied to the embedding.
+    """
+    E, F, D = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * D
+    layer = E * qkv + config.num_heads * D * E + 3 * E * F + 2 * E
+    if config.attention_bias:
+        layer += qkv
+    head = 0 if config.tie_word_embeddings else E * config.vocab_size
+    return config.vocab_size * E + config.num_layers * layer + E + head
+
+
+def weights_bytes(config: ModelConfig, dtype: str = "float32") -> int:
+    """Bytes of all parameters stored in ``dtype`` (one of ``WEIGHT_DTYPES``)."""
+    _check_dtype(dtype)
+    return num_parameters(config) * WEIGHT_DTYPES[dtype]
+
+
+def activation_bytes_estimate(config: ModelConfig, *, dtype: str = "float32",
+                              kv_cache_dtype: str = "auto", max_num_batched_tokens: int = 2048,
+                              max_num_seqs: int = 256) -> int:
+    """Peak workspace of one step, an upper-bound estimate.
+
+    ``T x [(2E + (2Hq + 2Hkv) D + 3F) x b + C x (2 Hkv x kv_bytes_per_vector + 2 Hq x 4)]
+    + S x V x 4 x SAMPLER_VOCAB_COPIES`` with ``T = max_num_batched_tokens``, ``S =
+    min(max_num_seqs, T)`` sampled rows, ``b`` the weight dtype's bytes and ``C =
+    ATTENTION_KV_CHUNK_TOKENS``. The terms: one layer's activations (residual and normed input,
+    q/k/v, attention output, SwiGLU gate/up/product; layers run one at a time), the reference
+    attention's per-token K/V gather and f32 scores/probabilities of one kv chunk (a Pallas kernel
+    needs far less), and the sampler's f32 ``[S, V]`` arrays.
+    """
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    E, F, D = config.hidden_size, config.intermediate_size, config.head_dim
+    Hq, Hkv = config.num_heads, config.num_kv_heads
+    layer = (2 * E + (2 * Hq + 2 * Hkv) * D + 3 * F) * WEIGHT_DTYPES[dtype]
+    attention = ATTENTION_KV_CHUNK_TOKENS * (2 * Hkv * kv_bytes_per_vector(kv_dtype, D) + 2 * Hq * 4)
+    sampled_rows = min(max_num_seqs, max_num_batched_tokens)
+    return (max_num_batched_tokens * (layer + attention)
+            + sampled_rows * config.vocab_size * 4 * SAMPLER_VOCAB_COPIES)
+
+
+def host_memory_budget(fraction: float = 0.5) -> int:
+    """Bytes the CPU backend may plan with: ``fraction`` of the host's available memory.
+
+    Reads ``MemAvailable`` from ``/proc/meminfo`` (Linux), else ``psutil.virtual_memory().available``.
+    Half by default: XLA's CPU client keeps host copies of inputs and temporaries, and the Python
+    process, the tokenizer and other programs share the same memory.
+
+    Raises:
+      ValueError: ``fraction`` outside (0, 1].
+      RuntimeError: neither source is available.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * fraction)   # the value is in kB
+    try:
+        import psutil
+    except ImportError:
+        raise RuntimeError("host memory unknown: no MemAvailable in /proc/meminfo and no psutil"
+                           ) from None
+    return int(psutil.virtual_memory().available * fraction)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of: {', '.join(WEIGHT_DTYPES)}")
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``; binary units up to TiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Result of ``plan``: the memory split and the KV pool geometry.
+
+    Attributes:
+      dtype, kv_cache_dtype: weight dtype and resolved KV dtype names.
+      block_size, max_model_len, max_num_seqs, max_num_batched_tokens: the planned limits.
+      device_memory_bytes, memory_utilization: the inputs; ``budget_bytes`` is their product.
+      weights_bytes, activation_bytes: weights and step workspace (estimate or given).
+      kv_budget_bytes: bytes available for the KV pool (``budget - weights - activations``, or
+        the explicit ``kv_cache_bytes`` / ``num_kv_blocks`` size).
+      kv_cache_bytes: the pool actually planned, ``num_blocks x kv_bytes_per_block``.
+      kv_bytes_per_token, kv_bytes_per_block: KV footprint of one token / one block.
+      num_blocks: blocks in the pool *including* the reserved null block 0.
+      max_num_tokens: tokens the usable blocks hold, ``(num_blocks - 1) x block_size``.
+      max_concurrent_seqs: sequences of ``max_model_len`` tokens that fit at once.
+      runs: the engine can start (weights, activations and one full-length sequence fit).
+      fits: ``runs`` and all ``max_num_seqs`` full-length sequences fit at once.
+      reasons: when not ``fits``, what is short and which levers would fit, in plain language.
+    """
+
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    device_memory_bytes: int
+    memory_utilization: float
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    kv_budget_bytes: int
+    kv_cache_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    max_num_tokens: int
+    max_concurrent_seqs: int
+    runs: bool
+    fits: bool
+    reasons: tuple[str, ...]
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can own: all but the null block 0."""
+        return max(self.num_blocks - 1, 0)
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one sequence of ``max_model_len`` tokens needs."""
+        return -(-self.max_model_len // self.block_size)
+
+    def summary(self) -> str:
+        """A readable table of the plan, its verdict and the reasons."""
+        used = self.weights_bytes + self.activation_bytes + self.kv_cache_bytes
+        rows = [
+            ("device memory", format_bytes(self.device_memory_bytes)),
+            (f"budget (x {self.memory_utilization:g})", format_bytes(self.budget_bytes)),
+            (f"weights ({self.dtype})", format_bytes(self.weights_bytes)),
+            ("activations / workspace", format_bytes(self.activation_bytes)),
+            (f"KV cache ({self.kv_cache_dtype})", format_bytes(self.kv_cache_bytes)),
+            ("left in budget", format_bytes(self.budget_bytes - used)),
+            ("KV bytes per token", f"{self.kv_bytes_per_token:,} B"),
+            (f"KV bytes per block ({self.block_size} tokens)", f"{self.kv_bytes_per_block:,} B"),
+            ("blocks (incl. null block 0)", f"{self.num_blocks:,}"),
+            ("tokens in cache", f"{self.max_num_tokens:,}"),
+            (f"sequences of {self.max_model_len:,} tokens at once",
+             f"{self.max_concurrent_seqs:,} (max_num_seqs {self.max_num_seqs:,})"),
+            ("runs / fits", f"{'yes' if self.runs else 'no'} / {'yes' if self.fits else 'no'}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = ["jaxkv memory plan"] + [f"  {k:<{width}}  {v:>16}" for k, v in rows]
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: float = 0.9,
+         dtype: str = "float32", kv_cache_dtype: str = "auto", block_size: int = 16,
+         max_model_len: int | None = None, max_num_seqs: int = 256,
+         max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
+         kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None) -> MemoryPlan:
+    """Sizes the paged KV pool and says whether the configuration fits.
+
+    Args:
+      config: the model.
+      device_memory_bytes: memory of one device (GPU HBM, or ``host_memory_budget()`` on CPU).
+      memory_utilization: fraction of it the engine may use, in (0, 1].
+      dtype: weight dtype, one of ``WEIGHT_DTYPES``.
+      kv_cache_dtype: ``"auto"`` (= ``dtype``) or a ``KV_CACHE_DTYPES`` name or alias.
+      block_size: tokens per KV block.
+      max_model_len: longest sequence; default the model's ``max_position_embeddings``.
+      max_num_seqs: most sequences running at once.
+      max_num_batched_tokens: token budget of one step (sizes the activation estimate).
+      activation_bytes: workspace to reserve instead of ``activation_bytes_estimate``.
+      kv_cache_bytes: KV pool size instead of the utilization sizing.
+      num_kv_blocks: pool size in blocks (including the null block) instead of the utilization
+        sizing; exclusive with ``kv_cache_bytes``.
+
+    Returns:
+      MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
+      Each lever in ``reasons`` is computed by re-planning with only that argument changed.
+
+    Raises:
+      ValueError: naming the invalid argument.
+    """
+    kw = dict(device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
+              dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
+              kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks)
+    p = _size(config, **kw)
+    return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
+
+
+def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
+          block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
+          kv_cache_bytes, num_kv_blocks) -> MemoryPlan:
+    """``plan`` without the reasons: validation and the arithmetic."""
+    if device_memory_bytes <= 0:
+        raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0")
+    if not 0 < memory_utilization <= 1:
+        raise ValueError(f"memory_utilization={memory_utilization} must be in (0, 1]")
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if max_model_len is None:
+        max_model_len = config.max_position_embeddings
+    if not 1 <= max_model_len <= config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} must be in [1, the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}]")
+    if activation_bytes is not None and activation_bytes < 0:
+        raise ValueError(f"activation_bytes={activation_bytes} must be >= 0")
+    if kv_cache_bytes is not None and num_kv_blocks is not None:
+        raise ValueError("kv_cache_bytes and num_kv_blocks are exclusive; give one")
+    if kv_cache_bytes is not None and kv_cache_bytes < 0:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} must be >= 0")
+    if num_kv_blocks is not None and num_kv_blocks < 2:
+        raise ValueError(f"num_kv_blocks={num_kv_blocks} must be >= 2 (block 0 is the null block)")
+
+    budget = int(device_memory_bytes * memory_utilization)
+    weights = weights_bytes(config, dtype)
+    if activation_bytes is None:
+        activation_bytes = activation_bytes_estimate(
+            config, dtype=dtype, kv_cache_dtype=kv_dtype,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_block = per_token * block_size
+    if num_kv_blocks is not None:
+        kv_budget = num_kv_blocks * per_block
+    elif kv_cache_bytes is not None:
+        kv_budget = kv_cache_bytes
+    else:
+        kv_budget = max(budget - weights - activation_bytes, 0)
+    num_blocks = kv_budget // per_block
+    usable = max(num_blocks - 1, 0)
+    blocks_per_seq = -(-max_model_len // block_size)
+    in_budget = weights + activation_bytes + num_blocks * per_block <= budget
+    runs = in_budget and usable >= blocks_per_seq
+    return MemoryPlan(
+        dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
+        budget_bytes=budget, weights_bytes=weights, activation_bytes=activation_bytes,
+        kv_budget_bytes=kv_budget, kv_cache_bytes=num_blocks * per_block,
+        kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
+        max_num_tokens=usable * block_size, max_concurrent_seqs=usable // blocks_per_seq,
+        runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=())
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """Largest ``x`` in ``[lo, hi]`` with ``ok(x)``, for ``ok`` true up to some point; or None."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
+    """The OOM checklist for a plan that does not fit: what is short, then each lever's value.
+
+    The goal is ``runs`` when the engine cannot start, else ``fits``; a lever is listed with the
+    most lenient value that reaches the goal, found by re-planning with that one argument changed.
+    """
+    goal = "fits" if p.runs else "runs"
+
+    def ok(**change) -> bool:
+        return getattr(_size(config, **{**kw, **change}), goal)
+
+    fixed = p.weights_bytes + p.activation_bytes
+    seqs = p.max_num_seqs if p.runs else 1
+    need_blocks = seqs * p.blocks_per_seq + 1
+    if fixed > p.budget_bytes:
+        out = [f"weights {format_bytes(p.weights_bytes)} ({p.dtype}) + activations "
+               f"{format_bytes(p.activation_bytes)} exceed the budget "
+               f"{format_bytes(p.budget_bytes)} ({p.memory_utilization:g} x "
+               f"{format_bytes(p.device_memory_bytes)}) before any KV"]
+    elif fixed + p.kv_cache_bytes > p.budget_bytes:
+        out = [f"weights {format_bytes(p.weights_bytes)} + activations "
+               f"{format_bytes(p.activation_bytes)} + the requested KV pool "
+               f"{format_bytes(p.kv_cache_bytes)} exceed the budget "
+               f"{format_bytes(p.budget_bytes)}; a KV pool of at most "
+               f"{format_bytes(p.budget_bytes - fixed)} fits"]
+    else:
+        out = [f"needs {format_bytes(need_blocks * p.kv_bytes_per_block)} of KV for {seqs:,} x "
+               f"{p.max_model_len:,} tokens ({need_blocks:,} blocks of {p.block_size} incl. the "
+               f"null block), has {format_bytes(p.kv_budget_bytes)} ({p.num_blocks:,} blocks, "
+               f"{p.max_concurrent_seqs:,} full-length sequences)"]
+    longest = _largest(1, p.max_model_len - 1, lambda n: ok(max_model_len=n))
+    if longest:
+        out.append(f"lower max_model_len: max_model_len <= {longest:,} would fit")
+    most = _largest(1, p.max_num_seqs - 1, lambda n: ok(max_num_seqs=n))
+    if most:
+        out.append(f"lower max_num_seqs: max_num_seqs <= {most:,} would fit"
+                   + (" (or keep it and let the scheduler preempt under load)" if p.runs else ""))
+    for q in _SMALLER_KV:
+        if kv_bytes_per_token(config, q) < p.kv_bytes_per_token:
+            q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
+            if fixed > p.budget_bytes and not getattr(q_plan, goal):
+                continue    # KV is not what is short
+            also = " (or 'int8')" if q == "fp8_e4m3" else ""
+            verdict = "would fit" if getattr(q_plan, goal) else "is not enough"
+            out.append(f"quantize the KV cache: kv_cache_dtype={q!r}{also} holds "
+                       f"{q_plan.max_concurrent_seqs:,} full-length sequences, {verdict}")
+    if p.dtype == "float32":
+        verdict = "would fit" if ok(dtype="bfloat16") else "is not enough"
+        out.append(f"use dtype='bfloat16': weights become "
+                   f"{format_bytes(weights_bytes(config, 'bfloat16'))}, {verdict}")
+    tokens = _largest(1, p.max_num_batched_tokens - 1, lambda n: ok(max_num_batched_tokens=n))
+    if tokens and kw["activation_bytes"] is None:
+        out.append(f"lower max_num_batched_tokens: <= {tokens:,} shrinks the activation "
+                   f"estimate enough to fit")
+    hundredths = range(math.floor(p.memory_utilization * 100) + 1,
+                       round(_MAX_SUGGESTED_UTILIZATION * 100) + 1)
+    u = next((h / 100 for h in hundredths if ok(memory_utilization=h / 100)), None)
+    if u is not None:
+        out.append(f"raise memory_utilization: {u:.2f} would fit, if nothing else uses the device")
+    out.append(_tp_reason(config, p, need_blocks))
+    return out
+
+
+def _tp_reason(config: ModelConfig, p: MemoryPlan, need_blocks: int) -> str:
+    """Smallest tensor-parallel degree whose per-device share fits ``need_blocks``.
+
+    Per device: weights / t and KV / t (kv heads split); activations counted whole (conservative).
+    """
+    degrees = [t for t in _TP_DEGREES if config.num_kv_heads % t == 0]
+    if not degrees:
+        return (f"tensor parallelism cannot split num_kv_heads={config.num_kv_heads} over "
+                f"{', '.join(map(str, _TP_DEGREES))} devices; use a larger device")
+    for t in degrees:
+        free = p.budget_bytes - p.weights_bytes / t - p.activation_bytes
+        if free >= need_blocks * p.kv_bytes_per_block / t:
+            return (f"add tensor parallelism: {t} devices like this one would fit "
+                    f"(~{format_bytes(p.weights_bytes / t)} of weights and "
+                    f"{format_bytes(need_blocks * p.kv_bytes_per_block / t)} of KV each)")
+    return (f"tensor parallelism up to {degrees[-1]} devices is not enough; use larger "
+            f"devices or a smaller model")

@@ -1,0 +1,212 @@
+"""Memory planner: byte counts by hand and against HF transformers, block counts, advice, errors."""
+
+import re
+
+import pytest
+
+from jaxkv import planner
+from jaxkv.model.config import ModelConfig
+from jaxkv.planner import GiB, kv_bytes_per_token, num_parameters, plan, weights_bytes
+
+SMOLLM2_135M = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+    num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+    tie_word_embeddings=True)
+LLAMA3_8B = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192)
+TINY = ModelConfig(
+    architecture="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def test_kv_bytes_per_token_by_hand():
+    assert kv_bytes_per_token(SMOLLM2_135M, "fp32") == 2 * 30 * 3 * 64 * 4 == 46080
+    # GQA: 8 kv heads, not the seed article's 32 (which gives 512 KiB)
+    assert kv_bytes_per_token(LLAMA3_8B, "bf16") == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert kv_bytes_per_token(LLAMA3_8B, "fp8_e4m3") == 64 * 1024
+    assert kv_bytes_per_token(LLAMA3_8B, "fp8") == kv_bytes_per_token(LLAMA3_8B, "int8")
+    assert kv_bytes_per_token(LLAMA3_8B, "fp16") == kv_bytes_per_token(LLAMA3_8B, "bfloat16")
+    assert planner.resolve_kv_cache_dtype("auto", "bfloat16") == "bf16"
+    assert planner.resolve_kv_cache_dtype("fp8", "float32") == "fp8_e4m3"
+
+
+def test_parameter_counts_of_known_models():
+    assert num_parameters(SMOLLM2_135M) == 134_515_008
+    assert num_parameters(LLAMA3_8B) == 8_030_261_248
+    assert weights_bytes(LLAMA3_8B, "bfloat16") == 2 * 8_030_261_248
+
+
+@pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True),
+                                        ("qwen2", False), ("qwen2", True), ("mistral", False)])
+def test_weights_bytes_equal_hf_and_jaxkv_parameters(arch, tied):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    import jax.numpy as jnp
+    from jaxkv.model.llama import param_shapes
+    import jax
+
+    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config",
+                                                                   "Qwen2ForCausalLM"),
+           "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
+    hf_config = getattr(transformers, cls[0])(
+        vocab_size=96, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=4, tie_word_embeddings=tied)
+    model = getattr(transformers, cls[1])(hf_config)
+    hf_elems = sum(p.numel() for p in model.parameters())   # tied weights are counted once
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    assert config.attention_bias == (arch == "qwen2")
+    assert weights_bytes(config, "float32") == 4 * hf_elems
+    assert weights_bytes(config, "bfloat16") == 2 * hf_elems
+    jaxkv_elems = sum(a.size for a in jax.tree_util.tree_leaves(param_shapes(config, jnp.float32)))
+    assert num_parameters(config) == jaxkv_elems
+
+
+def test_block_counts_from_utilization_and_overrides():
+    per_block = kv_bytes_per_token(TINY, "fp32") * 16          # 2*2*2*8*4*16 = 4096
+    assert per_block == 4096
+    weights = weights_bytes(TINY)
+    device = weights + 10 * per_block + 100                    # 10 blocks and change
+    p = plan(TINY, device_memory_bytes=device, memory_utilization=1.0, activation_bytes=0,
+             max_model_len=64, max_num_seqs=3)
+    assert (p.num_blocks, p.num_usable_blocks, p.max_num_tokens) == (10, 9, 144)
+    assert p.kv_cache_bytes == 10 * per_block and p.blocks_per_seq == 4
+    assert p.max_concurrent_seqs == 2 and p.runs and not p.fits
+    p = plan(TINY, device_memory_bytes=device, memory_utilization=1.0, activation_bytes=0,
+             max_model_len=64, max_num_seqs=2)
+    assert p.fits and p.reasons == ()
+    p = plan(TINY, device_memory_bytes=GiB, num_kv_blocks=7, max_model_len=64)
+    assert p.num_blocks == 7 and p.kv_cache_bytes == 7 * per_block and p.max_concurrent_seqs == 1
+    p = plan(TINY, device_memory_bytes=GiB, kv_cache_bytes=5 * per_block + 1, block_size=16)
+    assert p.num_blocks == 5
+    p = plan(TINY, device_memory_bytes=GiB, block_size=32, num_kv_blocks=3, max_model_len=64)
+    assert p.kv_bytes_per_block == 8192 and p.max_num_tokens == 64 and p.runs
+
+
+def test_activation_estimate_follows_its_formula():
+    E, F, D, Hq, Hkv, V = 32, 64, 8, 4, 2, 100
+    want = 16 * ((2 * E + (2 * Hq + 2 * Hkv) * D + 3 * F) * 4
+                 + 256 * (2 * Hkv * D * 4 + 2 * Hq * 4)) + 4 * V * 4 * 6
+    got = planner.activation_bytes_estimate(TINY, max_num_batched_tokens=16, max_num_seqs=4)
+    assert got == want
+    p = plan(TINY, device_memory_bytes=GiB, max_num_batched_tokens=16, max_num_seqs=4,
+             max_model_len=64)
+    assert p.activation_bytes == want
+    assert p.weights_bytes + p.activation_bytes + p.kv_cache_bytes <= p.budget_bytes
+
+
+def _lever(reasons, pattern):
+    for r in reasons:
+        m = re.search(pattern, r)
+        if m:
+            return int(m.group(1).replace(",", ""))
+    raise AssertionError(f"no reason matches {pattern!r}: {reasons}")
+
+
+def test_kv_shortage_reasons_name_levers_that_fit():
+    kw = dict(device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=8192,
+              max_num_seqs=256)
+    p = plan(LLAMA3_8B, **kw)
+    assert p.runs and not p.fits
+    assert p.reasons[0].startswith("needs 256.00 GiB of KV for 256 x 8,192 tokens")
+    # each suggested value, applied, fits; one step beyond it does not
+    longest = _lever(p.reasons, r"max_model_len <= ([\d,]+) would fit")
+    assert longest == (p.num_usable_blocks // 256) * 16
+    assert plan(LLAMA3_8B, **{**kw, "max_model_len": longest}).fits
+    assert not plan(LLAMA3_8B, **{**kw, "max_model_len": longest + 16}).fits
+    seqs = _lever(p.reasons, r"max_num_seqs <= ([\d,]+) would fit")
+    assert seqs >= p.max_concurrent_seqs       # fewer sequences also shrink the sampler's share
+    assert plan(LLAMA3_8B, **{**kw, "max_num_seqs": seqs}).fits
+    assert not plan(LLAMA3_8B, **{**kw, "max_num_seqs": seqs + 1}).fits
+    fp8 = _lever(p.reasons, r"kv_cache_dtype='fp8_e4m3' \(or 'int8'\) holds ([\d,]+)")
+    assert fp8 == plan(LLAMA3_8B, **{**kw, "kv_cache_dtype": "fp8"}).max_concurrent_seqs
+    assert any(r.startswith("add tensor parallelism: 4 devices") for r in p.reasons)
+
+
+def test_utilization_lever_and_one_sequence_shortage():
+    kw = dict(device_memory_bytes=21 * GiB, dtype="bfloat16", max_model_len=8192,
+              max_num_seqs=2)
+    p = plan(LLAMA3_8B, **kw)
+    assert p.runs and not p.fits
+    u = re.search(r"raise memory_utilization: ([\d.]+) would fit", " ".join(p.reasons))
+    assert u and plan(LLAMA3_8B, **kw, memory_utilization=float(u.group(1))).fits
+    assert not plan(LLAMA3_8B, **kw, memory_utilization=float(u.group(1)) - 0.01).fits
+    kw = dict(kw, device_memory_bytes=20 * GiB)
+    p = plan(LLAMA3_8B, **kw)
+    assert not p.runs and p.reasons[0].startswith("needs 1.00 GiB of KV for 1 x 8,192 tokens")
+    longest = _lever(p.reasons, r"max_model_len <= ([\d,]+) would fit")
+    assert plan(LLAMA3_8B, **{**kw, "max_model_len": longest}).runs
+    assert not plan(LLAMA3_8B, **{**kw, "max_model_len": longest + 16}).runs
+
+
+def test_weights_that_do_not_fit_suggest_bf16_tensor_parallelism_and_fewer_tokens():
+    p = plan(LLAMA3_8B, device_memory_bytes=16 * GiB, max_model_len=8192)
+    assert not p.runs and p.num_blocks == 0
+    assert p.reasons[0].startswith("weights 29.92 GiB (float32) + activations")
+    text = "\n".join(p.reasons)
+    assert "use dtype='bfloat16': weights become 14.96 GiB, is not enough" in text
+    assert "add tensor parallelism: 4 devices" in text and "kv_cache_dtype" not in text
+    kw = dict(device_memory_bytes=18 * GiB, dtype="bfloat16", max_model_len=8192, max_num_seqs=4)
+    p = plan(LLAMA3_8B, **kw)
+    assert not p.runs and "exceed the budget" in p.reasons[0]
+    tokens = _lever(p.reasons, r"max_num_batched_tokens: <= ([\d,]+) shrinks")
+    assert plan(LLAMA3_8B, **kw, max_num_batched_tokens=tokens).runs
+    assert not plan(LLAMA3_8B, **kw, max_num_batched_tokens=tokens + 1).runs
+
+
+def test_indivisible_kv_heads_rule_out_tensor_parallelism():
+    p = plan(SMOLLM2_135M, device_memory_bytes=2 * GiB, max_model_len=8192)
+    assert not p.fits
+    assert any("cannot split num_kv_heads=3" in r for r in p.reasons)
+
+
+def test_explicit_pool_larger_than_budget_is_reported():
+    p = plan(TINY, device_memory_bytes=1 << 20, activation_bytes=0, num_kv_blocks=1000,
+             max_model_len=64)
+    assert not p.runs and "exceed the budget" in p.reasons[0]
+
+
+def test_summary_renders_the_table():
+    text = plan(LLAMA3_8B, device_memory_bytes=80 * GiB, dtype="bfloat16",
+                max_model_len=8192).summary()
+    for needle in ("weights (bfloat16)", "14.96 GiB", "KV bytes per token", "131,072 B",
+                   "blocks (incl. null block 0)", "runs / fits", "yes / no", "- needs"):
+        assert needle in text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(device_memory_bytes=0), "device_memory_bytes"),
+    (dict(memory_utilization=0.0), "memory_utilization"),
+    (dict(memory_utilization=1.2), "memory_utilization"),
+    (dict(dtype="int3"), "dtype"),
+    (dict(block_size=0), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_model_len=0), "max_model_len"),
+    (dict(max_model_len=257), "max_model_len"),
+    (dict(activation_bytes=-1), "activation_bytes"),
+    (dict(kv_cache_bytes=-1), "kv_cache_bytes"),
+    (dict(num_kv_blocks=1), "num_kv_blocks"),
+    (dict(num_kv_blocks=4, kv_cache_bytes=10), "kv_cache_bytes and num_kv_blocks"),
+])
+def test_bad_arguments_name_their_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}"):
+        plan(TINY, **{"device_memory_bytes": GiB, **kwargs})
+
+
+def test_unknown_kv_dtype_lists_the_choices():
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype='int3'.*fp8_e4m3.*int8"):
+        plan(TINY, device_memory_bytes=GiB, kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="kv_dtype='auto'"):
+        planner.kv_bytes_per_vector("auto", 64)
+
+
+def test_host_memory_budget():
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    budget = planner.host_memory_budget()
+    assert 0 < budget <= available            # half of a value that moves between the reads
+    assert planner.host_memory_budget(fraction=1.0) > budget
+    with pytest.raises(ValueError, match="^fraction="):
+        planner.host_memory_budget(fraction=0.0)

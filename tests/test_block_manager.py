@@ -1,4 +1,4 @@
-"""BlockManager: exact block ids and free-queue order, errors, forks, invariants (incl. stateful)."""
+"""BlockManager: exact block ids and free-queue order, errors, forks, invariants, stateful."""
 
 import pytest
 from hypothesis import settings, strategies as st

@@ -18,11 +18,12 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from conftest import AUSTEN_DIR
 from jaxkv.model import store
 from jaxkv.model.weights import load_model_files
 
 Q = gguf.GGMLQuantizationType
-AUSTEN = "/work/shared/data/austen/emma.txt"
+AUSTEN = str(AUSTEN_DIR / "emma.txt")
 E, F, HQ, HKV, D, LAYERS = 256, 96, 4, 2, 16, 2
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"

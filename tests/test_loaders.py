@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from conftest import AUSTEN_DIR
 from jaxkv.model import checkpoint, safetensors_loader
 from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.tokenizer import Tokenizer
@@ -23,7 +24,7 @@ from jaxkv.model.weights import expected_shapes, load_model_files
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-AUSTEN = "/work/shared/data/austen/emma.txt"
+AUSTEN = str(AUSTEN_DIR / "emma.txt")
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-6)

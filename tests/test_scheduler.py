@@ -286,7 +286,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self, specs):
         for prompt_len, max_tokens, priority, min_tokens, stop_ids, ignore_eos in specs:
             rid, self.next_id = self.next_id, self.next_id + 1
-            r = Request(request_id=rid, prompt_token_ids=[(rid + i) % 31 for i in range(prompt_len)],
+            prompt = [(rid + i) % 31 for i in range(prompt_len)]
+            r = Request(request_id=rid, prompt_token_ids=prompt,
                         arrival_time=float(rid), priority=priority,
                         stop=StopSpec(max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens),
                                       stop_token_ids=tuple(stop_ids), eos_token_ids=(0,),

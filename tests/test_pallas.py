@@ -1,0 +1,386 @@
+"""Pallas GPU kernels (jaxkv.pallas) against the reference, in interpret mode on CPU.
+
+Plus: input checks, merge_attention_states, the tile schedule, CUDA lowering of every kernel
+variant (no GPU needed), and a dry run of bench/gpu_check.py.
+"""
+
+import functools
+import importlib.util
+import json
+import os
+import sys
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jaxkv.attention import merge_attention_states, paged_attention, paged_attention_reference
+from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
+                          default_ragged_config, paged_decode_attention, ragged_paged_attention)
+from jaxkv.pallas.ragged import _tile_schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# max |kernel - reference| allowed, by the dtype of q and the pools
+TOL = {
+    jnp.float32: dict(atol=2e-5, rtol=2e-5),
+    jnp.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def make_batch(rng, q_lens, kv_lens, *, Hq, Hkv, D, bs, dtype=jnp.float32, pad_tokens=3,
+               pad_seqs=1):
+    """A ragged batch whose block tables come from a random permutation of page ids 1.."""
+    max_blocks = max(-(-n // bs) for n in kv_lens) + 1
+    num_blocks = 1 + sum(-(-n // bs) for n in kv_lens) + 3
+    perm = rng.permutation(np.arange(1, num_blocks))
+    S = len(q_lens) + pad_seqs
+    tables = np.zeros((S, max_blocks), np.int32)
+    used = 0
+    for s, n in enumerate(kv_lens):
+        nb = -(-n // bs)
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+    T = sum(q_lens) + pad_tokens
+    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs]).astype(np.int32)
+    seq_lens = np.array(list(kv_lens) + [0] * pad_seqs, np.int32)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return dict(q=normal(T, Hq, D), k_pages=normal(num_blocks, bs, Hkv, D),
+                v_pages=normal(num_blocks, bs, Hkv, D), block_tables=jnp.asarray(tables),
+                seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl))
+
+
+def assert_close(got, want, dtype):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=TOL[dtype]["atol"], rtol=TOL[dtype]["rtol"])
+
+
+# ---------------------------------------------------------------------------------------------
+# ragged kernel
+# ---------------------------------------------------------------------------------------------
+
+# Every GQA ratio (1/3/4/8), head_dim 64/128, block sizes 8/16/32; kv lengths 1, block boundary
+# +-1 and long; decode tokens, partial prefill chunks (with context) and whole prompts in one batch.
+RAGGED_CASES = {
+    "g1-d64-bs8-plain": dict(
+        Hq=2, Hkv=2, D=64, bs=8, q_lens=[1, 7, 1, 9, 40], kv_lens=[1, 7, 8, 9, 100],
+        opts={}, config=None),
+    "g3-d64-bs16-window-sinks": dict(
+        Hq=6, Hkv=2, D=64, bs=16, q_lens=[15, 1, 17, 3], kv_lens=[15, 16, 17, 130],
+        opts=dict(sliding_window=20, num_sinks=3),
+        config=RaggedConfig(block_q=4, block_kv=16)),
+    "g4-d128-bs32-window-softcap-scale": dict(
+        Hq=8, Hkv=2, D=128, bs=32, q_lens=[1, 33, 2], kv_lens=[31, 33, 200],
+        opts=dict(sliding_window=40, soft_cap=5.0, sm_scale=0.2),
+        config=RaggedConfig(block_q=4, block_kv=32, num_warps=8, num_stages=3)),
+    "g8-d64-bs16-all-options": dict(
+        Hq=16, Hkv=2, D=64, bs=16, q_lens=[1, 1, 5, 20], kv_lens=[1, 65, 64, 150],
+        opts=dict(sliding_window=33, num_sinks=17, soft_cap=10.0),
+        config=RaggedConfig(block_q=2, block_kv=32)),
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED_CASES))
+def test_ragged_matches_reference(name):
+    case = RAGGED_CASES[name]
+    rng = np.random.default_rng(sorted(RAGGED_CASES).index(name))
+    batch = make_batch(rng, case["q_lens"], case["kv_lens"], Hq=case["Hq"], Hkv=case["Hkv"],
+                       D=case["D"], bs=case["bs"])
+    out, lse = ragged_paged_attention(**batch, **case["opts"], return_lse=True,
+                                      config=case["config"], interpret=True)
+    want, want_lse = paged_attention_reference(**batch, **case["opts"], return_lse=True)
+    n = sum(case["q_lens"])
+    assert out.shape == want.shape and out.dtype == want.dtype
+    assert_close(out[:n], want[:n], jnp.float32)
+    assert_close(lse[:n], want_lse[:n], jnp.float32)
+    assert np.all(np.asarray(out[n:]) == 0), "padding tokens must produce zeros"
+    assert np.all(np.isneginf(np.asarray(lse[n:])))
+
+
+def test_ragged_bf16():
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, [1, 12, 1], [40, 12, 17], Hq=8, Hkv=2, D=64, bs=16,
+                       dtype=jnp.bfloat16)
+    out = ragged_paged_attention(**batch, sliding_window=24, num_sinks=2, interpret=True)
+    want = paged_attention_reference(**batch, sliding_window=24, num_sinks=2)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out[:14], want[:14], jnp.bfloat16)
+
+
+def test_dispatch_impl_pallas_under_jit():
+    """attention.paged_attention(impl="pallas") runs the kernel; traced metadata skip host checks."""
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [4, 1], [9, 30], Hq=4, Hkv=2, D=16, bs=8)
+    f = jax.jit(functools.partial(paged_attention, impl="pallas", interpret=True, soft_cap=20.0))
+    assert_close(f(**batch)[:5], paged_attention_reference(**batch, soft_cap=20.0)[:5],
+                 jnp.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(q_lens=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+       block_q=st.sampled_from([1, 2, 4]))
+def test_tile_schedule_covers_every_token_once(q_lens, block_q):
+    S, T = 6, 50
+    qsl = np.zeros(S + 1, np.int32)
+    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    qsl[len(q_lens) + 1:] = qsl[len(q_lens)]
+    seq_lens = np.diff(qsl) + 3
+    num_tiles = max(1, min(T, -(-T // block_q) + S))
+    tiles = np.asarray(_tile_schedule(jnp.asarray(qsl), jnp.asarray(seq_lens, jnp.int32),
+                                      num_tiles, block_q))
+    covered = np.zeros(T, int)
+    for seq, tok0, n_valid, q_first in tiles:
+        assert 0 <= n_valid <= block_q
+        if n_valid:
+            covered[tok0:tok0 + n_valid] += 1
+            assert qsl[seq] <= tok0 and tok0 + n_valid <= qsl[seq + 1]
+            assert q_first == seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tok0 - qsl[seq])
+    assert np.array_equal(covered, (np.arange(T) < qsl[-1]).astype(int))
+
+
+# ---------------------------------------------------------------------------------------------
+# split-K decode kernel
+# ---------------------------------------------------------------------------------------------
+
+DECODE_CASES = {
+    "g1-d64-bs8-one-split": dict(
+        Hq=4, Hkv=4, D=64, bs=8, kv_lens=[1, 7, 8, 9, 200], num_splits=1, opts={},
+        config=None),
+    "g3-d64-bs16-3-splits-window-sinks": dict(
+        Hq=9, Hkv=3, D=64, bs=16, kv_lens=[15, 16, 17, 300], num_splits=3,
+        opts=dict(sliding_window=50, num_sinks=20), config=DecodeConfig(block_kv=16)),
+    "g4-d128-bs32-default-splits-softcap": dict(
+        Hq=8, Hkv=2, D=128, bs=32, kv_lens=[33, 31, 500], num_splits=None,
+        opts=dict(soft_cap=5.0, sm_scale=0.2), config=DecodeConfig(block_kv=32, num_warps=8)),
+    "g8-d64-bs16-8-splits-all-options": dict(
+        Hq=16, Hkv=2, D=64, bs=16, kv_lens=[1, 64, 65, 257], num_splits=8,
+        opts=dict(sliding_window=100, num_sinks=4, soft_cap=10.0),
+        config=DecodeConfig(block_kv=16, num_stages=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_matches_reference(name):
+    case = DECODE_CASES[name]
+    rng = np.random.default_rng(10 + sorted(DECODE_CASES).index(name))
+    n = len(case["kv_lens"])
+    batch = make_batch(rng, [1] * n, case["kv_lens"], Hq=case["Hq"], Hkv=case["Hkv"],
+                       D=case["D"], bs=case["bs"], pad_tokens=0, pad_seqs=1)
+    batch.pop("query_start_loc")
+    batch["q"] = jnp.asarray(rng.standard_normal((n + 1, case["Hq"], case["D"])), jnp.float32)
+    out, lse = paged_decode_attention(**batch, **case["opts"], num_splits=case["num_splits"],
+                                      return_lse=True, config=case["config"], interpret=True)
+    want, want_lse = paged_attention_reference(
+        **batch, query_start_loc=jnp.arange(n + 2, dtype=jnp.int32), **case["opts"],
+        return_lse=True)
+    assert_close(out, want, jnp.float32)
+    assert_close(lse[:n], want_lse[:n], jnp.float32)
+    assert np.all(np.asarray(out[n:]) == 0) and np.all(np.isneginf(np.asarray(lse[n:]))), \
+        "padding sequences (seq_len 0) must produce zeros and lse -inf"
+
+
+def test_decode_bf16_splits_agree():
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, [1, 1, 1], [3, 100, 48], Hq=8, Hkv=2, D=64, bs=16,
+                       dtype=jnp.bfloat16, pad_tokens=0, pad_seqs=0)
+    qsl = batch.pop("query_start_loc")
+    want = paged_attention_reference(**batch, query_start_loc=qsl, soft_cap=30.0)
+    for num_splits in (1, 4):
+        out = paged_decode_attention(**batch, num_splits=num_splits, soft_cap=30.0,
+                                     interpret=True)
+        assert out.dtype == jnp.bfloat16
+        assert_close(out, want, jnp.bfloat16)
+
+
+def test_default_num_splits_fills_the_gpu_and_keeps_two_tiles_per_split():
+    assert default_num_splits(1, 8, 32768, 64) == 64            # 8 programs, ~264 wanted
+    assert default_num_splits(128, 8, 32768, 64) == 1           # 1024 programs already
+    assert default_num_splits(1, 8, 256, 64) == 2               # only 4 tiles
+    assert default_num_splits(1, 1, 1 << 20, 64) == 64          # capped
+    assert default_ragged_config(8, 8, 4, 128).block_q * 4 == 16
+    assert default_ragged_config(8192, 1, 4, 128).block_q * 4 == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_attention_states
+# ---------------------------------------------------------------------------------------------
+
+
+def test_merge_attention_states_equals_softmax_over_the_union():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 4, 10)) * 3       # [rows, heads, keys]
+    values = rng.standard_normal((10, 8))
+    parts = [slice(0, 3), slice(3, 3), slice(3, 10)]   # the middle part is empty
+
+    def attend(s, v):
+        if s.shape[-1] == 0:
+            return np.zeros(s.shape[:-1] + (8,)), np.full(s.shape[:-1], -np.inf)
+        lse = np.log(np.exp(s).sum(-1))
+        return np.exp(s - lse[..., None]) @ v, lse
+
+    outs, lses = zip(*(attend(logits[..., p], values[p]) for p in parts))
+    out, lse = merge_attention_states(jnp.asarray(np.stack(outs), jnp.float32),
+                                      jnp.asarray(np.stack(lses), jnp.float32))
+    want, want_lse = attend(logits, values)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-5, rtol=1e-5)
+
+    empty_out, empty_lse = merge_attention_states(jnp.zeros((2, 3, 8)), jnp.full((2, 3), -jnp.inf))
+    assert np.all(np.asarray(empty_out) == 0) and np.all(np.isneginf(np.asarray(empty_lse)))
+    with pytest.raises(ValueError, match="disagree"):
+        merge_attention_states(jnp.zeros((2, 3, 8)), jnp.zeros((2, 4)))
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _small_batch():
+    return make_batch(np.random.default_rng(1), [2, 1], [4, 9], Hq=4, Hkv=2, D=16, bs=4)
+
+
+def _with(batch, **changes):
+    return {**batch, **changes}
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: dict(q=b["q"][0]), "q must be"),
+    (lambda b: dict(q=b["q"][..., :8]), "head_dim mismatch"),
+    (lambda b: dict(q=b["q"][:, :3]), "num_heads=3"),
+    (lambda b: dict(q=b["q"].astype(jnp.bfloat16)), "share one dtype"),
+    (lambda b: dict(v_pages=b["v_pages"][:-1]), "k_pages/v_pages"),
+    (lambda b: dict(seq_lens=b["seq_lens"].astype(jnp.int16)), "seq_lens must be int32"),
+    (lambda b: dict(block_tables=b["block_tables"].astype(jnp.float32)), "block_tables must be int32"),
+    (lambda b: dict(query_start_loc=b["query_start_loc"].astype(jnp.uint32)), "query_start_loc must be int32"),
+    (lambda b: dict(query_start_loc=b["query_start_loc"][:-1]), "query_start_loc must be"),
+    (lambda b: dict(block_tables=b["block_tables"].at[1, 0].set(b["k_pages"].shape[0])),
+     r"block_tables\[1, 0\]"),
+    (lambda b: dict(block_tables=b["block_tables"].at[0, 1].set(-1)), "not a page id"),
+    (lambda b: dict(seq_lens=b["seq_lens"].at[0].set(1000)), "seq_lens must lie"),
+    (lambda b: dict(query_start_loc=jnp.asarray([0, 3, 2, 2], jnp.int32)), "must rise"),
+    (lambda b: dict(seq_lens=b["seq_lens"].at[0].set(1)), "q_len 2 > seq_len 1"),
+])
+def test_ragged_rejects_bad_inputs(change, match):
+    batch = _small_batch()
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(**_with(batch, **change(batch)), interpret=True)
+
+
+def test_rejects_bad_options_and_configs():
+    batch = _small_batch()
+    for opts, match in [(dict(sliding_window=0), "sliding_window=0"),
+                        (dict(num_sinks=-1), "num_sinks=-1"),
+                        (dict(soft_cap=0.0), "soft_cap=0.0"),
+                        (dict(sm_scale=-1.0), "sm_scale=-1.0"),
+                        (dict(config=RaggedConfig(block_q=1, block_kv=16)), "16 rows")]:
+        with pytest.raises(ValueError, match=match):
+            ragged_paged_attention(**batch, interpret=True, **opts)
+    odd = make_batch(np.random.default_rng(2), [1], [4], Hq=2, Hkv=1, D=24, bs=4)
+    with pytest.raises(ValueError, match="power of two"):
+        ragged_paged_attention(**odd, interpret=True)
+    for bad in (dict(block_q=3, block_kv=16), dict(block_q=4, block_kv=8),
+                dict(block_q=4, block_kv=16, num_stages=0)):
+        with pytest.raises(ValueError):
+            RaggedConfig(**bad)
+    with pytest.raises(ValueError, match="block_kv=8"):
+        DecodeConfig(block_kv=8)
+
+    decode = {k: v for k, v in batch.items() if k != "query_start_loc"}
+    decode["q"] = decode["q"][:3]
+    with pytest.raises(ValueError, match="num_splits=0"):
+        paged_decode_attention(**decode, num_splits=0, interpret=True)
+    with pytest.raises(ValueError, match="S = 3"):
+        paged_decode_attention(**_with(decode, q=decode["q"][:2]), interpret=True)
+    with pytest.raises(ValueError, match="not a page id"):
+        paged_decode_attention(**_with(decode, block_tables=decode["block_tables"] + 100),
+                               interpret=True)
+    with pytest.raises(ValueError, match="not a page id"):
+        check_page_ids(np.array([[0, 5]], np.int32), num_blocks=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA lowering on CPU (Triton): catches Pallas lowering errors without a GPU
+# ---------------------------------------------------------------------------------------------
+
+# Lowering for an abstract H200 (jax >= 0.11 asks which GPU when no GPU is attached).
+H200 = jax.sharding.AbstractMesh(
+    (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+
+OPTION_SETS = {
+    "plain": {},
+    "window": dict(sliding_window=128),
+    "window-sinks": dict(sliding_window=128, num_sinks=4),
+    "softcap": dict(soft_cap=30.0),
+    "all": dict(sliding_window=256, num_sinks=4, soft_cap=50.0),
+}
+
+
+def _lower_for_cuda(f, *avals):
+    with jax.sharding.use_abstract_mesh(H200):
+        text = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def _avals(num_tokens, Hq, Hkv, D, dtype, *, num_seqs=4, num_blocks=300, bs=16, max_blocks=64,
+           ragged=True):
+    avals = [jax.ShapeDtypeStruct((num_tokens, Hq, D), dtype),
+             jax.ShapeDtypeStruct((num_blocks, bs, Hkv, D), dtype),
+             jax.ShapeDtypeStruct((num_blocks, bs, Hkv, D), dtype),
+             jax.ShapeDtypeStruct((num_seqs, max_blocks), jnp.int32),
+             jax.ShapeDtypeStruct((num_seqs,), jnp.int32)]
+    return avals + [jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32)] if ragged else avals
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_ragged_lowers_to_cuda(options, dtype):
+    opts = OPTION_SETS[options]
+    for T, Hq, Hkv, D in [(256, 32, 8, 128), (8, 9, 3, 64), (64, 8, 8, 64), (32, 64, 8, 128)]:
+        _lower_for_cuda(functools.partial(ragged_paged_attention, **opts, return_lse=True),
+                        *_avals(T, Hq, Hkv, D, dtype, num_seqs=8))
+
+
+@pytest.mark.parametrize("options", list(OPTION_SETS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_decode_lowers_to_cuda(options, dtype):
+    opts = OPTION_SETS[options]
+    for S, Hq, Hkv, D, splits in [(8, 32, 8, 128, 1), (2, 9, 3, 64, 4), (4, 64, 8, 128, None)]:
+        _lower_for_cuda(functools.partial(paged_decode_attention, **opts, num_splits=splits),
+                        *_avals(S, Hq, Hkv, D, dtype, num_seqs=S, ragged=False))
+
+
+def test_configs_lower_to_cuda():
+    for config in (RaggedConfig(block_q=8, block_kv=128, num_warps=8, num_stages=3),
+                   RaggedConfig(block_q=32, block_kv=32, num_warps=4, num_stages=1)):
+        _lower_for_cuda(functools.partial(ragged_paged_attention, config=config),
+                        *_avals(512, 32, 8, 128, jnp.bfloat16))
+    for config in (DecodeConfig(block_kv=128, num_warps=8, num_stages=2),
+                   DecodeConfig(block_kv=16, num_warps=2, num_stages=4)):
+        _lower_for_cuda(functools.partial(paged_decode_attention, config=config, num_splits=8),
+                        *_avals(16, 32, 8, 128, jnp.bfloat16, num_seqs=16, ragged=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/gpu_check.py keeps working
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_check_dry_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["correctness"] and all(r["ok"] for r in report["correctness"])
+    assert report["decode"] and all(r["ours_ms"] > 0 for r in report["decode"])
+    assert report["prefill"] and report["copy_gbps"] > 0
+    assert "| batch |" in (tmp_path / "gpu_check.md").read_text()

@@ -112,7 +112,7 @@ class BlockManager:
         """The free queue, head (next to be allocated) first. O(num_free_blocks)."""
         out = []
         block = int(self._next[NULL_BLOCK])
-        while block != NULL_BLOCK and len(out) <= self._num_free:
+        while block != NULL_BLOCK and len(out) <= self._num_free:  # bounded even if corrupt
             out.append(block)
             block = int(self._next[block])
         return tuple(out)
@@ -207,20 +207,25 @@ class BlockManager:
         counts = np.zeros(self.num_blocks, np.int64)  # [num_blocks]
         for request_id, table in self._tables.items():
             ids = np.asarray(table, np.int64)
-            assert np.all((ids >= 1) & (ids < self.num_blocks)), (
-                f"request {request_id!r}: block ids out of [1, {self.num_blocks}): {table}")
+            _check(np.all((ids >= 1) & (ids < self.num_blocks)),
+                   f"request {request_id!r}: block ids out of [1, {self.num_blocks}): {table}")
             np.add.at(counts, ids, 1)
-        assert np.array_equal(counts, self._ref), "ref counts differ from table references"
+        _check(np.array_equal(counts, self._ref), "ref counts differ from table references")
         free = self.free_block_ids()
-        assert len(free) == self._num_free, (
-            f"free queue holds {len(free)} blocks, num_free_blocks={self._num_free}")
-        assert len(set(free)) == len(free), "a block appears twice in the free queue"
-        assert NULL_BLOCK not in free, "the null block is in the free queue"
+        _check(len(free) == self._num_free,
+               f"free queue holds {len(free)} blocks, num_free_blocks={self._num_free}")
+        _check(len(set(free)) == len(free), "a block appears twice in the free queue")
+        _check(NULL_BLOCK not in free, "the null block is in the free queue")
         unreferenced = set(np.flatnonzero(self._ref == 0).tolist()) - {NULL_BLOCK}
-        assert set(free) == unreferenced, (
-            f"free queue {sorted(free)} != unreferenced blocks {sorted(unreferenced)}")
+        _check(set(free) == unreferenced, "free queue != blocks with ref count 0")
         for block in free:
-            assert self._next[self._prev[block]] == block, f"free queue broken at block {block}"
+            _check(self._next[self._prev[block]] == block, f"free queue broken at block {block}")
         in_use = self._ref > 0  # [num_blocks]
-        assert np.all(self._next[in_use] == -1) and np.all(self._prev[in_use] == -1), (
-            "a block in use is still linked into the free queue")
+        _check(np.all(self._next[in_use] == -1) and np.all(self._prev[in_use] == -1),
+               "a block in use is still linked into the free queue")
+
+
+def _check(condition, message: str) -> None:
+    """``assert`` that survives ``python -O``."""
+    if not condition:
+        raise AssertionError(message)

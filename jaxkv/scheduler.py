@@ -180,7 +180,8 @@ class ScheduledSeq:
       token_ids: tokens to compute this step (>= 1).
       start_pos: position of ``token_ids[0]`` in the sequence (= tokens already computed).
       sample: whether a token is sampled after the last one (the chunk reaches the known end).
-      block_table: the request's physical blocks, covering positions ``< start_pos + len(token_ids)``.
+      block_table: the request's physical blocks; they cover every position up to
+        ``start_pos + len(token_ids) - 1``.
     """
 
     request_id: Hashable
@@ -372,8 +373,8 @@ def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
       sampled_tokens: int [>= len(plan.seqs)]; row ``i`` is the token sampled for
         ``plan.seqs[i]`` (read only where ``sample`` is true; padding rows beyond are ignored).
       finished_ids: live requests the engine declares finished (e.g. a stop string matched);
-        they finish with reason ``"stop"`` after this step's tokens are appended. Ids that
-        finished in this same update are ignored.
+        they finish with reason ``"stop"`` after this step's tokens are appended (one that also
+        stopped on a token this step keeps that reason).
     """
     if len(sampled_tokens) < len(plan.seqs):
         raise ValueError(f"sampled_tokens has {len(sampled_tokens)} rows, "
@@ -413,28 +414,35 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
     Checks: waiting and running partition the live requests; both are sorted by the policy key;
     exactly the running requests own block tables, each exactly ``cdiv(num_computed_tokens,
     block_size)`` blocks long; waiting requests have computed nothing; at most
-    ``max_num_seqs`` run; counters stay within ``[0, num_tokens]``.
+    ``max_num_seqs`` run; running counters stay within ``[1, num_tokens]``.
     """
     bm = state.block_manager
     bm.check_invariants()
-    assert len(set(state.waiting)) == len(state.waiting), "duplicate id in waiting"
-    assert len(set(state.running)) == len(state.running), "duplicate id in running"
-    assert not set(state.waiting) & set(state.running), "a request is waiting and running"
-    assert set(state.waiting) | set(state.running) == set(state.requests), (
-        "waiting + running != live requests")
-    assert set(bm.request_ids()) == set(state.running), "block tables != running requests"
-    assert len(state.running) <= config.max_num_seqs, "more than max_num_seqs running"
-    assert not set(state.finished) & set(state.requests), "a finished request is still live"
+    waiting, running = set(state.waiting), set(state.running)
+    _check(len(waiting) == len(state.waiting), "duplicate id in waiting")
+    _check(len(running) == len(state.running), "duplicate id in running")
+    _check(not waiting & running, "a request is both waiting and running")
+    _check(waiting | running == set(state.requests), "waiting + running != live requests")
+    _check(set(bm.request_ids()) == running, "block tables != running requests")
+    _check(len(running) <= config.max_num_seqs, "more than max_num_seqs running")
+    _check(not set(state.finished) & set(state.requests), "a finished request is still live")
     for queue in (state.waiting, state.running):
         keys = [_key(state.requests[i], config.policy) for i in queue]
-        assert keys == sorted(keys), "queue not in policy order"
+        _check(keys == sorted(keys), "queue not in policy order")
     for request_id in state.waiting:
-        assert state.requests[request_id].num_computed_tokens == 0, (
-            f"waiting request {request_id!r} has computed tokens")
+        _check(state.requests[request_id].num_computed_tokens == 0,
+               f"waiting request {request_id!r} has computed tokens")
     for request_id in state.running:
         rs = state.requests[request_id]
-        assert 1 <= rs.num_computed_tokens <= rs.num_tokens, (
-            f"request {request_id!r}: num_computed_tokens={rs.num_computed_tokens} "
-            f"not in [1, {rs.num_tokens}]")
-        assert len(bm.block_table(request_id)) == bm.blocks_for(rs.num_computed_tokens), (
-            f"request {request_id!r}: block table length != cdiv(num_computed_tokens, block_size)")
+        _check(1 <= rs.num_computed_tokens <= rs.num_tokens,
+               f"request {request_id!r}: num_computed_tokens={rs.num_computed_tokens} "
+               f"not in [1, {rs.num_tokens}]")
+        _check(len(bm.block_table(request_id)) == bm.blocks_for(rs.num_computed_tokens),
+               f"request {request_id!r}: block table length != cdiv(num_computed_tokens, "
+               f"block_size)")
+
+
+def _check(condition, message: str) -> None:
+    """``assert`` that survives ``python -O``."""
+    if not condition:
+        raise AssertionError(message)

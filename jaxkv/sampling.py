@@ -265,11 +265,10 @@ class SamplingTensors:
                         f"history_pad_to={history_pad_to} < longest prompt + output={longest}")
                 width_l = history_pad_to
 
-        f32 = lambda: np.zeros(size, np.float32)  # noqa: E731
-        t = {name: f32() for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                                      "presence_penalty", "frequency_penalty")}
-        t["top_p"][:] = 1.0
-        t["repetition_penalty"][:] = 1.0
+        # padding rows: greedy (temperature 0), every filter and penalty at its neutral value
+        neutral = {"temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        t = {name: np.full(size, value, np.float32) for name, value in neutral.items()}
         top_k = np.full(size, vocab_size, np.int32)
         seed_keys = np.zeros((size, 2), np.uint32)
         has_seed = np.zeros(size, bool)
@@ -279,10 +278,10 @@ class SamplingTensors:
         suppress = np.zeros(size, bool)
         stop_ids = np.full((size, width_k), PAD_ID, np.int32)
         for r, p in enumerate(params):
-            t["temperature"][r] = 0.0 if p.greedy else p.temperature
-            for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
-                         "frequency_penalty"):
+            for name in neutral:
                 t[name][r] = getattr(p, name)
+            if p.greedy:
+                t["temperature"][r] = 0.0
             top_k[r] = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
             if p.seed is not None:
                 seed_keys[r] = _key_data(p.seed)

@@ -70,7 +70,7 @@ class StopSpec:
 
     Attributes:
       max_tokens: most tokens to generate (>= 1).
-      min_tokens: stop and eos tokens are ignored until this many tokens exist.
+      min_tokens: stop and eos tokens are ignored until this many tokens are generated.
       stop_token_ids: tokens that end generation (the token is kept in the output).
       ignore_eos: keep generating through ``eos_token_ids``.
       eos_token_ids: the model's end-of-sequence tokens.

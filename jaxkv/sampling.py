@@ -344,6 +344,9 @@ def _filter_top_k_top_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     last = jnp.sum(mass_before < t.top_p[:, None], axis=-1) - 1             # [S] >= 0
     last = jnp.clip(last, 0, vocab_size - 1)
     threshold = jnp.take_along_axis(desc, last[:, None], axis=-1)
+    # top_p == 1 keeps all: the f32 cumsum may reach 1 before the tail (and rows must not depend
+    # on whether a neighbour made this branch run)
+    threshold = jnp.where(t.top_p[:, None] >= 1.0, -jnp.inf, threshold)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 

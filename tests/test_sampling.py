@@ -178,6 +178,13 @@ def test_threshold_ties_are_all_kept():
     np.testing.assert_array_equal(np.isfinite(out).sum(-1), [3, 3])
 
 
+def test_top_p_one_keeps_the_whole_tail_next_to_filtered_rows():
+    logits = np.zeros((2, V), np.float32)
+    logits[:, 0] = 30.0          # the tail's f32 mass rounds away: the cumsum hits 1 at rank 0
+    out = process_logits(logits, _tensors([SamplingParams(), SamplingParams(top_p=0.5)]))
+    np.testing.assert_array_equal(np.isfinite(out).sum(-1), [V, 1])
+
+
 def test_penalties_match_vllm_formulas():
     rng = np.random.default_rng(2)
     rows = 6

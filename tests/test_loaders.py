@@ -12,8 +12,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer as HFBackend
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conftest import AUSTEN_DIR
 from jaxkv.model import checkpoint, safetensors_loader
@@ -23,19 +21,12 @@ from jaxkv.model.weights import expected_shapes, load_model_files
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from tiny_models import save_tokenizer, train_bpe  # noqa: E402
 
 AUSTEN = str(AUSTEN_DIR / "emma.txt")
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-6)
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def _hf_config(kind, **overrides):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig}[kind]
@@ -50,20 +41,6 @@ def _save_tiny(path, kind, dtype=torch.float32, **overrides):
     return {k: v.float().numpy() for k, v in model.state_dict().items()}
 
 
-def _train_bpe(text, vocab_size=400):
-    """A small byte-level BPE (SmolLM2-style pre-tokenizer) trained on ``text``."""
-    tok = HFBackend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator([text], trainer=trainer)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def austen():
     with open(AUSTEN, encoding="utf-8") as f:
@@ -72,14 +49,7 @@ def austen():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer_dir(tmp_path_factory, austen):
-    path = tmp_path_factory.mktemp("tok")
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=_train_bpe(austen), bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    transformers.GenerationConfig(bos_token_id=1, eos_token_id=[2, 0]).save_pretrained(path)
-    return path
+    return save_tokenizer(tmp_path_factory.mktemp("tok"), austen)
 
 
 @pytest.mark.parametrize("kind,overrides", [

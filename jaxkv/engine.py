@@ -1,0 +1,516 @@
+"""LLM: the engine, the only stateful object of jaxkv (vLLM's ``LLM`` API shape).
+
+    llm = LLM(model="SmolLM2-135M-Instruct")
+    outs = llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+
+One engine step (``LLM.step``):
+
+    scheduler.schedule(state) ─► StepPlan ─► batch.build ─► StepInput ─┐
+                                                                       ▼
+    scheduler.update(state, plan, tokens) ◄── tokens ◄── step(params, cache, inputs, sampling, rng)
+
+The engine owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
+it as it was), the device params and the donated cache, and per-request host bookkeeping:
+detokenized text, stop strings, logprobs and timestamps. A request with ``n > 1`` runs as ``n``
+scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxkv import batch, planner, scheduler
+from jaxkv.cache import init_cache
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.model.llama import params_from_hf
+from jaxkv.model.weights import load_model_files
+from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxkv.sampling import SamplingParams, SamplingTensors
+from jaxkv.step import DeviceStepInput, make_step, step_rng
+
+logger = logging.getLogger("jaxkv")
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_LOGPROBS = 20
+_LOGPROB_BUCKETS = (0, 1, 5, MAX_LOGPROBS)   # static top-N sizes the step is compiled for
+
+
+@dataclasses.dataclass
+class _Sample:
+    """Host bookkeeping of one scheduler sequence (one of a request's ``n`` samples)."""
+
+    parent: str
+    params: SamplingParams
+    completion: CompletionOutput
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
+                             [dataclasses.replace(s.completion, token_ids=list(
+                                 s.completion.token_ids)) for s in self.samples],
+                             dataclasses.replace(self.metrics))
+
+
+def _default_backend_choices(dtype: str, attention_impl: str | None) -> tuple[str, str]:
+    on_gpu = jax.default_backend() == "gpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    return dtype, attention_impl or ("pallas" if on_gpu else "reference")
+
+
+class LLM:
+    """An offline inference engine over a paged KV cache with continuous batching.
+
+    Args:
+      model: a store name (default ``"SmolLM2-135M-Instruct"``), a ``.gguf`` file or an HF
+        model directory.
+      dtype: ``"auto"`` (bfloat16 on GPU, float32 on CPU), ``"float32"``, ``"bfloat16"``,
+        ``"float16"``: parameter, activation and KV dtype.
+      block_size: tokens per KV block.
+      max_model_len: longest prompt + output; default ``min(model context, 8192)``.
+      max_num_seqs: most sequences per step.
+      max_num_batched_tokens: token budget per step (decodes + prefill chunks).
+      memory_utilization: fraction of device memory the engine plans with (on CPU: of
+        ``planner.host_memory_budget()``, half of the available host memory).
+      kv_cache_bytes: KV pool size in bytes, instead of the utilization sizing.
+      num_kv_blocks: KV pool size in blocks (including the null block), instead of both.
+      seed: engine seed for requests without their own.
+      policy: ``"fcfs"`` or ``"priority"``.
+      attention_impl: ``"reference"`` or ``"pallas"``; default pallas on GPU, reference on CPU.
+      interpret: run Pallas kernels in interpret mode (CPU).
+      warmup: compile every (tokens, sequences) bucket at start, so no step compiles later.
+      token_buckets, seq_buckets: padded step shapes (default powers of two; see SchedulerConfig).
+
+    Raises:
+      ValueError: naming the argument that is invalid, before any weight is loaded where possible.
+    """
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", *, dtype: str = "auto",
+                 block_size: int = 16, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, memory_utilization: float = 0.9,
+                 kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
+                 seed: int = 0, policy: str = "fcfs", attention_impl: str | None = None,
+                 interpret: bool = False, warmup: bool = False,
+                 token_buckets: Sequence[int] | None = None,
+                 seq_buckets: Sequence[int] | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
+        if attention_impl not in (None, "reference", "pallas"):
+            raise ValueError(f"attention_impl={attention_impl!r} is not one of "
+                             f"('reference', 'pallas')")
+        dtype, attention_impl = _default_backend_choices(dtype, attention_impl)
+        loaded = load_model_files(model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        max_model_len = max_model_len or min(loaded.config.max_position_embeddings, 8192)
+        self.sched_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, policy=policy,
+            token_buckets=tuple(token_buckets) if token_buckets else None,
+            seq_buckets=tuple(seq_buckets) if seq_buckets else None)
+        self.memory_plan = self._plan(dtype, block_size, memory_utilization, kv_cache_bytes,
+                                      num_kv_blocks)
+        logger.info("%s", self.memory_plan.summary())
+        if not self.memory_plan.runs:
+            raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
+        self.cache_config = CacheConfig(block_size=block_size,
+                                        num_blocks=self.memory_plan.num_blocks)
+        self.dtype = jnp.dtype(dtype)
+        self.params = params_from_hf(loaded.config, loaded.tensors, self.dtype,
+                                     source=loaded.source)
+        del loaded
+        c = self.model_config
+        self.cache = init_cache(c.num_layers, self.cache_config.num_blocks, block_size,
+                                c.num_kv_heads, c.head_dim, self.dtype)
+        self.attention_impl = attention_impl
+        self._step_fn = make_step(c, attention_impl=attention_impl, interpret=interpret)
+        self._seed = seed
+        self._state = scheduler.init_state(self.cache_config)
+        self._requests: dict[str, _Request] = {}
+        self._samples: dict[str, _Sample] = {}
+        self._ids = itertools.count()
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._num_generated = 0
+        self._num_prompt_tokens = 0
+        self._busy_time = 0.0
+        self._closed = False
+        if warmup:
+            self.warmup()
+
+    # ------------------------------------------------------------------ setup
+
+    def _plan(self, dtype, block_size, memory_utilization, kv_cache_bytes, num_kv_blocks):
+        c, s = self.model_config, self.sched_config
+        if jax.default_backend() == "cpu":
+            device_memory = planner.host_memory_budget()
+        else:
+            device_memory = jax.local_devices()[0].memory_stats()["bytes_limit"]
+        kw = dict(device_memory_bytes=device_memory, memory_utilization=memory_utilization,
+                  dtype=dtype, block_size=block_size, max_model_len=s.max_model_len,
+                  max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                  kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks)
+        plan = planner.plan(c, **kw)
+        # a pool larger than max_num_seqs full-length sequences is never used: don't allocate it
+        cap = s.max_num_seqs * plan.blocks_per_seq + 1
+        if num_kv_blocks is None and kv_cache_bytes is None and plan.num_blocks > cap:
+            plan = planner.plan(c, **{**kw, "num_kv_blocks": cap})
+        return plan
+
+    def warmup(self) -> int:
+        """Compiles the step for every (T, S) bucket pair with S <= T; returns how many.
+
+        Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20).
+        """
+        n = 0
+        for t in self.sched_config.token_buckets:
+            for s in self.sched_config.seq_buckets:
+                if s <= t:
+                    self._run_padded(t, s)
+                    n += 1
+        return n
+
+    def _run_padded(self, t: int, s: int) -> None:
+        """Runs one all-padding step of shape (t, s): writes only to the null block."""
+        m = batch.max_blocks_per_seq(self.cache_config, self.sched_config)
+        inputs = DeviceStepInput(
+            token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+            slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+            seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
+            logits_indices=np.zeros(s, np.int32))
+        sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
+                                               prompt_token_ids=[], output_token_ids=[], pad_to=s)
+        self.cache, tokens, *_ = self._step_fn(self.params, self.cache, inputs, sampling,
+                                               step_rng(self._seed, 0), num_logprobs=0)
+        tokens.block_until_ready()
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this LLM was closed")
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(i) for i in prompt["prompt_token_ids"]]
+            if not ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
+                raise ValueError(f"prompt_token_ids must lie in [0, vocab_size="
+                                 f"{self.model_config.vocab_size})")
+            return prompt.get("prompt"), ids
+        raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got "
+                         f"{type(prompt).__name__}")
+
+    def _new_request(self, prompt, params: SamplingParams, *, priority: int = 0,
+                     request_id: str | None = None):
+        """Validates one prompt; returns (_Request, scheduler Requests) without adding anything."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={MAX_LOGPROBS}")
+        text, ids = self._tokenize(prompt)
+        if len(ids) + params.max_tokens > self.sched_config.max_model_len:
+            raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
+                             f"exceed max_model_len={self.sched_config.max_model_len}")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self._requests:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        now = time.perf_counter()
+        samples, reqs = [], []
+        for i in range(params.n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            samples.append(_Sample(rid, p, CompletionOutput(
+                index=i, logprobs=[] if params.logprobs is not None else None)))
+            stop = scheduler.StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+                                      stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+                                      eos_token_ids=self.tokenizer.eos_token_ids)
+            reqs.append(scheduler.Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
+                                          arrival_time=now, priority=priority))
+        return _Request(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
+
+    def _add(self, new: list[tuple[_Request, list[scheduler.Request]]]) -> None:
+        """Adds validated requests all together, or none of them (the state is immutable)."""
+        state = self._state
+        for _, reqs in new:
+            for r in reqs:
+                state = scheduler.add_request(state, r, self.sched_config)
+        self._state = state
+        for req, reqs in new:
+            self._requests[req.request_id] = req
+            for r, sample in zip(reqs, req.samples):
+                self._samples[r.request_id] = sample
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queues one prompt (a str or ``{"prompt_token_ids": [...]}``); returns its request id.
+
+        Raises:
+          ValueError: naming what is wrong; nothing is queued then.
+        """
+        self._check_open()
+        new = self._new_request(prompt, sampling_params or SamplingParams(),
+                                priority=priority, request_id=request_id)
+        self._add([new])
+        return new[0].request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts a queued or running request; its blocks are freed at once."""
+        req = self._requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"request_id={request_id!r} is not queued or running")
+        state = self._state
+        for i, s in enumerate(req.samples):
+            if not s.completion.finished:
+                state = scheduler.abort(state, f"{req.request_id}#{i}")
+        self._state = state
+        self._collect_finished()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._state.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the outputs of requests that got tokens or finished.
+
+        Finished requests are returned once, with ``finished`` True, and then forgotten.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        state, plan = scheduler.schedule(self._state, self.sched_config)
+        self._num_preemptions += len(plan.preempted_ids)
+        if not plan.seqs:
+            self._state = state
+            return self._collect_finished()
+        inputs = batch.build(plan, self.cache_config, self.sched_config)
+        rows = [self._samples[s.request_id] for s in plan.seqs]
+        live = [state.requests[s.request_id] for s in plan.seqs]
+        num_logprobs = next(b for b in _LOGPROB_BUCKETS if b >= max(
+            (r.params.logprobs or 0) for r in rows))
+        sampling = SamplingTensors.from_params(
+            [r.params for r in rows], vocab_size=self.model_config.vocab_size,
+            prompt_token_ids=[rs.request.prompt_token_ids for rs in live],
+            output_token_ids=[rs.output_token_ids for rs in live],
+            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=len(inputs.seq_lens))
+        self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
+            self.params, self.cache, DeviceStepInput.from_host(inputs), sampling,
+            step_rng(self._seed, self._num_steps), num_logprobs=num_logprobs)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        top_ids, top_vals = np.asarray(top_ids), np.asarray(top_vals)
+        now = time.perf_counter()
+        self._num_steps += 1
+        touched: dict[str, _Request] = {}
+        stop_hits = set()
+        for row, seq in enumerate(plan.seqs):
+            sample = self._samples[seq.request_id]
+            req = self._requests[sample.parent]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t0
+            if seq.start_pos == 0:
+                self._num_prompt_tokens += len(seq.token_ids)
+            if not seq.sample:
+                continue
+            tok = int(tokens[row])
+            comp = sample.completion
+            comp.token_ids.append(tok)
+            comp.cumulative_logprob += float(logprobs[row])
+            if comp.logprobs is not None:
+                entry = {int(i): float(v) for i, v in
+                         zip(top_ids[row, :sample.params.logprobs], top_vals[row, :sample.params.logprobs])}
+                entry[tok] = float(logprobs[row])
+                comp.logprobs.append(entry)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.num_generated_tokens += 1
+            self._num_generated += 1
+            comp.text = self.tokenizer.decode(
+                comp.token_ids, skip_special_tokens=sample.params.skip_special_tokens)
+            if self._apply_stop_strings(sample):
+                stop_hits.add(seq.request_id)
+            touched[req.request_id] = req
+        self._state = scheduler.update(state, plan, tokens, finished_ids=frozenset(stop_hits))
+        self._busy_time += time.perf_counter() - t0
+        finished = self._collect_finished()
+        done = {o.request_id for o in finished}
+        return finished + [r.output() for rid, r in touched.items() if rid not in done]
+
+    def _apply_stop_strings(self, sample: _Sample) -> bool:
+        """Trims the earliest stop string (and what follows) from the text; True if one matched."""
+        comp = sample.completion
+        hits = [(comp.text.find(s), s) for s in sample.params.stop if s and s in comp.text]
+        if not hits:
+            return False
+        pos, stop = min(hits)
+        comp.text = comp.text[:pos]
+        comp.stop_reason = stop
+        return True
+
+    def _collect_finished(self) -> list[RequestOutput]:
+        """Moves scheduler-finished sequences into their requests; returns finished requests."""
+        out = []
+        now = time.perf_counter()
+        for seq_id, rs in self._state.finished.items():
+            sample = self._samples.pop(seq_id, None)
+            if sample is None:
+                continue
+            comp = sample.completion
+            comp.finish_reason = rs.finish_reason
+            if comp.stop_reason is None and rs.finish_reason == scheduler.FINISH_STOP \
+                    and comp.token_ids:
+                comp.stop_reason = comp.token_ids[-1]
+            req = self._requests[sample.parent]
+            if all(s.completion.finished for s in req.samples):
+                req.metrics.finished_time = now
+                out.append(req.output())
+                del self._requests[req.request_id]
+        return out
+
+    # ------------------------------------------------------------------ high level
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates completions for a batch of prompts with continuous batching.
+
+        Args:
+          prompts: a str, a ``{"prompt_token_ids": [...]}`` dict, or a list of them.
+          sampling_params: one ``SamplingParams`` for all, or one per prompt (default greedy-free
+            vLLM defaults: temperature 1, max_tokens 16).
+          use_tqdm: show a progress bar of finished requests.
+          priority: per-prompt priorities (policy ``"priority"``; lower is more urgent).
+
+        Returns:
+          One ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+          ValueError: naming the bad prompt or parameter; nothing is queued then and requests
+            already in the engine keep running.
+        """
+        self._check_open()
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        prio = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prio) != len(prompts):
+            raise ValueError(f"priority has {len(prio)} entries for {len(prompts)} prompts")
+        new = []
+        for i, (p, sp, pr) in enumerate(zip(prompts, params, prio)):
+            try:
+                new.append(self._new_request(p, sp, priority=pr))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        try:
+            self._add(new)
+        except ValueError as e:
+            raise ValueError(f"generate: {e}") from None
+        order = {req.request_id: i for i, (req, _) in enumerate(new)}
+        results: list[RequestOutput | None] = [None] * len(new)
+        with tqdm(total=len(new), disable=not use_tqdm, desc="Generating", unit="req") as bar:
+            while any(r is None for r in results):
+                for out in self.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        return results
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Generates one prompt, yielding its ``RequestOutput`` after every step that adds tokens.
+
+        Other queued requests advance in the same steps. Closing the iterator aborts the request.
+        """
+        rid = self.add_request(prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished and rid in self._requests:
+                self.abort_request(rid)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
+        rendered with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
+                   for t in (self.tokenizer.apply_chat_template(c) for c in convs)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict:
+        """KV usage and throughput counters since start.
+
+        Returns:
+          dict with ``kv_blocks_total`` (usable, excluding the null block), ``kv_blocks_used``,
+          ``kv_blocks_free``, ``kv_usage`` (fraction), ``num_running``, ``num_waiting``,
+          ``num_preemptions``, ``num_steps``, ``num_prompt_tokens``, ``num_generated_tokens``,
+          ``generation_tokens_per_s`` (generated tokens / time spent in steps).
+        """
+        bm = self._state.block_manager
+        total = self.cache_config.num_usable_blocks
+        return {
+            "kv_blocks_total": total,
+            "kv_blocks_used": total - bm.num_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_usage": bm.usage(),
+            "kv_tokens_live": sum(rs.num_computed_tokens for rs in self._state.requests.values()),
+            "num_running": len(self._state.running),
+            "num_waiting": len(self._state.waiting),
+            "num_preemptions": self._num_preemptions,
+            "num_steps": self._num_steps,
+            "num_prompt_tokens": self._num_prompt_tokens,
+            "num_generated_tokens": self._num_generated,
+            "generation_tokens_per_s": self._num_generated / self._busy_time
+            if self._busy_time else 0.0,
+        }
+
+    def num_compilations(self) -> int:
+        """How many step variants have been compiled (a steady state adds none)."""
+        return self._step_fn._cache_size()
+
+    def close(self) -> None:
+        """Frees device memory (params and cache); the engine cannot be used afterwards."""
+        for leaf in jax.tree_util.tree_leaves((self.params, self.cache)):
+            leaf.delete()
+        self.params = self.cache = None
+        self._closed = True
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._closed:
+            self.close()

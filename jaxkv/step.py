@@ -1,0 +1,78 @@
+"""The one jitted engine step: model forward over the paged cache, then sampling.
+
+    (params, cache, step_input, sampling_tensors, rng) -> (cache, tokens, logprobs, top_logprobs)
+
+The cache is donated, so its pools are updated in place. Every input is padded on the host to a
+(T tokens, S sequences) bucket (jaxkv/batch.py), so the step compiles once per bucket and never
+again in steady state; ``num_logprobs`` is the only static argument besides the model config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.batch import StepInput
+from jaxkv.cache import PagedKVCache
+from jaxkv.metadata import AttentionMetadata
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import forward
+from jaxkv.sampling import SamplingTensors, sample
+
+_DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                  "block_tables", "logits_indices")
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=list(_DEVICE_FIELDS), meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DeviceStepInput:
+    """The device arrays of a ``batch.StepInput`` (all int32)."""
+
+    token_ids: jax.Array       # [T]
+    positions: jax.Array       # [T]
+    slot_mapping: jax.Array    # [T]
+    query_start_loc: jax.Array  # [S + 1]
+    seq_lens: jax.Array        # [S]
+    block_tables: jax.Array    # [S, max_blocks_per_seq]
+    logits_indices: jax.Array  # [S]
+
+    @classmethod
+    def from_host(cls, step_input: StepInput) -> "DeviceStepInput":
+        return cls(**{f: getattr(step_input, f) for f in _DEVICE_FIELDS})
+
+
+def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False):
+    """Builds the jitted step for one model.
+
+    Args:
+      config: the model's hyper-parameters.
+      attention_impl: ``"reference"`` or ``"pallas"``.
+      interpret: Pallas interpret mode (CPU runs of the kernels).
+
+    Returns:
+      ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
+      num_logprobs=0) -> (cache, tokens int32 [S], logprobs f32 [S], (top_ids int32 [S, N],
+      top_values f32 [S, N]))``, jitted with the cache donated.
+    """
+
+    @partial(jax.jit, donate_argnums=1, static_argnames="num_logprobs")
+    def step(params, cache: PagedKVCache, inputs: DeviceStepInput, sampling: SamplingTensors,
+             rng: jax.Array, *, num_logprobs: int = 0):
+        md = AttentionMetadata(slot_mapping=inputs.slot_mapping,
+                               query_start_loc=inputs.query_start_loc,
+                               seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
+        logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
+                                config=config, logits_indices=inputs.logits_indices,
+                                attention_impl=attention_impl, interpret=interpret)
+        tokens, logprobs, top = sample(logits, sampling, rng, num_logprobs=num_logprobs)
+        return cache, tokens, logprobs, top
+
+    return step
+
+
+def step_rng(seed: int, step_index: int) -> jax.Array:
+    """The engine rng of one step: ``fold_in(PRNGKey(seed), step_index)`` as raw uint32 [2]."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step_index).astype(jnp.uint32)

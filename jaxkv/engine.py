@@ -148,6 +148,7 @@ class LLM:
         self._ids = itertools.count()
         self._num_steps = 0
         self._num_preemptions = 0
+        self._peak_usage = 0.0
         self._num_generated = 0
         self._num_prompt_tokens = 0
         self._busy_time = 0.0
@@ -350,6 +351,7 @@ class LLM:
             if self._apply_stop_strings(sample):
                 stop_hits.add(seq.request_id)
             touched[req.request_id] = req
+        self._peak_usage = max(self._peak_usage, state.block_manager.usage())
         self._state = scheduler.update(state, plan, tokens, finished_ids=frozenset(stop_hits))
         self._busy_time += time.perf_counter() - t0
         finished = self._collect_finished()
@@ -475,7 +477,8 @@ class LLM:
 
         Returns:
           dict with ``kv_blocks_total`` (usable, excluding the null block), ``kv_blocks_used``,
-          ``kv_blocks_free``, ``kv_usage`` (fraction), ``num_running``, ``num_waiting``,
+          ``kv_blocks_free``, ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
+          step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests), ``num_running``, ``num_waiting``,
           ``num_preemptions``, ``num_steps``, ``num_prompt_tokens``, ``num_generated_tokens``,
           ``generation_tokens_per_s`` (generated tokens / time spent in steps).
         """
@@ -486,6 +489,7 @@ class LLM:
             "kv_blocks_used": total - bm.num_free_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_usage": bm.usage(),
+            "kv_usage_peak": self._peak_usage,
             "kv_tokens_live": sum(rs.num_computed_tokens for rs in self._state.requests.values()),
             "num_running": len(self._state.running),
             "num_waiting": len(self._state.waiting),

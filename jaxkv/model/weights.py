@@ -144,3 +144,24 @@ def load_model_files(path_or_name: str | Path) -> LoadedModel:
                                 "config.json, tokenizer.json and safetensors weights)")
     raise ValueError(f"{path}: not a supported model file; supported: a *.gguf file, an HF "
                      f"directory with config.json, or a store name ({', '.join(store.names())})")
+
+
+def load_config(path_or_name: str | Path) -> ModelConfig:
+    """Reads only a model's hyper-parameters (no tensors): for the memory planner.
+
+    Args:
+      path_or_name: a ``*.gguf`` file (metadata only), an HF directory, a ``config.json`` file,
+        or a store name.
+
+    Raises:
+      ValueError: an unsupported file, naming it.
+    """
+    path = store.resolve(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf.config_from_gguf(gguf.open_gguf(path))
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if path.is_dir() and (path / "config.json").is_file():
+        return safetensors_loader.read_hf_config(path)
+    raise ValueError(f"{path}: not a model config; supported: a *.gguf file, an HF directory, "
+                     f"a config.json file, or a store name ({', '.join(store.names())})")

@@ -1,0 +1,228 @@
+"""The ``jaxkv`` command line: ``generate``, ``chat``, ``bench``, ``plan`` (flags named like vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
+]
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` / ``"1.5e9"`` / ``"512MB"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB, 512MB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="store name, .gguf file or HF model directory (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
+                   type=float, default=0.9, help="fraction of device (CPU: host budget) memory")
+    g.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=parse_bytes, default=None,
+                   help="KV pool size (e.g. 2GiB), overrides the utilization sizing")
+    g.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int,
+                   default=None, help="KV pool size in blocks (including the null block)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-impl", choices=["reference", "pallas"], default=None,
+                   help="default: pallas on GPU, reference on CPU")
+    g.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def _make_llm(a):
+    from jaxkv.engine import LLM
+
+    return LLM(a.model, dtype=a.dtype, block_size=a.block_size, max_model_len=a.max_model_len,
+               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+               memory_utilization=a.memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
+               num_kv_blocks=a.num_kv_blocks, seed=a.seed, attention_impl=a.attention_impl,
+               interpret=a.interpret)
+
+
+def _sampling(a):
+    from jaxkv.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                          top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          seed=a.sampling_seed)
+
+
+def _print_stats(llm) -> None:
+    s = llm.stats()
+    print(f"\nKV cache: {s['kv_blocks_total']} usable blocks x {llm.cache_config.block_size} "
+          f"tokens ({llm.memory_plan.kv_cache_bytes / 2**20:.1f} MiB, "
+          f"{llm.memory_plan.kv_cache_dtype}); peak usage {s['kv_usage_peak']:.2%}")
+    print(json.dumps(s, indent=2))
+
+
+def cmd_generate(a) -> int:
+    prompts = a.prompt or DEFAULT_PROMPTS
+    with _make_llm(a) as llm:
+        print(llm.memory_plan.summary())
+        params = _sampling(a)
+        if a.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            print(f"\n### {p!r}\n{c.text}\n[{len(c.token_ids)} tokens, {c.finish_reason}, "
+                  f"TTFT {o.metrics.ttft:.3f}s"
+                  + (f", TPOT {o.metrics.tpot * 1000:.1f}ms]" if o.metrics.tpot else "]"))
+        _print_stats(llm)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    with _make_llm(a) as llm:
+        messages = []
+        lines = [a.message] if a.message else sys.stdin
+        if not a.message:
+            print("chat: type a message, Ctrl-D to quit", file=sys.stderr)
+        for line in lines:
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.strip()})
+            reply = llm.chat(messages, _sampling(a), use_tqdm=False)[0].outputs[0].text
+            messages.append({"role": "assistant", "content": reply})
+            print(f"assistant: {reply}", flush=True)
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from jaxkv.sampling import SamplingParams
+
+    text = Path(a.dataset).read_text(encoding="utf-8")
+    import numpy as np
+
+    rng = np.random.default_rng(a.seed)
+    with _make_llm(a) as llm:
+        ids = llm.tokenizer.encode(text[:200_000])
+        starts = rng.integers(0, len(ids) - a.max_prompt_len, size=a.num_prompts)
+        plens = rng.integers(a.min_prompt_len, a.max_prompt_len + 1, size=a.num_prompts)
+        olens = rng.integers(a.min_output_len, a.max_output_len + 1, size=a.num_prompts)
+        prompts = [{"prompt_token_ids": ids[s:s + n]} for s, n in zip(starts, plens)]
+        params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True) for n in olens]
+        t = time.perf_counter()
+        llm.warmup()
+        warm = time.perf_counter() - t
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(o.prompt_token_ids) for o in outs)
+        result = {"num_prompts": a.num_prompts, "prompt_tokens": n_in, "output_tokens": n_out,
+                  "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
+                  "total_tokens_per_s": (n_in + n_out) / elapsed, "warmup_s": warm,
+                  **llm.stats()}
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_plan(a) -> int:
+    from jaxkv import planner
+    from jaxkv.model.weights import load_config
+
+    config = load_config(a.model)
+    memory = a.device_memory or planner.host_memory_budget()
+    print(f"model: {a.model} ({config.architecture}, {config.num_layers} layers, "
+          f"{config.num_heads} q heads / {config.num_kv_heads} kv heads x {config.head_dim})")
+    print("KV bytes per token:")
+    for kv in planner.KV_CACHE_DTYPES:
+        print(f"  {kv:<10} {planner.kv_bytes_per_token(config, kv):>10,} B")
+    p = planner.plan(config, device_memory_bytes=memory, memory_utilization=a.memory_utilization,
+                     dtype="float32" if a.dtype == "auto" else a.dtype,
+                     kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+                     max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                     max_num_batched_tokens=a.max_num_batched_tokens,
+                     kv_cache_bytes=a.kv_cache_bytes, num_kv_blocks=a.num_kv_blocks)
+    print(p.summary())
+    return 0 if p.runs else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts and print KV-cache statistics")
+    _engine_args(g)
+    _sampling_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: 3 examples")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat with the model (stdin lines, or one --message)")
+    _engine_args(c)
+    _sampling_args(c)
+    c.add_argument("--message", default=None)
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="offline throughput on prompts cut from a text file")
+    _engine_args(b)
+    b.add_argument("--dataset", required=True, help="a text file (e.g. an Austen novel)")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--min-prompt-len", type=int, default=32)
+    b.add_argument("--max-prompt-len", type=int, default=256)
+    b.add_argument("--min-output-len", type=int, default=16)
+    b.add_argument("--max-output-len", type=int, default=256)
+    b.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="store name, .gguf file, HF directory or config.json")
+    p.add_argument("--device-memory", type=parse_bytes, default=None,
+                   help="device memory (e.g. 80GiB); default: the CPU host budget")
+    p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
+                   type=float, default=0.9)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=parse_bytes, default=None)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -380,7 +380,8 @@ def test_gpu_check_dry_run(tmp_path):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["correctness"] and all(r["ok"] for r in report["correctness"])
+    ours, peer = report["correctness"]["ours"], report["correctness"]["peer"]
+    assert len(ours) == 18 and all(r["ok"] for r in ours) and len(peer) == 1
     assert report["decode"] and all(r["ours_ms"] > 0 for r in report["decode"])
     assert report["prefill"] and report["copy_gbps"] > 0
     assert "| batch |" in (tmp_path / "gpu_check.md").read_text()

@@ -1,0 +1,513 @@
+"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill throughput.
+
+Run from the repository root (only jax + numpy needed; finishes in under 8 minutes on an H200):
+
+    PYTHONPATH=. python3 bench/gpu_check.py                 # writes $OUT/gpu_check.{md,json}
+    PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU
+
+Sections:
+  (a) every kernel variant vs jaxkv.attention.paged_attention_reference at real sizes;
+  (b) decode: batch x context x GQA grid, bf16, head_dim 128; achieved GB/s = KV bytes read / time,
+      as a fraction of the device-to-device copy bandwidth measured in the same run, next to the
+      ragged kernel on the same decode batch and jax.experimental.pallas.ops.gpu.paged_attention;
+  (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
+      (pallas ops.gpu.attention.mha with K/V repeated to every head, and
+      jax.nn.dot_product_attention);
+  (d) a small tuning sweep of the kernels' configs, while time is left.
+Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
+output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
+per call. Every section is guarded: a failure is recorded in the report, the script goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _bare_jaxkv_package() -> None:
+    """Lets ``jaxkv.attention`` / ``jaxkv.pallas`` import where only jax + numpy exist.
+
+    Those two modules need nothing else, but ``jaxkv/__init__.py`` re-exports the engine (flax,
+    tqdm, ...), which the GPU machine lacks; then register ``jaxkv`` as a bare package instead.
+    """
+    try:
+        import jaxkv  # noqa: F401
+    except ImportError:
+        package = types.ModuleType("jaxkv")
+        package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "jaxkv")]
+        sys.modules["jaxkv"] = package
+
+
+_bare_jaxkv_package()
+
+from jaxkv.attention import paged_attention_reference  # noqa: E402
+from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,  # noqa: E402
+                          paged_decode_attention, ragged_paged_attention)
+
+TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Problem sizes of one run (real GPU sizes or the dry run's tiny ones)."""
+
+    interpret: bool
+    head_dim: int
+    num_kv_heads: int
+    block_size: int
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    groups: tuple[int, ...]
+    prefill_tokens: int
+    copy_bytes: int
+    reps: int
+    target_s: float          # wall time of one timed repetition (sets the inner loop count)
+    decode_until_s: float    # no new decode measurement starts after this many seconds
+    sweep_until_s: float     # nor a tuning-sweep one (the whole run must stay < 8 minutes)
+    correctness: tuple[dict, ...]
+    sweep_block_kv: tuple[int, ...]
+    sweep_launch: tuple[tuple[int, int], ...]     # (num_warps, num_stages)
+
+
+REAL = Settings(
+    interpret=False, head_dim=128, num_kv_heads=8, block_size=16,
+    batches=(1, 8, 32, 128), contexts=(512, 2048, 8192, 32768), groups=(4, 8),
+    prefill_tokens=8192, copy_bytes=2 << 30, reps=5, target_s=0.02,
+    decode_until_s=300.0, sweep_until_s=400.0,
+    correctness=(
+        dict(q_lens=(1000, 1, 1, 300, 1, 1, 1024, 1),
+             kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768)),
+    ),
+    sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)))
+DRY = Settings(
+    interpret=True, head_dim=16, num_kv_heads=2, block_size=8,
+    batches=(1, 2), contexts=(64,), groups=(4,),
+    prefill_tokens=64, copy_bytes=1 << 20, reps=2, target_s=0.0,
+    decode_until_s=120.0, sweep_until_s=120.0,
+    correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
+    sweep_block_kv=(16,), sweep_launch=((4, 2),))
+
+
+class Clock:
+    """Seconds since the run started."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+def make_paged(key, kv_lens, *, Hkv, D, bs, dtype):
+    """Pools [P, bs, Hkv, D] and int32 block tables from a random permutation of page ids 1.."""
+    blocks = [-(-n // bs) for n in kv_lens]
+    num_blocks = 1 + sum(blocks)
+    max_blocks = max(blocks)
+    perm = np.random.default_rng(0).permutation(np.arange(1, num_blocks)).astype(np.int32)
+    tables = np.zeros((len(kv_lens), max_blocks), np.int32)
+    used = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+    kk, kv = jax.random.split(key)
+    shape = (num_blocks, bs, Hkv, D)
+    return (jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype),
+            jnp.asarray(tables), jnp.asarray(np.asarray(kv_lens, np.int32)))
+
+
+def max_err(got, want):
+    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+
+
+def is_close(got, want, dtype_name):
+    tol = TOL[dtype_name]
+    return bool(np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                            atol=tol["atol"], rtol=tol["rtol"]))
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def looped(fn, inner: int):
+    """jit(q, *rest) -> runs fn ``inner`` times, each call's output (q's shape) the next q.
+
+    Feeding the whole output back keeps every call, and all of each output, live: nothing can be
+    hoisted out of the loop or sliced away.
+    """
+
+    def run(q, *rest):
+        def body(_, q):
+            return fn(q, *rest).reshape(q.shape).astype(q.dtype)
+        return jax.lax.fori_loop(0, inner, body, q)
+
+    return jax.jit(run)
+
+
+def time_op(fn, args, *, settings: Settings, est_s: float):
+    """Per-call seconds of fn(*args): (median, min, max, inner) over settings.reps repetitions."""
+    inner = max(1, min(200, int(settings.target_s / max(est_s, 1e-6))))
+    run = looped(fn, inner)
+    jax.block_until_ready(run(*args))                         # compile + warm up
+    times = []
+    for _ in range(settings.reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append((time.perf_counter() - t0) / inner)
+    return float(np.median(times)), float(min(times)), float(max(times)), inner
+
+
+def copy_bandwidth(settings: Settings) -> float:
+    """Device-to-device copy bandwidth in GB/s: x + 1 reads and writes copy_bytes each."""
+    x = jnp.zeros((settings.copy_bytes // 2,), jnp.bfloat16)
+    est = 2 * settings.copy_bytes / 3e12
+    med, _, _, _ = time_op(lambda x: x + 1, (x,), settings=settings, est_s=est)
+    return 2 * settings.copy_bytes / med / 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# (a) correctness
+# --------------------------------------------------------------------------------------------
+
+
+def check_correctness(settings: Settings, peer, errors: list[str]):
+    """{"ours": rows, "peer": rows}; a failing peer is appended to ``errors``."""
+    rows, peer_rows = [], []
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    Hq = 4 * Hkv
+    variants = [("plain", {}), ("window+sinks", dict(sliding_window=1024 if not settings.interpret else 7,
+                                                     num_sinks=4)),
+                ("softcap", dict(soft_cap=30.0))]
+    for case in settings.correctness:
+        q_lens, kv_lens = case["q_lens"], case["kv_lens"]
+        for dtype in (jnp.bfloat16, jnp.float32):
+            name = jnp.dtype(dtype).name
+            k, v, tables, lens = make_paged(jax.random.key(1), kv_lens, Hkv=Hkv, D=D, bs=bs,
+                                            dtype=dtype)
+            T = sum(q_lens) + 5
+            q = jax.random.normal(jax.random.key(2), (T, Hq, D), dtype)
+            qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+            n = sum(q_lens)
+            S = len(kv_lens)
+            qd = q[:S]
+            qsl_d = jnp.arange(S + 1, dtype=jnp.int32)
+            for label, opts in variants:
+                want = paged_attention_reference(q, k, v, tables, lens, qsl, **opts)
+                got = ragged_paged_attention(q, k, v, tables, lens, qsl, **opts,
+                                             interpret=settings.interpret)
+                rows.append(dict(kernel="ragged", variant=label, dtype=name,
+                                 max_err=max_err(got[:n], want[:n]),
+                                 ok=is_close(got[:n], want[:n], name)
+                                 and bool(jnp.all(got[n:] == 0))))
+                want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d, **opts)
+                for splits in (1, None):
+                    got_d = paged_decode_attention(qd, k, v, tables, lens, num_splits=splits,
+                                                   **opts, interpret=settings.interpret)
+                    rows.append(dict(kernel=f"decode splits={splits or 'auto'}", variant=label,
+                                     dtype=name, max_err=max_err(got_d, want_d),
+                                     ok=is_close(got_d, want_d, name)))
+            if peer is not None and dtype == jnp.bfloat16:
+                want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d)
+                try:
+                    got_p = peer(qd, k, v, tables, lens)
+                    peer_rows.append(dict(kernel="jax paged_attention (peer)", variant="plain",
+                                          dtype=name, max_err=max_err(got_p, want_d),
+                                          ok=is_close(got_p, want_d, name)))
+                except Exception as e:  # noqa: BLE001 - the peer is not under test
+                    errors.append(f"peer correctness: {type(e).__name__}: {str(e)[:200]}")
+    return dict(ours=rows, peer=peer_rows)
+
+
+# --------------------------------------------------------------------------------------------
+# (b) decode bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+def make_peer(settings: Settings):
+    """jax.experimental.pallas.ops.gpu.paged_attention on our NHD pools (transposed to HND)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+    def peer(q, k_nhd, v_nhd, tables, lens, *, k_hnd=None, v_hnd=None):
+        k_hnd = jnp.transpose(k_nhd, (2, 0, 1, 3)) if k_hnd is None else k_hnd
+        v_hnd = jnp.transpose(v_nhd, (2, 0, 1, 3)) if v_hnd is None else v_hnd
+        pages = tables.shape[1]
+        k_splits = math.gcd(16, pages)
+        ppcb = math.gcd(8, pages // k_splits)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return jpa.paged_attention((q * scale).astype(q.dtype), k_hnd, v_hnd, tables, lens,
+                                   k_splits=k_splits, pages_per_compute_block=ppcb,
+                                   interpret=settings.interpret)
+
+    return peer
+
+
+def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> list[dict]:
+    rows = []
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    dtype = jnp.bfloat16
+    for ctx in settings.contexts:
+        max_b = max(settings.batches)
+        if clock.elapsed() > settings.decode_until_s:
+            break
+        k, v, tables_all, _ = make_paged(jax.random.key(ctx), [ctx] * max_b, Hkv=Hkv, D=D,
+                                         bs=bs, dtype=dtype)
+        k_hnd, v_hnd = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        for G in settings.groups:
+            for B in settings.batches:
+                if clock.elapsed() > settings.decode_until_s:
+                    break
+                tables = tables_all[:B]
+                lens = jnp.full((B,), ctx, jnp.int32)
+                q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
+                kv_bytes = B * ctx * Hkv * D * 2 * 2
+                est = kv_bytes / 3e12 + 5e-6
+                row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes)
+                timed = [("ours", lambda q, k, v, t, l: paged_decode_attention(
+                              q, k, v, t, l, interpret=settings.interpret), (q, k, v, tables, lens)),
+                         ("ragged", lambda q, k, v, t, l: ragged_paged_attention(
+                              q, k, v, t, l, jnp.arange(q.shape[0] + 1, dtype=jnp.int32),
+                              interpret=settings.interpret), (q, k, v, tables, lens))]
+                if peer is not None:
+                    timed.append(("peer", lambda q, k, v, t, l: peer(q, None, None, t, l, k_hnd=k,
+                                                                     v_hnd=v),
+                                  (q, k_hnd, v_hnd, tables, lens)))
+                for name, fn, args in timed:
+                    try:
+                        med, lo, hi, inner = time_op(fn, args, settings=settings, est_s=est)
+                        gbps = kv_bytes / med / 1e9
+                        row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
+                                    f"{name}_max_ms": hi * 1e3, f"{name}_gbps": gbps,
+                                    f"{name}_frac_copy": gbps / copy_gbps})
+                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(fmt_decode_row(row), flush=True)
+        del k, v, k_hnd, v_hnd
+        gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (c) prefill
+# --------------------------------------------------------------------------------------------
+
+
+def bench_prefill(settings: Settings) -> list[dict]:
+    D, Hkv, bs, T = settings.head_dim, settings.num_kv_heads, settings.block_size, settings.prefill_tokens
+    Hq = 4 * Hkv
+    dtype = jnp.bfloat16
+    k, v, tables, lens = make_paged(jax.random.key(3), [T], Hkv=Hkv, D=D, bs=bs, dtype=dtype)
+    q = jax.random.normal(jax.random.key(4), (T, Hq, D), dtype)
+    qsl = jnp.asarray([0, T], jnp.int32)
+    pos = jnp.arange(T)
+    k_dense = k[tables[0, pos // bs], pos % bs][None]          # [1, T, Hkv, D]
+    v_dense = v[tables[0, pos // bs], pos % bs][None]
+    scale = 1.0 / math.sqrt(D)
+    flops = 4 * Hq * D * T * (T + 1) / 2                        # causal: QK^T and PV
+    est = flops / 300e12
+    cases = [("jaxkv ragged (paged)", lambda q, k, v: ragged_paged_attention(
+        q, k, v, tables, lens, qsl, interpret=settings.interpret), (q, k, v))]
+    for cfg in (RaggedConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2),
+                RaggedConfig(block_q=16, block_kv=128, num_warps=8, num_stages=3)):
+        cases.append((f"jaxkv ragged {cfg}", functools.partial(
+            lambda q, k, v, cfg: ragged_paged_attention(q, k, v, tables, lens, qsl, config=cfg,
+                                                        interpret=settings.interpret), cfg=cfg),
+            (q, k, v)))
+
+    def mha(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention
+        G = Hq // Hkv
+        return attention.mha(q[None], jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), None,
+                             sm_scale=scale, causal=True, interpret=settings.interpret)
+
+    impl = "xla" if settings.interpret else "cudnn"
+
+    def dpa(q, k, v):
+        return jax.nn.dot_product_attention(q[None], k, v, scale=scale, is_causal=True,
+                                            implementation=impl)
+
+    cases += [("pallas ops.gpu.attention.mha (dense, K/V repeated)", mha, (q, k_dense, v_dense)),
+              (f"jax.nn.dot_product_attention (dense, {impl})", dpa, (q, k_dense, v_dense))]
+    rows = []
+    for name, fn, args in cases:
+        row = dict(kernel=name, tokens=T, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+        try:
+            med, lo, hi, _ = time_op(fn, args, settings=settings, est_s=est)
+            row.update(ms=med * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3, tflops=flops / med / 1e12)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (d) tuning sweep
+# --------------------------------------------------------------------------------------------
+
+
+def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    rows = []
+    shapes = [(8, settings.contexts[-1]), (max(settings.batches), settings.contexts[0])]
+    for B, ctx in shapes:
+        k, v, tables, lens = make_paged(jax.random.key(5), [ctx] * B, Hkv=Hkv, D=D, bs=bs,
+                                        dtype=jnp.bfloat16)
+        q = jax.random.normal(jax.random.key(6), (B, 4 * Hkv, D), jnp.bfloat16)
+        kv_bytes = B * ctx * Hkv * D * 4
+        for block_kv in settings.sweep_block_kv:
+            for num_warps, num_stages in settings.sweep_launch:
+                auto = default_num_splits(B, Hkv, ctx, block_kv)
+                for splits in (None, 2 * auto):
+                    if clock.elapsed() > settings.sweep_until_s:
+                        return rows
+                    cfg = DecodeConfig(block_kv=block_kv, num_warps=num_warps,
+                                       num_stages=num_stages)
+                    row = dict(batch=B, context=ctx, config=str(cfg), num_splits=splits or "auto")
+                    try:
+                        fn = functools.partial(
+                            lambda q, k, v, t, l, cfg, splits: paged_decode_attention(
+                                q, k, v, t, l, config=cfg, num_splits=splits,
+                                interpret=settings.interpret), cfg=cfg, splits=splits)
+                        med, _, _, _ = time_op(fn, (q, k, v, tables, lens), settings=settings,
+                                               est_s=kv_bytes / 3e12)
+                        row.update(ms=med * 1e3, gbps=kv_bytes / med / 1e9,
+                                   frac_copy=kv_bytes / med / 1e9 / copy_gbps)
+                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    rows.append(row)
+                    print(row, flush=True)
+        del k, v
+        gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(row, name, key, spec):
+    if f"{name}_error" in row:
+        return "error"
+    return format(row[f"{name}_{key}"], spec) if f"{name}_{key}" in row else "-"
+
+
+def fmt_decode_row(row) -> str:
+    cells = [str(row["batch"]), str(row["context"]), str(row["group"])]
+    for name in ("ours", "ragged", "peer"):
+        cells += [_cell(row, name, "ms", ".4f"),
+                  f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",
+                  _cell(row, name, "gbps", ".0f"), _cell(row, name, "frac_copy", ".2f")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(report) -> str:
+    lines = [f"# jaxkv GPU check — {report['device']}, jax {report['jax']}", "",
+             f"Device-to-device copy bandwidth: **{report['copy_gbps']:.0f} GB/s**; "
+             f"run took {report['elapsed_s']:.0f} s.", "", "## (a) correctness vs reference", "",
+             "| kernel | variant | dtype | max abs err | ok |", "|---|---|---|---|---|"]
+    lines += [f"| {r['kernel']} | {r['variant']} | {r['dtype']} | {r['max_err']:.2e} | {r['ok']} |"
+              for rows in report["correctness"].values() for r in rows]
+    lines += ["", f"## (b) decode, bf16, head_dim {report['head_dim']} (ms per call: median, "
+              "min–max; GB/s = KV bytes / time; frac = of copy bandwidth; ragged = the ragged "
+              "kernel on the same decode batch; peer = jax ops.gpu.paged_attention)", "",
+              "| batch | context | GQA | ours ms | spread | GB/s | frac | ragged ms | spread | GB/s "
+              "| frac | peer ms | spread | GB/s | frac |",
+              "|" + "---|" * 15]
+    lines += [fmt_decode_row(r) for r in report["decode"]]
+    lines += ["", "## (c) prefill (one causal prompt)", "",
+              "| kernel | tokens | ms | min–max | TFLOP/s |", "|---|---|---|---|---|"]
+    for r in report["prefill"]:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['tokens']} | error: {r['error']} | | |")
+        else:
+            lines.append(f"| {r['kernel']} | {r['tokens']} | {r['ms']:.3f} | "
+                         f"{r['min_ms']:.3f}–{r['max_ms']:.3f} | {r['tflops']:.1f} |")
+    lines += ["", "## (d) decode config sweep", "", "| batch | context | config | splits | ms | GB/s "
+              "| frac |", "|---|---|---|---|---|---|---|"]
+    for r in report["sweep"]:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
+                         f"| error: {r['error']} | | |")
+        else:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
+                         f"| {r['ms']:.4f} | {r['gbps']:.0f} | {r['frac_copy']:.2f} |")
+    if report["errors"]:
+        lines += ["", "## errors", ""] + [f"* {e}" for e in report["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(report, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny sizes in Pallas interpret mode on CPU (CI smoke test)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"),
+                        help="output folder (default $OUT, else ./out)")
+    args = parser.parse_args(argv)
+    settings = DRY if args.dry_run else REAL
+    clock = Clock()
+    device = jax.devices()[0]
+    report = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
+                  python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
+                  head_dim=settings.head_dim, correctness=dict(ours=[], peer=[]), decode=[], prefill=[],
+                  sweep=[], errors=[], elapsed_s=0.0)
+
+    def section(key, fn):
+        try:
+            report[key] = fn()
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            traceback.print_exc()
+            report["errors"].append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
+        report["elapsed_s"] = clock.elapsed()
+        write(report, args.out)
+
+    try:
+        peer = make_peer(settings)
+    except Exception as e:  # noqa: BLE001 - the peer is optional
+        peer = None
+        report["errors"].append(f"peer import: {type(e).__name__}: {e}")
+    section("copy_gbps", lambda: copy_bandwidth(settings))
+    print(f"copy bandwidth {report['copy_gbps']:.0f} GB/s", flush=True)
+    section("correctness", lambda: check_correctness(settings, peer, report["errors"]))
+    copy_gbps = report["copy_gbps"] or 1.0
+    section("decode", lambda: bench_decode(settings, clock, peer, copy_gbps))
+    section("prefill", lambda: bench_prefill(settings))
+    section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
+    print(markdown(report))
+    ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -122,7 +122,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     tok_tables = tables[seq_idx]                                  # [T, num_chunks * chunk]
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale      # [T, Hkv, G, D]
 
-    def body(carry, c):
+    def body(c, carry):
         m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
         ids = jax.lax.dynamic_slice_in_dim(tok_tables, c * chunk, chunk, axis=1)   # [T, chunk]
         k = k_pages[ids].reshape(T, chunk * bs, Hkv, D).astype(jnp.float32)
@@ -140,11 +140,13 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + p.sum(-1)
         acc = alpha[..., None] * acc + jnp.einsum("thgn,tnhd->thgd", p, v)
-        return (m_new, l, acc), None
+        return m_new, l, acc
 
     init = (jnp.full((T, Hkv, G), -jnp.inf, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
             jnp.zeros((T, Hkv, G, D), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(body, init, jnp.arange(num_chunks))
+    # walk only the chunks that hold a live position of some sequence (a data-dependent bound)
+    num_live = jnp.minimum((jnp.max(seq_lens) + chunk * bs - 1) // (chunk * bs), num_chunks)
+    m, l, acc = jax.lax.fori_loop(0, num_live, body, init)
     out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
     out = out.reshape(T, Hq, D).astype(q.dtype)
     if not return_lse:

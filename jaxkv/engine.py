@@ -151,7 +151,8 @@ class LLM:
         self._peak_usage = 0.0
         self._num_generated = 0
         self._num_prompt_tokens = 0
-        self._busy_time = 0.0
+        self._busy_time = 0.0      # seconds inside step()
+        self._device_time = 0.0    # of which: the jitted step until its tokens reach the host
         self._closed = False
         if warmup:
             self.warmup()
@@ -315,12 +316,14 @@ class LLM:
             prompt_token_ids=[rs.request.prompt_token_ids for rs in live],
             output_token_ids=[rs.output_token_ids for rs in live],
             eos_token_ids=self.tokenizer.eos_token_ids, pad_to=len(inputs.seq_lens))
+        t_device = time.perf_counter()
         self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
             self.params, self.cache, DeviceStepInput.from_host(inputs), sampling,
             step_rng(self._seed, self._num_steps), num_logprobs=num_logprobs)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         top_ids, top_vals = np.asarray(top_ids), np.asarray(top_vals)
         now = time.perf_counter()
+        self._device_time += now - t_device
         self._num_steps += 1
         touched: dict[str, _Request] = {}
         stop_hits = set()
@@ -480,7 +483,9 @@ class LLM:
           ``kv_blocks_free``, ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
           step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests), ``num_running``, ``num_waiting``,
           ``num_preemptions``, ``num_steps``, ``num_prompt_tokens``, ``num_generated_tokens``,
-          ``generation_tokens_per_s`` (generated tokens / time spent in steps).
+          ``generation_tokens_per_s`` (generated tokens / time spent in steps),
+          ``host_time_fraction`` (share of step time spent on the host: scheduling, batch
+          building, sampling tensors, detokenization; the rest is the jitted step).
         """
         bm = self._state.block_manager
         total = self.cache_config.num_usable_blocks
@@ -498,6 +503,8 @@ class LLM:
             "num_prompt_tokens": self._num_prompt_tokens,
             "num_generated_tokens": self._num_generated,
             "generation_tokens_per_s": self._num_generated / self._busy_time
+            if self._busy_time else 0.0,
+            "host_time_fraction": 1.0 - self._device_time / self._busy_time
             if self._busy_time else 0.0,
         }
 

@@ -1,4 +1,4 @@
-"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill throughput.
+"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill speed.
 
 Run from the repository root (only jax + numpy needed; finishes in under 8 minutes on an H200):
 
@@ -197,8 +197,8 @@ def check_correctness(settings: Settings, peer, errors: list[str]):
     rows, peer_rows = [], []
     D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
     Hq = 4 * Hkv
-    variants = [("plain", {}), ("window+sinks", dict(sliding_window=1024 if not settings.interpret else 7,
-                                                     num_sinks=4)),
+    window = 7 if settings.interpret else 1024
+    variants = [("plain", {}), ("window+sinks", dict(sliding_window=window, num_sinks=4)),
                 ("softcap", dict(soft_cap=30.0))]
     for case in settings.correctness:
         q_lens, kv_lens = case["q_lens"], case["kv_lens"]
@@ -231,7 +231,7 @@ def check_correctness(settings: Settings, peer, errors: list[str]):
             if peer is not None and dtype == jnp.bfloat16:
                 want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d)
                 try:
-                    got_p = peer(qd, k, v, tables, lens)
+                    got_p = peer(qd, to_hnd(k), to_hnd(v), tables, lens)
                     peer_rows.append(dict(kernel="jax paged_attention (peer)", variant="plain",
                                           dtype=name, max_err=max_err(got_p, want_d),
                                           ok=is_close(got_p, want_d, name)))
@@ -245,13 +245,22 @@ def check_correctness(settings: Settings, peer, errors: list[str]):
 # --------------------------------------------------------------------------------------------
 
 
+def to_hnd(pool):
+    """[P, bs, Hkv, D] (ours, NHD) -> [Hkv, P, bs, D] (the peer's HND layout)."""
+    return jnp.transpose(pool, (2, 0, 1, 3))
+
+
+def ragged_decode(q, k, v, tables, lens, *, interpret):
+    """The ragged kernel on a decode batch: one query token per sequence."""
+    qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    return ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=interpret)
+
+
 def make_peer(settings: Settings):
-    """jax.experimental.pallas.ops.gpu.paged_attention on our NHD pools (transposed to HND)."""
+    """jax.experimental.pallas.ops.gpu.paged_attention(q, k_hnd, v_hnd, tables, lens)."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
-    def peer(q, k_nhd, v_nhd, tables, lens, *, k_hnd=None, v_hnd=None):
-        k_hnd = jnp.transpose(k_nhd, (2, 0, 1, 3)) if k_hnd is None else k_hnd
-        v_hnd = jnp.transpose(v_nhd, (2, 0, 1, 3)) if v_hnd is None else v_hnd
+    def peer(q, k_hnd, v_hnd, tables, lens):
         pages = tables.shape[1]
         k_splits = math.gcd(16, pages)
         ppcb = math.gcd(8, pages // k_splits)
@@ -273,7 +282,7 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
             break
         k, v, tables_all, _ = make_paged(jax.random.key(ctx), [ctx] * max_b, Hkv=Hkv, D=D,
                                          bs=bs, dtype=dtype)
-        k_hnd, v_hnd = jnp.transpose(k, (2, 0, 1, 3)), jnp.transpose(v, (2, 0, 1, 3))
+        k_hnd, v_hnd = to_hnd(k), to_hnd(v)
         for G in settings.groups:
             for B in settings.batches:
                 if clock.elapsed() > settings.decode_until_s:
@@ -284,15 +293,12 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
                 kv_bytes = B * ctx * Hkv * D * 2 * 2
                 est = kv_bytes / 3e12 + 5e-6
                 row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes)
-                timed = [("ours", lambda q, k, v, t, l: paged_decode_attention(
-                              q, k, v, t, l, interpret=settings.interpret), (q, k, v, tables, lens)),
-                         ("ragged", lambda q, k, v, t, l: ragged_paged_attention(
-                              q, k, v, t, l, jnp.arange(q.shape[0] + 1, dtype=jnp.int32),
-                              interpret=settings.interpret), (q, k, v, tables, lens))]
+                ours = functools.partial(paged_decode_attention, interpret=settings.interpret)
+                ragged = functools.partial(ragged_decode, interpret=settings.interpret)
+                timed = [("ours", ours, (q, k, v, tables, lens)),
+                         ("ragged", ragged, (q, k, v, tables, lens))]
                 if peer is not None:
-                    timed.append(("peer", lambda q, k, v, t, l: peer(q, None, None, t, l, k_hnd=k,
-                                                                     v_hnd=v),
-                                  (q, k_hnd, v_hnd, tables, lens)))
+                    timed.append(("peer", peer, (q, k_hnd, v_hnd, tables, lens)))
                 for name, fn, args in timed:
                     try:
                         med, lo, hi, inner = time_op(fn, args, settings=settings, est_s=est)
@@ -315,7 +321,8 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
 
 
 def bench_prefill(settings: Settings) -> list[dict]:
-    D, Hkv, bs, T = settings.head_dim, settings.num_kv_heads, settings.block_size, settings.prefill_tokens
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    T = settings.prefill_tokens
     Hq = 4 * Hkv
     dtype = jnp.bfloat16
     k, v, tables, lens = make_paged(jax.random.key(3), [T], Hkv=Hkv, D=D, bs=bs, dtype=dtype)
@@ -327,14 +334,12 @@ def bench_prefill(settings: Settings) -> list[dict]:
     scale = 1.0 / math.sqrt(D)
     flops = 4 * Hq * D * T * (T + 1) / 2                        # causal: QK^T and PV
     est = flops / 300e12
-    cases = [("jaxkv ragged (paged)", lambda q, k, v: ragged_paged_attention(
-        q, k, v, tables, lens, qsl, interpret=settings.interpret), (q, k, v))]
-    for cfg in (RaggedConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2),
-                RaggedConfig(block_q=16, block_kv=128, num_warps=8, num_stages=3)):
-        cases.append((f"jaxkv ragged {cfg}", functools.partial(
-            lambda q, k, v, cfg: ragged_paged_attention(q, k, v, tables, lens, qsl, config=cfg,
-                                                        interpret=settings.interpret), cfg=cfg),
-            (q, k, v)))
+    paged_args = (q, k, v, tables, lens, qsl)
+    cases = [(f"jaxkv ragged (paged) {cfg or 'default'}",
+              functools.partial(ragged_paged_attention, config=cfg, interpret=settings.interpret),
+              paged_args)
+             for cfg in (None, RaggedConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2),
+                         RaggedConfig(block_q=16, block_kv=128, num_warps=8, num_stages=3))]
 
     def mha(q, k, v):
         from jax.experimental.pallas.ops.gpu import attention
@@ -387,10 +392,8 @@ def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
                                        num_stages=num_stages)
                     row = dict(batch=B, context=ctx, config=str(cfg), num_splits=splits or "auto")
                     try:
-                        fn = functools.partial(
-                            lambda q, k, v, t, l, cfg, splits: paged_decode_attention(
-                                q, k, v, t, l, config=cfg, num_splits=splits,
-                                interpret=settings.interpret), cfg=cfg, splits=splits)
+                        fn = functools.partial(paged_decode_attention, config=cfg,
+                                               num_splits=splits, interpret=settings.interpret)
                         med, _, _, _ = time_op(fn, (q, k, v, tables, lens), settings=settings,
                                                est_s=kv_bytes / 3e12)
                         row.update(ms=med * 1e3, gbps=kv_bytes / med / 1e9,
@@ -434,8 +437,8 @@ def markdown(report) -> str:
     lines += ["", f"## (b) decode, bf16, head_dim {report['head_dim']} (ms per call: median, "
               "min–max; GB/s = KV bytes / time; frac = of copy bandwidth; ragged = the ragged "
               "kernel on the same decode batch; peer = jax ops.gpu.paged_attention)", "",
-              "| batch | context | GQA | ours ms | spread | GB/s | frac | ragged ms | spread | GB/s "
-              "| frac | peer ms | spread | GB/s | frac |",
+              "| batch | context | GQA | ours ms | spread | GB/s | frac | ragged ms | spread "
+              "| GB/s | frac | peer ms | spread | GB/s | frac |",
               "|" + "---|" * 15]
     lines += [fmt_decode_row(r) for r in report["decode"]]
     lines += ["", "## (c) prefill (one causal prompt)", "",
@@ -446,8 +449,8 @@ def markdown(report) -> str:
         else:
             lines.append(f"| {r['kernel']} | {r['tokens']} | {r['ms']:.3f} | "
                          f"{r['min_ms']:.3f}–{r['max_ms']:.3f} | {r['tflops']:.1f} |")
-    lines += ["", "## (d) decode config sweep", "", "| batch | context | config | splits | ms | GB/s "
-              "| frac |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "## (d) decode config sweep", "",
+              "| batch | context | config | splits | ms | GB/s | frac |", "|" + "---|" * 7]
     for r in report["sweep"]:
         if "error" in r:
             lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
@@ -480,8 +483,8 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     report = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
-                  head_dim=settings.head_dim, correctness=dict(ours=[], peer=[]), decode=[], prefill=[],
-                  sweep=[], errors=[], elapsed_s=0.0)
+                  head_dim=settings.head_dim, correctness=dict(ours=[], peer=[]), decode=[],
+                  prefill=[], sweep=[], errors=[], elapsed_s=0.0)
 
     def section(key, fn):
         try:

@@ -22,6 +22,9 @@ from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_nu
                           default_ragged_config, paged_decode_attention, ragged_paged_attention)
 from jaxkv.pallas.ragged import _tile_schedule
 
+# jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernels use it on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # max |kernel - reference| allowed, by the dtype of q and the pools
@@ -114,7 +117,7 @@ def test_ragged_bf16():
 
 
 def test_dispatch_impl_pallas_under_jit():
-    """attention.paged_attention(impl="pallas") runs the kernel; traced metadata skip host checks."""
+    """paged_attention(impl="pallas") runs the kernel; traced metadata skip the host checks."""
     rng = np.random.default_rng(3)
     batch = make_batch(rng, [4, 1], [9, 30], Hq=4, Hkv=2, D=16, bs=8)
     f = jax.jit(functools.partial(paged_attention, impl="pallas", interpret=True, soft_cap=20.0))
@@ -257,8 +260,10 @@ def _with(batch, **changes):
     (lambda b: dict(q=b["q"].astype(jnp.bfloat16)), "share one dtype"),
     (lambda b: dict(v_pages=b["v_pages"][:-1]), "k_pages/v_pages"),
     (lambda b: dict(seq_lens=b["seq_lens"].astype(jnp.int16)), "seq_lens must be int32"),
-    (lambda b: dict(block_tables=b["block_tables"].astype(jnp.float32)), "block_tables must be int32"),
-    (lambda b: dict(query_start_loc=b["query_start_loc"].astype(jnp.uint32)), "query_start_loc must be int32"),
+    (lambda b: dict(block_tables=b["block_tables"].astype(jnp.float32)),
+     "block_tables must be int32"),
+    (lambda b: dict(query_start_loc=b["query_start_loc"].astype(jnp.uint32)),
+     "query_start_loc must be int32"),
     (lambda b: dict(query_start_loc=b["query_start_loc"][:-1]), "query_start_loc must be"),
     (lambda b: dict(block_tables=b["block_tables"].at[1, 0].set(b["k_pages"].shape[0])),
      r"block_tables\[1, 0\]"),
@@ -374,7 +379,8 @@ def test_configs_lower_to_cuda():
 
 
 def test_gpu_check_dry_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
+    path = os.path.join(ROOT, "bench", "gpu_check.py")
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = gpu_check
     spec.loader.exec_module(gpu_check)

@@ -1,4 +1,4 @@
-"""Ragged paged attention on GPU: one Pallas launch (Triton lowering) for prefill chunks and decodes.
+"""Ragged paged attention on GPU: one Pallas (Triton) launch for prefill chunks and decodes.
 
 The specification is ``jaxkv.attention.paged_attention_reference``; the kernel computes the same
 thing for a ragged batch (see jaxkv/attention.py for the token layout and the masks).
@@ -82,7 +82,8 @@ class RaggedConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
 
-def default_ragged_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) -> RaggedConfig:
+def default_ragged_config(num_tokens: int, num_seqs: int, group: int,
+                          head_dim: int) -> RaggedConfig:
     """Block sizes by shape: 16-row tiles for decode-heavy steps, 64-row tiles for prefill.
 
     Args:

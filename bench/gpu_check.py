@@ -32,32 +32,14 @@ import platform
 import sys
 import time
 import traceback
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _bare_jaxkv_package() -> None:
-    """Lets ``jaxkv.attention`` / ``jaxkv.pallas`` import where only jax + numpy exist.
-
-    Those two modules need nothing else, but ``jaxkv/__init__.py`` re-exports the engine (flax,
-    tqdm, ...), which the GPU machine lacks; then register ``jaxkv`` as a bare package instead.
-    """
-    try:
-        import jaxkv  # noqa: F401
-    except ImportError:
-        package = types.ModuleType("jaxkv")
-        package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "jaxkv")]
-        sys.modules["jaxkv"] = package
-
-
-_bare_jaxkv_package()
-
-from jaxkv.attention import paged_attention_reference  # noqa: E402
-from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,  # noqa: E402
+from jaxkv.attention import paged_attention_reference
+from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
                           paged_decode_attention, ragged_paged_attention)
 
 TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}

@@ -1,16 +1,34 @@
 """jaxkv: a JAX/Pallas LLM inference engine built around paged KV-cache memory management.
 
 The public API is small: ``LLM`` (the engine), ``SamplingParams``, the outputs, the configs and
-the memory planner. Importing jaxkv never imports torch or transformers.
+the memory planner. The names are imported on first use, so ``import jaxkv.pallas`` (the GPU
+check on a machine with only jax and numpy) does not pull in flax, the tokenizer or tqdm.
+Importing jaxkv never imports torch or transformers.
 """
 
-from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.engine import LLM
-from jaxkv.model.config import ModelConfig
-from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxkv.planner import MemoryPlan, plan
-from jaxkv.sampling import SamplingParams
+import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "CacheConfig", "SchedulerConfig", "ModelConfig", "MemoryPlan", "plan"]
+_EXPORTS = {
+    "LLM": "jaxkv.engine",
+    "SamplingParams": "jaxkv.sampling",
+    "RequestOutput": "jaxkv.outputs",
+    "CompletionOutput": "jaxkv.outputs",
+    "RequestMetrics": "jaxkv.outputs",
+    "CacheConfig": "jaxkv.config",
+    "SchedulerConfig": "jaxkv.config",
+    "ModelConfig": "jaxkv.model.config",
+    "MemoryPlan": "jaxkv.planner",
+    "plan": "jaxkv.planner",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxkv' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__ + ["__version__"])

@@ -9,20 +9,23 @@ import pytest
 from jaxkv import cli
 
 
+def imported_after(statement, modules):
+    """Which of ``modules`` a fresh interpreter has imported after running ``statement``."""
+    code = (f"import json, sys; {statement}; "
+            f"print(json.dumps(sorted(m for m in {modules!r} if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out)
+
+
 def test_import_jaxkv_does_not_import_torch_or_transformers():
-    code = ("import sys, jaxkv; from jaxkv import LLM, SamplingParams, plan; "
-            "print(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True,
-                         text=True, check=True).stdout
-    assert json.loads(out) == []
+    assert imported_after("import jaxkv; from jaxkv import LLM, SamplingParams, plan",
+                          ("torch", "transformers")) == []
 
 
 def test_import_pallas_needs_only_jax():
-    code = ("import sys, jaxkv.pallas, jaxkv.attention; "
-            "print(json.dumps(sorted(m for m in ('flax', 'tqdm', 'tokenizers') if m in sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True,
-                         text=True, check=True).stdout
-    assert json.loads(out) == []
+    assert imported_after("import jaxkv.pallas, jaxkv.attention",
+                          ("flax", "tqdm", "tokenizers")) == []
 
 
 def test_help_lists_the_subcommands(capsys):

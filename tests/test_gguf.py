@@ -15,10 +15,9 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFBackend
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conftest import AUSTEN_DIR
+from tiny_models import train_bpe
 from jaxkv.model import store
 from jaxkv.model.weights import load_model_files
 
@@ -76,20 +75,6 @@ def encode(w, qtype):
         return np.zeros((w.shape[0], w.shape[1] // block * type_size), np.uint8), qtype, None
     raw = gguf.quants.quantize(w, qtype)
     return raw, qtype, decoders[qtype](raw, w.shape[0])
-
-
-def train_bpe(text, vocab_size=400):
-    """A small byte-level BPE with SmolLM2's pre-tokenizer (digits split one by one)."""
-    tok = HFBackend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.train_from_iterator([text], trainer=trainer)
-    return tok
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
 """Tiny HF checkpoints written by transformers itself (the parity oracle), with a trained tokenizer.
 
+torch and transformers are imported inside the writers, so torch-free tests can use ``train_bpe``.
+
 ``save_tokenizer`` trains a small byte-level BPE (SmolLM2-style pre-tokenizer) on Austen text and
 saves it as an HF tokenizer directory; ``save_tiny_model`` writes a random tiny Llama / Qwen2 /
 Mistral beside it, so ``jaxkv.LLM(model=dir)`` and ``transformers`` load the very same files.
 """
 
-import torch
-import transformers
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -19,8 +19,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS_IDS = [2, 0]
-CONFIG_CLASSES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                  "mistral": transformers.MistralConfig}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 
 
 def austen_text(n_chars=20_000, book="emma.txt"):
@@ -43,6 +42,8 @@ def train_bpe(text, vocab_size=400):
 
 def save_tokenizer(path, text=None, vocab_size=400):
     """Writes tokenizer.json, tokenizer_config.json (chat template) and generation_config.json."""
+    import transformers
+
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(text or austen_text(), vocab_size), bos_token="<|im_start|>",
         eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|endoftext|>")
@@ -52,13 +53,17 @@ def save_tokenizer(path, text=None, vocab_size=400):
     return path
 
 
-def save_tiny_model(path, kind="llama", *, seed=0, dtype=torch.float32, **overrides):
+def save_tiny_model(path, kind="llama", *, seed=0, dtype=None, **overrides):
     """Writes config.json + model.safetensors of a random tiny model; returns the torch model."""
+    import torch
+    import transformers
+
     fields = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=EOS_IDS)
     torch.manual_seed(seed)
-    config = CONFIG_CLASSES[kind](**{**fields, **overrides}, attn_implementation="eager")
-    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    config = getattr(transformers, CONFIG_CLASSES[kind])(**{**fields, **overrides},
+                                                         attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype or torch.float32).eval()
     model.save_pretrained(path)
     return model

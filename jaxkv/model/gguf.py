@@ -94,7 +94,8 @@ def open_gguf(path: str | Path) -> gguf.GGUFReader:
         raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
 
 
-def _field(reader: gguf.GGUFReader, key: str, default=KeyError):
+def metadata_field(reader: gguf.GGUFReader, key: str, default=KeyError):
+    """The value of GGUF metadata ``key``; ``default`` when absent, else a ValueError naming it."""
     f = reader.fields.get(key)
     if f is None:
         if default is KeyError:
@@ -114,37 +115,37 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         (the message names the file and the field).
     """
     file = reader.data.filename
-    arch = _field(reader, "general.architecture")
+    arch = metadata_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"{file}: general.architecture={arch!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = metadata_field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{file}: RoPE scaling ({arch}.rope.scaling.type={scaling!r} or a "
                          "rope_freqs tensor) is not supported for GGUF; supported: none")
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    hidden = int(metadata_field(reader, f"{arch}.embedding_length"))
+    heads = int(metadata_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(metadata_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    rope_dim = int(metadata_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"{file}: {arch}.rope.dimension_count={rope_dim} != head_dim={head_dim}; "
                          "partial rotary embeddings are not supported")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else _field(reader, f"{arch}.vocab_size")
-    eos = [_field(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None)
+    vocab = len(tokens.data) if tokens is not None else metadata_field(reader, f"{arch}.vocab_size")
+    eos = [metadata_field(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
+    bos = metadata_field(reader, "tokenizer.ggml.bos_token_id", None)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(metadata_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(metadata_field(reader, f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=int(metadata_field(reader, f"{arch}.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        rms_norm_eps=float(metadata_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(metadata_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(metadata_field(reader, f"{arch}.context_length")),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
         bos_token_id=None if bos is None else int(bos),

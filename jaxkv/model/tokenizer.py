@@ -176,13 +176,10 @@ class Tokenizer:
         Raises:
           ValueError: missing fields, or a tokenizer model / pre-tokenizer we do not support.
         """
+        from jaxkv.model.gguf import metadata_field
+
         def field(key: str, default: Any = KeyError):
-            f = reader.fields.get(key)
-            if f is None:
-                if default is KeyError:
-                    raise ValueError(f"{reader.data.filename}: GGUF metadata {key!r} is missing")
-                return default
-            return f.contents()
+            return metadata_field(reader, key, default)
 
         model = field("tokenizer.ggml.model")
         if model not in SUPPORTED_GGUF_TOKENIZER_MODELS:

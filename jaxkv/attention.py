@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxkv.cache import read_pages
+
 ATTENTION_IMPLS = ("reference", "pallas")
 
 
@@ -91,7 +93,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
     Args:
       q: [T, num_heads, head_dim] queries of every token of the step (padding after qsl[-1]).
-      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool.
+      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool, an
+        array or a ``jaxkv.cache.QuantizedPages`` (dequantized block by block, see
+        ``jaxkv.cache.read_pages``).
       block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens.
       query_start_loc: int32 [S + 1] cumulative query lengths.
@@ -125,8 +129,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     def body(c, carry):
         m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
         ids = jax.lax.dynamic_slice_in_dim(tok_tables, c * chunk, chunk, axis=1)   # [T, chunk]
-        k = k_pages[ids].reshape(T, chunk * bs, Hkv, D).astype(jnp.float32)
-        v = v_pages[ids].reshape(T, chunk * bs, Hkv, D).astype(jnp.float32)
+        k = read_pages(k_pages, ids).reshape(T, chunk * bs, Hkv, D)   # f32, dequantized
+        v = read_pages(v_pages, ids).reshape(T, chunk * bs, Hkv, D)
         s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -18,6 +18,28 @@ A token's KV lives at a *slot* ``slot = block_id * block_size + offset``:
 
 Block 0 is the null block: ``slot_mapping`` of padding tokens points into it and padded block-table
 entries are 0, so no index ever leaves the pool; sequence lengths mask whatever it holds.
+
+Quantized caches (``kv_cache_dtype`` fp8_e4m3, fp8_e5m2, int8, int4, int2) hold a ``QuantizedPages``
+per layer and K/V instead of the plain array; its codes keep the NHD page layout, with the last
+axis packed for int4/int2 (see jaxkv/quant.py for the bit layout):
+
+    data   [num_blocks, block_size, kv_heads, head_dim * bits / 8]     codes
+    scale  per token:   [num_blocks, block_size, kv_heads, head_dim / G]  (fp8, int8, KIVI values)
+           per channel: [num_blocks, 1,          kv_heads, head_dim]      (KIVI keys: one group =
+                                                                           the tokens of a block)
+
+KIVI residual (int4/int2): a block is quantized only when it *seals* (its last slot is written),
+so its per-channel key statistics cover all its tokens. Until then its tokens live in full
+precision in a small residual pool whose slots are handed out on device:
+
+    res_slot[block] = r > 0   ->  residual[r] holds the block (unsealed tail of a sequence)
+    res_slot[block] = 0       ->  the block is sealed: read data/scale/zero
+    res_owner[r] = block (0 = free),  res_stamp[r] = clock of the last write into slot r
+
+A block that needs a slot takes a free one, else the least recently written slot not touched in
+this step (a stale tail of a finished or preempted sequence). Slot 0 is a null slot. With at
+least ``max_num_seqs + 1`` slots every running sequence's tail fits as long as each running
+sequence is scheduled in every step (the engine's continuous batching does this).
 """
 
 from __future__ import annotations
@@ -28,6 +50,72 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxkv import quant
+
+
+KV_CACHE_QUANT_DTYPES = tuple(quant.KV_QUANT_FORMATS)
+FLOAT_KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+KIVI_GROUP_SIZE = 32      # channels per value group (KIVI's G)
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["data", "scale", "zero", "residual", "res_slot", "res_owner", "res_stamp",
+                      "clock"],
+         meta_fields=["fmt", "axis", "group_size", "residual_full_precision", "static_scale",
+                      "head_dim"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """One layer's quantized K (or V) pool; see the module docstring for the layout.
+
+    Attributes:
+      data: codes [num_blocks, block_size, kv_heads, head_dim * bits / 8] (fp8/int8/uint8).
+      scale: bf16 [num_blocks, block_size, kv_heads, head_dim / G] (``axis="token"``) or
+        [num_blocks, 1, kv_heads, head_dim] (``axis="channel"``); None with a static scale.
+      zero: like ``scale`` (asymmetric int4/int2), else None.
+      residual: [num_res, block_size, kv_heads, head_dim] full precision (int4/int2), else None.
+      res_slot: int32 [num_blocks] residual slot of each unsealed block, 0 if sealed.
+      res_owner: int32 [num_res] block held by each residual slot, 0 if free.
+      res_stamp: int32 [num_res] ``clock`` of the last write into each slot.
+      clock: int32 [] writes so far.
+      fmt: ``quant.KV_QUANT_FORMATS`` name.
+      axis: ``"token"`` (groups along head_dim within a token) or ``"channel"`` (per channel over
+        the tokens of one block).
+      group_size: channels per group for ``axis="token"``.
+      residual_full_precision: False only for the residual-off ablation: unsealed blocks are
+        read fake-quantized too.
+      static_scale: fixed per-tensor scale (fp8 only), or None for per-token scales.
+      head_dim: unpacked channels per vector.
+    """
+
+    data: jax.Array               # [N, bs, Hkv, D * bits / 8]
+    scale: jax.Array | None       # [N, bs, Hkv, D / G] | [N, 1, Hkv, D]
+    zero: jax.Array | None        # like scale
+    residual: jax.Array | None    # [R, bs, Hkv, D]
+    res_slot: jax.Array | None    # [N]
+    res_owner: jax.Array | None   # [R]
+    res_stamp: jax.Array | None   # [R]
+    clock: jax.Array | None       # []
+    fmt: str
+    axis: str
+    group_size: int
+    residual_full_precision: bool
+    static_scale: float | None
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical (unpacked) pool shape [num_blocks, block_size, kv_heads, head_dim]."""
+        return (*self.data.shape[:3], self.head_dim)
+
+    ndim = 4
+
+    @property
+    def format(self) -> quant.QuantFormat:
+        return quant.KV_QUANT_FORMATS[self.fmt]
+
+
+Pages = jax.Array | QuantizedPages
+
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +123,13 @@ class PagedKVCache:
     """Paged K/V pools of every layer.
 
     Attributes:
-      k: one array per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+      k: one pool per layer: an array [num_blocks, block_size, num_kv_heads, head_dim] for a
+        float cache, a ``QuantizedPages`` for a quantized one.
       v: same as ``k``.
     """
 
-    k: tuple[jax.Array, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
+    k: tuple[Pages, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
+    v: tuple[Pages, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
 
     @property
     def num_layers(self) -> int:
@@ -64,28 +153,101 @@ class PagedKVCache:
 
     @property
     def dtype(self):
-        return self.k[0].dtype
+        """Element dtype of a float cache; the stored code dtype of a quantized one."""
+        pool = self.k[0]
+        return pool.data.dtype if isinstance(pool, QuantizedPages) else pool.dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """``"fp32"``/``"bf16"``/``"fp16"`` or the quantized format name."""
+        pool = self.k[0]
+        if isinstance(pool, QuantizedPages):
+            return pool.fmt
+        return {jnp.dtype(v): k for k, v in FLOAT_KV_DTYPES.items()}[jnp.dtype(pool.dtype)]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
 
 # Logical axis names of one layer's pool, for the sharding rules (kv heads split under TP).
 CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 
 
+def check_quant_geometry(kv_cache_dtype: str, *, block_size: int, head_dim: int,
+                         group_size: int = KIVI_GROUP_SIZE) -> None:
+    """Raises ValueError (naming the field) if a format cannot serve this geometry.
+
+    int4/int2 pack 2/4 channels per byte in split parts, so ``head_dim`` must be a multiple of
+    2/4; KIVI value groups need ``group_size`` to divide ``head_dim``; per-channel key groups
+    need ``block_size >= 2`` tokens.
+    """
+    fmt = quant.get_format(kv_cache_dtype)
+    if head_dim % fmt.per_byte:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of {fmt.per_byte} for "
+                         f"kv_cache_dtype={kv_cache_dtype!r} ({fmt.per_byte} codes per byte)")
+    if fmt.asymmetric:
+        if head_dim % min(group_size, head_dim):
+            raise ValueError(f"group_size={group_size} must divide head_dim={head_dim} for "
+                             f"kv_cache_dtype={kv_cache_dtype!r}")
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size} must be >= 2 for kv_cache_dtype="
+                             f"{kv_cache_dtype!r} (KIVI keys group the tokens of a block)")
+
+
+def _init_quantized(fmt_name: str, axis: str, shape, dtype, *, num_residual_slots: int,
+                    group_size: int, residual_full_precision: bool,
+                    static_scale: float | None) -> QuantizedPages:
+    """Zeroed ``QuantizedPages`` of logical ``shape`` [num_blocks, block_size, Hkv, D]."""
+    fmt = quant.get_format(fmt_name)
+    n, bs, h, d = shape
+    g = min(group_size, d)
+    data = jnp.zeros((n, bs, h, d // fmt.per_byte), fmt.storage)
+    if static_scale is not None:
+        scale = zero = None
+    else:
+        sshape = (n, 1, h, d) if axis == "channel" else (n, bs, h, d // (g if fmt.asymmetric else d))
+        scale = jnp.zeros(sshape, quant.SCALE_DTYPE)
+        zero = jnp.zeros(sshape, quant.SCALE_DTYPE) if fmt.asymmetric else None
+    res = dict(residual=None, res_slot=None, res_owner=None, res_stamp=None, clock=None)
+    if fmt.asymmetric:
+        r = num_residual_slots + 1        # slot 0 is the null slot
+        res = dict(residual=jnp.zeros((r, bs, h, d), dtype), res_slot=jnp.zeros(n, jnp.int32),
+                   res_owner=jnp.zeros(r, jnp.int32), res_stamp=jnp.zeros(r, jnp.int32),
+                   clock=jnp.zeros((), jnp.int32))
+    return QuantizedPages(data=data, scale=scale, zero=zero, **res, fmt=fmt_name, axis=axis,
+                          group_size=g if fmt.asymmetric else d,
+                          residual_full_precision=residual_full_precision,
+                          static_scale=static_scale, head_dim=d)
+
+
 def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-               head_dim: int, dtype=jnp.float32) -> PagedKVCache:
+               head_dim: int, dtype=jnp.float32, *, kv_cache_dtype: str | None = None,
+               num_residual_slots: int = 256, key_axis: str = "channel",
+               value_axis: str = "token", group_size: int = KIVI_GROUP_SIZE,
+               residual_full_precision: bool = True,
+               static_scale: float | None = None) -> PagedKVCache:
     """Allocates a zeroed cache.
 
     Args:
       num_layers, num_blocks, block_size, num_kv_heads, head_dim: pool geometry; ``num_blocks``
         counts the reserved null block 0, so ``num_blocks - 1`` blocks are usable.
-      dtype: element dtype of the pools.
+      dtype: element dtype of float pools and of the KIVI residual.
+      kv_cache_dtype: None (pools in ``dtype``), ``"fp32"``/``"bf16"``/``"fp16"``, or a quantized
+        format of ``KV_CACHE_QUANT_DTYPES``.
+      num_residual_slots: unsealed blocks the KIVI residual pool holds (int4/int2); at least the
+        number of sequences running at once.
+      key_axis, value_axis: int4/int2 grouping of K and V: ``"channel"`` (per channel over a
+        block's tokens) or ``"token"`` (groups of ``group_size`` channels per token). KIVI is
+        keys per channel, values per token (the defaults); the others are for ablations.
+      group_size: channels per group of a per-token int4/int2 pool.
+      residual_full_precision: False reads unsealed int4/int2 blocks fake-quantized (the
+        residual-off ablation; the storage is the same).
+      static_scale: fp8 only: a fixed per-tensor scale instead of per-token scales.
 
     Returns:
-      PagedKVCache with ``num_layers`` zero arrays [num_blocks, block_size, num_kv_heads, head_dim].
+      PagedKVCache with ``num_layers`` K and V pools of logical shape
+      [num_blocks, block_size, num_kv_heads, head_dim].
     """
     for name, val in (("num_layers", num_layers), ("num_blocks", num_blocks),
                       ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -95,23 +257,171 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
     if num_blocks < 2:
         raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the reserved null block)")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-    return PagedKVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    if kv_cache_dtype is None or kv_cache_dtype in FLOAT_KV_DTYPES:
+        dt = dtype if kv_cache_dtype is None else FLOAT_KV_DTYPES[kv_cache_dtype]
+        return PagedKVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(num_layers)),
+                            v=tuple(jnp.zeros(shape, dt) for _ in range(num_layers)))
+    if kv_cache_dtype not in KV_CACHE_QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of "
+                         f"{(*FLOAT_KV_DTYPES, *KV_CACHE_QUANT_DTYPES)}")
+    for name, val in (("key_axis", key_axis), ("value_axis", value_axis)):
+        if val not in ("channel", "token"):
+            raise ValueError(f"{name}={val!r} is not 'channel' or 'token'")
+    fmt = quant.get_format(kv_cache_dtype)
+    if static_scale is not None and not kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"static_scale applies to fp8 formats, not kv_cache_dtype="
+                         f"{kv_cache_dtype!r}")
+    if fmt.asymmetric and num_residual_slots < 1:
+        raise ValueError(f"num_residual_slots={num_residual_slots} must be >= 1")
+    check_quant_geometry(kv_cache_dtype, block_size=block_size, head_dim=head_dim,
+                         group_size=group_size)
+    kw = dict(num_residual_slots=num_residual_slots, group_size=group_size,
+              residual_full_precision=residual_full_precision, static_scale=static_scale)
+    k_axis, v_axis = (key_axis, value_axis) if fmt.asymmetric else ("token", "token")
+    return PagedKVCache(
+        k=tuple(_init_quantized(kv_cache_dtype, k_axis, shape, dtype, **kw)
+                for _ in range(num_layers)),
+        v=tuple(_init_quantized(kv_cache_dtype, v_axis, shape, dtype, **kw)
+                for _ in range(num_layers)))
 
 
-def write_layer(pool: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatters new K (or V) rows of one layer into its pool by slot.
+def _quantize_blocks(p: QuantizedPages, x: jax.Array):
+    """Codes (packed), scale, zero of whole blocks ``x`` [M, block_size, Hkv, D] (or tokens
+    [T, Hkv, D] for ``axis="token"``) in ``p``'s format."""
+    fmt = p.format
+    axis = 1 if p.axis == "channel" else -1
+    codes, scale, zero = quant.quantize(x, fmt, axis=axis, group_size=p.group_size,
+                                        static_scale=p.static_scale)
+    return quant.pack(codes, fmt.bits), scale, zero
+
+
+def _dequantize(p: QuantizedPages, data, scale, zero) -> jax.Array:
+    """f32 values of gathered codes ``data`` [..., bs, Hkv, D * bits / 8] with their scales."""
+    fmt = p.format
+    return quant.dequantize(quant.unpack(data, fmt.bits), scale, zero, fmt,
+                            axis=-1 if p.axis == "token" else 0, static_scale=p.static_scale)
+
+
+def read_pages(pages: Pages, ids: jax.Array) -> jax.Array:
+    """Whole blocks ``ids`` of one pool as f32 values (dequantized; unsealed KIVI blocks from the
+    residual).
 
     Args:
-      pool: [num_blocks, block_size, num_kv_heads, head_dim].
-      new: [T, num_kv_heads, head_dim], cast to the pool dtype.
+      pages: one layer's K or V pool (array or ``QuantizedPages``).
+      ids: int32 [...] block ids.
+
+    Returns:
+      f32 [..., block_size, num_kv_heads, head_dim].
+    """
+    if not isinstance(pages, QuantizedPages):
+        return pages[ids].astype(jnp.float32)
+    sc = None if pages.scale is None else pages.scale[ids]
+    zr = None if pages.zero is None else pages.zero[ids]
+    out = _dequantize(pages, pages.data[ids], sc, zr)
+    if pages.residual is None:
+        return out
+    slot = pages.res_slot[ids]
+    res = pages.residual[slot].astype(jnp.float32)
+    if not pages.residual_full_precision:
+        res = _dequantize(pages, *_quantize_blocks(pages, res.reshape(-1, *res.shape[-3:])))
+        res = res.reshape(out.shape)
+    unsealed = (slot > 0).reshape(*slot.shape, 1, 1, 1)
+    return jnp.where(unsealed, res, out)
+
+
+def _assign_slots(p: QuantizedPages, blocks: jax.Array, need: jax.Array, touched: jax.Array
+                  ) -> tuple[QuantizedPages, jax.Array]:
+    """Gives each ``blocks[i]`` with ``need[i]`` a residual slot (distinct blocks assumed).
+
+    Free slots go first, then the least recently written ones not in ``touched`` (bool [R]);
+    a victim's old block loses its slot. The new slots are zeroed.
+
+    Returns:
+      (pages with res_slot/res_owner/residual updated, int32 [K] slot per block, 0 where not
+      ``need``).
+    """
+    r = p.res_owner.shape[0]
+    rank = jnp.cumsum(need) - 1
+    key = jnp.where(p.res_owner == 0, -1, p.res_stamp)
+    key = jnp.where(touched | (jnp.arange(r) == 0), jnp.iinfo(jnp.int32).max, key)
+    order = jnp.argsort(key)
+    slots = jnp.where(need, order[jnp.clip(rank, 0, r - 1)], 0)
+    drop = jnp.where(need, slots, r)                   # out of range: dropped by the scatters
+    old = p.res_owner[slots]
+    n = p.res_slot.shape[0]
+    stolen = need & (old > 0) & (p.res_slot[old] == slots)
+    res_slot = p.res_slot.at[jnp.where(stolen, old, n)].set(0, mode="drop")
+    res_slot = res_slot.at[jnp.where(need, blocks, n)].set(slots, mode="drop")
+    owner = p.res_owner.at[drop].set(blocks, mode="drop")
+    residual = p.residual.at[drop].set(0, mode="drop")
+    return dataclasses.replace(p, res_slot=res_slot, res_owner=owner, residual=residual), slots
+
+
+def _write_tokens(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Array
+                  ) -> QuantizedPages:
+    """fp8/int8: quantize each token on write (per-token-per-head scale)."""
+    data, scale, _ = _quantize_blocks(p, new)
+    out = dataclasses.replace(p, data=p.data.at[blk, off].set(data))
+    if scale is not None:
+        out = dataclasses.replace(out, scale=p.scale.at[blk, off].set(scale))
+    return out
+
+
+def _write_kivi(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Array
+                ) -> QuantizedPages:
+    """int4/int2: tokens of unsealed blocks go to the residual; blocks whose last slot is written
+    in this step are quantized whole (residual tokens + this step's tokens) and leave it."""
+    n, bs = p.data.shape[:2]
+    r = p.res_owner.shape[0]
+    t = new.shape[0]
+    valid = blk != 0
+    last = valid & (off == bs - 1)
+    seals = jnp.zeros(n, bool).at[blk].max(last)[blk] & valid          # [T]
+    old_slot = p.res_slot
+    # residual slots for the unsealed blocks written now (tokens of one block are contiguous)
+    first = valid & jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])
+    touched = jnp.zeros(r, bool).at[old_slot[blk]].set(valid)
+    need = first & ~seals & (old_slot[blk] == 0)
+    p, new_slots = _assign_slots(p, blk, need, touched)
+    slot = p.res_slot[blk]                                             # [T]
+    keep = valid & ~seals
+    res_idx = jnp.where(keep, slot, r)
+    residual = p.residual.at[res_idx, off].set(new.astype(p.residual.dtype), mode="drop")
+    stamp = p.res_stamp.at[res_idx].set(p.clock + 1, mode="drop")
+    # seal: the blocks whose last slot is written now, at most one per token (static bound)
+    m = min(t, n)
+    (last_tok,) = jnp.nonzero(last, size=m, fill_value=0)
+    sealed = jnp.where(last[last_tok], blk[last_tok], 0)                # [M], 0 = padding
+    full = p.residual[old_slot[sealed]].astype(jnp.float32)            # [M, bs, Hkv, D]
+    pos = jnp.zeros(n, jnp.int32).at[sealed].set(jnp.arange(m, dtype=jnp.int32))
+    full = full.at[jnp.where(seals, pos[blk], m), off].set(new.astype(jnp.float32), mode="drop")
+    data, scale, zero = _quantize_blocks(p, full)
+    freed = jnp.where(sealed > 0, old_slot[sealed], r)
+    return dataclasses.replace(
+        p, data=p.data.at[sealed].set(data), scale=p.scale.at[sealed].set(scale),
+        zero=p.zero.at[sealed].set(zero), residual=residual, res_stamp=stamp,
+        res_slot=p.res_slot.at[sealed].set(0), res_owner=p.res_owner.at[freed].set(0, mode="drop"),
+        clock=p.clock + 1)
+
+
+def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array) -> Pages:
+    """Scatters new K (or V) rows of one layer into its pool by slot (quantizing on write).
+
+    Args:
+      pool: [num_blocks, block_size, num_kv_heads, head_dim] array or ``QuantizedPages``.
+      new: [T, num_kv_heads, head_dim], cast to the pool dtype (or quantized).
       slot_mapping: int32 [T], ``block_id * block_size + offset``; padding tokens point into block 0.
 
     Returns:
       The updated pool (in place under donation).
     """
     block_size = pool.shape[1]
-    return pool.at[slot_mapping // block_size, slot_mapping % block_size].set(new.astype(pool.dtype))
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    if not isinstance(pool, QuantizedPages):
+        return pool.at[blk, off].set(new.astype(pool.dtype))
+    if pool.residual is None:
+        return _write_tokens(pool, new, blk, off)
+    return _write_kivi(pool, new, blk, off)
 
 
 def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
@@ -134,17 +444,48 @@ def gather(cache: PagedKVCache, layer: int, block_table: jax.Array,
       length: number of tokens (static).
 
     Returns:
-      (k, v), each [length, num_kv_heads, head_dim].
+      (k, v), each [length, num_kv_heads, head_dim]: the pool dtype for a float cache, f32
+      (dequantized) for a quantized one.
     """
     pos = jnp.arange(length)
     blocks = block_table[pos // cache.block_size]
     off = pos % cache.block_size
-    return cache.k[layer][blocks, off], cache.v[layer][blocks, off]
+    if not isinstance(cache.k[layer], QuantizedPages):
+        return cache.k[layer][blocks, off], cache.v[layer][blocks, off]
+    nb = -(-length // cache.block_size)
+    ids = block_table[:nb]
+    k, v = (read_pages(p, ids).reshape(nb * cache.block_size, *p.shape[2:])[:length]
+            for p in (cache.k[layer], cache.v[layer]))
+    return k, v
+
+
+def _copy_pool(p: Pages, src: jax.Array, dst: jax.Array) -> Pages:
+    if not isinstance(p, QuantizedPages):
+        return p.at[dst].set(p[src])
+    out = dataclasses.replace(p, data=p.data.at[dst].set(p.data[src]))
+    if p.scale is not None:
+        out = dataclasses.replace(out, scale=p.scale.at[dst].set(p.scale[src]))
+    if p.zero is not None:
+        out = dataclasses.replace(out, zero=p.zero.at[dst].set(p.zero[src]))
+    if p.residual is None:
+        return out
+    src_slot = p.res_slot[src]
+    touched = jnp.zeros(p.res_owner.shape[0], bool).at[src_slot].set(True)
+    out = dataclasses.replace(out, res_slot=out.res_slot.at[dst].set(0))
+    out, slots = _assign_slots(out, dst, src_slot > 0, touched)
+    r = p.res_owner.shape[0]
+    residual = out.residual.at[jnp.where(src_slot > 0, slots, r)].set(
+        p.residual[src_slot], mode="drop")
+    stamp = out.res_stamp.at[jnp.where(src_slot > 0, slots, r)].set(p.clock, mode="drop")
+    return dataclasses.replace(out, residual=residual, res_stamp=stamp)
 
 
 @partial(jax.jit, donate_argnums=0)
 def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVCache:
     """Copies whole blocks ``src[i] -> dst[i]`` in every layer (copy-on-write, forking).
+
+    Quantized pools copy codes, scales and zero points; an unsealed KIVI block gets its own
+    residual slot holding a copy of the source's full-precision tokens.
 
     Args:
       cache: the cache (donated).
@@ -153,5 +494,5 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
     Returns:
       The cache with ``dst`` blocks equal to the ``src`` blocks.
     """
-    return PagedKVCache(k=tuple(p.at[dst].set(p[src]) for p in cache.k),
-                        v=tuple(p.at[dst].set(p[src]) for p in cache.v))
+    return PagedKVCache(k=tuple(_copy_pool(p, src, dst) for p in cache.k),
+                        v=tuple(_copy_pool(p, src, dst) for p in cache.v))

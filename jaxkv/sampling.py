@@ -350,6 +350,17 @@ def _filter_top_k_top_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``argmax`` over the last axis (first index of the maximum), int32 [S] for x [S, V].
+
+    Two plain reductions (max, then min index where equal), which XLA vectorizes on CPU: about
+    2x faster there than ``jnp.argmax``'s variadic reduce over a 49K vocabulary.
+    """
+    top = x.max(axis=-1, keepdims=True)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.minimum(jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1), x.shape[-1] - 1)
+
+
 @jax.jit
 def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Penalties, min_tokens suppression, temperature, top-k, top-p and min-p.
@@ -363,7 +374,9 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
       scaled by 1 (their argmax is the greedy token). ``softmax`` of a row is the distribution
       the row samples from.
     """
-    logits = apply_penalties(logits.astype(jnp.float32), t)
+    penalised = jnp.any((t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0)
+                        | (t.presence_penalty != 0.0))
+    logits = jax.lax.cond(penalised, apply_penalties, lambda x, _: x, logits.astype(jnp.float32), t)
     stop = _row_mask(t.stop_ids, logits.shape[1], t.stop_ids >= 0) > 0
     logits = jnp.where(t.suppress_stop[:, None] & stop, -jnp.inf, logits)
     temperature = jnp.where(t.temperature < GREEDY_TEMPERATURE_EPS, 1.0, t.temperature)
@@ -408,10 +421,15 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
     """
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)           # [S, V]
     processed = process_logits(logits, t)
-    keys = _row_keys(t, rng)
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, processed.shape[1:], jnp.float32))(keys)
     greedy = t.temperature < GREEDY_TEMPERATURE_EPS
-    tokens = jnp.argmax(jnp.where(greedy[:, None], processed, processed + noise), axis=-1)
+
+    def with_noise(processed):   # Gumbel-max for the random rows (skipped for all-greedy steps)
+        keys = _row_keys(t, rng)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, processed.shape[1:], jnp.float32))(keys)
+        return jnp.where(greedy[:, None], processed, processed + noise)
+
+    perturbed = jax.lax.cond(jnp.all(greedy), lambda p: p, with_noise, processed)
+    tokens = first_argmax(perturbed)
     tokens = tokens.astype(jnp.int32)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(raw, num_logprobs)

@@ -45,6 +45,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-impl", choices=["reference", "pallas"], default=None,
                    help="default: pallas on GPU, reference on CPU")
     g.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode")
+    g = p.add_argument_group("parallelism (jaxkv.sharding, jaxkv.replicas)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices each engine's model is split over")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="independent engine replicas, each over --tensor-parallel-size devices")
+    g.add_argument("--coordinator-address", default=None,
+                   help="multi-host: host:port of process 0, for jax.distributed.initialize "
+                        "(default: the JAX_COORDINATOR_ADDRESS env var); every process runs the "
+                        "same command")
+    g.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
+    g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's rank")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -61,11 +72,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _make_llm(a):
     from jaxkv.engine import LLM
 
+    if a.coordinator_address or a.num_processes:
+        from jaxkv.sharding import initialize_distributed
+
+        initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     return LLM(a.model, dtype=a.dtype, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                memory_utilization=a.memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
                num_kv_blocks=a.num_kv_blocks, seed=a.seed, attention_impl=a.attention_impl,
-               interpret=a.interpret)
+               interpret=a.interpret, tensor_parallel_size=a.tensor_parallel_size,
+               data_parallel_size=a.data_parallel_size)
 
 
 def _sampling(a):
@@ -164,7 +180,8 @@ def cmd_plan(a) -> int:
                      kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
                      max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens,
-                     kv_cache_bytes=a.kv_cache_bytes, num_kv_blocks=a.num_kv_blocks)
+                     kv_cache_bytes=a.kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
+                     tensor_parallel_size=a.tensor_parallel_size)
     print(p.summary())
     return 0 if p.runs else 1
 
@@ -211,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=parse_bytes, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="plan per device for a model split over this many devices")
     p.set_defaults(func=cmd_plan)
     return parser
 

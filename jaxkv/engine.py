@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import batch, planner, scheduler
+from jaxkv import batch, planner, scheduler, sharding
 from jaxkv.cache import init_cache
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.model.llama import params_from_hf
-from jaxkv.model.weights import load_model_files
+from jaxkv.model import checkpoint
+from jaxkv.model.llama import param_shapes, params_from_hf
+from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxkv.sampling import SamplingParams, SamplingTensors
 from jaxkv.step import DeviceStepInput, make_step, step_rng
@@ -97,10 +98,26 @@ class LLM:
       interpret: run Pallas kernels in interpret mode (CPU).
       warmup: compile every (tokens, sequences) bucket at start, so no step compiles later.
       token_buckets, seq_buckets: padded step shapes (default powers of two; see SchedulerConfig).
+      tensor_parallel_size: devices the model is split over (jaxkv.sharding: heads, kv heads,
+        mlp and vocab over the mesh axis "tp"; kv heads repeated when fewer than devices).
+      data_parallel_size: independent engine replicas, each over its own ``tensor_parallel_size``
+        devices; ``> 1`` returns a ``jaxkv.replicas.DataParallelLLM`` (same generate API).
+      mesh: an explicit engine mesh ``{"dp": 1, "tp": tensor_parallel_size}`` (default: the
+        first ``tensor_parallel_size`` of ``jax.devices()``, every process's under multi-host).
+
+    ``model`` may also be an orbax checkpoint written by ``jaxkv.model.checkpoint.convert``:
+    each device then restores only its own shards.
 
     Raises:
-      ValueError: naming the argument that is invalid, before any weight is loaded where possible.
+      ValueError: naming the argument that is invalid, before any weight is loaded where possible
+        (parallel sizes and mesh are always checked before).
     """
+
+    def __new__(cls, *args, data_parallel_size: int = 1, **kwargs):
+        if cls is LLM and isinstance(data_parallel_size, int) and data_parallel_size > 1:
+            from jaxkv.replicas import DataParallelLLM   # replicas imports this module
+            return DataParallelLLM(*args, data_parallel_size=data_parallel_size, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", *, dtype: str = "auto",
                  block_size: int = 16, max_model_len: int | None = None, max_num_seqs: int = 256,
@@ -109,17 +126,29 @@ class LLM:
                  seed: int = 0, policy: str = "fcfs", attention_impl: str | None = None,
                  interpret: bool = False, warmup: bool = False,
                  token_buckets: Sequence[int] | None = None,
-                 seq_buckets: Sequence[int] | None = None):
+                 seq_buckets: Sequence[int] | None = None, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, mesh: jax.sharding.Mesh | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
         if attention_impl not in (None, "reference", "pallas"):
             raise ValueError(f"attention_impl={attention_impl!r} is not one of "
                              f"('reference', 'pallas')")
         dtype, attention_impl = _default_backend_choices(dtype, attention_impl)
-        loaded = load_model_files(model)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        max_model_len = max_model_len or min(loaded.config.max_position_embeddings, 8192)
+        from_checkpoint = checkpoint.is_checkpoint(model)
+        config = checkpoint.read_config(model) if from_checkpoint else load_config(model)
+        sharding.check_parallel_sizes(config, tensor_parallel_size, data_parallel_size,
+                                      num_devices=len(jax.devices()))
+        if data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size}: a single engine is one "
+                             "replica; use LLM(...) or jaxkv.replicas.DataParallelLLM")
+        if mesh is not None:
+            sharding.check_mesh(mesh, tensor_parallel_size)
+        elif tensor_parallel_size > 1:
+            mesh = sharding.make_mesh(tensor_parallel_size)
+        self.mesh = mesh
+        self.tensor_parallel_size = tensor_parallel_size
+        self.model_config = config
+        max_model_len = max_model_len or min(config.max_position_embeddings, 8192)
         self.sched_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, policy=policy,
@@ -133,14 +162,18 @@ class LLM:
         self.cache_config = CacheConfig(block_size=block_size,
                                         num_blocks=self.memory_plan.num_blocks)
         self.dtype = jnp.dtype(dtype)
-        self.params = params_from_hf(loaded.config, loaded.tensors, self.dtype,
-                                     source=loaded.source)
-        del loaded
-        c = self.model_config
-        self.cache = init_cache(c.num_layers, self.cache_config.num_blocks, block_size,
-                                c.num_kv_heads, c.head_dim, self.dtype)
+        self.params, self.tokenizer = self._load(model, from_checkpoint)
+        c = sharding.tp_config(config, tensor_parallel_size)   # kv heads as the devices hold them
+        if mesh is None:
+            self.cache = init_cache(c.num_layers, self.cache_config.num_blocks, block_size,
+                                    c.num_kv_heads, c.head_dim, self.dtype)
+        else:
+            self.cache = sharding.init_sharded_cache(c.num_layers, self.cache_config.num_blocks,
+                                                     block_size, c.num_kv_heads, c.head_dim,
+                                                     self.dtype, mesh)
         self.attention_impl = attention_impl
-        self._step_fn = make_step(c, attention_impl=attention_impl, interpret=interpret)
+        self._step_fn = make_step(c, attention_impl=attention_impl, interpret=interpret,
+                                  mesh=mesh)
         self._seed = seed
         self._state = scheduler.init_state(self.cache_config)
         self._requests: dict[str, _Request] = {}
@@ -159,6 +192,32 @@ class LLM:
 
     # ------------------------------------------------------------------ setup
 
+    def _load(self, model, from_checkpoint: bool):
+        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint."""
+        c = self.model_config
+        if from_checkpoint:
+            if self.mesh is None:
+                dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                shardings = jax.tree.map(lambda _: dev, param_shapes(c, self.dtype))
+            else:
+                shardings = sharding.stored_param_shardings(c, self.mesh)
+            params = checkpoint.restore_params(model, param_shapes(c, self.dtype), shardings)
+            tokenizer = checkpoint.read_tokenizer(model)
+        else:
+            loaded = load_model_files(model)
+            params = params_from_hf(c, loaded.tensors, self.dtype, source=loaded.source)
+            tokenizer = loaded.tokenizer
+        if self.mesh is not None:
+            params = sharding.shard_params(params, c, self.mesh)
+        return params, tokenizer
+
+    def _to_device(self, tree):
+        """Host step inputs as device arrays: replicated over the mesh under tensor parallelism."""
+        return tree if self.mesh is None else sharding.put_replicated(tree, self.mesh)
+
+    def _to_host(self, x) -> np.ndarray:
+        return np.asarray(x) if self.mesh is None else sharding.to_host(x)
+
     def _plan(self, dtype, block_size, memory_utilization, kv_cache_bytes, num_kv_blocks):
         c, s = self.model_config, self.sched_config
         if jax.default_backend() == "cpu":
@@ -168,7 +227,8 @@ class LLM:
         kw = dict(device_memory_bytes=device_memory, memory_utilization=memory_utilization,
                   dtype=dtype, block_size=block_size, max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                  kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks)
+                  kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
+                  tensor_parallel_size=self.tensor_parallel_size)
         plan = planner.plan(c, **kw)
         # a pool larger than max_num_seqs full-length sequences is never used: don't allocate it
         cap = s.max_num_seqs * plan.blocks_per_seq + 1
@@ -191,6 +251,21 @@ class LLM:
 
     def _run_padded(self, t: int, s: int) -> None:
         """Runs one all-padding step of shape (t, s): writes only to the null block."""
+        self.cache, tokens, *_ = self._step_fn(self.params, self.cache, *self._padded_args(t, s),
+                                               num_logprobs=0)
+        tokens.block_until_ready()
+
+    def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:
+        """The optimized HLO text of the step compiled for one (tokens, sequences) bucket.
+
+        Under tensor parallelism it shows the collectives (2 all-reduces per layer, see
+        jaxkv.sharding.count_all_reduces).
+        """
+        return self._step_fn.lower(self.params, self.cache, *self._padded_args(
+            num_tokens, num_seqs), num_logprobs=0).compile().as_text()
+
+    def _padded_args(self, t: int, s: int):
+        """(inputs, sampling, rng) of an all-padding step of shape (t, s), on the devices."""
         m = batch.max_blocks_per_seq(self.cache_config, self.sched_config)
         inputs = DeviceStepInput(
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
@@ -199,9 +274,7 @@ class LLM:
             logits_indices=np.zeros(s, np.int32))
         sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
                                                prompt_token_ids=[], output_token_ids=[], pad_to=s)
-        self.cache, tokens, *_ = self._step_fn(self.params, self.cache, inputs, sampling,
-                                               step_rng(self._seed, 0), num_logprobs=0)
-        tokens.block_until_ready()
+        return self._to_device((inputs, sampling, step_rng(self._seed, 0)))
 
     # ------------------------------------------------------------------ requests
 
@@ -318,10 +391,11 @@ class LLM:
             eos_token_ids=self.tokenizer.eos_token_ids, pad_to=len(inputs.seq_lens))
         t_device = time.perf_counter()
         self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
-            self.params, self.cache, DeviceStepInput.from_host(inputs), sampling,
-            step_rng(self._seed, self._num_steps), num_logprobs=num_logprobs)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        top_ids, top_vals = np.asarray(top_ids), np.asarray(top_vals)
+            self.params, self.cache, *self._to_device((
+                DeviceStepInput.from_host(inputs), sampling,
+                step_rng(self._seed, self._num_steps))), num_logprobs=num_logprobs)
+        tokens, logprobs = self._to_host(tokens), self._to_host(logprobs)
+        top_ids, top_vals = self._to_host(top_ids), self._to_host(top_vals)
         now = time.perf_counter()
         self._device_time += now - t_device
         self._num_steps += 1

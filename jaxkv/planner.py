@@ -100,15 +100,17 @@ def kv_bytes_per_vector(kv_dtype: str, head_dim: int) -> int:
     return -(-head_dim * fmt.bits // 8) + fmt.metadata_bytes
 
 
-def kv_bytes_per_token(config: ModelConfig, kv_dtype: str) -> int:
-    """KV bytes one token occupies over all layers: ``2 x L x Hkv x kv_bytes_per_vector``.
+def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
+    """KV bytes one token occupies over all layers on one device: ``2 x L x Hkv x kv_bytes_per_vector``.
 
     Args:
       config: the model; its ``num_kv_heads`` (not ``num_heads``) counts, so GQA is accounted.
       kv_dtype: a ``KV_CACHE_DTYPES`` name or alias (not ``"auto"``).
+      tensor_parallel_size: devices the kv heads are split over; each holds
+        ``max(Hkv, tp) / tp`` heads (kv heads are repeated when fewer than devices).
     """
-    return 2 * config.num_layers * config.num_kv_heads * kv_bytes_per_vector(kv_dtype,
-                                                                               config.head_dim)
+    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
+    return 2 * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
 
 
 def num_parameters(config: ModelConfig) -> int:
@@ -127,10 +129,21 @@ def num_parameters(config: ModelConfig) -> int:
     return config.vocab_size * E + config.num_layers * layer + E + head
 
 
-def weights_bytes(config: ModelConfig, dtype: str = "float32") -> int:
-    """Bytes of all parameters stored in ``dtype`` (one of ``WEIGHT_DTYPES``)."""
+def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_size: int = 1) -> int:
+    """Bytes of the parameters one device stores in ``dtype`` (one of ``WEIGHT_DTYPES``).
+
+    Under tensor parallelism the RMSNorm weights ``(2L + 1) E`` are replicated and everything
+    else is split ``tensor_parallel_size`` ways, with k/v projections counted at
+    ``max(Hkv, tp)`` heads (repeated kv heads, see jaxkv.sharding).
+    """
     _check_dtype(dtype)
-    return num_parameters(config) * WEIGHT_DTYPES[dtype]
+    t = tensor_parallel_size
+    if t == 1:
+        return num_parameters(config) * WEIGHT_DTYPES[dtype]
+    norms = (2 * config.num_layers + 1) * config.hidden_size
+    split = num_parameters(dataclasses.replace(
+        config, num_kv_heads=max(config.num_kv_heads, t))) - norms
+    return (norms + -(-split // t)) * WEIGHT_DTYPES[dtype]
 
 
 def activation_bytes_estimate(config: ModelConfig, *, dtype: str = "float32",
@@ -215,6 +228,8 @@ class MemoryPlan:
       runs: the engine can start (weights, activations and one full-length sequence fit).
       fits: ``runs`` and all ``max_num_seqs`` full-length sequences fit at once.
       reasons: when not ``fits``, what is short and which levers would fit, in plain language.
+      tensor_parallel_size: devices the model is split over; every size above is per device.
+      kv_head_replication: devices holding each kv head (> 1 when kv heads < devices: repeated).
     """
 
     dtype: str
@@ -238,6 +253,8 @@ class MemoryPlan:
     runs: bool
     fits: bool
     reasons: tuple[str, ...]
+    tensor_parallel_size: int = 1
+    kv_head_replication: int = 1
 
     @property
     def num_usable_blocks(self) -> int:
@@ -254,6 +271,8 @@ class MemoryPlan:
         used = self.weights_bytes + self.activation_bytes + self.kv_cache_bytes
         rows = [
             ("device memory", format_bytes(self.device_memory_bytes)),
+            ("tensor parallel (sizes per device)", f"{self.tensor_parallel_size}"),
+            ("kv heads replicated on", f"{self.kv_head_replication} device(s) each"),
             (f"budget (x {self.memory_utilization:g})", format_bytes(self.budget_bytes)),
             (f"weights ({self.dtype})", format_bytes(self.weights_bytes)),
             ("activations / workspace", format_bytes(self.activation_bytes)),
@@ -277,8 +296,13 @@ def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: f
          dtype: str = "float32", kv_cache_dtype: str = "auto", block_size: int = 16,
          max_model_len: int | None = None, max_num_seqs: int = 256,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
-         kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None) -> MemoryPlan:
+         kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
+         tensor_parallel_size: int = 1) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
+
+    All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
+    of the weights and of every KV block (its kv heads), and every device holds the same
+    ``num_blocks``; activations are counted whole (conservative).
 
     Args:
       config: the model.
@@ -294,6 +318,7 @@ def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: f
       kv_cache_bytes: KV pool size instead of the utilization sizing.
       num_kv_blocks: pool size in blocks (including the null block) instead of the utilization
         sizing; exclusive with ``kv_cache_bytes``.
+      tensor_parallel_size: devices the model is split over (see jaxkv.sharding).
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -306,15 +331,18 @@ def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: f
               dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
-              kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks)
+              kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
+              tensor_parallel_size=tensor_parallel_size)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
 
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
-          kv_cache_bytes, num_kv_blocks) -> MemoryPlan:
+          kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
     if device_memory_bytes <= 0:
         raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0")
     if not 0 < memory_utilization <= 1:
@@ -339,12 +367,12 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         raise ValueError(f"num_kv_blocks={num_kv_blocks} must be >= 2 (block 0 is the null block)")
 
     budget = int(device_memory_bytes * memory_utilization)
-    weights = weights_bytes(config, dtype)
+    weights = weights_bytes(config, dtype, tensor_parallel_size)
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(
             config, dtype=dtype, kv_cache_dtype=kv_dtype,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    per_token = kv_bytes_per_token(config, kv_dtype)
+    per_token = kv_bytes_per_token(config, kv_dtype, tensor_parallel_size)
     per_block = per_token * block_size
     if num_kv_blocks is not None:
         kv_budget = num_kv_blocks * per_block
@@ -365,7 +393,9 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         kv_budget_bytes=kv_budget, kv_cache_bytes=num_blocks * per_block,
         kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
         max_num_tokens=usable * block_size, max_concurrent_seqs=usable // blocks_per_seq,
-        runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=())
+        runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=(),
+        tensor_parallel_size=tensor_parallel_size,
+        kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1))
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

@@ -15,6 +15,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
+from jaxkv import sharding
+from jaxkv.attention import paged_attention
 from jaxkv.batch import StepInput
 from jaxkv.cache import PagedKVCache
 from jaxkv.metadata import AttentionMetadata
@@ -44,19 +48,25 @@ class DeviceStepInput:
         return cls(**{f: getattr(step_input, f) for f in _DEVICE_FIELDS})
 
 
-def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False):
+def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False,
+              mesh: Mesh | None = None):
     """Builds the jitted step for one model.
 
     Args:
       config: the model's hyper-parameters.
       attention_impl: ``"reference"`` or ``"pallas"``.
       interpret: Pallas interpret mode (CPU runs of the kernels).
+      mesh: tensor-parallel engine mesh (jaxkv.sharding): params and cache arrive sharded by
+        the logical axis rules, attention runs under ``shard_map`` per kv-head shard, the cache
+        keeps its sharding and every other output is replicated. None: one device.
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
       num_logprobs=0) -> (cache, tokens int32 [S], logprobs f32 [S], (top_ids int32 [S, N],
       top_values f32 [S, N]))``, jitted with the cache donated.
     """
+
+    attention = paged_attention if mesh is None else sharding.sharded_attention(mesh)
 
     @partial(jax.jit, donate_argnums=1, static_argnames="num_logprobs")
     def step(params, cache: PagedKVCache, inputs: DeviceStepInput, sampling: SamplingTensors,
@@ -66,8 +76,16 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
         logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices,
-                                attention_impl=attention_impl, interpret=interpret)
+                                attention_impl=attention_impl, interpret=interpret,
+                                attention=attention)
+        if mesh is not None:
+            logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
+            cache = jax.lax.with_sharding_constraint(
+                cache, sharding.cache_shardings(config.num_layers, mesh))
         tokens, logprobs, top = sample(logits, sampling, rng, num_logprobs=num_logprobs)
+        if mesh is not None:
+            tokens, logprobs, top = jax.lax.with_sharding_constraint(
+                (tokens, logprobs, top), sharding.replicated(mesh))
         return cache, tokens, logprobs, top
 
     return step

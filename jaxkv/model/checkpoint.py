@@ -5,6 +5,8 @@ Layout of a checkpoint directory::
     <path>/
       params/        orbax StandardCheckpointer output (one array per leaf, tensorstore)
       jaxkv.json     {"config": ModelConfig fields or null, "metadata": caller's dict}
+      tokenizer.json, tokenizer_config.json, generation_config.json   (``convert`` only: the
+                     tokenizer in HF layout, read back by ``read_tokenizer``)
 
 Restoring takes optional target shardings, so a tensor-parallel model can read each device's
 shard straight from disk instead of materializing full arrays on one device first.
@@ -18,9 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxkv.model.config import ModelConfig, RopeScaling
+from jaxkv.model.llama import params_from_hf
+from jaxkv.model.tokenizer import Tokenizer
+from jaxkv.model.weights import load_model_files
 
 PARAMS_DIR = "params"
 METADATA_FILE = "jaxkv.json"
@@ -85,6 +91,42 @@ def restore_params(path: str | Path, target: Any = None, shardings: Any = None) 
             target = jax.tree.map(
                 lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
         return ckptr.restore(path / PARAMS_DIR, target)
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is a directory written by ``save_params`` / ``convert``."""
+    path = Path(path)
+    return (path / PARAMS_DIR).is_dir() and (path / METADATA_FILE).is_file()
+
+
+def convert(model: str | Path, path: str | Path, *, dtype: str = "float32",
+            overwrite: bool = False) -> Path:
+    """Converts model files (GGUF, HF safetensors dir or store name) once into a checkpoint.
+
+    The checkpoint holds the params dict (``jaxkv.model.llama`` layout, in ``dtype``), the
+    config and the tokenizer, so ``LLM(path, tensor_parallel_size=N)`` restores each device's
+    shards straight from disk without reading the source model again.
+
+    Returns:
+      The checkpoint directory.
+    """
+    loaded = load_model_files(model)
+    params = params_from_hf(loaded.config, loaded.tensors, jnp.dtype(dtype), source=loaded.source)
+    save_params(path, params, {"source": loaded.source, "dtype": dtype}, config=loaded.config,
+                overwrite=overwrite)
+    tok, path = loaded.tokenizer, Path(path)
+    tok.backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {**tok.special_tokens, "chat_template": tok.chat_template}, indent=2), encoding="utf-8")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id}, indent=2),
+        encoding="utf-8")
+    return path
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer ``convert`` stored beside the params."""
+    return Tokenizer.from_hf_dir(path)
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

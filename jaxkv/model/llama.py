@@ -57,7 +57,7 @@ class Attention(nnx.Module):
         self.bias = c.attention_bias
 
     def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *, window,
-                 impl, interpret):
+                 impl, interpret, attention=paged_attention):
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
         v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
@@ -67,8 +67,8 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping)
         v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping)
-        o = paged_attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                            impl=impl, interpret=interpret, sliding_window=window)
+        o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                      impl=impl, interpret=interpret, sliding_window=window)
         return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool)
 
 
@@ -103,7 +103,7 @@ class Transformer(nnx.Module):
             self.lm_head = _param((c.hidden_size, c.vocab_size), dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
-                 logits_indices, *, impl, interpret):
+                 logits_indices, *, impl, interpret, attention=paged_attention):
         c = self.config
         inv_freq = inv_frequencies(c)
         x = self.embed_tokens[...][token_ids]                            # [T, E]
@@ -111,7 +111,7 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             h, (k_pool, v_pool) = layer.self_attn(
                 layer.input_layernorm(x), positions, (cache.k[i], cache.v[i]), md, inv_freq,
-                window=c.sliding_window, impl=impl, interpret=interpret)
+                window=c.sliding_window, impl=impl, interpret=interpret, attention=attention)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ks.append(k_pool)
@@ -146,7 +146,8 @@ def logical_axes(config: ModelConfig) -> dict:
 def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             cache: kvcache.PagedKVCache, metadata: AttentionMetadata, *, config: ModelConfig,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
-            interpret: bool = False) -> tuple[jax.Array, kvcache.PagedKVCache]:
+            interpret: bool = False, attention=paged_attention
+            ) -> tuple[jax.Array, kvcache.PagedKVCache]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
 
     Args:
@@ -159,6 +160,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       logits_indices: optional int32 [S]: compute logits only for these token rows.
       attention_impl: ``"reference"`` or ``"pallas"`` (explicit; see jaxkv.attention).
       interpret: Pallas interpret mode (CPU).
+      attention: the paged-attention function (``paged_attention``'s signature); tensor
+        parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).
 
     Returns:
       (logits float32 [S or T, vocab_size], updated cache).
@@ -169,7 +172,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
-                 interpret=interpret)
+                 interpret=interpret, attention=attention)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:

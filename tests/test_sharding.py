@@ -1,0 +1,161 @@
+"""Tensor parallelism, data-parallel replicas, sharded checkpoints and multi-host on fake CPU devices.
+
+Every multi-device check runs tests/tp_worker.py in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the flag must precede jax's import; this
+pytest process already imported jax with one device) and asserts on the JSON it prints.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxkv import planner, sharding
+from jaxkv.model import store
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.weights import load_config
+
+pytest.importorskip("torch")
+from tiny_models import save_tiny_model, save_tokenizer  # noqa: E402
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+REPO = WORKER.parents[1]
+# head counts that divide 8; llama's 2 kv heads are repeated at TP 4 and 8, qwen2 has biases
+TINY = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),
+        "qwen2": dict(num_attention_heads=8, num_key_value_heads=4)}
+
+
+def run_worker(*args, devices=8, timeout=300, extra_env=None):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **(extra_env or {})}
+    proc = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    paths = {}
+    for kind, heads in TINY.items():
+        path = tmp_path_factory.mktemp(kind)
+        save_tokenizer(path)
+        save_tiny_model(path, kind, **heads)
+        paths[kind] = path
+    return paths
+
+
+@pytest.mark.parametrize("kind", list(TINY))
+def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
+    r = run_worker("parity", tiny[kind], "--tp", 1, 2, 4, 8, "--dp-tp", 2, 4)
+    ref = r["tp1"]
+    assert len(ref) == 3 and all(len(t) == 8 for t in ref)
+    for name in ("tp2", "tp4", "tp8", "dp2xtp4"):
+        assert r[name] == ref, name
+    assert r["dp_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # per-device KV bytes per token (2 layers x K,V x heads per device x 8 dims x 4 bytes)
+    hkv = TINY[kind]["num_key_value_heads"]
+    for tp in (1, 2, 4, 8):
+        per_device = max(hkv, tp) // tp
+        assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 8 * 4, max(tp // hkv, 1)]
+
+
+def test_param_and_cache_shardings_follow_the_rules_and_two_all_reduces_per_layer(tiny):
+    r = run_worker("inspect", tiny["llama"], "--tp", 4)
+    assert r["mesh"] == {"dp": 1, "tp": 4}
+    p = r["param_specs"]
+    attn, mlp = p["layers"]["0"]["self_attn"], p["layers"]["1"]["mlp"]
+    assert p["embed_tokens"] == ["tp", None]                  # vocab, embed
+    assert p["lm_head"] == [None, "tp"]                       # embed, vocab
+    assert p["norm"]["weight"] == [None]
+    assert attn["q_proj"] == [None, "tp", None]               # embed, heads, head_dim
+    assert attn["k_proj"] == attn["v_proj"] == [None, "tp", None]
+    assert attn["o_proj"] == ["tp", None, None]               # heads, head_dim, embed
+    assert mlp["gate_proj"] == mlp["up_proj"] == [None, "tp"]
+    assert mlp["down_proj"] == ["tp", None]
+    assert r["cache_specs"] == [[None, None, "tp", None]] * 2
+    # 2 kv heads repeated to 4: each device holds one [48 blocks, 8, 1 head, 8] pool shard
+    assert r["cache_shard_shape"] == [48, 8, 1, 8]
+    # o_proj and down_proj all-reduce once each per layer; +1 for the vocab-split embedding lookup
+    assert r["all_reduces"] == 2 * r["num_layers"] + 1
+
+
+def test_bad_parallel_layouts_fail_before_any_weight_is_loaded(tiny):
+    r = run_worker("errors", tiny["llama"])
+    assert "only 8 are available" in r["tp_too_large"]
+    assert "needs 16 devices" in r["dp_times_tp_too_large"]
+    assert "num_heads=8 is not divisible by 3" in r["tp_not_dividing"]
+    assert "valid sizes (up to 8 devices): 1, 2, 4, 8" in r["tp_not_dividing"]
+    assert "tensor_parallel_size=0" in r["tp_zero"]
+    assert "does not match" in r["mesh_mismatch"] and "'tp': 4" in r["mesh_mismatch"]
+
+
+def test_sharded_orbax_round_trip_is_bit_exact(tiny, tmp_path):
+    r = run_worker("checkpoint", tiny["qwen2"], tmp_path / "ckpt", "--tp", 4)
+    assert r["bit_exact"] and r["in_shardings"] and r["tokens_equal"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_process_jax_distributed_matches_one_process(tiny):
+    """Two CPU processes x 2 devices, TP 4 across both, on 127.0.0.1; same tokens as TP 1."""
+    model = tiny["llama"]
+    ref = run_worker("parity", model, "--tp", 1, devices=1)["tp1"]
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen(
+        [sys.executable, str(WORKER), "distributed", str(model), "--tp", "4", "--coordinator",
+         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        for i in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for i, res in enumerate(results):
+        assert res["process_index"] == i
+        assert (res["global_devices"], res["local_devices"]) == (4, 2)
+        assert res["processes_in_mesh"] == [0, 1]
+        assert res["tokens"] == ref
+
+
+SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_smollm2_heads_refuse_tp_2_4_8_listing_valid_sizes(tp):
+    with pytest.raises(ValueError, match=r"num_heads=9 is not divisible by .*valid sizes "
+                                         r"\(up to 8 devices\): 1, 3$"):
+        sharding.check_parallel_sizes(ModelConfig(**SMOL), tp, num_devices=8)
+
+
+def test_planner_sizes_per_device():
+    c = ModelConfig(**SMOL)
+    assert planner.kv_bytes_per_token(c, "fp32", 3) == planner.kv_bytes_per_token(c, "fp32") // 3
+    assert planner.kv_bytes_per_token(c, "fp32", 9) == planner.kv_bytes_per_token(c, "fp32") // 3
+    norms = (2 * 30 + 1) * 576
+    assert planner.weights_bytes(c, "float32", 3) == 4 * (
+        norms + (planner.num_parameters(c) - norms) // 3)
+    p = planner.plan(c, device_memory_bytes=8 << 30, max_model_len=1024, tensor_parallel_size=9)
+    assert (p.tensor_parallel_size, p.kv_head_replication) == (9, 3)
+    assert "kv heads replicated on" in p.summary()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1():
+    path = store.fetch(store.DEFAULT_MODEL)
+    assert load_config(path).num_kv_heads == 3
+    r = run_worker("parity", path, "--tp", 1, 3, "--tokens", 4, devices=3, timeout=600)
+    assert r["tp3"] == r["tp1"]
+    assert r["tp3_plan"][1] == 1

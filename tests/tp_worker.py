@@ -1,0 +1,145 @@
+"""Multi-device checks run in a subprocess (tests/test_sharding.py launches it).
+
+The fake CPU devices (``--xla_force_host_platform_device_count``) must be set before jax is
+imported, so the parent passes ``XLA_FLAGS`` in the environment; this script asserts it got
+the devices it needs and prints one JSON object (the results) as its last stdout line.
+
+    python tests/tp_worker.py parity  MODEL_DIR --tp 1 2 4 8 --dp-tp 2 4
+    python tests/tp_worker.py inspect MODEL_DIR --tp 4
+    python tests/tp_worker.py errors  MODEL_DIR
+    python tests/tp_worker.py checkpoint MODEL_DIR CKPT_DIR --tp 4
+    python tests/tp_worker.py distributed MODEL_DIR --tp 4 --coordinator 127.0.0.1:PORT \
+        --num-processes 2 --process-id 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from unittest import mock
+
+import jax
+import numpy as np
+
+from jaxkv import engine, sharding
+from jaxkv.engine import LLM
+from jaxkv.model import checkpoint
+from jaxkv.model.llama import param_shapes, params_from_hf
+from jaxkv.model.weights import load_model_files
+from jaxkv.sampling import SamplingParams
+
+ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=48,
+              block_size=8, token_buckets=(32,), seq_buckets=(4,), dtype="float32")
+PROMPTS = ["Emma Woodhouse, handsome, clever,", "and rich, with a comfortable home",
+           "seemed to unite some of the best blessings of existence;"]
+
+
+def greedy(llm, max_tokens: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def cmd_parity(a) -> dict:
+    out = {}
+    for tp in a.tp:
+        with LLM(a.model, tensor_parallel_size=tp, **ENGINE) as llm:
+            out[f"tp{tp}"] = greedy(llm, a.tokens)
+            out[f"tp{tp}_plan"] = [llm.memory_plan.kv_bytes_per_token,
+                                   llm.memory_plan.kv_head_replication]
+    if a.dp_tp:
+        dp, tp = a.dp_tp
+        llm = LLM(a.model, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
+        with llm:
+            out[f"dp{dp}xtp{tp}"] = greedy(llm, a.tokens)
+            out["dp_devices"] = [[d.id for d in r.mesh.devices.flat] for r in llm.replicas]
+    return out
+
+
+def _specs(tree) -> dict:
+    return jax.tree.map(lambda x: list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec)),
+                        tree)
+
+
+def cmd_inspect(a) -> dict:
+    with LLM(a.model, tensor_parallel_size=a.tp[0], **ENGINE) as llm:
+        hlo = llm.compiled_step_text(32, 4)
+        cache = llm.cache
+        return {"param_specs": _specs(llm.params),
+                "cache_specs": [_specs(cache.k[0]), _specs(cache.v[-1])],
+                "cache_shard_shape": list(cache.k[0].addressable_shards[0].data.shape),
+                "mesh": dict(llm.mesh.shape),
+                "num_layers": llm.model_config.num_layers,
+                "all_reduces": sharding.count_all_reduces(hlo)}
+
+
+def cmd_errors(a) -> dict:
+    """Each bad layout must raise ValueError before any weight is read."""
+    n = len(jax.devices())
+    mesh2 = sharding.make_mesh(2)
+    cases = {"tp_too_large": dict(tensor_parallel_size=n * 2),
+             "dp_times_tp_too_large": dict(tensor_parallel_size=4, data_parallel_size=4),
+             "tp_not_dividing": dict(tensor_parallel_size=3),
+             "tp_zero": dict(tensor_parallel_size=0),
+             "mesh_mismatch": dict(tensor_parallel_size=4, mesh=mesh2)}
+    out = {}
+    forbidden = AssertionError("weights were loaded")
+    with mock.patch.object(engine, "load_model_files", side_effect=forbidden), \
+            mock.patch.object(checkpoint, "restore_params", side_effect=forbidden):
+        for name, kw in cases.items():
+            try:
+                LLM(a.model, **ENGINE, **kw)
+                out[name] = "no error"
+            except ValueError as e:
+                out[name] = str(e)
+    return out
+
+
+def cmd_checkpoint(a) -> dict:
+    """Sharded orbax round trip: convert, restore into shardings, compare bit for bit."""
+    checkpoint.convert(a.model, a.ckpt, dtype="float32")
+    tp = a.tp[0]
+    loaded = load_model_files(a.model)
+    want = params_from_hf(loaded.config, loaded.tensors, np.float32)
+    mesh = sharding.make_mesh(tp)
+    shardings = sharding.stored_param_shardings(loaded.config, mesh)
+    got = checkpoint.restore_params(a.ckpt, param_shapes(loaded.config, np.float32), shardings)
+    same = jax.tree.map(lambda x, y: bool(np.array_equal(np.asarray(x), np.asarray(y))
+                                          and x.dtype == y.dtype), got, want)
+    placed = jax.tree.map(lambda x, s: x.sharding == s, got, shardings)
+    with LLM(a.model, **ENGINE) as ref:
+        tokens_ref = greedy(ref, a.tokens)
+    with LLM(a.ckpt, tensor_parallel_size=tp, **ENGINE) as llm:
+        tokens_ckpt = greedy(llm, a.tokens)
+    return {"bit_exact": all(jax.tree.leaves(same)), "in_shardings": all(jax.tree.leaves(placed)),
+            "tokens_equal": tokens_ref == tokens_ckpt, "tokens": tokens_ckpt}
+
+
+def cmd_distributed(a) -> dict:
+    sharding.initialize_distributed(a.coordinator, a.num_processes, a.process_id)
+    with LLM(a.model, tensor_parallel_size=a.tp[0], **ENGINE) as llm:
+        tokens = greedy(llm, a.tokens)
+        return {"tokens": tokens, "process_index": jax.process_index(),
+                "global_devices": len(jax.devices()), "local_devices": len(jax.local_devices()),
+                "processes_in_mesh": sorted({d.process_index for d in llm.mesh.devices.flat})}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=["parity", "inspect", "errors", "checkpoint", "distributed"])
+    p.add_argument("model")
+    p.add_argument("ckpt", nargs="?")
+    p.add_argument("--tp", type=int, nargs="+", default=[1])
+    p.add_argument("--dp-tp", type=int, nargs=2, default=None)
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--coordinator", default=None)
+    p.add_argument("--num-processes", type=int, default=None)
+    p.add_argument("--process-id", type=int, default=None)
+    a = p.parse_args()
+    result = globals()[f"cmd_{a.command}"](a)
+    print(json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -24,9 +24,19 @@ the tail is reused before the head. That is the LRU eviction order the prefix ca
 ones most likely to be shared. The linked list (rather than a deque) lets the prefix cache later
 take a cached block out of the middle of the queue in O(1).
 
-Forking shares blocks: ``fork`` gives the child the parent's table and increments every ref count.
-The last, partially filled block then has two writers; copy-on-write (a future ``ensure_writable``
-that copies such a block before a request appends to it) and the prefix-hash map come later.
+Forking shares blocks: ``fork`` gives the child the parent's first blocks and increments their ref
+counts. Before a request writes into a block another table also references (the partially filled
+last block of a fork), ``copy_on_write`` gives it a fresh block and returns the ``(src, dst)`` copy
+the engine applies on device (``jaxkv.cache.copy_blocks``) before the step.
+
+Prefix caching (``prefix_caching="hash" | "radix"``, see jaxkv/prefix_cache.py). ``register``
+records the blocks a request has filled (called after the step that computed them), ``lookup``
+finds the longest cached prefix of a new request and ``allocate_cached`` shares those blocks (ref
+count + 1, taken out of the free queue if unreferenced). A cached block whose last reference goes
+stays cached in the free queue (at the tail: reused last, LRU); an uncached freed block goes to the
+*head*, so cached blocks are evicted (``PrefixCache.evict``, when ``_take`` pops them) only when
+no uncached free block is left. Radix mode also caches a request's partially filled last block
+when it frees it unshared; a later request reuses its first tokens through a copy.
 
 Copying is cheap and is how the pure scheduler treats a BlockManager as a value: ``copy`` duplicates
 three int32 [num_blocks] arrays and a dict whose block tables are immutable tuples shared between
@@ -35,9 +45,11 @@ copies (see jaxkv/scheduler.py). Mutating methods change only ``self``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
+
+from jaxkv.prefix_cache import PrefixCache, lookup, make_prefix_cache
 
 NULL_BLOCK = 0
 
@@ -53,9 +65,10 @@ class BlockManager:
     Args:
       num_blocks: blocks in the pool including the null block 0 (``>= 2``).
       block_size: tokens per block (``>= 1``).
+      prefix_caching: ``"hash"``, ``"radix"`` or None (no prefix cache).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: str | None = None):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         if block_size < 1:
@@ -68,6 +81,9 @@ class BlockManager:
         self._ref = np.zeros(num_blocks, np.int32)  # [num_blocks] table references per block
         self._num_free = num_blocks - 1
         self._tables: dict[Hashable, tuple[int, ...]] = {}
+        self.prefix_cache: PrefixCache | None = make_prefix_cache(prefix_caching, block_size)
+        # per request: (root key, keys of its leading registered full blocks...)
+        self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
 
     def copy(self) -> BlockManager:
         """An independent copy (the arrays are copied, the immutable tables shared)."""
@@ -79,6 +95,8 @@ class BlockManager:
         new._ref = self._ref.copy()
         new._num_free = self._num_free
         new._tables = dict(self._tables)
+        new.prefix_cache = None if self.prefix_cache is None else self.prefix_cache.copy()
+        new._chains = dict(self._chains)
         return new
 
     # ---- queries ---------------------------------------------------------------------------
@@ -121,21 +139,84 @@ class BlockManager:
         """Whether a new table for ``num_tokens`` tokens fits in the free blocks."""
         return self.blocks_for(num_tokens) <= self._num_free
 
-    def can_append_slots(self, request_id: Hashable, new_total_tokens: int) -> bool:
-        """Whether ``request_id``'s table can grow to hold ``new_total_tokens`` tokens."""
+    def can_append_slots(self, request_id: Hashable, new_total_tokens: int,
+                         write_from: int | None = None) -> bool:
+        """Whether ``request_id``'s table can grow to hold ``new_total_tokens`` tokens (and, when
+        writing from position ``write_from``, copy a shared block there first)."""
         missing = self.blocks_for(new_total_tokens) - len(self.block_table(request_id))
+        if write_from is not None and self.needs_copy(request_id, write_from):
+            missing += 1
         return missing <= self._num_free
+
+    def needs_copy(self, request_id: Hashable, position: int) -> bool:
+        """Whether writing ``position`` would write into a block another table references."""
+        table = self.block_table(request_id)
+        j = position // self.block_size
+        return j < len(table) and self._ref[table[j]] > 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache (referenced or not); 0 without prefix caching."""
+        return 0 if self.prefix_cache is None else len(self.prefix_cache)
+
+    def ref_count(self, block: int) -> int:
+        return int(self._ref[block])
+
+    def lookup(self, token_ids: Sequence[int], salt: Hashable = None):
+        """Longest cached prefix of ``token_ids``: ``(blocks, keys, partial)`` as
+        ``prefix_cache.lookup``; nothing without prefix caching."""
+        if self.prefix_cache is None:
+            return (), (), None
+        return lookup(self.prefix_cache, token_ids, salt)
+
+    def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
+                            partial: tuple[int, int] | None) -> bool:
+        """Whether ``allocate_cached(.., num_tokens, blocks, .., partial)`` fits."""
+        need = self.blocks_for(num_tokens) - len(blocks)
+        need += sum(self._ref[b] == 0 for b in blocks)
+        if partial is not None and self._ref[partial[0]] == 0:
+            need += 1  # held while its copy's destination is taken
+        return need <= self._num_free
 
     # ---- mutations -------------------------------------------------------------------------
 
-    def allocate(self, request_id: Hashable, num_tokens: int) -> tuple[int, ...]:
-        """Create the block table of a new request, holding ``num_tokens`` (>= 1) tokens."""
+    def allocate(self, request_id: Hashable, num_tokens: int, *,
+                 salt: Hashable = None) -> tuple[int, ...]:
+        """Create the block table of a new request, holding ``num_tokens`` (>= 1) tokens; its
+        filled blocks will be cached under ``salt``."""
+        return self.allocate_cached(request_id, num_tokens, (), (), None, salt=salt)[0]
+
+    def allocate_cached(self, request_id: Hashable, num_tokens: int, blocks: Sequence[int],
+                        keys: Sequence[Hashable], partial: tuple[int, int] | None, *,
+                        salt: Hashable = None) -> tuple[tuple[int, ...], tuple[int, int] | None]:
+        """Create a table of ``num_tokens`` tokens starting with the cached ``blocks`` (a
+        ``lookup`` result, shared); with ``partial = (src, k)`` the next block is a fresh copy of
+        ``src``. Returns ``(table, copy)`` with ``copy = (src, dst)`` or None::
+
+            table   [ b3 | d  | n1 | n2 ]      b3 cached (shared), d fresh, n1.. fresh
+                      ^    ^ copy of src (first k tokens valid), computing resumes there
+        """
         if request_id in self._tables:
             raise ValueError(f"request_id={request_id!r} already has a block table")
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
-        self._tables[request_id] = self._take(self.blocks_for(num_tokens), "num_tokens", num_tokens)
-        return self._tables[request_id]
+        if not self.can_allocate_cached(num_tokens, blocks, partial):
+            raise ValueError(f"num_tokens={num_tokens} needs "
+                             f"{self.blocks_for(num_tokens) - len(blocks)} more blocks but only "
+                             f"{self._num_free} are free")
+        for b in blocks:
+            self._acquire(b)
+        if partial is not None:
+            self._acquire(partial[0])
+        new = self._take(self.blocks_for(num_tokens) - len(blocks), "num_tokens", num_tokens)
+        copy = None
+        if partial is not None:
+            self._release(partial[0])
+            copy = (partial[0], new[0])
+        self._tables[request_id] = tuple(blocks) + new
+        if self.prefix_cache is not None:
+            self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
+        return self._tables[request_id], copy
 
     def append_slots(self, request_id: Hashable, new_total_tokens: int) -> tuple[int, ...]:
         """Grow ``request_id``'s table to hold ``new_total_tokens`` tokens; returns the table.
@@ -150,24 +231,98 @@ class BlockManager:
             self._tables[request_id] = table
         return table
 
-    def free(self, request_id: Hashable) -> None:
-        """Drop ``request_id``'s table; blocks whose ref count reaches 0 join the free queue's
-        tail in reverse table order (tail blocks are reused first)."""
-        for block in reversed(self.block_table(request_id)):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                self._push_tail(block)
+    def free(self, request_id: Hashable, partial_tokens: Sequence[int] = ()) -> None:
+        """Drop ``request_id``'s table; blocks whose ref count reaches 0 join the free queue in
+        reverse table order (tail blocks are reused first): at the tail when cached, else at the
+        head. ``partial_tokens``: the computed tokens of a partially filled last block, which
+        radix mode caches when no other table shares it."""
+        table = self.block_table(request_id)
+        chain = self._chains.pop(request_id, None)
+        if (partial_tokens and chain is not None and len(chain) == len(table)
+                and self._ref[table[-1]] == 1 and table[-1] not in self.prefix_cache):
+            self.prefix_cache.insert(chain[-1], tuple(partial_tokens), table[-1])
+        for block in reversed(table):
+            self._release(block)
         del self._tables[request_id]
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> tuple[int, ...]:
-        """Give ``child_id`` the same blocks as ``parent_id`` (shared, ref counts + 1)."""
-        table = self.block_table(parent_id)
+    def fork(self, parent_id: Hashable, child_id: Hashable,
+             num_blocks: int | None = None) -> tuple[int, ...]:
+        """Give ``child_id`` the first ``num_blocks`` (default all) blocks of ``parent_id``
+        (shared, ref counts + 1)."""
+        table = self.block_table(parent_id)[:num_blocks]
         if child_id in self._tables:
             raise ValueError(f"child_id={child_id!r} already has a block table")
         for block in table:
             self._ref[block] += 1
         self._tables[child_id] = table
+        if parent_id in self._chains:
+            self._chains[child_id] = self._chains[parent_id][:len(table) + 1]
         return table
+
+    def copy_on_write(self, request_id: Hashable, position: int) -> tuple[int, int] | None:
+        """Before ``request_id`` writes ``position``: if that block is shared, replace it by a
+        fresh block and return the ``(src, dst)`` copy to apply on device; else None."""
+        if not self.needs_copy(request_id, position):
+            return None
+        table = self._tables[request_id]
+        j = position // self.block_size
+        (dst,) = self._take(1, "position", position)
+        src = table[j]
+        self._ref[src] -= 1   # still > 0: another table holds it
+        self._tables[request_id] = table[:j] + (dst,) + table[j + 1:]
+        return src, dst
+
+    def num_registered(self, request_id: Hashable) -> int:
+        """Leading full blocks of ``request_id`` already registered in the prefix cache."""
+        chain = self._chains.get(request_id)
+        return 0 if chain is None else len(chain) - 1
+
+    def register(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Cache ``request_id``'s next full blocks, whose K/V is computed.
+
+        ``token_ids``: the tokens of blocks ``num_registered(request_id)`` onward (whole blocks;
+        a trailing partial block is ignored). A no-op without prefix caching.
+        """
+        chain = self._chains.get(request_id)
+        if chain is None:
+            return
+        table = self._tables[request_id]
+        bs = self.block_size
+        first = len(chain) - 1
+        for i in range(len(token_ids) // bs):
+            key = self.prefix_cache.insert(chain[-1], tuple(token_ids[i * bs:(i + 1) * bs]),
+                                           table[first + i])
+            if key is None:
+                break
+            chain += (key,)
+        self._chains[request_id] = chain
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks keep their owners; live requests re-register their
+        filled blocks on their next ``register``)."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache = make_prefix_cache(self.prefix_cache.mode, self.block_size)
+        self._chains = {r: c[:1] for r, c in self._chains.items()}
+
+    def _acquire(self, block: int) -> None:
+        """One more reference to ``block`` (taken out of the free queue if it was free)."""
+        if self._ref[block] == 0:
+            before, after = self._prev[block], self._next[block]
+            self._next[before] = after
+            self._prev[after] = before
+            self._next[block] = self._prev[block] = -1
+            self._num_free -= 1
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        """One reference less; at 0 the block joins the free queue (tail if cached, else head)."""
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self.prefix_cache is not None and block not in self.prefix_cache:
+                self._push_head(block)
+            else:
+                self._push_tail(block)
 
     def _take(self, n: int, field: str, value: int) -> tuple[int, ...]:
         """Pop ``n`` blocks from the head of the free queue, each with ref count 1."""
@@ -177,6 +332,8 @@ class BlockManager:
         blocks = []
         for _ in range(n):
             block = int(self._next[NULL_BLOCK])
+            if self.prefix_cache is not None and block in self.prefix_cache:
+                self.prefix_cache.evict(block)
             after = self._next[block]
             self._next[NULL_BLOCK] = after
             self._prev[after] = NULL_BLOCK
@@ -185,6 +342,14 @@ class BlockManager:
             blocks.append(block)
         self._num_free -= n
         return tuple(blocks)
+
+    def _push_head(self, block: int) -> None:
+        first = self._next[NULL_BLOCK]
+        self._prev[first] = block
+        self._next[block] = first
+        self._prev[block] = NULL_BLOCK
+        self._next[NULL_BLOCK] = block
+        self._num_free += 1
 
     def _push_tail(self, block: int) -> None:
         last = self._prev[NULL_BLOCK]
@@ -202,7 +367,8 @@ class BlockManager:
         Checks: every block id in a table lies in ``[1, num_blocks)``; each ref count equals the
         number of table entries naming that block; the free queue is a well-linked list holding
         exactly the blocks with ref count 0 other than the null block, each once; the null
-        block is never free, never referenced.
+        block is never free, never referenced; the prefix cache's maps are consistent, and only
+        requests with a table have a chain, no longer than their table.
         """
         counts = np.zeros(self.num_blocks, np.int64)  # [num_blocks]
         for request_id, table in self._tables.items():
@@ -223,6 +389,13 @@ class BlockManager:
         in_use = self._ref > 0  # [num_blocks]
         _check(np.all(self._next[in_use] == -1) and np.all(self._prev[in_use] == -1),
                "a block in use is still linked into the free queue")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check(self.num_blocks)
+            _check(NULL_BLOCK not in self.prefix_cache, "the null block is cached")
+        for request_id, chain in self._chains.items():
+            _check(request_id in self._tables, f"request {request_id!r}: chain without table")
+            _check(len(chain) - 1 <= len(self._tables[request_id]),
+                   f"request {request_id!r}: more registered blocks than blocks")
 
 
 def _check(condition, message: str) -> None:

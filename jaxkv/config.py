@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
+PREFIX_CACHING_MODES = ("hash", "radix")
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -40,10 +41,13 @@ class CacheConfig:
       block_size: tokens per block (page).
       num_blocks: blocks in the pool, *including* the reserved null block 0, so
         ``num_blocks - 1`` blocks are usable (see jaxkv/block_manager.py).
+      prefix_caching: ``"hash"`` (full blocks, hash chain), ``"radix"`` (token granular) or
+        None (off); see jaxkv/prefix_cache.py.
     """
 
     block_size: int = 16
     num_blocks: int
+    prefix_caching: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -51,6 +55,9 @@ class CacheConfig:
         if self.num_blocks < 2:
             raise ValueError(
                 f"num_blocks={self.num_blocks} must be >= 2 (block 0 is the reserved null block)")
+        if self.prefix_caching not in (None, *PREFIX_CACHING_MODES):
+            raise ValueError(f"prefix_caching={self.prefix_caching!r} is not one of "
+                             f"{PREFIX_CACHING_MODES} or None")
         if self.num_blocks * self.block_size > 2**31 - 1:
             raise ValueError(f"num_blocks * block_size = {self.num_blocks * self.block_size} "
                              f"slots overflow the int32 slot_mapping")
@@ -69,7 +76,10 @@ class SchedulerConfig:
       max_num_seqs: most sequences in one step (and most requests running at once).
       max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
       max_model_len: longest sequence (prompt + generated tokens) a request may reach.
-      policy: ``"fcfs"`` (arrival order) or ``"priority"`` (lower number first, ties by arrival).
+      policy: ``"fcfs"`` (arrival order), ``"priority"`` (lower number first, ties by arrival) or
+        ``"lpm"`` (longest cached prefix first, ties by arrival; needs prefix caching to matter).
+      lpm_max_skips: under ``"lpm"``, a waiting request overtaken this many times is admitted
+        before any request with a longer cached prefix (the age bound: nobody starves).
       token_buckets: padded sizes of the token axis ``T``; strictly increasing, the last one
         ``>= max_num_batched_tokens``. Default: powers of two from 16, closed by the maximum.
       seq_buckets: padded sizes of the sequence axis ``S``; strictly increasing, the last one
@@ -81,11 +91,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int
     policy: str = "fcfs"
+    lpm_max_skips: int = 8
     token_buckets: tuple[int, ...] | None = None
     seq_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "lpm_max_skips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.policy not in SCHEDULING_POLICIES:

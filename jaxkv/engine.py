@@ -12,7 +12,8 @@ One engine step (``LLM.step``):
 The engine owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
 it as it was), the device params and the donated cache, and per-request host bookkeeping:
 detokenized text, stop strings, logprobs and timestamps. A request with ``n > 1`` runs as ``n``
-scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does).
+scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does); samples ``i > 0``
+fork sample 0 once its prompt is computed, sharing the prompt's blocks (copy-on-write).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxkv import batch, planner, scheduler, sharding
-from jaxkv.cache import init_cache
-from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.cache import copy_blocks, init_cache
+from jaxkv.config import PREFIX_CACHING_MODES, CacheConfig, SchedulerConfig
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
@@ -61,12 +62,13 @@ class _Request:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
                              [dataclasses.replace(s.completion, token_ids=list(
                                  s.completion.token_ids)) for s in self.samples],
-                             dataclasses.replace(self.metrics))
+                             dataclasses.replace(self.metrics), self.num_cached_tokens)
 
 
 def _default_backend_choices(dtype: str, attention_impl: str | None) -> tuple[str, str]:
@@ -98,6 +100,8 @@ class LLM:
       interpret: run Pallas kernels in interpret mode (CPU).
       warmup: compile every (tokens, sequences) bucket at start, so no step compiles later.
       token_buckets, seq_buckets: padded step shapes (default powers of two; see SchedulerConfig).
+      prefix_caching: ``"hash"`` (default; full blocks by hash chain), ``"radix"`` (token
+        granular, partial blocks by copy-on-write) or None; see jaxkv/prefix_cache.py.
       tensor_parallel_size: devices the model is split over (jaxkv.sharding: heads, kv heads,
         mlp and vocab over the mesh axis "tp"; kv heads repeated when fewer than devices).
       data_parallel_size: independent engine replicas, each over its own ``tensor_parallel_size``
@@ -125,6 +129,7 @@ class LLM:
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  seed: int = 0, policy: str = "fcfs", attention_impl: str | None = None,
                  interpret: bool = False, warmup: bool = False,
+                 prefix_caching: str | None = "hash",
                  token_buckets: Sequence[int] | None = None,
                  seq_buckets: Sequence[int] | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, mesh: jax.sharding.Mesh | None = None):
@@ -133,6 +138,9 @@ class LLM:
         if attention_impl not in (None, "reference", "pallas"):
             raise ValueError(f"attention_impl={attention_impl!r} is not one of "
                              f"('reference', 'pallas')")
+        if prefix_caching not in (None, *PREFIX_CACHING_MODES):
+            raise ValueError(f"prefix_caching={prefix_caching!r} is not one of "
+                             f"{PREFIX_CACHING_MODES} or None")
         dtype, attention_impl = _default_backend_choices(dtype, attention_impl)
         from_checkpoint = checkpoint.is_checkpoint(model)
         config = checkpoint.read_config(model) if from_checkpoint else load_config(model)
@@ -160,7 +168,8 @@ class LLM:
         if not self.memory_plan.runs:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
         self.cache_config = CacheConfig(block_size=block_size,
-                                        num_blocks=self.memory_plan.num_blocks)
+                                        num_blocks=self.memory_plan.num_blocks,
+                                        prefix_caching=prefix_caching)
         self.dtype = jnp.dtype(dtype)
         self.params, self.tokenizer = self._load(model, from_checkpoint)
         c = sharding.tp_config(config, tensor_parallel_size)   # kv heads as the devices hold them
@@ -184,6 +193,9 @@ class LLM:
         self._peak_usage = 0.0
         self._num_generated = 0
         self._num_prompt_tokens = 0
+        self._num_computed_tokens = 0   # tokens the device computed (no padding)
+        self._num_lookup_tokens = 0     # prefix-cache queries, tokens
+        self._num_hit_tokens = 0        # of which found cached (or shared by a fork)
         self._busy_time = 0.0      # seconds inside step()
         self._device_time = 0.0    # of which: the jitted step until its tokens reach the host
         self._closed = False
@@ -299,7 +311,7 @@ class LLM:
                          f"{type(prompt).__name__}")
 
     def _new_request(self, prompt, params: SamplingParams, *, priority: int = 0,
-                     request_id: str | None = None):
+                     request_id: str | None = None, cache_salt=None):
         """Validates one prompt; returns (_Request, scheduler Requests) without adding anything."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
@@ -322,7 +334,9 @@ class LLM:
                                       stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                                       eos_token_ids=self.tokenizer.eos_token_ids)
             reqs.append(scheduler.Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
-                                          arrival_time=now, priority=priority))
+                                          arrival_time=now, priority=priority,
+                                          cache_salt=cache_salt,
+                                          fork_of=f"{rid}#0" if i else None))
         return _Request(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
 
     def _add(self, new: list[tuple[_Request, list[scheduler.Request]]]) -> None:
@@ -338,15 +352,18 @@ class LLM:
                 self._samples[r.request_id] = sample
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, priority: int = 0, cache_salt=None) -> str:
         """Queues one prompt (a str or ``{"prompt_token_ids": [...]}``); returns its request id.
+
+        ``cache_salt`` (any hashable): the request shares cached prefix blocks only with requests
+        of the same salt (tenant isolation).
 
         Raises:
           ValueError: naming what is wrong; nothing is queued then.
         """
         self._check_open()
         new = self._new_request(prompt, sampling_params or SamplingParams(),
-                                priority=priority, request_id=request_id)
+                                priority=priority, request_id=request_id, cache_salt=cache_salt)
         self._add([new])
         return new[0].request_id
 
@@ -379,6 +396,7 @@ class LLM:
         if not plan.seqs:
             self._state = state
             return self._collect_finished()
+        self._apply_copies(plan)
         inputs = batch.build(plan, self.cache_config, self.sched_config)
         rows = [self._samples[s.request_id] for s in plan.seqs]
         live = [state.requests[s.request_id] for s in plan.seqs]
@@ -406,6 +424,7 @@ class LLM:
             req = self._requests[sample.parent]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
+                req.num_cached_tokens = seq.num_cached_tokens
             if seq.start_pos == 0:
                 self._num_prompt_tokens += len(seq.token_ids)
             if not seq.sample:
@@ -434,6 +453,23 @@ class LLM:
         finished = self._collect_finished()
         done = {o.request_id for o in finished}
         return finished + [r.output() for rid, r in touched.items() if rid not in done]
+
+    def _apply_copies(self, plan: scheduler.StepPlan) -> None:
+        """Applies the plan's copy-on-write block copies on device and counts its cache hits."""
+        self._num_lookup_tokens += plan.num_lookup_tokens
+        self._num_hit_tokens += plan.num_hit_tokens
+        self._num_computed_tokens += plan.num_tokens
+        if plan.copy_ops:
+            n = 1 << (len(plan.copy_ops) - 1).bit_length()   # pad to a power of two: few compiles
+            ops = np.zeros((n, 2), np.int32)                 # padding copies null -> null
+            ops[:len(plan.copy_ops)] = plan.copy_ops
+            self.cache = copy_blocks(self.cache, jnp.asarray(ops[:, 0]), jnp.asarray(ops[:, 1]))
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (running requests keep their blocks)."""
+        bm = self._state.block_manager.copy()
+        bm.reset_prefix_cache()
+        self._state = dataclasses.replace(self._state, block_manager=bm)
 
     def _apply_stop_strings(self, sample: _Sample) -> bool:
         """Trims the earliest stop string (and what follows) from the text; True if one matched."""
@@ -558,6 +594,10 @@ class LLM:
           step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests), ``num_running``, ``num_waiting``,
           ``num_preemptions``, ``num_steps``, ``num_prompt_tokens``, ``num_generated_tokens``,
           ``generation_tokens_per_s`` (generated tokens / time spent in steps),
+          ``num_computed_tokens`` (tokens the device computed), ``prefix_cache_queries`` and
+          ``prefix_cache_hits`` (tokens of admitted requests, and of those the tokens found in
+          the prefix cache or shared by a fork), ``prefix_cache_hit_rate`` (their ratio),
+          ``num_cached_blocks`` (blocks in the prefix cache, in use or free),
           ``host_time_fraction`` (share of step time spent on the host: scheduling, batch
           building, sampling tensors, detokenization; the rest is the jitted step).
         """
@@ -576,6 +616,12 @@ class LLM:
             "num_steps": self._num_steps,
             "num_prompt_tokens": self._num_prompt_tokens,
             "num_generated_tokens": self._num_generated,
+            "num_computed_tokens": self._num_computed_tokens,
+            "prefix_cache_queries": self._num_lookup_tokens,
+            "prefix_cache_hits": self._num_hit_tokens,
+            "prefix_cache_hit_rate": self._num_hit_tokens / self._num_lookup_tokens
+            if self._num_lookup_tokens else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
             "generation_tokens_per_s": self._num_generated / self._busy_time
             if self._busy_time else 0.0,
             "host_time_fraction": 1.0 - self._device_time / self._busy_time

@@ -82,6 +82,8 @@ class RequestOutput:
       prompt_token_ids: the tokenized prompt.
       outputs: one ``CompletionOutput`` per sample, by index.
       metrics: timestamps, TTFT and TPOT.
+      num_cached_tokens: prompt tokens taken from the prefix cache at admission (not
+        computed); None before the request is scheduled.
     """
 
     request_id: str
@@ -89,6 +91,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -31,8 +31,20 @@ One step of ``schedule``:
      chunk ``min(remaining, budget)``, while the budget, ``max_num_seqs`` running requests and the
      free blocks allow; admission stops at the first request that does not fit (no overtaking).
 
+Prefix caching and forks (jaxkv/prefix_cache.py, jaxkv/block_manager.py). At admission a request
+takes the longest cached prefix of its first ``num_tokens - 1`` tokens (the last token is always
+computed: its logits are needed) and starts with ``num_computed_tokens`` there; a radix hit that
+ends inside a block adds a ``(src, dst)`` copy to ``plan.copy_ops``. A request with ``fork_of``
+(sample ``i > 0`` of ``n``) waits until its parent has computed all but the last prompt token, then
+shares those blocks and computes only the rest. A running request about to write into a block
+another table shares (a fork's or beam's last block) first copies it (copy-on-write). The engine
+applies ``copy_ops`` on device before the step. ``update`` registers the blocks a step filled, so
+only computed K/V is ever found by a lookup.
+
 Urgency is the policy key: FCFS ``(arrival_time, n)``, priority ``(priority, arrival_time, n)``
-(``n`` = order of ``add_request``, lower key = more urgent). The waiting and running queues are kept
+(``n`` = order of ``add_request``, lower key = more urgent); ``lpm`` keeps FCFS queues but admits
+the waiting request with the longest cached prefix first, except that one overtaken
+``lpm_max_skips`` times goes first (SGLang's longest-prefix-match, with an age bound). The waiting and running queues are kept
 sorted by it, so a preempted request, which keeps its key, goes back to the front of the waiting
 queue under FCFS, and to its priority's place under the priority policy.
 
@@ -102,6 +114,9 @@ class Request:
       stop: stopping rule.
       arrival_time: FCFS order (and the priority tie-break).
       priority: lower number = more urgent (used by the ``"priority"`` policy).
+      cache_salt: prefix-cache namespace; requests share cached blocks only with equal salts.
+      fork_of: id of a request with the same prompt whose prompt blocks this one shares
+        (parallel sampling); it should be added after it.
     """
 
     request_id: Hashable
@@ -109,6 +124,8 @@ class Request:
     stop: StopSpec = StopSpec()
     arrival_time: float = 0.0
     priority: int = 0
+    cache_salt: Hashable = None
+    fork_of: Hashable = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -126,6 +143,8 @@ class RequestState:
       output_token_ids: generated tokens.
       num_computed_tokens: tokens whose K/V is (being) written to the cache.
       finish_reason: None while live, else ``"stop"``, ``"length"`` or ``"abort"``.
+      num_cached_tokens: tokens taken from the prefix cache or a fork at the first admission.
+      num_skipped: times a later request was admitted before this waiting one (``lpm``).
     """
 
     request: Request
@@ -133,6 +152,8 @@ class RequestState:
     output_token_ids: tuple[int, ...] = ()
     num_computed_tokens: int = 0
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_skipped: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +203,8 @@ class ScheduledSeq:
       sample: whether a token is sampled after the last one (the chunk reaches the known end).
       block_table: the request's physical blocks; they cover every position up to
         ``start_pos + len(token_ids) - 1``.
+      num_cached_tokens: at an admission, the tokens ``[0, start_pos)`` taken from the prefix
+        cache or a fork (0 otherwise).
     """
 
     request_id: Hashable
@@ -189,6 +212,7 @@ class ScheduledSeq:
     start_pos: int
     sample: bool
     block_table: tuple[int, ...]
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +223,18 @@ class StepPlan:
       seqs: scheduled sequences, in scheduling order (row ``i`` of the step's outputs).
       preempted_ids: requests preempted (blocks freed, back to waiting) by this schedule.
       finished_ids: requests finished or aborted since the previous schedule.
+      copy_ops: ``(src, dst)`` block copies to apply, all at once, before the step.
+      num_lookup_tokens: tokens of the requests admitted this step with a prefix-cache lookup
+        or a fork.
+      num_hit_tokens: of those, tokens found in the prefix cache (or shared by a fork).
     """
 
     seqs: tuple[ScheduledSeq, ...]
     preempted_ids: tuple[Hashable, ...] = ()
     finished_ids: tuple[Hashable, ...] = ()
+    copy_ops: tuple[tuple[int, int], ...] = ()
+    num_lookup_tokens: int = 0
+    num_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -212,8 +243,8 @@ class StepPlan:
 
 def init_state(cache_config: CacheConfig) -> SchedulerState:
     """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks."""
-    return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size),
-                          types.MappingProxyType({}))
+    return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                       cache_config.prefix_caching), types.MappingProxyType({}))
 
 
 def _key(rs: RequestState, policy: str) -> tuple:
@@ -221,6 +252,13 @@ def _key(rs: RequestState, policy: str) -> tuple:
     if policy == "priority":
         return (rs.request.priority, rs.request.arrival_time, rs.order)
     return (rs.request.arrival_time, rs.order)
+
+
+def _free(bm: BlockManager, rs: RequestState) -> None:
+    """Free ``rs``'s blocks, offering its computed partial last block to the prefix cache."""
+    computed = rs.num_computed_tokens
+    tail = computed % bm.block_size
+    bm.free(rs.request.request_id, rs.token_ids(computed - tail, computed) if tail else ())
 
 
 def _insert(queue: list, request_id: Hashable, requests: Mapping, policy: str) -> None:
@@ -273,8 +311,12 @@ def schedule(state: SchedulerState,
         rs = requests[request_id]
         return rs.num_tokens - rs.num_computed_tokens
 
+    copy_ops: list[tuple[int, int]] = []
+    cached: dict[Hashable, int] = {}   # admitted this step: tokens taken from cache / fork
+    num_lookup = 0
+
     def preempt(request_id):
-        bm.free(request_id)
+        _free(bm, requests[request_id])
         requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0)
         running.remove(request_id)
         _insert(waiting, request_id, requests, config.policy)
@@ -293,8 +335,9 @@ def schedule(state: SchedulerState,
             n = min(left, budget - reserved)
             if n <= 0:
                 continue
-        new_total = requests[request_id].num_computed_tokens + n
-        while not bm.can_append_slots(request_id, new_total):
+        start = requests[request_id].num_computed_tokens
+        new_total = start + n
+        while not bm.can_append_slots(request_id, new_total, write_from=start):
             victim = queue.pop() if queue else request_id
             if victim != request_id and remaining(victim) == 1:
                 reserved -= 1
@@ -303,31 +346,86 @@ def schedule(state: SchedulerState,
                 break
         if request_id in preempted:
             continue
+        op = bm.copy_on_write(request_id, start)
+        if op is not None:
+            copy_ops.append(op)
         bm.append_slots(request_id, new_total)
         scheduled.append((request_id, n))
         budget -= n
 
     # 2. admit waiting requests with a prefill chunk, unless this step had to preempt.
-    while (not preempted and waiting and budget > 0
-           and len(running) < config.max_num_seqs):
-        request_id = waiting[0]
-        n = min(remaining(request_id), budget)
-        if not bm.can_allocate(n):
+    candidates = list(waiting)
+    if config.policy == "lpm" and not preempted:
+        bs = bm.block_size
+
+        def lpm_key(i):
+            rs = requests[i]
+            blocks, _, partial = bm.lookup(rs.token_ids(0, rs.num_tokens - 1),
+                                           rs.request.cache_salt)
+            hit = len(blocks) * bs + (partial[1] if partial else 0)
+            return (rs.num_skipped < config.lpm_max_skips, -hit)
+        candidates.sort(key=lpm_key)   # stable: FCFS among equals
+    admitted: list[Hashable] = []
+    for request_id in candidates:
+        if preempted or budget <= 0 or len(running) >= config.max_num_seqs:
             break
-        bm.allocate(request_id, n)
-        waiting.pop(0)
+        rs = requests[request_id]
+        parent = rs.request.fork_of
+        if parent in state.requests:
+            prs = state.requests[parent]
+            p = len(rs.request.prompt_token_ids)
+            if parent not in state.running or prs.num_computed_tokens < p - 1:
+                continue   # the parent's prompt is not computed yet: wait (others may pass)
+            hit, keys, partial = bm.block_table(parent)[:bm.blocks_for(p - 1)], None, None
+            num_cached = p - 1
+        else:
+            hit, keys, partial = bm.lookup(rs.token_ids(0, rs.num_tokens - 1),
+                                           rs.request.cache_salt)
+            num_cached = len(hit) * bm.block_size + (partial[1] if partial else 0)
+        n = min(rs.num_tokens - num_cached, budget)
+        if keys is None:   # fork: share the parent's blocks, copy the last one if partial
+            need = (bm.blocks_for(num_cached + n) - len(hit)
+                    + (num_cached % bm.block_size > 0))
+            if need > bm.num_free_blocks:
+                break
+            bm.fork(parent, request_id, len(hit))
+            op = bm.copy_on_write(request_id, num_cached)
+            bm.append_slots(request_id, num_cached + n)
+        else:
+            if not bm.can_allocate_cached(num_cached + n, hit, partial):
+                break
+            _, op = bm.allocate_cached(request_id, num_cached + n, hit, keys, partial,
+                                       salt=rs.request.cache_salt)
+        if op is not None:
+            copy_ops.append(op)
+        if bm.prefix_cache is not None or keys is None:
+            num_lookup += rs.num_tokens
+        cached[request_id] = num_cached
+        requests[request_id] = dataclasses.replace(
+            rs, num_computed_tokens=num_cached,
+            num_cached_tokens=rs.num_cached_tokens or num_cached)
+        waiting.remove(request_id)
+        admitted.append(request_id)
         _insert(running, request_id, requests, config.policy)
         scheduled.append((request_id, n))
         budget -= n
+    if admitted:
+        last = max(_key(requests[i], config.policy) for i in admitted)
+        for i in waiting:
+            if _key(requests[i], config.policy) < last:
+                requests[i] = dataclasses.replace(requests[i],
+                                                  num_skipped=requests[i].num_skipped + 1)
 
     seqs = []
     for request_id, n in scheduled:
         rs = requests[request_id]
         start = rs.num_computed_tokens
         seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n), start,
-                                 start + n == rs.num_tokens, bm.block_table(request_id)))
+                                 start + n == rs.num_tokens, bm.block_table(request_id),
+                                 cached.get(request_id, 0)))
         requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n)
-    plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished))
+    plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
+                    num_lookup, sum(cached.values()))
     return SchedulerState(bm, types.MappingProxyType(requests), tuple(waiting), tuple(running),
                           types.MappingProxyType({}), state.num_added), plan
 
@@ -352,7 +450,7 @@ def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
     finished = dict(state.finished)
     for request_id, reason in reasons.items():
         if request_id in bm:
-            bm.free(request_id)
+            _free(bm, requests[request_id])
         finished[request_id] = dataclasses.replace(requests.pop(request_id),
                                                    finish_reason=reason)
     return dataclasses.replace(
@@ -380,6 +478,18 @@ def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
         raise ValueError(f"sampled_tokens has {len(sampled_tokens)} rows, "
                          f"the plan has {len(plan.seqs)} seqs")
     requests = dict(state.requests)
+    bm = state.block_manager
+    if bm.prefix_cache is not None:   # cache the blocks this step filled
+        bm = bm.copy()
+        bs = bm.block_size
+        for seq in plan.seqs:
+            if seq.request_id in requests and seq.request_id in bm:
+                first = bm.num_registered(seq.request_id)
+                full = (seq.start_pos + len(seq.token_ids)) // bs
+                if full > first:
+                    bm.register(seq.request_id,
+                                requests[seq.request_id].token_ids(first * bs, full * bs))
+        state = dataclasses.replace(state, block_manager=bm)
     reasons: dict[Hashable, str] = {}
     for row, seq in enumerate(plan.seqs):
         if not seq.sample or seq.request_id not in requests:
@@ -406,6 +516,42 @@ def abort(state: SchedulerState, request_id: Hashable) -> SchedulerState:
     if request_id not in state.requests:
         raise ValueError(f"request_id={request_id!r} is not queued or running")
     return _finish(state, {request_id: FINISH_ABORT}, dict(state.requests))
+
+
+def fork(state: SchedulerState, config: SchedulerConfig,
+         forks: Sequence[tuple[Hashable, Hashable, int]],
+         release: Sequence[Hashable] = ()) -> SchedulerState:
+    """Beam-search step: new running requests that share their parents' blocks, then drop some.
+
+    Args:
+      forks: ``(parent_id, child_id, token)``: the child is the running parent (all of whose
+        tokens are computed) with ``token`` appended, sharing every parent block; its next write
+        into the shared last block copies it first (copy-on-write, in ``schedule``).
+      release: running requests to drop afterwards (blocks freed, no ``finished`` entry);
+        typically the parents.
+    """
+    bm = state.block_manager.copy()
+    requests = dict(state.requests)
+    running = list(state.running)
+    for i, (parent_id, child_id, token) in enumerate(forks):
+        prs = requests.get(parent_id)
+        if parent_id not in state.running or prs.num_computed_tokens != prs.num_tokens:
+            raise ValueError(f"fork parent_id={parent_id!r} is not running with every token "
+                             f"computed")
+        if child_id in requests:
+            raise ValueError(f"fork child_id={child_id!r} is already queued or running")
+        bm.fork(parent_id, child_id)
+        requests[child_id] = RequestState(
+            dataclasses.replace(prs.request, request_id=child_id, fork_of=None),
+            state.num_added + i, prs.output_token_ids + (int(token),), prs.num_computed_tokens)
+        _insert(running, child_id, requests, config.policy)
+    for request_id in release:
+        if request_id not in running:
+            raise ValueError(f"release names request_id={request_id!r}, which is not running")
+        _free(bm, requests.pop(request_id))
+        running.remove(request_id)
+    return dataclasses.replace(state, block_manager=bm, requests=types.MappingProxyType(requests),
+                               running=tuple(running), num_added=state.num_added + len(forks))
 
 
 def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:

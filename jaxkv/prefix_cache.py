@@ -1,0 +1,224 @@
+"""Prefix cache: which KV blocks hold which token prefixes (host only, no jax).
+
+Two modes behind one small interface (``PrefixCache``), chosen by ``LLM(prefix_caching=...)``:
+
+* ``"hash"`` (vLLM's automatic prefix caching): a *full* block is keyed by
+  ``hash((parent key, its block_size tokens))``; the first block's parent is the root key of the
+  request's cache salt, so tenants with different salts never share. Only full blocks are cached.
+* ``"radix"`` (SGLang's RadixAttention, block-paged): the same chain, but a node's key is its block
+  id and each node lists its children, so a lookup can end in a child that matches only partly
+  (token granular). Partially filled blocks are cached too, when their request frees them. The
+  caller copies such a block (copy-on-write) and recomputes from the first mismatching token.
+
+Example, block_size 4, radix mode::
+
+    root(salt=None)
+      +-- b3 [The cat sat on]         full block
+      |     +-- b7 [the mat .]        partial block, 3 tokens (radix only)
+      |     +-- b5 [a hat and a]
+      +-- b9 [Once upon a time]
+
+    lookup "The cat sat on a hat in":  full blocks (b3,), keys (b3,)
+                                       partial (b5, 2): copy b5, compute from token 6
+
+Keys are opaque to the caller: it walks ``root -> child -> child ...`` and remembers each
+request's chain of keys to register the blocks it fills later (``insert``). A block is cached
+(``in``) at most once; the block manager evicts it (``evict``) when it reuses the block. Hash keys
+are 64-bit Python hashes of (parent key, tokens): a collision (probability ~2^-64 per pair) would
+alias two prefixes, as in vLLM's default hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from jaxkv.config import PREFIX_CACHING_MODES
+
+
+class PrefixCache:
+    """The interface both modes implement (hash-mode behaviour where they agree).
+
+    Args:
+      block_size: tokens per block.
+    """
+
+    mode = "hash"
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._block_of: dict[Hashable, int] = {}   # key -> cached block
+        self._key_of: dict[int, Hashable] = {}     # cached block -> key
+
+    def copy(self) -> PrefixCache:
+        new = object.__new__(type(self))
+        new.__dict__.update({k: dict(v) if isinstance(v, dict) else v
+                             for k, v in self.__dict__.items()})
+        return new
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._key_of
+
+    def __len__(self) -> int:
+        """Number of cached blocks."""
+        return len(self._key_of)
+
+    def root(self, salt: Hashable) -> Hashable:
+        """Key of the (virtual) parent of a request's first block."""
+        return hash(("jaxkv-prefix-root", salt))
+
+    def child(self, parent: Hashable, tokens: tuple[int, ...]) -> tuple[int, Hashable] | None:
+        """``(block, key)`` of the cached full block after ``parent`` holding ``tokens``."""
+        key = hash((parent, tokens))
+        block = self._block_of.get(key)
+        return None if block is None else (block, key)
+
+    def partial(self, parent: Hashable, tokens: tuple[int, ...]) -> tuple[int, int] | None:
+        """``(block, k)``: a cached block after ``parent`` whose first ``k >= 1`` tokens equal
+        ``tokens[:k]`` (longest such ``k``); None in hash mode."""
+        return None
+
+    def insert(self, parent: Hashable, tokens: tuple[int, ...], block: int) -> Hashable | None:
+        """Register ``block``, whose K/V for ``tokens`` is computed, after ``parent``.
+
+        Returns the key under which this prefix is cached: ``block``'s new key, or the key of a
+        block already cached for the same prefix (which stays the cached one). None when nothing
+        can be cached: a partial block in hash mode, or an unknown parent in radix mode.
+        """
+        if len(tokens) != self.block_size:
+            return None
+        key = hash((parent, tokens))
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+        return key
+
+    def evict(self, block: int) -> tuple[int, ...]:
+        """Forget ``block`` (about to be reused); returns every block no longer cached."""
+        del self._block_of[self._key_of.pop(block)]
+        return (block,)
+
+    def check(self, num_blocks: int) -> None:
+        """Raise ``AssertionError`` unless the maps are mutually inverse over valid block ids."""
+        _check(len(self._block_of) == len(self._key_of), "prefix maps differ in size")
+        for block, key in self._key_of.items():
+            _check(1 <= block < num_blocks, f"cached block {block} outside [1, {num_blocks})")
+            _check(self._block_of.get(key) == block, f"cached block {block}: key maps elsewhere")
+
+
+class RadixPrefixCache(PrefixCache):
+    """Radix mode: a tree of nodes, one per cached block, keyed by never-reused node ids (a
+    request's chain may outlive an evicted node; its stale id then matches nothing)."""
+
+    mode = "radix"
+
+    def __init__(self, block_size: int):
+        super().__init__(block_size)     # _block_of: node id -> block, _key_of: block -> node id
+        self._edge: dict[tuple[Hashable, tuple[int, ...]], int] = {}  # (parent, tokens) -> node
+        self._node: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # node -> (parent, tokens)
+        self._children: dict[Hashable, tuple[int, ...]] = {}          # parent -> child nodes
+        self._next_node = 0
+
+    def root(self, salt: Hashable) -> Hashable:
+        return ("root", salt)
+
+    def child(self, parent, tokens):
+        node = self._edge.get((parent, tokens))
+        return None if node is None else (self._block_of[node], node)
+
+    def partial(self, parent, tokens):
+        best = None
+        for node in self._children.get(parent, ()):
+            cached = self._node[node][1]
+            k = 0
+            while k < min(len(cached), len(tokens)) and cached[k] == tokens[k]:
+                k += 1
+            if k and (best is None or k > best[1]):
+                best = (self._block_of[node], k)
+        return best
+
+    def insert(self, parent, tokens, block):
+        if not (isinstance(parent, tuple) or len(self._node.get(parent, ((), ()))[1])
+                == self.block_size):
+            return None   # evicted (stale) or partial parent
+        existing = self._edge.get((parent, tokens))
+        if existing is not None:
+            return existing
+        if block in self._key_of:
+            return None
+        node = self._next_node
+        self._next_node += 1
+        self._edge[(parent, tokens)] = node
+        self._node[node] = (parent, tokens)
+        self._block_of[node] = block
+        self._key_of[block] = node
+        self._children[parent] = self._children.get(parent, ()) + (node,)
+        return node
+
+    def evict(self, block):
+        """Forget ``block`` and its whole subtree (unreachable without it)."""
+        top = self._key_of[block]
+        parent = self._node[top][0]
+        siblings = tuple(n for n in self._children.pop(parent) if n != top)
+        if siblings:
+            self._children[parent] = siblings
+        out = []
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(self._children.pop(node, ()))
+            out.append(self._block_of.pop(node))
+            del self._key_of[out[-1]]
+            del self._edge[self._node.pop(node)]
+        return tuple(out)
+
+    def check(self, num_blocks):
+        super().check(num_blocks)
+        _check(set(self._node) == set(self._block_of), "radix node map != cached nodes")
+        _check(len(self._edge) == len(self._node), "radix edge map != nodes")
+        index: dict[Hashable, list[int]] = {}
+        for node, (parent, tokens) in self._node.items():
+            _check(self._edge.get((parent, tokens)) == node, f"node {node}: edge maps elsewhere")
+            _check(1 <= len(tokens) <= self.block_size, f"node {node}: bad token count")
+            _check(isinstance(parent, tuple) or len(self._node[parent][1]) == self.block_size,
+                   f"node {node}: parent {parent!r} is not a cached full block")
+            index.setdefault(parent, []).append(node)
+        _check({p: sorted(c) for p, c in index.items()}
+               == {p: sorted(c) for p, c in self._children.items()}, "radix child index broken")
+
+
+def make_prefix_cache(mode: str | None, block_size: int) -> PrefixCache | None:
+    """The prefix cache of ``mode`` (``"hash"``, ``"radix"``), or None when ``mode`` is None."""
+    if mode is None:
+        return None
+    if mode not in PREFIX_CACHING_MODES:
+        raise ValueError(f"prefix_caching={mode!r} is not one of {PREFIX_CACHING_MODES} or None")
+    return (RadixPrefixCache if mode == "radix" else PrefixCache)(block_size)
+
+
+def lookup(cache: PrefixCache, token_ids: Sequence[int], salt: Hashable
+           ) -> tuple[tuple[int, ...], tuple[Hashable, ...], tuple[int, int] | None]:
+    """Longest cached prefix of ``token_ids``.
+
+    Returns:
+      ``(blocks, keys, partial)``: the cached full blocks covering ``token_ids[:len(blocks) *
+      block_size]`` and their keys, then ``partial = (block, k)`` when (radix mode) a cached block
+      also holds the next ``k`` tokens (``1 <= k < block_size``, bounded by ``len(token_ids)``).
+    """
+    bs = cache.block_size
+    key = cache.root(salt)
+    blocks, keys = [], []
+    for start in range(0, len(token_ids) - bs + 1, bs):
+        hit = cache.child(key, tuple(token_ids[start:start + bs]))
+        if hit is None:
+            break
+        blocks.append(hit[0])
+        keys.append(key := hit[1])
+    rest = tuple(token_ids[len(blocks) * bs:len(blocks) * bs + bs])
+    partial = cache.partial(key, rest) if rest else None  # k < bs: a full match was taken above
+    return tuple(blocks), tuple(keys), partial
+
+
+def _check(condition, message: str) -> None:
+    """``assert`` that survives ``python -O``."""
+    if not condition:
+        raise AssertionError(message)

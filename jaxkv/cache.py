@@ -51,11 +51,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import quant
+from jaxkv.planner import KIVI_GROUP_SIZE
 
 
 KV_CACHE_QUANT_DTYPES = tuple(quant.KV_QUANT_FORMATS)
 FLOAT_KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-KIVI_GROUP_SIZE = 32      # channels per value group (KIVI's G)
 
 
 @partial(jax.tree_util.register_dataclass,
@@ -374,15 +374,19 @@ def _write_kivi(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Arra
     n, bs = p.data.shape[:2]
     r = p.res_owner.shape[0]
     t = new.shape[0]
-    valid = blk != 0
+    old_slot = p.res_slot
+    # a block is written if it is unsealed (has a slot) or starts at offset 0 in this step; a
+    # write into a sealed block (the recomputed last token of a fully cached prompt) is dropped
+    # and the block keeps its codes, so cached blocks stay bit-exact
+    starts = jnp.zeros(n, bool).at[blk].max(off == 0)[blk]
+    valid = (blk != 0) & ((old_slot[blk] > 0) | starts)
     last = valid & (off == bs - 1)
     seals = jnp.zeros(n, bool).at[blk].max(last)[blk] & valid          # [T]
-    old_slot = p.res_slot
-    # residual slots for the unsealed blocks written now (tokens of one block are contiguous)
+    # residual slots for the new blocks written now (tokens of one block are contiguous)
     first = valid & jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])
     touched = jnp.zeros(r, bool).at[old_slot[blk]].set(valid)
     need = first & ~seals & (old_slot[blk] == 0)
-    p, new_slots = _assign_slots(p, blk, need, touched)
+    p, _ = _assign_slots(p, blk, need, touched)
     slot = p.res_slot[blk]                                             # [T]
     keep = valid & ~seals
     res_idx = jnp.where(keep, slot, r)

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxkv import batch, planner, scheduler, sharding
-from jaxkv.cache import copy_blocks, init_cache
+from jaxkv.cache import KV_CACHE_QUANT_DTYPES, check_quant_geometry, copy_blocks, init_cache
 from jaxkv.config import PREFIX_CACHING_MODES, CacheConfig, SchedulerConfig
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
@@ -86,6 +86,10 @@ class LLM:
         model directory.
       dtype: ``"auto"`` (bfloat16 on GPU, float32 on CPU), ``"float32"``, ``"bfloat16"``,
         ``"float16"``: parameter, activation and KV dtype.
+      kv_cache_dtype: ``"auto"`` (= ``dtype``), ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``,
+        ``"fp8_e5m2"``, ``"int8"`` (per-token-per-head scales), ``"int4"``, ``"int2"`` (KIVI:
+        keys per channel per block, values per token, the unsealed block in full precision);
+        see jaxkv/cache.py and jaxkv/quant.py.
       block_size: tokens per KV block.
       max_model_len: longest prompt + output; default ``min(model context, 8192)``.
       max_num_seqs: most sequences per step.
@@ -124,7 +128,8 @@ class LLM:
         return super().__new__(cls)
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", *, dtype: str = "auto",
-                 block_size: int = 16, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 kv_cache_dtype: str = "auto", block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
                  seed: int = 0, policy: str = "fcfs", attention_impl: str | None = None,
@@ -142,6 +147,7 @@ class LLM:
             raise ValueError(f"prefix_caching={prefix_caching!r} is not one of "
                              f"{PREFIX_CACHING_MODES} or None")
         dtype, attention_impl = _default_backend_choices(dtype, attention_impl)
+        self.kv_cache_dtype = planner.resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         from_checkpoint = checkpoint.is_checkpoint(model)
         config = checkpoint.read_config(model) if from_checkpoint else load_config(model)
         sharding.check_parallel_sizes(config, tensor_parallel_size, data_parallel_size,
@@ -153,6 +159,12 @@ class LLM:
             sharding.check_mesh(mesh, tensor_parallel_size)
         elif tensor_parallel_size > 1:
             mesh = sharding.make_mesh(tensor_parallel_size)
+        if self.kv_cache_dtype in KV_CACHE_QUANT_DTYPES:
+            check_quant_geometry(self.kv_cache_dtype, block_size=block_size,
+                                 head_dim=config.head_dim)
+            if mesh is not None:
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
+                                 f"tensor parallelism yet; use a float KV cache")
         self.mesh = mesh
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = config
@@ -175,7 +187,9 @@ class LLM:
         c = sharding.tp_config(config, tensor_parallel_size)   # kv heads as the devices hold them
         if mesh is None:
             self.cache = init_cache(c.num_layers, self.cache_config.num_blocks, block_size,
-                                    c.num_kv_heads, c.head_dim, self.dtype)
+                                    c.num_kv_heads, c.head_dim, self.dtype,
+                                    kv_cache_dtype=self.kv_cache_dtype,
+                                    num_residual_slots=max_num_seqs + 1)
         else:
             self.cache = sharding.init_sharded_cache(c.num_layers, self.cache_config.num_blocks,
                                                      block_size, c.num_kv_heads, c.head_dim,
@@ -237,7 +251,8 @@ class LLM:
         else:
             device_memory = jax.local_devices()[0].memory_stats()["bytes_limit"]
         kw = dict(device_memory_bytes=device_memory, memory_utilization=memory_utilization,
-                  dtype=dtype, block_size=block_size, max_model_len=s.max_model_len,
+                  dtype=dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=block_size,
+                  max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                   kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
                   tensor_parallel_size=self.tensor_parallel_size)

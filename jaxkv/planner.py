@@ -4,8 +4,9 @@ Host-only arithmetic (no jax import), so it runs before anything is allocated:
 
     device_memory_bytes x memory_utilization = budget
     budget = weights + activations (estimate) + KV pool [+ headroom left unused]
-    KV pool = num_blocks x block_size x kv_bytes_per_token            (num_blocks counts null block 0)
-    kv_bytes_per_token = 2 (K and V) x num_layers x num_kv_heads x kv_bytes_per_vector(dtype, head_dim)
+    KV pool = num_blocks x kv_bytes_per_block                         (num_blocks counts null block 0)
+    kv_bytes_per_block = block_size x 2 (K and V) x num_layers x num_kv_heads x
+                         kv_bytes_per_vector(dtype, head_dim)         (KIVI: see kv_bytes_per_block)
 
 The KV size is GQA-aware: it counts *kv* heads. (The seed article's Llama-3-8B figure uses 32 heads;
 the model has 8 kv heads, so its 128 KiB/token in bf16 is a quarter of the article's 512 KiB.)
@@ -39,14 +40,17 @@ class KVFormat:
 
     Attributes:
       bits: stored bits per element.
-      metadata_bytes: quantization metadata (scales, zero points) per K or V vector of one token
-        and one kv head, rounded up; a scale shared by a group of tokens counts its per-token
-        share. 0 for float types and for per-tensor scales (negligible); sub-byte formats (KIVI
-        int4/int2) put their group scales and zero points here.
+      metadata_bytes: quantization metadata per K or V vector of one token and one kv head:
+        the bf16 per-token scale of fp8/int8 (jaxkv.cache); 0 for float types.
+      kivi: KIVI layout (int4/int2): keys carry a bf16 scale and zero per channel per block,
+        values a bf16 scale and zero per ``KIVI_GROUP_SIZE`` channels per token, each block an
+        int32 residual-slot index per pool, and unsealed blocks live in a full-precision residual
+        pool (``kivi_residual_bytes``). Exact sizes: ``kv_bytes_per_block``.
     """
 
     bits: int
     metadata_bytes: int = 0
+    kivi: bool = False
 
 
 # Every KV cache dtype ``plan`` accepts; ``"auto"`` means the weight dtype.
@@ -54,10 +58,14 @@ KV_CACHE_DTYPES = {
     "fp32": KVFormat(bits=32),
     "bf16": KVFormat(bits=16),
     "fp16": KVFormat(bits=16),
-    "fp8_e4m3": KVFormat(bits=8),
-    "fp8_e5m2": KVFormat(bits=8),
-    "int8": KVFormat(bits=8),
+    "fp8_e4m3": KVFormat(bits=8, metadata_bytes=2),
+    "fp8_e5m2": KVFormat(bits=8, metadata_bytes=2),
+    "int8": KVFormat(bits=8, metadata_bytes=2),
+    "int4": KVFormat(bits=4, kivi=True),
+    "int2": KVFormat(bits=2, kivi=True),
 }
+# Channels per KIVI value group (KIVI's G); jaxkv.cache quantizes with it.
+KIVI_GROUP_SIZE = 32
 _KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8_e4m3"}
 # The smaller KV dtypes the advice tries (int8 is the same size as fp8_e4m3).
 _SMALLER_KV = ("bf16", "fp8_e4m3")
@@ -111,6 +119,42 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
     """
     heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
     return 2 * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
+
+
+def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
+                       tensor_parallel_size: int = 1) -> int:
+    """Exact KV bytes of one block over all layers (K and V) on one device.
+
+    Float, fp8, int8: ``block_size x kv_bytes_per_token``. KIVI int4/int2 per layer and kv head:
+    keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
+    ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``KIVI_GROUP_SIZE``), plus per
+    layer ``2 x 4`` bytes of residual-slot index (K and V pools).
+    """
+    name = resolve_kv_cache_dtype(kv_dtype, "float32")
+    fmt = KV_CACHE_DTYPES[name]
+    if not fmt.kivi:
+        return block_size * kv_bytes_per_token(config, name, tensor_parallel_size)
+    D = config.head_dim
+    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
+    codes = block_size * -(-D * fmt.bits // 8)
+    keys = codes + 2 * 2 * D
+    values = codes + block_size * 2 * 2 * (D // min(KIVI_GROUP_SIZE, D))
+    return config.num_layers * (heads * (keys + values) + 2 * 4)
+
+
+def kivi_residual_bytes(config: ModelConfig, kv_dtype: str, dtype: str, block_size: int,
+                        num_slots: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of the KIVI full-precision residual pool (0 for other KV dtypes).
+
+    Per layer and pool (K, V): ``(num_slots + 1)`` slots (slot 0 is null) of ``block_size x
+    Hkv x D`` elements in the weight ``dtype`` plus an int32 owner and stamp each, and an
+    int32 clock.
+    """
+    if not KV_CACHE_DTYPES[resolve_kv_cache_dtype(kv_dtype, dtype)].kivi:
+        return 0
+    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
+    slot = block_size * heads * config.head_dim * WEIGHT_DTYPES[dtype] + 2 * 4
+    return 2 * config.num_layers * ((num_slots + 1) * slot + 4)
 
 
 def num_parameters(config: ModelConfig) -> int:
@@ -230,6 +274,8 @@ class MemoryPlan:
       reasons: when not ``fits``, what is short and which levers would fit, in plain language.
       tensor_parallel_size: devices the model is split over; every size above is per device.
       kv_head_replication: devices holding each kv head (> 1 when kv heads < devices: repeated).
+      kv_residual_bytes: the KIVI full-precision residual pool (int4/int2; ``max_num_seqs + 1``
+        slots), else 0.
     """
 
     dtype: str
@@ -255,6 +301,7 @@ class MemoryPlan:
     reasons: tuple[str, ...]
     tensor_parallel_size: int = 1
     kv_head_replication: int = 1
+    kv_residual_bytes: int = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -277,6 +324,7 @@ class MemoryPlan:
             (f"weights ({self.dtype})", format_bytes(self.weights_bytes)),
             ("activations / workspace", format_bytes(self.activation_bytes)),
             (f"KV cache ({self.kv_cache_dtype})", format_bytes(self.kv_cache_bytes)),
+            ("KIVI residual pool", format_bytes(self.kv_residual_bytes)),
             ("left in budget", format_bytes(self.budget_bytes - used)),
             ("KV bytes per token", f"{self.kv_bytes_per_token:,} B"),
             (f"KV bytes per block ({self.block_size} tokens)", f"{self.kv_bytes_per_block:,} B"),
@@ -372,18 +420,20 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         activation_bytes = activation_bytes_estimate(
             config, dtype=dtype, kv_cache_dtype=kv_dtype,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    per_token = kv_bytes_per_token(config, kv_dtype, tensor_parallel_size)
-    per_block = per_token * block_size
+    per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size)
+    per_token = -(-per_block // block_size)
+    residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size, max_num_seqs + 1,
+                                   tensor_parallel_size)
     if num_kv_blocks is not None:
         kv_budget = num_kv_blocks * per_block
     elif kv_cache_bytes is not None:
         kv_budget = kv_cache_bytes
     else:
-        kv_budget = max(budget - weights - activation_bytes, 0)
+        kv_budget = max(budget - weights - activation_bytes - residual, 0)
     num_blocks = kv_budget // per_block
     usable = max(num_blocks - 1, 0)
     blocks_per_seq = -(-max_model_len // block_size)
-    in_budget = weights + activation_bytes + num_blocks * per_block <= budget
+    in_budget = weights + activation_bytes + residual + num_blocks * per_block <= budget
     runs = in_budget and usable >= blocks_per_seq
     return MemoryPlan(
         dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size, max_model_len=max_model_len,
@@ -395,7 +445,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         max_num_tokens=usable * block_size, max_concurrent_seqs=usable // blocks_per_seq,
         runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=(),
         tensor_parallel_size=tensor_parallel_size,
-        kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1))
+        kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1),
+        kv_residual_bytes=residual)
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

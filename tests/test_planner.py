@@ -24,7 +24,7 @@ def test_kv_bytes_per_token_by_hand():
     assert kv_bytes_per_token(SMOLLM2_135M, "fp32") == 2 * 30 * 3 * 64 * 4 == 46080
     # GQA: 8 kv heads, not the seed article's 32 (which gives 512 KiB)
     assert kv_bytes_per_token(LLAMA3_8B, "bf16") == 2 * 32 * 8 * 128 * 2 == 128 * 1024
-    assert kv_bytes_per_token(LLAMA3_8B, "fp8_e4m3") == 64 * 1024
+    assert kv_bytes_per_token(LLAMA3_8B, "fp8_e4m3") == 2 * 32 * 8 * (128 + 2)   # + bf16 scale
     assert kv_bytes_per_token(LLAMA3_8B, "fp8") == kv_bytes_per_token(LLAMA3_8B, "int8")
     assert kv_bytes_per_token(LLAMA3_8B, "fp16") == kv_bytes_per_token(LLAMA3_8B, "bfloat16")
     assert planner.resolve_kv_cache_dtype("auto", "bfloat16") == "bf16"

@@ -207,3 +207,32 @@ def test_bad_geometry_and_dtype():
         kvcache.init_cache(1, 4, 4, 1, 64, kv_cache_dtype="int4", group_size=24)
     with pytest.raises(ValueError, match="static_scale"):
         kvcache.init_cache(1, 4, 4, 1, 8, kv_cache_dtype="int8", static_scale=0.1)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"])
+def test_planner_counts_the_exact_cache_bytes(name):
+    from jaxkv import planner
+    from jaxkv.model.config import ModelConfig
+    cfg = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      max_position_embeddings=256)
+    p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=16,
+                     max_num_seqs=3, max_model_len=64, num_kv_blocks=9, dtype="float32")
+    c = kvcache.init_cache(2, 9, 16, 2, 64, jnp.float32, kv_cache_dtype=name,
+                           num_residual_slots=4)
+    assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
+    ratio = planner.kv_bytes_per_block(cfg, "bf16", 32) / planner.kv_bytes_per_block(cfg, name, 32)
+    assert ratio >= {"fp32": 0.5, "bf16": 1, "fp8_e4m3": 1.9, "int8": 1.9, "int4": 3.1,
+                     "int2": 5.0}[name]
+
+
+def test_rewrite_into_sealed_kivi_block_keeps_its_codes():
+    # a fully cached prompt recomputes its last token: the sealed block must not change
+    c, tables, *_ = fill({"kv_cache_dtype": "int4", "num_residual_slots": 2}, [8])
+    before = jax.tree_util.tree_map(np.asarray, c.k[0])
+    last = int(tables[0, 1]) * 4 + 3
+    c = jax.jit(kvcache.write, static_argnums=1)(
+        c, 0, jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16)), jnp.asarray([last], jnp.int32))
+    np.testing.assert_array_equal(c.k[0].data, before.data)
+    np.testing.assert_array_equal(c.k[0].scale, before.scale)
+    assert int(c.k[0].res_owner.max()) == 0

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import batch, planner, scheduler, sharding
+from jaxkv import batch, beam_search, planner, scheduler, sharding
+from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxkv.cache import KV_CACHE_QUANT_DTYPES, check_quant_geometry, copy_blocks, init_cache
 from jaxkv.config import PREFIX_CACHING_MODES, CacheConfig, SchedulerConfig
 from jaxkv.model import checkpoint
@@ -411,27 +412,9 @@ class LLM:
         if not plan.seqs:
             self._state = state
             return self._collect_finished()
-        self._apply_copies(plan)
-        inputs = batch.build(plan, self.cache_config, self.sched_config)
-        rows = [self._samples[s.request_id] for s in plan.seqs]
-        live = [state.requests[s.request_id] for s in plan.seqs]
-        num_logprobs = next(b for b in _LOGPROB_BUCKETS if b >= max(
-            (r.params.logprobs or 0) for r in rows))
-        sampling = SamplingTensors.from_params(
-            [r.params for r in rows], vocab_size=self.model_config.vocab_size,
-            prompt_token_ids=[rs.request.prompt_token_ids for rs in live],
-            output_token_ids=[rs.output_token_ids for rs in live],
-            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=len(inputs.seq_lens))
-        t_device = time.perf_counter()
-        self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
-            self.params, self.cache, *self._to_device((
-                DeviceStepInput.from_host(inputs), sampling,
-                step_rng(self._seed, self._num_steps))), num_logprobs=num_logprobs)
-        tokens, logprobs = self._to_host(tokens), self._to_host(logprobs)
-        top_ids, top_vals = self._to_host(top_ids), self._to_host(top_vals)
+        tokens, logprobs, top_ids, top_vals = self._run_plan(
+            state, plan, [self._samples[s.request_id].params for s in plan.seqs])
         now = time.perf_counter()
-        self._device_time += now - t_device
-        self._num_steps += 1
         touched: dict[str, _Request] = {}
         stop_hits = set()
         for row, seq in enumerate(plan.seqs):
@@ -469,6 +452,34 @@ class LLM:
         done = {o.request_id for o in finished}
         return finished + [r.output() for rid, r in touched.items() if rid not in done]
 
+    def _run_plan(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+                  params: Sequence[SamplingParams]):
+        """Runs ``plan`` (scheduled from ``state``) on device, one ``params`` per seq.
+
+        Returns host arrays ``(tokens [S], logprobs [S], top_ids [S, N], top_vals [S, N])``,
+        row ``i`` for ``plan.seqs[i]``; ``N`` is the logprobs bucket of ``max(p.logprobs)``.
+        """
+        self._apply_copies(plan)
+        inputs = batch.build(plan, self.cache_config, self.sched_config)
+        live = [state.requests[s.request_id] for s in plan.seqs]
+        num_logprobs = next(b for b in _LOGPROB_BUCKETS if b >= max(
+            (p.logprobs or 0) for p in params))
+        sampling = SamplingTensors.from_params(
+            list(params), vocab_size=self.model_config.vocab_size,
+            prompt_token_ids=[rs.request.prompt_token_ids for rs in live],
+            output_token_ids=[rs.output_token_ids for rs in live],
+            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=len(inputs.seq_lens))
+        t_device = time.perf_counter()
+        self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
+            self.params, self.cache, *self._to_device((
+                DeviceStepInput.from_host(inputs), sampling,
+                step_rng(self._seed, self._num_steps))), num_logprobs=num_logprobs)
+        tokens, logprobs = self._to_host(tokens), self._to_host(logprobs)
+        top_ids, top_vals = self._to_host(top_ids), self._to_host(top_vals)
+        self._device_time += time.perf_counter() - t_device
+        self._num_steps += 1
+        return tokens, logprobs, top_ids, top_vals
+
     def _apply_copies(self, plan: scheduler.StepPlan) -> None:
         """Applies the plan's copy-on-write block copies on device and counts its cache hits."""
         self._num_lookup_tokens += plan.num_lookup_tokens
@@ -479,6 +490,12 @@ class LLM:
             ops = np.zeros((n, 2), np.int32)                 # padding copies null -> null
             ops[:len(plan.copy_ops)] = plan.copy_ops
             self.cache = copy_blocks(self.cache, jnp.asarray(ops[:, 0]), jnp.asarray(ops[:, 1]))
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over one prompt or a list of them (see jaxkv/beam_search.py); the beams
+        share their blocks and copy only a diverging last block. Needs an idle engine."""
+        self._check_open()
+        return beam_search.run(self, prompts, params)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (running requests keep their blocks)."""

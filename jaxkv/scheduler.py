@@ -261,6 +261,14 @@ def _free(bm: BlockManager, rs: RequestState) -> None:
     bm.free(rs.request.request_id, rs.token_ids(computed - tail, computed) if tail else ())
 
 
+def _register(bm: BlockManager, rs: RequestState, computed: int) -> None:
+    """Cache ``rs``'s full blocks below position ``computed``, whose K/V is computed."""
+    bs = bm.block_size
+    first = bm.num_registered(rs.request.request_id)
+    if computed // bs > first:
+        bm.register(rs.request.request_id, rs.token_ids(first * bs, computed // bs * bs))
+
+
 def _insert(queue: list, request_id: Hashable, requests: Mapping, policy: str) -> None:
     """Insert into a key-sorted id list, after equal keys."""
     keys = [_key(requests[i], policy) for i in queue]
@@ -481,14 +489,9 @@ def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
     bm = state.block_manager
     if bm.prefix_cache is not None:   # cache the blocks this step filled
         bm = bm.copy()
-        bs = bm.block_size
         for seq in plan.seqs:
             if seq.request_id in requests and seq.request_id in bm:
-                first = bm.num_registered(seq.request_id)
-                full = (seq.start_pos + len(seq.token_ids)) // bs
-                if full > first:
-                    bm.register(seq.request_id,
-                                requests[seq.request_id].token_ids(first * bs, full * bs))
+                _register(bm, requests[seq.request_id], seq.start_pos + len(seq.token_ids))
         state = dataclasses.replace(state, block_manager=bm)
     reasons: dict[Hashable, str] = {}
     for row, seq in enumerate(plan.seqs):
@@ -523,6 +526,9 @@ def fork(state: SchedulerState, config: SchedulerConfig,
          release: Sequence[Hashable] = ()) -> SchedulerState:
     """Beam-search step: new running requests that share their parents' blocks, then drop some.
 
+    Call it after the step that computed the parents' tokens (their filled blocks are cached
+    here, since ``update`` skips released requests).
+
     Args:
       forks: ``(parent_id, child_id, token)``: the child is the running parent (all of whose
         tokens are computed) with ``token`` appended, sharing every parent block; its next write
@@ -540,6 +546,7 @@ def fork(state: SchedulerState, config: SchedulerConfig,
                              f"computed")
         if child_id in requests:
             raise ValueError(f"fork child_id={child_id!r} is already queued or running")
+        _register(bm, prs, prs.num_computed_tokens)
         bm.fork(parent_id, child_id)
         requests[child_id] = RequestState(
             dataclasses.replace(prs.request, request_id=child_id, fork_of=None),

@@ -14,6 +14,8 @@ _EXPORTS = {
     "RequestOutput": "jaxkv.outputs",
     "CompletionOutput": "jaxkv.outputs",
     "RequestMetrics": "jaxkv.outputs",
+    "BeamSearchParams": "jaxkv.beam_search",
+    "BeamSearchOutput": "jaxkv.beam_search",
     "CacheConfig": "jaxkv.config",
     "SchedulerConfig": "jaxkv.config",
     "ModelConfig": "jaxkv.model.config",

@@ -114,18 +114,26 @@ def convert(model: str | Path, path: str | Path, *, dtype: str = "float32",
     params = params_from_hf(loaded.config, loaded.tensors, jnp.dtype(dtype), source=loaded.source)
     save_params(path, params, {"source": loaded.source, "dtype": dtype}, config=loaded.config,
                 overwrite=overwrite)
-    tok, path = loaded.tokenizer, Path(path)
-    tok.backend.save(str(path / "tokenizer.json"))
+    write_tokenizer(path, loaded.tokenizer)
+    return Path(path)
+
+
+def write_tokenizer(path: str | Path, tokenizer: Tokenizer) -> None:
+    """Stores a tokenizer beside the params in HF layout (``tokenizer.json``,
+    ``tokenizer_config.json``, ``generation_config.json``), for ``read_tokenizer``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
-        {**tok.special_tokens, "chat_template": tok.chat_template}, indent=2), encoding="utf-8")
-    (path / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": list(tok.eos_token_ids), "bos_token_id": tok.bos_token_id}, indent=2),
+        {**tokenizer.special_tokens, "chat_template": tokenizer.chat_template}, indent=2),
         encoding="utf-8")
-    return path
+    (path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": list(tokenizer.eos_token_ids), "bos_token_id": tokenizer.bos_token_id},
+        indent=2), encoding="utf-8")
 
 
 def read_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer ``convert`` stored beside the params."""
+    """The tokenizer ``convert`` / ``write_tokenizer`` stored beside the params."""
     return Tokenizer.from_hf_dir(path)
 
 

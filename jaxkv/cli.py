@@ -186,6 +186,15 @@ def cmd_plan(a) -> int:
     return 0 if p.runs else 1
 
 
+def cmd_convert(a) -> int:
+    from jaxkv.model import checkpoint
+
+    path = checkpoint.convert(a.model, a.out, dtype=a.dtype, overwrite=a.overwrite)
+    print(f"wrote {path} (orbax params + config + tokenizer); load it sharded with "
+          f"jaxkv generate --model {path} --tensor-parallel-size N")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -231,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="plan per device for a model split over this many devices")
     p.set_defaults(func=cmd_plan)
+
+    v = sub.add_parser("convert", help="convert a GGUF / HF model once into an orbax checkpoint "
+                                       "that tensor-parallel engines restore shard by shard")
+    v.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="store name, .gguf file or HF directory")
+    v.add_argument("--out", required=True, help="checkpoint directory to write")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--overwrite", action="store_true")
+    v.set_defaults(func=cmd_convert)
     return parser
 
 

@@ -17,6 +17,17 @@ over a split axis each end in one all-reduce (2 per layer, asserted on the compi
 tests/test_sharding.py); the attention kernel, which XLA cannot partition, runs under
 ``shard_map`` on each device's kv-head shard.
 
+Multi-host (jax.distributed): every process runs the same command (``jaxkv generate ...
+--coordinator-address host:port --num-processes P --process-id i``, or
+``initialize_distributed`` before any other jax call; the coordinator address may come from jax's
+own ``JAX_COORDINATOR_ADDRESS`` env var). The engine mesh then spans all processes' devices and
+each process runs the *identical* pure host scheduler on the same prompts: same plans, same
+step inputs (placed with ``put_replicated``: each process fills only its own devices), same
+sampled tokens (replicated, read back with ``to_host``). No plan is broadcast, so there is no
+host-to-host traffic besides XLA's collectives; the price is that every process must be given
+the same requests in the same order (tests/test_sharding.py runs two CPU processes on
+127.0.0.1 and checks they produce the tokens of one process).
+
 KV-head replication (as vLLM): when ``num_kv_heads < N`` (and ``N % num_kv_heads == 0``), every
 kv head is repeated ``N // num_kv_heads`` times, so device ``d`` holds kv head
 ``d // (N // num_kv_heads)``, exactly the kv head of the q heads it holds:

@@ -132,6 +132,7 @@ def _run_group(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[
             top = {}   # beam id -> [(token, logprob)], its top 2 * width
             while len(top) < len(beams):
                 state, plan = scheduler.schedule(state, config)
+                llm._peak_usage = max(llm._peak_usage, state.block_manager.usage())
                 for rid in plan.preempted_ids:
                     top.pop(rid, None)   # its K/V is gone: it is recomputed
                 if not plan.seqs:

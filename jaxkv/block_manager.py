@@ -36,7 +36,8 @@ count + 1, taken out of the free queue if unreferenced). A cached block whose la
 stays cached in the free queue (at the tail: reused last, LRU); an uncached freed block goes to the
 *head*, so cached blocks are evicted (``PrefixCache.evict``, when ``_take`` pops them) only when
 no uncached free block is left. Radix mode also caches a request's partially filled last block
-when it frees it unshared; a later request reuses its first tokens through a copy.
+when it frees it unshared (at the head too: it is the cheapest to lose); a later request reuses
+its first tokens through a copy.
 
 Copying is cheap and is how the pure scheduler treats a BlockManager as a value: ``copy`` duplicates
 three int32 [num_blocks] arrays and a dict whose block tables are immutable tuples shared between
@@ -316,10 +317,12 @@ class BlockManager:
         self._ref[block] += 1
 
     def _release(self, block: int) -> None:
-        """One reference less; at 0 the block joins the free queue (tail if cached, else head)."""
+        """One reference less; at 0 the block joins the free queue: at the tail if it is cached
+        full, else (uncached, or a cached partial block: cheap to recompute) at the head."""
         self._ref[block] -= 1
         if self._ref[block] == 0:
-            if self.prefix_cache is not None and block not in self.prefix_cache:
+            pc = self.prefix_cache
+            if pc is not None and (block not in pc or pc.is_partial(block)):
                 self._push_head(block)
             else:
                 self._push_tail(block)

@@ -5,12 +5,12 @@ Two modes behind one small interface (``PrefixCache``), chosen by ``LLM(prefix_c
 * ``"hash"`` (vLLM's automatic prefix caching): a *full* block is keyed by
   ``hash((parent key, its block_size tokens))``; the first block's parent is the root key of the
   request's cache salt, so tenants with different salts never share. Only full blocks are cached.
-* ``"radix"`` (SGLang's RadixAttention, block-paged): the same chain, but a node's key is its block
-  id and each node lists its children, so a lookup can end in a child that matches only partly
-  (token granular). Partially filled blocks are cached too, when their request frees them. The
-  caller copies such a block (copy-on-write) and recomputes from the first mismatching token.
+* ``"radix"`` (SGLang's RadixAttention, block-paged): the same hash chain, plus an index of each
+  key's children, so a lookup can end in a child that matches only partly (token granular).
+  Partially filled blocks are cached too, when their request frees them. The caller copies such
+  a block (copy-on-write) and recomputes from the first mismatching token.
 
-Example, block_size 4, radix mode::
+Example, block_size 4, radix mode (keys are hashes of (parent key, tokens))::
 
     root(salt=None)
       +-- b3 [The cat sat on]         full block
@@ -18,14 +18,15 @@ Example, block_size 4, radix mode::
       |     +-- b5 [a hat and a]
       +-- b9 [Once upon a time]
 
-    lookup "The cat sat on a hat in":  full blocks (b3,), keys (b3,)
+    lookup "The cat sat on a hat in":  full blocks (b3,)
                                        partial (b5, 2): copy b5, compute from token 6
 
 Keys are opaque to the caller: it walks ``root -> child -> child ...`` and remembers each
 request's chain of keys to register the blocks it fills later (``insert``). A block is cached
-(``in``) at most once; the block manager evicts it (``evict``) when it reuses the block. Hash keys
-are 64-bit Python hashes of (parent key, tokens): a collision (probability ~2^-64 per pair) would
-alias two prefixes, as in vLLM's default hash.
+(``in``) at most once; the block manager evicts it (``evict``) when it reuses the block. An
+evicted block's cached children stay: they are found again once the block is recomputed (its key
+is its content). Keys are 64-bit Python hashes of (parent key, tokens): a collision (probability
+~2^-64 per pair) would alias two prefixes, as in vLLM's default hash.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class PrefixCache:
     def __len__(self) -> int:
         """Number of cached blocks."""
         return len(self._key_of)
+
+    def is_partial(self, block: int) -> bool:
+        """Whether ``block`` is cached holding fewer than ``block_size`` tokens (radix only)."""
+        return False
 
     def root(self, salt: Hashable) -> Hashable:
         """Key of the (virtual) parent of a request's first block."""
@@ -106,82 +111,64 @@ class PrefixCache:
 
 
 class RadixPrefixCache(PrefixCache):
-    """Radix mode: a tree of nodes, one per cached block, keyed by never-reused node ids (a
-    request's chain may outlive an evicted node; its stale id then matches nothing)."""
+    """Radix mode: hash mode plus a child index per key and partial blocks.
+
+    The tree is the hash chain itself (a node's key is its content hash, so an evicted node that
+    is computed again gets its old key back and its cached children become reachable again, as in
+    hash mode); the child index lets ``partial`` match a child token by token.
+    """
 
     mode = "radix"
 
     def __init__(self, block_size: int):
-        super().__init__(block_size)     # _block_of: node id -> block, _key_of: block -> node id
-        self._edge: dict[tuple[Hashable, tuple[int, ...]], int] = {}  # (parent, tokens) -> node
-        self._node: dict[int, tuple[Hashable, tuple[int, ...]]] = {}  # node -> (parent, tokens)
-        self._children: dict[Hashable, tuple[int, ...]] = {}          # parent -> child nodes
-        self._next_node = 0
+        super().__init__(block_size)
+        self._tokens: dict[int, tuple[int, ...]] = {}          # cached block -> its tokens
+        self._parent: dict[int, Hashable] = {}                 # cached block -> parent key
+        self._children: dict[Hashable, tuple[int, ...]] = {}   # parent key -> child blocks
 
-    def root(self, salt: Hashable) -> Hashable:
-        return ("root", salt)
-
-    def child(self, parent, tokens):
-        node = self._edge.get((parent, tokens))
-        return None if node is None else (self._block_of[node], node)
+    def is_partial(self, block: int) -> bool:
+        """Whether ``block`` is cached holding fewer than ``block_size`` tokens."""
+        return len(self._tokens.get(block, ())) < self.block_size
 
     def partial(self, parent, tokens):
         best = None
-        for node in self._children.get(parent, ()):
-            cached = self._node[node][1]
+        for block in self._children.get(parent, ()):
+            cached = self._tokens[block]
             k = 0
             while k < min(len(cached), len(tokens)) and cached[k] == tokens[k]:
                 k += 1
             if k and (best is None or k > best[1]):
-                best = (self._block_of[node], k)
+                best = (block, k)
         return best
 
     def insert(self, parent, tokens, block):
-        if not (isinstance(parent, tuple) or len(self._node.get(parent, ((), ()))[1])
-                == self.block_size):
-            return None   # evicted (stale) or partial parent
-        existing = self._edge.get((parent, tokens))
-        if existing is not None:
-            return existing
-        if block in self._key_of:
-            return None
-        node = self._next_node
-        self._next_node += 1
-        self._edge[(parent, tokens)] = node
-        self._node[node] = (parent, tokens)
-        self._block_of[node] = block
-        self._key_of[block] = node
-        self._children[parent] = self._children.get(parent, ()) + (node,)
-        return node
+        key = hash((parent, tokens))
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+            self._tokens[block] = tokens
+            self._parent[block] = parent
+            self._children[parent] = self._children.get(parent, ()) + (block,)
+        return key if len(tokens) == self.block_size else None
 
     def evict(self, block):
-        """Forget ``block`` and its whole subtree (unreachable without it)."""
-        top = self._key_of[block]
-        parent = self._node[top][0]
-        siblings = tuple(n for n in self._children.pop(parent) if n != top)
+        parent = self._parent.pop(block)
+        siblings = tuple(b for b in self._children.pop(parent) if b != block)
         if siblings:
             self._children[parent] = siblings
-        out = []
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(self._children.pop(node, ()))
-            out.append(self._block_of.pop(node))
-            del self._key_of[out[-1]]
-            del self._edge[self._node.pop(node)]
-        return tuple(out)
+        del self._tokens[block]
+        return super().evict(block)
 
     def check(self, num_blocks):
         super().check(num_blocks)
-        _check(set(self._node) == set(self._block_of), "radix node map != cached nodes")
-        _check(len(self._edge) == len(self._node), "radix edge map != nodes")
+        _check(set(self._tokens) == set(self._key_of) == set(self._parent),
+               "radix token / parent maps != cached blocks")
         index: dict[Hashable, list[int]] = {}
-        for node, (parent, tokens) in self._node.items():
-            _check(self._edge.get((parent, tokens)) == node, f"node {node}: edge maps elsewhere")
-            _check(1 <= len(tokens) <= self.block_size, f"node {node}: bad token count")
-            _check(isinstance(parent, tuple) or len(self._node[parent][1]) == self.block_size,
-                   f"node {node}: parent {parent!r} is not a cached full block")
-            index.setdefault(parent, []).append(node)
+        for block, tokens in self._tokens.items():
+            _check(1 <= len(tokens) <= self.block_size, f"block {block}: bad token count")
+            _check(self._key_of[block] == hash((self._parent[block], tokens)),
+                   f"block {block}: key is not the hash of (parent, tokens)")
+            index.setdefault(self._parent[block], []).append(block)
         _check({p: sorted(c) for p, c in index.items()}
                == {p: sorted(c) for p, c in self._children.items()}, "radix child index broken")
 

@@ -110,27 +110,18 @@ def test_radix_partial_block_is_cached_on_free_and_reused_by_copy():
     assert bm.lookup([0, 1, 2, 9])[2] == (1, 3)
 
 
-def test_radix_eviction_drops_the_subtree_and_hash_keeps_orphans():
-    radix = make_prefix_cache("radix", 2)
-    root = radix.root(None)
-    a = radix.insert(root, (1, 2), 5)
-    b = radix.insert(a, (3, 4), 6)
-    radix.insert(b, (5,), 7)
-    radix.insert(root, (1, 3), 8)
-    assert radix.evict(5) == (5, 6, 7) and len(radix) == 1
-    radix.check(10)
-    # a stale key (an evicted node's) matches nothing and takes no children, even once its
-    # block is cached again for another prefix
-    a2 = radix.insert(root, (9, 9), 5)
-    assert a2 != a and radix.child(a, (3, 4)) is None and radix.insert(a, (3, 4), 6) is None
-    assert radix.insert(radix.insert(root, (7,), 9), (1, 1), 6) is None   # partial parent
-    radix.check(10)
-    hashed = make_prefix_cache("hash", 2)
-    k = hashed.insert(hashed.root(None), (1, 2), 5)
-    hashed.insert(k, (3, 4), 6)
-    assert hashed.insert(k, (9,), 7) is None         # partial blocks: radix only
-    assert hashed.evict(5) == (5,) and len(hashed) == 1
-    hashed.check(10)
+@pytest.mark.parametrize("mode", ["hash", "radix"])
+def test_evicted_parent_recomputed_finds_its_cached_children_again(mode):
+    cache = make_prefix_cache(mode, 2)
+    a = cache.insert(cache.root(None), (1, 2), 5)
+    b = cache.insert(a, (3, 4), 6)
+    assert (cache.insert(b, (5,), 7) is None) and (7 in cache) == (mode == "radix")
+    assert cache.evict(5) == (5,)
+    assert cache.child(cache.root(None), (1, 2)) is None
+    assert cache.insert(cache.root(None), (1, 2), 8) == a     # content keys: same key again
+    assert cache.child(a, (3, 4)) == (6, b)
+    assert cache.partial(b, (5, 0)) == ((7, 1) if mode == "radix" else None)
+    cache.check(10)
 
 
 def test_fork_and_copy_on_write():

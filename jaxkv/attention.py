@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import read_pages
+from jaxkv.cache import QuantizedPages, read_pages
 
 ATTENTION_IMPLS = ("reference", "pallas")
 
@@ -123,14 +123,20 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk - max_blocks)))
 
     seq_idx, q_pos, valid = token_layout(query_start_loc, seq_lens, T)
-    tok_tables = tables[seq_idx]                                  # [T, num_chunks * chunk]
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale      # [T, Hkv, G, D]
+
+    def read_chunk(pages, ids):
+        """f32 [T, chunk, bs, Hkv, D]: a float pool is gathered per token; a quantized one is
+        dequantized once per sequence, then handed to that sequence's tokens."""
+        if isinstance(pages, QuantizedPages):
+            return read_pages(pages, ids)[seq_idx]
+        return read_pages(pages, ids[seq_idx])
 
     def body(c, carry):
         m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
-        ids = jax.lax.dynamic_slice_in_dim(tok_tables, c * chunk, chunk, axis=1)   # [T, chunk]
-        k = read_pages(k_pages, ids).reshape(T, chunk * bs, Hkv, D)   # f32, dequantized
-        v = read_pages(v_pages, ids).reshape(T, chunk * bs, Hkv, D)
+        ids = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)       # [S, chunk]
+        k = read_chunk(k_pages, ids).reshape(T, chunk * bs, Hkv, D)
+        v = read_chunk(v_pages, ids).reshape(T, chunk * bs, Hkv, D)
         s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

@@ -206,7 +206,8 @@ def _init_quantized(fmt_name: str, axis: str, shape, dtype, *, num_residual_slot
     if static_scale is not None:
         scale = zero = None
     else:
-        sshape = (n, 1, h, d) if axis == "channel" else (n, bs, h, d // (g if fmt.asymmetric else d))
+        groups = d // g if fmt.asymmetric else 1
+        sshape = (n, 1, h, d) if axis == "channel" else (n, bs, h, groups)
         scale = jnp.zeros(sshape, quant.SCALE_DTYPE)
         zero = jnp.zeros(sshape, quant.SCALE_DTYPE) if fmt.asymmetric else None
     res = dict(residual=None, res_slot=None, res_owner=None, res_stamp=None, clock=None)

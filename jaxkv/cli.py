@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -31,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="SmolLM2-135M-Instruct",
                    help="store name, .gguf file or HF model directory (default: %(default)s)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (= --dtype), fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2 "
+                        "(KIVI); see jaxkv/cache.py")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -76,7 +80,8 @@ def _make_llm(a):
         from jaxkv.sharding import initialize_distributed
 
         initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
-    return LLM(a.model, dtype=a.dtype, block_size=a.block_size, max_model_len=a.max_model_len,
+    return LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
+               max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                memory_utilization=a.memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
                num_kv_blocks=a.num_kv_blocks, seed=a.seed, attention_impl=a.attention_impl,
@@ -186,6 +191,20 @@ def cmd_plan(a) -> int:
     return 0 if p.runs else 1
 
 
+def cmd_eval_ppl(a) -> int:
+    from jaxkv.eval import perplexity
+
+    a.max_model_len = a.max_model_len or a.context
+    # the engine's own pool only has to hold one window (eval allocates its own cache)
+    a.num_kv_blocks = a.num_kv_blocks or -(-a.max_model_len // a.block_size) + 1
+    with _make_llm(a) as llm:
+        ids = llm.tokenizer.encode(open(a.text, encoding="utf-8").read())[:a.max_text_tokens]
+        r = perplexity(llm, ids, kv_cache_dtype=llm.kv_cache_dtype, context=a.context,
+                       stride=a.stride, chunk=a.chunk)
+    print(json.dumps({"text": a.text, "model": a.model, **dataclasses.asdict(r)}, indent=2))
+    return 0
+
+
 def cmd_convert(a) -> int:
     from jaxkv.model import checkpoint
 
@@ -249,6 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--overwrite", action="store_true")
     v.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser("eval", help="model quality with a chosen KV cache")
+    esub = e.add_subparsers(dest="metric", required=True)
+    ppl = esub.add_parser("ppl", help="perplexity on a text file through the engine's paged "
+                                      "(possibly quantized) KV cache (jaxkv.eval)")
+    _engine_args(ppl)
+    ppl.add_argument("--text", required=True, help="a text file (e.g. an Austen novel)")
+    ppl.add_argument("--context", type=int, default=2048, help="tokens per window")
+    ppl.add_argument("--stride", type=int, default=None, help="window advance (default: context)")
+    ppl.add_argument("--chunk", type=int, default=256, help="tokens per forward (chunked prefill)")
+    ppl.add_argument("--max-text-tokens", type=int, default=None,
+                     help="evaluate only the first N tokens of the text")
+    ppl.set_defaults(func=cmd_eval_ppl, max_num_seqs=1, max_num_batched_tokens=256)
     return parser
 
 

@@ -87,8 +87,8 @@ def main() -> None:
                 ref = tokens if ref is None else ref
                 n_out = sum(map(len, tokens))
                 per_token = planner.kv_bytes_per_token(config, "fp32", tp)
-                all_reduces = (sharding.count_all_reduces(llm.compiled_step_text(512, a.num_prompts))
-                               if tp > 1 else 0)
+                hlo = llm.compiled_step_text(512, a.num_prompts) if tp > 1 else ""
+                all_reduces = sharding.count_all_reduces(hlo)
                 rows.append({
                     "tensor_parallel_size": tp,
                     "output_tokens_per_s": round(n_out / elapsed, 1),

@@ -73,7 +73,8 @@ class DataParallelLLM:
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(f"sampling_params has {len(params)} entries for "
+                             f"{len(prompts)} prompts")
         m = len(self.replicas)
         shares = [list(range(r, len(prompts), m)) for r in range(m)]
 

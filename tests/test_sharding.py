@@ -1,16 +1,11 @@
-"""Tensor parallelism, data-parallel replicas, sharded checkpoints and multi-host on fake CPU devices.
+"""Tensor parallelism, data-parallel replicas and sharded checkpoints on 8 fake CPU devices.
 
-Every multi-device check runs tests/tp_worker.py in a subprocess with
+Every multi-device check runs tests/tp_worker.py in a subprocess (tests/tp_runner.py) with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the flag must precede jax's import; this
 pytest process already imported jax with one device) and asserts on the JSON it prints.
+The two-process jax.distributed run and the Pallas-under-shard_map run are in
+tests/test_sharding_multihost.py.
 """
-
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,33 +15,12 @@ from jaxkv.model.config import ModelConfig
 from jaxkv.model.weights import load_config
 
 pytest.importorskip("torch")
-from tiny_models import save_tiny_model, save_tokenizer  # noqa: E402
-
-WORKER = Path(__file__).with_name("tp_worker.py")
-REPO = WORKER.parents[1]
-# head counts that divide 8; llama's 2 kv heads are repeated at TP 4 and 8, qwen2 has biases
-TINY = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),
-        "qwen2": dict(num_attention_heads=8, num_key_value_heads=4)}
-
-
-def run_worker(*args, devices=8, timeout=300, extra_env=None):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **(extra_env or {})}
-    proc = subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+from tp_runner import TINY, run_worker, write_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    paths = {}
-    for kind, heads in TINY.items():
-        path = tmp_path_factory.mktemp(kind)
-        save_tokenizer(path)
-        save_tiny_model(path, kind, **heads)
-        paths[kind] = path
-    return paths
+    return {kind: write_tiny(tmp_path_factory.mktemp(kind), kind) for kind in TINY}
 
 
 @pytest.mark.parametrize("kind", list(TINY))
@@ -57,11 +31,11 @@ def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
     for name in ("tp2", "tp4", "tp8", "dp2xtp4"):
         assert r[name] == ref, name
     assert r["dp_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # per-device KV bytes per token (2 layers x K,V x heads per device x 8 dims x 4 bytes)
+    # per-device KV bytes per token (2 layers x K,V x heads per device x 16 dims x 4 bytes)
     hkv = TINY[kind]["num_key_value_heads"]
     for tp in (1, 2, 4, 8):
         per_device = max(hkv, tp) // tp
-        assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 8 * 4, max(tp // hkv, 1)]
+        assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 16 * 4, max(tp // hkv, 1)]
 
 
 def test_param_and_cache_shardings_follow_the_rules_and_two_all_reduces_per_layer(tiny):
@@ -78,8 +52,8 @@ def test_param_and_cache_shardings_follow_the_rules_and_two_all_reduces_per_laye
     assert mlp["gate_proj"] == mlp["up_proj"] == [None, "tp"]
     assert mlp["down_proj"] == ["tp", None]
     assert r["cache_specs"] == [[None, None, "tp", None]] * 2
-    # 2 kv heads repeated to 4: each device holds one [48 blocks, 8, 1 head, 8] pool shard
-    assert r["cache_shard_shape"] == [48, 8, 1, 8]
+    # 2 kv heads repeated to 4: each device holds one [48 blocks, 8, 1 head, 16] pool shard
+    assert r["cache_shard_shape"] == [48, 8, 1, 16]
     # o_proj and down_proj all-reduce once each per layer; +1 for the vocab-split embedding lookup
     assert r["all_reduces"] == 2 * r["num_layers"] + 1
 
@@ -97,36 +71,6 @@ def test_bad_parallel_layouts_fail_before_any_weight_is_loaded(tiny):
 def test_sharded_orbax_round_trip_is_bit_exact(tiny, tmp_path):
     r = run_worker("checkpoint", tiny["qwen2"], tmp_path / "ckpt", "--tp", 4)
     assert r["bit_exact"] and r["in_shardings"] and r["tokens_equal"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_process_jax_distributed_matches_one_process(tiny):
-    """Two CPU processes x 2 devices, TP 4 across both, on 127.0.0.1; same tokens as TP 1."""
-    model = tiny["llama"]
-    ref = run_worker("parity", model, "--tp", 1, devices=1)["tp1"]
-    port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen(
-        [sys.executable, str(WORKER), "distributed", str(model), "--tp", "4", "--coordinator",
-         f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-        for i in range(2)]
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-4000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    for i, res in enumerate(results):
-        assert res["process_index"] == i
-        assert (res["global_devices"], res["local_devices"]) == (4, 2)
-        assert res["processes_in_mesh"] == [0, 1]
-        assert res["tokens"] == ref
 
 
 SMOL = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -4,7 +4,7 @@ The fake CPU devices (``--xla_force_host_platform_device_count``) must be set be
 imported, so the parent passes ``XLA_FLAGS`` in the environment; this script asserts it got
 the devices it needs and prints one JSON object (the results) as its last stdout line.
 
-    python tests/tp_worker.py parity  MODEL_DIR --tp 1 2 4 8 --dp-tp 2 4
+    python tests/tp_worker.py parity  MODEL_DIR --tp 1 2 4 8 --dp-tp 2 4 [--attention-impl pallas]
     python tests/tp_worker.py inspect MODEL_DIR --tp 4
     python tests/tp_worker.py errors  MODEL_DIR
     python tests/tp_worker.py checkpoint MODEL_DIR CKPT_DIR --tp 4
@@ -43,7 +43,8 @@ def greedy(llm, max_tokens: int) -> list[list[int]]:
 def cmd_parity(a) -> dict:
     out = {}
     for tp in a.tp:
-        with LLM(a.model, tensor_parallel_size=tp, **ENGINE) as llm:
+        with LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
+                 interpret=a.attention_impl == "pallas", **ENGINE) as llm:
             out[f"tp{tp}"] = greedy(llm, a.tokens)
             out[f"tp{tp}_plan"] = [llm.memory_plan.kv_bytes_per_token,
                                    llm.memory_plan.kv_head_replication]
@@ -132,6 +133,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, nargs="+", default=[1])
     p.add_argument("--dp-tp", type=int, nargs=2, default=None)
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--attention-impl", choices=["reference", "pallas"], default="reference",
+                   help="parity: pallas runs the kernels in interpret mode under shard_map")
     p.add_argument("--coordinator", default=None)
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)

@@ -3,6 +3,8 @@
 * Two CPU processes joined by ``jax.distributed`` on 127.0.0.1 (2 devices each, one TP 4 mesh
   across both) run the identical host scheduler and produce the tokens of one process.
 * The Pallas kernels (interpret mode) under ``shard_map`` give the tokens of the reference.
+* Copy-on-write forks (seeded ``n = 3`` sampling) and prefix-cache hits give the same tokens
+  under TP 4 as on one device, and the cache keeps its kv-head sharding through block copies.
 """
 
 import json
@@ -44,3 +46,10 @@ def test_pallas_kernels_under_shard_map_match_the_reference(llama):
     r = run_worker("parity", llama, "--tp", 2, 4, "--tokens", 4, "--attention-impl", "pallas",
                    devices=4)
     assert r["tp2"] == ref and r["tp4"] == ref     # TP 4 repeats each of the 2 kv heads
+
+
+def test_forks_and_prefix_hits_under_tp_match_one_device(llama):
+    r = run_worker("forks", llama, "--tp", 1, 4, devices=4)
+    assert r["tp4"] == r["tp1"]
+    assert r["tp4_prefix_hits"] == r["tp1_prefix_hits"] > 0
+    assert r["tp4_cache_spec"] == "P(None, None, 'tp')"

@@ -5,6 +5,7 @@ imported, so the parent passes ``XLA_FLAGS`` in the environment; this script ass
 the devices it needs and prints one JSON object (the results) as its last stdout line.
 
     python tests/tp_worker.py parity  MODEL_DIR --tp 1 2 4 8 --dp-tp 2 4 [--attention-impl pallas]
+    python tests/tp_worker.py forks   MODEL_DIR --tp 1 4
     python tests/tp_worker.py inspect MODEL_DIR --tp 4
     python tests/tp_worker.py errors  MODEL_DIR
     python tests/tp_worker.py checkpoint MODEL_DIR CKPT_DIR --tp 4
@@ -54,6 +55,20 @@ def cmd_parity(a) -> dict:
         with llm:
             out[f"dp{dp}xtp{tp}"] = greedy(llm, a.tokens)
             out["dp_devices"] = [[d.id for d in r.mesh.devices.flat] for r in llm.replicas]
+    return out
+
+
+def cmd_forks(a) -> dict:
+    """Seeded n=3 sampling (copy-on-write forks) over prompts sharing a prefix (prefix hits)."""
+    prompts = [PROMPTS[0] + " and rich", PROMPTS[0] + " and poor"]
+    sp = SamplingParams(temperature=0.8, n=3, seed=7, max_tokens=8, ignore_eos=True)
+    out = {}
+    for tp in a.tp:
+        with LLM(a.model, tensor_parallel_size=tp, **ENGINE) as llm:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            out[f"tp{tp}"] = [[c.token_ids for c in o.outputs] for o in outs]
+            out[f"tp{tp}_prefix_hits"] = llm.stats()["prefix_cache_hits"]
+            out[f"tp{tp}_cache_spec"] = str(getattr(llm.cache.k[0].sharding, "spec", None))
     return out
 
 
@@ -127,7 +142,8 @@ def cmd_distributed(a) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["parity", "inspect", "errors", "checkpoint", "distributed"])
+    p.add_argument("command", choices=["parity", "forks", "inspect", "errors", "checkpoint",
+                                       "distributed"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])

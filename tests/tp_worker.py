@@ -68,7 +68,7 @@ def cmd_forks(a) -> dict:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             out[f"tp{tp}"] = [[c.token_ids for c in o.outputs] for o in outs]
             out[f"tp{tp}_prefix_hits"] = llm.stats()["prefix_cache_hits"]
-            out[f"tp{tp}_cache_spec"] = str(getattr(llm.cache.k[0].sharding, "spec", None))
+            out[f"tp{tp}_cache_spec"] = list(getattr(llm.cache.k[0].sharding, "spec", ()))
     return out
 
 

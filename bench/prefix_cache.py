@@ -15,6 +15,9 @@ Scenarios (``--scenarios``, default all):
   sharing, on the tiny test model (block counts do not depend on the weights).
 
     python3 bench/prefix_cache.py --out bench/results/prefix_cache.json
+    python3 bench/prefix_cache.py --scenarios few_shot,capacity,sharing   # no real model, ~1 min
+
+Results of scenarios run separately accumulate in the ``--out`` file.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def austen_ids(tokenizer, book="pride_and_prejudice.txt", n_chars=60_000):
 def real_llm(mode, **kw):
     return LLM(prefix_caching=mode, dtype="float32", max_model_len=2048, max_num_seqs=16,
                max_num_batched_tokens=1024, token_buckets=(16, 64, 256, 1024), seq_buckets=(16,),
-               num_kv_blocks=512, **kw)
+               num_kv_blocks=512, warmup=True, **kw)
 
 
 def article(args):
@@ -57,8 +60,6 @@ def article(args):
         system = ids[:500]
         questions = [ids[1000 + 37 * i:1000 + 37 * i + 12] for i in range(10)]
         greedy = SamplingParams(temperature=0, max_tokens=1)
-        llm.generate([{"prompt_token_ids": ids[5000:5600]}], greedy, use_tqdm=False)  # compile
-        llm.reset_prefix_cache()
         before = llm.stats()["num_computed_tokens"]
         first = llm.generate([{"prompt_token_ids": system + questions[0]}], greedy,
                              use_tqdm=False)
@@ -68,6 +69,8 @@ def article(args):
         out[str(mode)] = {
             "prompt_tokens": sum(len(system) + len(q) for q in questions),
             "prefill_tokens_computed": s["num_computed_tokens"] - before,
+            "system_prompt_tokens_computed": s["num_computed_tokens"] - before
+            - sum(len(q) for q in questions),
             "ttft_first_s": first[0].metrics.ttft,
             "ttft_mean_others_s": statistics.mean(o.metrics.ttft for o in rest),
             "num_cached_tokens_others": [o.num_cached_tokens for o in rest],
@@ -75,8 +78,11 @@ def article(args):
         llm.close()
         print("article", mode, out[str(mode)], file=sys.stderr)
     base = out["None"]["prefill_tokens_computed"]
+    shared = out["None"]["system_prompt_tokens_computed"]
     for mode in ("hash", "radix"):
         out[mode]["prefill_saved"] = 1 - out[mode]["prefill_tokens_computed"] / base
+        out[mode]["system_prompt_prefill_saved"] = \
+            1 - out[mode]["system_prompt_tokens_computed"] / shared
     return out
 
 
@@ -223,8 +229,11 @@ def main():
             save_tokenizer(tiny)
             save_tiny_model(tiny, "llama")
             result["sharing"] = sharing(args, tiny)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():   # scenarios run separately accumulate in one file
+        result = {**json.loads(out.read_text()), **result}
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 

@@ -268,6 +268,7 @@ class LLM:
         """Compiles the step for every (T, S) bucket pair with S <= T; returns how many.
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20).
+        Also compiles the copy-on-write block copy for every padded batch size (not counted).
         """
         n = 0
         for t in self.sched_config.token_buckets:
@@ -275,6 +276,11 @@ class LLM:
                 if s <= t:
                     self._run_padded(t, s)
                     n += 1
+        copies = 1   # a step copies at most one block per sequence, padded to a power of two
+        while copies < 2 * self.sched_config.max_num_seqs:
+            null = jnp.zeros(copies, jnp.int32)
+            self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
+            copies *= 2
         return n
 
     def _run_padded(self, t: int, s: int) -> None:

@@ -543,7 +543,8 @@ class LLM:
     # ------------------------------------------------------------------ high level
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 cache_salt=None
                  ) -> list[RequestOutput]:
         """Generates completions for a batch of prompts with continuous batching.
 
@@ -553,6 +554,8 @@ class LLM:
             vLLM defaults: temperature 1, max_tokens 16).
           use_tqdm: show a progress bar of finished requests.
           priority: per-prompt priorities (policy ``"priority"``; lower is more urgent).
+          cache_salt: prefix-cache namespace of these prompts (any hashable): they share cached
+            blocks only with requests of the same salt.
 
         Returns:
           One ``RequestOutput`` per prompt, in input order.
@@ -577,7 +580,7 @@ class LLM:
         new = []
         for i, (p, sp, pr) in enumerate(zip(prompts, params, prio)):
             try:
-                new.append(self._new_request(p, sp, priority=pr))
+                new.append(self._new_request(p, sp, priority=pr, cache_salt=cache_salt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         try:

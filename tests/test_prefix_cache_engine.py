@@ -86,6 +86,17 @@ def test_num_cached_tokens_and_reset(engines):
     assert c.num_cached_tokens == 0 and c.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_cache_salt_isolates_tenants(engines):
+    engine = engines["hash"]
+    engine.reset_prefix_cache()
+    prompt = [{"prompt_token_ids": shared_prompts()[0]}]
+    (a,) = engine.generate(prompt, GREEDY, use_tqdm=False, cache_salt="tenant-a")
+    (b,) = engine.generate(prompt, GREEDY, use_tqdm=False, cache_salt="tenant-b")
+    (c,) = engine.generate(prompt, GREEDY, use_tqdm=False, cache_salt="tenant-a")
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 40)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("mode", [None, "hash", "radix"])
 def test_request_arriving_while_its_prefix_is_prefilled(engines, mode):
     engine = engines[mode]

@@ -166,6 +166,10 @@ class LLM:
             if mesh is not None:
                 raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
                                  f"tensor parallelism yet; use a float KV cache")
+            if attention_impl == "pallas" and self.kv_cache_dtype in ("int4", "int2"):
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} (KIVI, packed) is not "
+                                 f"served by the Pallas kernels yet; use attention_impl="
+                                 f"'reference'")
         self.mesh = mesh
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = config

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxkv.attention import merge_attention_states
 from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
                                  check_seq_lens, finalize, init_carry, is_concrete, is_pow2,
-                                 kv_tile_range, next_pow2, whole_block)
+                                 kv_operands, kv_tile_range, next_pow2, whole_block)
 
 # Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
 _TARGET_PROGRAMS = 264
@@ -78,15 +78,14 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_
 def _decode_kernel(
     # inputs
     q_ref,       # [G_pad, D] the kv-head group of one sequence's token
-    k_ref,       # [num_blocks, block_size, Hkv, D]
-    v_ref,       # [num_blocks, block_size, Hkv, D]
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    # outputs
-    o_ref,       # f32 [G_pad, D] normalized partial output of this split
-    lse_ref,     # f32 [G_pad] its log-sum-exp (-inf if the split saw nothing)
-    *, num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
-    num_sinks: int, soft_cap: float | None):
+    *refs,       # inputs: k, v [num_blocks, block_size, Hkv, D] (+ fp8/int8 scales
+                 #   [num_blocks, block_size, Hkv, 1]); outputs: o f32 [G_pad, D] normalized
+                 #   partial output of this split, lse f32 [G_pad] (-inf if it saw nothing)
+    num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
+    num_sinks: int, soft_cap: float | None, static_scale: float | None):
+    *kv_refs, o_ref, lse_ref = refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, head_dim = q_ref.shape
     kv_len = lens_ref[seq]
@@ -97,33 +96,35 @@ def _decode_kernel(
     per_split = lax.div(count + num_splits - 1, num_splits)
     v_start = jnp.minimum(split * per_split, count)
     v_stop = jnp.minimum(v_start + per_split, count)
-    carry = attend_tiles(q_ref[...], q_pos, seq, head, k_ref, v_ref, tables_ref,
+    carry = attend_tiles(q_ref[...], q_pos, seq, head, kv_refs, tables_ref,
                          init_carry(rows, head_dim), v_start, v_stop, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap)
+                         num_sinks=num_sinks, soft_cap=soft_cap, static_scale=static_scale)
     out, lse = finalize(carry)
     o_ref[...] = out
     lse_ref[...] = lse
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config"))
-def _decode_call(q, k_pages, v_pages, block_tables, seq_lens, *, num_splits, sm_scale,
-                 sliding_window, num_sinks, soft_cap, interpret, config):
+    "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config",
+    "static_scale"))
+def _decode_call(q, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
+                 sliding_window, num_sinks, soft_cap, interpret, config, static_scale):
     S, Hq, D = q.shape
-    Hkv = k_pages.shape[2]
+    Hkv = kv_ops[0].shape[2]
     G = Hq // Hkv
     G_pad = max(16, next_pow2(G))
     q4 = jnp.pad(q.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
 
     kernel = functools.partial(
         _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
-        sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap)
+        sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
+        static_scale=static_scale)
     outs, lses = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
         in_specs=[pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))]
-        + [whole_block(a.shape) for a in (k_pages, v_pages, block_tables, seq_lens)],
+        + [whole_block(a.shape) for a in (block_tables, seq_lens, *kv_ops)],
         out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
                    pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
@@ -132,7 +133,7 @@ def _decode_call(q, k_pages, v_pages, block_tables, seq_lens, *, num_splits, sm_
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(q4, k_pages, v_pages, block_tables, seq_lens)
+    )(q4, block_tables, seq_lens, *kv_ops)
 
     outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
     if num_splits == 1:
@@ -157,7 +158,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Args:
       q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
-        page pool (block 0 is the null block). head_dim must be a power of two >= 16.
+        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.cache.QuantizedPages``
+        (dequantized in-kernel). head_dim must be a power of two >= 16.
       block_tables: int32 [S, max_blocks] page ids in ``[0, num_blocks)`` (padding entries 0).
       seq_lens: int32 [S] kv length of each sequence including this step's token.
       num_splits: programs per (sequence, kv head) along the kv axis (split-K); default
@@ -181,6 +183,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if q.ndim != 3 or q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q must be [S, num_heads, head_dim] with S = {block_tables.shape[0]} "
                          f"(block_tables rows), got shape {q.shape}")
+    kv_ops, static_scale = kv_operands(k_pages, v_pages)
+    k_pages, v_pages = kv_ops[:2]
     check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
     check_options(sm_scale, sliding_window, num_sinks, soft_cap)
     config = config or DecodeConfig()
@@ -195,7 +199,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_page_ids(block_tables, k_pages.shape[0])
         check_seq_lens(seq_lens, block_tables.shape[1], block_size)
     out, lse = _decode_call(
-        q, k_pages, v_pages, block_tables, seq_lens, num_splits=num_splits,
+        q, kv_ops, block_tables, seq_lens, num_splits=num_splits, static_scale=static_scale,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

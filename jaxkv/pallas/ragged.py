@@ -45,6 +45,8 @@ from jax.experimental.pallas import triton as plgpu
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without inf - inf NaNs.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Pool dtypes dequantized in-kernel (jaxkv.cache QuantizedPages of fp8_e4m3, fp8_e5m2, int8).
+QUANTIZED_CODE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 
 
 def next_pow2(n: int) -> int:
@@ -133,9 +135,10 @@ def check_kv_inputs(q_shape, q_dtype, k_pages, v_pages, block_tables, seq_lens) 
         raise ValueError(
             f"k_pages/v_pages must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}")
-    if not (k_pages.dtype == v_pages.dtype == q_dtype):
-        raise ValueError(f"q, k_pages, v_pages must share one dtype, got "
-                         f"{q_dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if k_pages.dtype != v_pages.dtype or (k_pages.dtype != q_dtype
+                                          and k_pages.dtype not in QUANTIZED_CODE_DTYPES):
+        raise ValueError(f"q, k_pages, v_pages must share one dtype (or the pools hold fp8/int8 "
+                         f"codes), got {q_dtype}, {k_pages.dtype}, {v_pages.dtype}")
     if q_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {q_dtype} is not supported; use float32, bfloat16 or float16")
     num_heads, head_dim = q_shape[-2:]
@@ -217,16 +220,19 @@ def tile_index(v, sink_tiles, window_first):
     return jnp.where(v < sink_tiles, v, window_first + v - sink_tiles)
 
 
-def attend_tiles(q, q_pos, seq, head, k_ref, v_ref, tables_ref, carry, v_start, v_stop,
+def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_stop,
                  sink_tiles, window_first, *, block_kv: int, sm_scale: float,
-                 sliding_window: int | None, num_sinks: int, soft_cap: float | None):
+                 sliding_window: int | None, num_sinks: int, soft_cap: float | None,
+                 static_scale: float | None = None):
     """Online softmax of q rows over loop steps ``[v_start, v_stop)`` of the kv walk.
 
     Args:
       q: [rows, D] queries (kernel dtype).
       q_pos: int32 [rows] kv position of each row's token.
       seq, head: int32 scalars, the sequence (block-table row) and the kv head.
-      k_ref, v_ref: [num_blocks, block_size, Hkv, D] whole pools.
+      kv_refs: (k_ref, v_ref) [num_blocks, block_size, Hkv, D] whole pools, plus for fp8/int8
+        pools (see ``kv_operands``) their per-token scales (ks_ref, vs_ref) [.., Hkv, 1]; codes
+        are dequantized in registers to q's dtype (times ``static_scale`` if given).
       tables_ref: int32 [S, max_blocks] whole block table.
       carry: (m f32 [rows], l f32 [rows], acc f32 [rows, D]) running max, sum and output.
       v_start, v_stop, sink_tiles, window_first: the loop range and tile map of kv_tile_range.
@@ -234,6 +240,8 @@ def attend_tiles(q, q_pos, seq, head, k_ref, v_ref, tables_ref, carry, v_start, 
     Returns:
       The updated carry.
     """
+    k_ref, v_ref, *scale_refs = kv_refs
+    k_scale_ref, v_scale_ref = scale_refs or (None, None)
     num_blocks, block_size = k_ref.shape[0], k_ref.shape[1]
     max_blocks = tables_ref.shape[1]
     offsets = jnp.arange(block_kv, dtype=jnp.int32)                     # [block_kv]
@@ -244,8 +252,8 @@ def attend_tiles(q, q_pos, seq, head, k_ref, v_ref, tables_ref, carry, v_start, 
         logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
         slot = lax.rem(kv_pos, block_size)
-        k = k_ref[page, slot, head, :]                                            # [block_kv, D]
-        v_tile = v_ref[page, slot, head, :]                                       # [block_kv, D]
+        k = _load_tile(k_ref, k_scale_ref, page, slot, head, static_scale, q.dtype)
+        v_tile = _load_tile(v_ref, v_scale_ref, page, slot, head, static_scale, q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale     # [rows, block_kv]
         if soft_cap is not None:
@@ -267,6 +275,43 @@ def attend_tiles(q, q_pos, seq, head, k_ref, v_ref, tables_ref, carry, v_start, 
         return m_new, l, acc
 
     return lax.fori_loop(v_start, v_stop, body, carry)
+
+
+def _load_tile(ref, scale_ref, page, slot, head, static_scale, dtype):
+    """One kv tile [block_kv, D] in ``dtype``: gathered by (page, slot) and dequantized if the pool
+    holds fp8/int8 codes (per-token scale [block_kv, 1], or the static per-tensor scale)."""
+    x = ref[page, slot, head, :]                                                  # [block_kv, D]
+    if scale_ref is None and static_scale is None:
+        return x
+    x = x.astype(jnp.float32)
+    if scale_ref is not None:
+        x = x * scale_ref[page, slot, head, :].astype(jnp.float32)               # [block_kv, 1]
+    else:
+        x = x * static_scale
+    return x.astype(dtype)
+
+
+def kv_operands(k_pages, v_pages):
+    """Kernel operands of one layer's pools: ([k, v] or [k, v, k_scale, v_scale], static_scale).
+
+    Float pools pass through. fp8/int8 ``jaxkv.cache.QuantizedPages`` pass their codes
+    [num_blocks, block_size, Hkv, D] and bf16 per-token scales [num_blocks, block_size, Hkv, 1]
+    (or none with a static scale). KIVI int4/int2 pools are not served by these kernels yet.
+
+    Raises:
+      ValueError: for int4/int2 pools.
+    """
+    from jaxkv.cache import QuantizedPages   # the cache pytree only; no engine import
+
+    if not isinstance(k_pages, QuantizedPages):
+        return [k_pages, v_pages], None
+    if k_pages.residual is not None:
+        raise ValueError(f"kv_cache_dtype={k_pages.fmt!r} (KIVI, packed) is not served by the "
+                         f"Pallas kernels yet; use attention_impl='reference'")
+    ops = [k_pages.data, v_pages.data]
+    if k_pages.scale is not None:
+        ops += [k_pages.scale, v_pages.scale]
+    return ops, k_pages.static_scale
 
 
 def init_carry(rows: int, head_dim: int):
@@ -292,14 +337,14 @@ def _ragged_kernel(
     # inputs
     tiles_ref,   # int32 [num_tiles, 4]: seq, first token, valid tokens, kv position of first token
     q_ref,       # [Hkv, T_pad * G_pad, D]
-    k_ref,       # [num_blocks, block_size, Hkv, D]
-    v_ref,       # [num_blocks, block_size, Hkv, D]
     tables_ref,  # int32 [S, max_blocks]
-    # outputs
-    o_ref,       # [Hkv, T_pad * G_pad, D]
-    lse_ref,     # f32 [Hkv, T_pad * G_pad]
-    *, block_q: int, group_pad: int, block_kv: int, sm_scale: float,
-    sliding_window: int | None, num_sinks: int, soft_cap: float | None):
+    *refs,       # inputs: k, v [num_blocks, block_size, Hkv, D] (+ fp8/int8 scales
+                 #   [num_blocks, block_size, Hkv, 1]); outputs: o [Hkv, T_pad * G_pad, D],
+                 #   lse f32 [Hkv, T_pad * G_pad]
+    block_q: int, group_pad: int, block_kv: int, sm_scale: float,
+    sliding_window: int | None, num_sinks: int, soft_cap: float | None,
+    static_scale: float | None):
+    *kv_refs, o_ref, lse_ref = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     seq, tok0 = tiles_ref[tile, 0], tiles_ref[tile, 1]
     n_valid, q_first = tiles_ref[tile, 2], tiles_ref[tile, 3]
@@ -312,10 +357,10 @@ def _ragged_kernel(
     sink_tiles, window_first, count = kv_tile_range(
         q_first, q_first + n_valid, block_kv=block_kv, sliding_window=sliding_window,
         num_sinks=num_sinks)
-    carry = attend_tiles(q, q_pos, seq, head, k_ref, v_ref, tables_ref,
+    carry = attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref,
                          init_carry(rows, head_dim), 0, count, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap)
+                         num_sinks=num_sinks, soft_cap=soft_cap, static_scale=static_scale)
     out, lse = finalize(carry)
 
     # rows past the tile's tokens belong to the next sequence's tiles: never write them
@@ -358,11 +403,11 @@ def _tile_schedule(query_start_loc, seq_lens, num_tiles: int, block_q: int):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config"))
-def _ragged_call(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *, sm_scale,
-                 sliding_window, num_sinks, soft_cap, interpret, config):
+    "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config", "static_scale"))
+def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale,
+                 sliding_window, num_sinks, soft_cap, interpret, config, static_scale):
     T, Hq, D = q.shape
-    Hkv = k_pages.shape[2]
+    Hkv = kv_ops[0].shape[2]
     G = Hq // Hkv
     G_pad = next_pow2(G)
     block_q = config.block_q
@@ -376,11 +421,12 @@ def _ragged_call(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *
 
     kernel = functools.partial(
         _ragged_kernel, block_q=block_q, group_pad=G_pad, block_kv=config.block_kv,
-        sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap)
+        sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
+        static_scale=static_scale)
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
-        in_specs=[whole_block(a.shape) for a in (tiles, q_rows, k_pages, v_pages, block_tables)],
+        in_specs=[whole_block(a.shape) for a in (tiles, q_rows, block_tables, *kv_ops)],
         out_specs=[whole_block((Hkv, T_pad * G_pad, D)), whole_block((Hkv, T_pad * G_pad))],
         out_shape=[jax.ShapeDtypeStruct((Hkv, T_pad * G_pad, D), q.dtype),
                    jax.ShapeDtypeStruct((Hkv, T_pad * G_pad), jnp.float32)],
@@ -388,7 +434,7 @@ def _ragged_call(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
-    )(tiles, q_rows, k_pages, v_pages, block_tables)
+    )(tiles, q_rows, block_tables, *kv_ops)
 
     # tokens no tile wrote (padding after qsl[-1]) hold garbage: zero them, as the spec says
     valid = jnp.arange(T) < query_start_loc[-1]                                  # [T]
@@ -415,7 +461,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: [T, num_heads, head_dim] float32/bfloat16/float16 queries of every token of the step;
         tokens ``t >= query_start_loc[-1]`` are padding.
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
-        page pool (block 0 is the null block). head_dim must be a power of two >= 16.
+        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.cache.QuantizedPages``
+        (dequantized in-kernel). head_dim must be a power of two >= 16.
       block_tables: int32 [S, max_blocks] physical page of each logical block; every entry must be
         a page id in ``[0, num_blocks)`` (padding entries 0).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens.
@@ -439,6 +486,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
+    kv_ops, static_scale = kv_operands(k_pages, v_pages)
+    k_pages, v_pages = kv_ops[:2]
     check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(f"query_start_loc must be [S + 1] = [{block_tables.shape[0] + 1}], "
@@ -458,7 +507,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_seq_lens(seq_lens, block_tables.shape[1], k_pages.shape[1])
         _check_query_start_loc(query_start_loc, seq_lens, T)
     out, lse = _ragged_call(
-        q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+        q, kv_ops, block_tables, seq_lens, query_start_loc, static_scale=static_scale,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

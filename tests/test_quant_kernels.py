@@ -1,0 +1,80 @@
+"""Pallas kernels over fp8/int8 pools (interpret mode): output equals the reference applied to the
+same quantized pages; the quantized variants lower to CUDA (Triton); KIVI pools are refused."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import cache as kvcache
+from jaxkv.attention import paged_attention_reference
+from jaxkv.pallas import paged_decode_attention, ragged_paged_attention
+
+H, HKV, D, BS, NB = 4, 2, 16, 8, 12
+
+
+def quantized_pools(kv, lengths, seed=0, **kw):
+    """A one-layer quantized cache holding random K/V for sequences of ``lengths`` tokens."""
+    rng = np.random.default_rng(seed)
+    c = kvcache.init_cache(1, NB, BS, HKV, D, kv_cache_dtype=kv, num_residual_slots=4, **kw)
+    perm = rng.permutation(np.arange(1, NB))
+    nb = max(-(-n // BS) for n in lengths)
+    tables = np.zeros((len(lengths), nb), np.int32)
+    slots, at = [], 0
+    for s, n in enumerate(lengths):
+        k = -(-n // BS)
+        tables[s, :k] = perm[at:at + k]
+        at += k
+        slots += [tables[s, p // BS] * BS + p % BS for p in range(n)]
+    new = jnp.asarray(rng.normal(size=(len(slots), HKV, D)), jnp.float32)
+    c = kvcache.write(c, 0, new, new * 0.5 + 0.1, jnp.asarray(slots, jnp.int32))
+    return c.k[0], c.v[0], jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_ragged_and_decode_kernels_match_reference_on_quantized_pages(kv):
+    lengths = [19, 5, 12]
+    k, v, tables, lens = quantized_pools(kv, lengths)
+    q_lens = np.array([7, 1, 4])
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(int(q_lens.sum()), H, D)), jnp.float32)
+    want = paged_attention_reference(q, k, v, tables, lens, qsl)
+    got = ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    qd = q[:3]
+    want = paged_attention_reference(qd, k, v, tables, lens, jnp.arange(4, dtype=jnp.int32))
+    got = paged_decode_attention(qd, k, v, tables, lens, num_splits=2, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_static_scale_fp8_kernel_matches_reference():
+    k, v, tables, lens = quantized_pools("fp8_e5m2", [10, 3], static_scale=0.01)
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(2, H, D)), jnp.float32)
+    want = paged_attention_reference(q, k, v, tables, lens, jnp.arange(3, dtype=jnp.int32))
+    got = paged_decode_attention(q, k, v, tables, lens, num_splits=1, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kivi_pools_are_refused_by_the_kernels():
+    k, v, tables, lens = quantized_pools("int4", [10])
+    q = jnp.zeros((1, H, D), jnp.float32)
+    with pytest.raises(ValueError, match="attention_impl='reference'"):
+        paged_decode_attention(q, k, v, tables, lens, interpret=True)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_quantized_kernels_lower_to_cuda(kv):
+    pools = kvcache.init_cache(1, 300, 16, 8, 128, kv_cache_dtype=kv)
+    k, v = (jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
+            for p in (pools.k[0], pools.v[0]))
+    tables = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    lens = jax.ShapeDtypeStruct((8,), jnp.int32)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        q = jax.ShapeDtypeStruct((8, 32, 128), dtype)
+        for f, extra in ((functools.partial(paged_decode_attention, num_splits=4), ()),
+                         (ragged_paged_attention, (jax.ShapeDtypeStruct((9,), jnp.int32),))):
+            text = jax.jit(f).trace(q, k, v, tables, lens, *extra).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text

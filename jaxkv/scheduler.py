@@ -487,11 +487,14 @@ def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
                          f"the plan has {len(plan.seqs)} seqs")
     requests = dict(state.requests)
     bm = state.block_manager
-    if bm.prefix_cache is not None:   # cache the blocks this step filled
+    filled = [seq for seq in plan.seqs if bm.prefix_cache is not None
+              and seq.request_id in requests and seq.request_id in bm
+              and (seq.start_pos + len(seq.token_ids)) // bm.block_size
+              > bm.num_registered(seq.request_id)]
+    if filled:   # cache the blocks this step filled (copying the manager only then)
         bm = bm.copy()
-        for seq in plan.seqs:
-            if seq.request_id in requests and seq.request_id in bm:
-                _register(bm, requests[seq.request_id], seq.start_pos + len(seq.token_ids))
+        for seq in filled:
+            _register(bm, requests[seq.request_id], seq.start_pos + len(seq.token_ids))
         state = dataclasses.replace(state, block_manager=bm)
     reasons: dict[Hashable, str] = {}
     for row, seq in enumerate(plan.seqs):

@@ -8,6 +8,8 @@ Run from the repository root (only jax + numpy needed; finishes in under 8 minut
 Sections:
   (a) every kernel variant vs jaxkv.attention.paged_attention_reference at real sizes;
   (b) decode: batch x context x GQA grid, bf16, head_dim 128; achieved GB/s = KV bytes read / time,
+      plus fp8_e4m3 / int8 pools at 8k and 32k context (codes + bf16 per-token scales; the
+      context cell shows the dtype and the speedup over the bf16 row),
       as a fraction of the device-to-device copy bandwidth measured in the same run, next to the
       ragged kernel on the same decode batch and jax.experimental.pallas.ops.gpu.paged_attention;
   (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
@@ -65,6 +67,8 @@ class Settings:
     correctness: tuple[dict, ...]
     sweep_block_kv: tuple[int, ...]
     sweep_launch: tuple[tuple[int, int], ...]     # (num_warps, num_stages)
+    quant_contexts: tuple[int, ...] = ()          # contexts of the quantized decode rows
+    quant_dtypes: tuple[str, ...] = ("fp8_e4m3", "int8")
 
 
 REAL = Settings(
@@ -76,14 +80,15 @@ REAL = Settings(
         dict(q_lens=(1000, 1, 1, 300, 1, 1, 1024, 1),
              kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768)),
     ),
-    sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)))
+    sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
+    quant_contexts=(8192, 32768))
 DRY = Settings(
     interpret=True, head_dim=16, num_kv_heads=2, block_size=8,
     batches=(1, 2), contexts=(64,), groups=(4,),
     prefill_tokens=64, copy_bytes=1 << 20, reps=2, target_s=0.0,
     decode_until_s=120.0, sweep_until_s=120.0,
     correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
-    sweep_block_kv=(16,), sweep_launch=((4, 2),))
+    sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,))
 
 
 class Clock:
@@ -292,8 +297,40 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
                         row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print(fmt_decode_row(row), flush=True)
+                if ctx in settings.quant_contexts:
+                    rows += bench_quant_decode(settings, row, q, k, v, tables, lens, copy_gbps)
         del k, v, k_hnd, v_hnd
         gc.collect()
+    return rows
+
+
+def bench_quant_decode(settings: Settings, bf16_row: dict, q, k, v, tables, lens,
+                       copy_gbps: float) -> list[dict]:
+    """Decode rows of the fp8/int8 pools of the same batch: GB/s over the bytes the kernel reads
+    (codes + bf16 per-token scales) and the speedup over the bf16 row's time."""
+    from jaxkv.cache import quantize_pages  # jax-only module of the package
+
+    rows = []
+    B, ctx = bf16_row["batch"], bf16_row["context"]
+    D, Hkv = settings.head_dim, settings.num_kv_heads
+    for kv in settings.quant_dtypes:
+        kq, vq = quantize_pages(k, kv), quantize_pages(v, kv)
+        kv_bytes = B * ctx * Hkv * (D + 2) * 2
+        row = dict(batch=B, context=ctx, group=bf16_row["group"], kv_bytes=kv_bytes,
+                   kv_cache_dtype=kv)
+        fn = functools.partial(paged_decode_attention, interpret=settings.interpret)
+        try:
+            med, lo, hi, _ = time_op(fn, (q, kq, vq, tables, lens), settings=settings,
+                                     est_s=kv_bytes / 3e12 + 5e-6)
+            row.update(ours_ms=med * 1e3, ours_min_ms=lo * 1e3, ours_max_ms=hi * 1e3,
+                       ours_gbps=kv_bytes / med / 1e9, ours_frac_copy=kv_bytes / med / 1e9
+                       / copy_gbps, speedup_vs_bf16=bf16_row.get("ours_ms", float("nan"))
+                       / (med * 1e3))
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["ours_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print(fmt_decode_row(row), flush=True)
+        del kq, vq
     return rows
 
 
@@ -401,7 +438,10 @@ def _cell(row, name, key, spec):
 
 
 def fmt_decode_row(row) -> str:
-    cells = [str(row["batch"]), str(row["context"]), str(row["group"])]
+    ctx = str(row["context"])
+    if "kv_cache_dtype" in row:     # a quantized row: its dtype and speedup over the bf16 row
+        ctx += f" {row['kv_cache_dtype']} (x{row.get('speedup_vs_bf16', float('nan')):.2f})"
+    cells = [str(row["batch"]), ctx, str(row["group"])]
     for name in ("ours", "ragged", "peer"):
         cells += [_cell(row, name, "ms", ".4f"),
                   f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",

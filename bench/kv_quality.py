@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--ablation-windows", type=int, default=1)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="run only these row names (the fp32 greedy reference always runs)")
     a = ap.parse_args()
     llm = LLM(dtype="float32", max_model_len=a.context, max_num_seqs=1, block_size=16,
               num_kv_blocks=a.context // 16 + 1, max_num_batched_tokens=256,
@@ -59,14 +61,14 @@ def main():
               "ppl_text": "emma.txt", "context": a.context, "chunk": 256, "block_size": 16,
               "agreement_prompt": f"first {a.prompt_tokens} tokens of pride_and_prejudice.txt",
               "gen_tokens": a.gen_tokens, "rows": []}
-    ref = None
+    ref = greedy(llm, "fp32", {}, prompt, a.gen_tokens)
     configs = [(kv, kv, {}, a.windows) for kv in DTYPES]
     configs += [(name, "int2", opts, a.ablation_windows) for name, opts in ABLATION]
     for name, kv, opts, windows in configs:
+        if a.only is not None and name not in a.only:
+            continue
         t0 = time.perf_counter()
         toks = greedy(llm, kv, opts, prompt, a.gen_tokens)
-        if ref is None:
-            ref = toks
         prefix = next((i for i, (x, y) in enumerate(zip(toks, ref)) if x != y), len(ref))
         r = perplexity(llm, ids, kv_cache_dtype=kv, context=a.context, chunk=256,
                        max_windows=windows, **opts)

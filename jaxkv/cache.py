@@ -286,6 +286,22 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
                 for _ in range(num_layers)))
 
 
+def quantize_pages(pool: jax.Array, kv_cache_dtype: str) -> QuantizedPages:
+    """An fp8/int8 ``QuantizedPages`` holding a float pool [num_blocks, block_size, Hkv, D]
+    quantized per token and head (what writing every token would give); for benchmarks.
+
+    Raises:
+      ValueError: for a format that is not fp8/int8.
+    """
+    if quant.get_format(kv_cache_dtype).asymmetric:
+        raise ValueError(f"quantize_pages serves fp8/int8, not kv_cache_dtype={kv_cache_dtype!r}")
+    empty = _init_quantized(kv_cache_dtype, "token", (1, *pool.shape[1:]), pool.dtype,
+                            num_residual_slots=0, group_size=pool.shape[-1],
+                            residual_full_precision=True, static_scale=None)
+    data, scale, _ = _quantize_blocks(empty, pool)
+    return dataclasses.replace(empty, data=data, scale=scale)
+
+
 def _quantize_blocks(p: QuantizedPages, x: jax.Array):
     """Codes (packed), scale, zero of whole blocks ``x`` [M, block_size, Hkv, D] (or tokens
     [T, Hkv, D] for ``axis="token"``) in ``p``'s format."""

@@ -10,6 +10,11 @@ chunks of ``chunk`` tokens (chunked prefill), so later chunks attend to earlier 
     tokens   |--------- window 0 ---------|
                           |--------- window 1 ---------|        stride = context / 2
     scored   |xxxxxxxxxxxxxxxxxxxxxxxxxxxx|xxxxxxxxxxxxxx|
+
+With ``chunk`` a multiple of the block size every block seals in the step that writes it, so an
+int4/int2 cache is read fully quantized, even by the tokens of the block itself: stricter than
+KIVI (whose prefill attends to exact K/V). The KIVI residual window (the unsealed block kept in
+full precision) therefore shows in decoding (greedy agreement), not in this perplexity.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -234,8 +235,10 @@ class LLM:
                 shardings = sharding.stored_param_shardings(c, self.mesh)
             params = checkpoint.restore_params(model, param_shapes(c, self.dtype), shardings)
             tokenizer = checkpoint.read_tokenizer(model)
+            self.model_path = Path(model)
         else:
             loaded = load_model_files(model)
+            self.model_path = Path(loaded.source)
             params = params_from_hf(c, loaded.tensors, self.dtype, source=loaded.source)
             tokenizer = loaded.tokenizer
         if self.mesh is not None:

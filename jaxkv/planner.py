@@ -340,7 +340,8 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: float = 0.9,
+def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
+         memory_utilization: float = 0.9,
          dtype: str = "float32", kv_cache_dtype: str = "auto", block_size: int = 16,
          max_model_len: int | None = None, max_num_seqs: int = 256,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
@@ -353,7 +354,8 @@ def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: f
     ``num_blocks``; activations are counted whole (conservative).
 
     Args:
-      config: the model.
+      config: the model: a ModelConfig, or a GGUF file, HF directory, ``config.json`` or store
+        name whose hyper-parameters are read (no weights are loaded).
       device_memory_bytes: memory of one device (GPU HBM, or ``host_memory_budget()`` on CPU).
       memory_utilization: fraction of it the engine may use, in (0, 1].
       dtype: weight dtype, one of ``WEIGHT_DTYPES``.
@@ -375,6 +377,10 @@ def plan(config: ModelConfig, *, device_memory_bytes: int, memory_utilization: f
     Raises:
       ValueError: naming the invalid argument.
     """
+    if not isinstance(config, ModelConfig):
+        from jaxkv.model.weights import load_config  # file formats only when given a path
+
+        config = load_config(config)
     kw = dict(device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
               dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -12,19 +12,11 @@ transformers = pytest.importorskip("transformers")
 from jaxkv.beam_search import BeamSearchParams, score  # noqa: E402
 from jaxkv.engine import LLM  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
-from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+from tiny_models import austen_text  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,
               block_size=8, token_buckets=(16, 64), seq_buckets=(8,), dtype="float32")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    save_tokenizer(path)
-    model = save_tiny_model(path, "llama")
-    return path, model
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention import merge_attention_states
 from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
-                                 check_seq_lens, finalize, init_carry, is_concrete, is_pow2,
+                                 check_seq_lens, finalize, init_carry, check_tuning, is_concrete,
                                  kv_operands, kv_tile_range, next_pow2, whole_block)
 
 # Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
@@ -49,13 +49,7 @@ class DecodeConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_kv", "num_warps"):
-            if not is_pow2(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
-        if self.block_kv < 16:
-            raise ValueError(f"block_kv={self.block_kv} must be >= 16 (Triton dot minimum)")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        check_tuning(self, ("block_kv", "num_warps"))
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:

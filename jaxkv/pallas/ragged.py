@@ -57,6 +57,17 @@ def is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def check_tuning(config, pow2_fields: tuple[str, ...]) -> None:
+    """Validates a kernel tuning dataclass: power-of-two tile sizes, ``block_kv >= 16``, stages."""
+    for name in pow2_fields:
+        if not is_pow2(getattr(config, name)):
+            raise ValueError(f"{name}={getattr(config, name)} must be a power of two")
+    if config.block_kv < 16:
+        raise ValueError(f"block_kv={config.block_kv} must be >= 16 (Triton dot minimum)")
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages={config.num_stages} must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedConfig:
     """Tuning of the ragged kernel (static; one compilation per distinct value).
@@ -75,13 +86,7 @@ class RaggedConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "num_warps"):
-            if not is_pow2(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
-        if self.block_kv < 16:
-            raise ValueError(f"block_kv={self.block_kv} must be >= 16 (Triton dot minimum)")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        check_tuning(self, ("block_q", "block_kv", "num_warps"))
 
 
 def default_ragged_config(num_tokens: int, num_seqs: int, group: int,

@@ -34,6 +34,7 @@ from jaxkv import batch, beam_search, planner, scheduler, sharding
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxkv.cache import KV_CACHE_QUANT_DTYPES, check_quant_geometry, copy_blocks, init_cache
 from jaxkv.config import PREFIX_CACHING_MODES, CacheConfig, SchedulerConfig
+from jaxkv.detokenize import IncrementalDetokenizer
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
@@ -55,6 +56,7 @@ class _Sample:
     parent: str
     params: SamplingParams
     completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
 
 
 @dataclasses.dataclass
@@ -358,7 +360,8 @@ class LLM:
         for i in range(params.n):
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             samples.append(_Sample(rid, p, CompletionOutput(
-                index=i, logprobs=[] if params.logprobs is not None else None)))
+                index=i, logprobs=[] if params.logprobs is not None else None),
+                IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)))
             stop = scheduler.StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
                                       stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                                       eos_token_ids=self.tokenizer.eos_token_ids)
@@ -453,9 +456,9 @@ class LLM:
                 req.metrics.first_token_time = now
             req.metrics.num_generated_tokens += 1
             self._num_generated += 1
-            comp.text = self.tokenizer.decode(
-                comp.token_ids, skip_special_tokens=sample.params.skip_special_tokens)
-            if self._apply_stop_strings(sample):
+            searched = len(sample.detokenizer.text)
+            sample.detokenizer.update(comp.token_ids)
+            if self._apply_stop_strings(sample, searched):
                 stop_hits.add(seq.request_id)
             touched[req.request_id] = req
         self._peak_usage = max(self._peak_usage, state.block_manager.usage())
@@ -516,14 +519,33 @@ class LLM:
         bm.reset_prefix_cache()
         self._state = dataclasses.replace(self._state, block_manager=bm)
 
-    def _apply_stop_strings(self, sample: _Sample) -> bool:
-        """Trims the earliest stop string (and what follows) from the text; True if one matched."""
-        comp = sample.completion
-        hits = [(comp.text.find(s), s) for s in sample.params.stop if s and s in comp.text]
+    @staticmethod
+    def _apply_stop_strings(sample: _Sample, searched: int) -> bool:
+        """Sets the sample's text after new tokens, trimmed before the earliest stop string.
+
+        The full text is ``detokenizer.text + detokenizer.pending``; its first ``searched``
+        characters (committed before this step) held no stop string, so only what follows them,
+        with the last ``len(stop) - 1`` characters before, is searched. Without a match the text
+        is the committed text less the last ``max(len(stop)) - 1`` characters, which a stop
+        string completed later could still trim, so the texts a stream sees only ever grow.
+
+        Args:
+          sample: the sample whose detokenizer has just been updated.
+          searched: ``len(detokenizer.text)`` before the update.
+
+        Returns:
+          True if a stop string matched (then ``stop_reason`` is set to it).
+        """
+        comp, detok = sample.completion, sample.detokenizer
+        hold = max([len(s) - 1 for s in sample.params.stop if s], default=0)
+        start = max(0, searched - hold)
+        tail = detok.text[start:] + detok.pending
+        hits = [(tail.find(s), s) for s in sample.params.stop if s and s in tail]
         if not hits:
+            comp.text = detok.text[:max(0, len(detok.text) - hold)]
             return False
         pos, stop = min(hits)
-        comp.text = comp.text[:pos]
+        comp.text = detok.text[:start] + tail[:pos]
         comp.stop_reason = stop
         return True
 
@@ -537,6 +559,8 @@ class LLM:
                 continue
             comp = sample.completion
             comp.finish_reason = rs.finish_reason
+            if comp.stop_reason is None:   # no stop string trimmed it: all of the text
+                comp.text = sample.detokenizer.text + sample.detokenizer.pending
             if comp.stop_reason is None and rs.finish_reason == scheduler.FINISH_STOP \
                     and comp.token_ids:
                 comp.stop_reason = comp.token_ids[-1]

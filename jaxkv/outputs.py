@@ -50,7 +50,9 @@ class CompletionOutput:
 
     Attributes:
       index: which of the request's ``n`` samples.
-      text: decoded output (stop strings trimmed).
+      text: decoded output (stop strings trimmed). While running it holds back what may still
+        change (an incomplete UTF-8 character, and the last ``max(len(stop)) - 1`` characters a
+        stop string could still trim), so it only grows until the final text.
       token_ids: generated token ids (a stop token is kept).
       cumulative_logprob: sum of the chosen tokens' logprobs.
       logprobs: per token, ``{token_id: logprob}`` of the top-N tokens and the chosen one, when

@@ -28,18 +28,25 @@ axis packed for int4/int2 (see jaxkv/quant.py for the bit layout):
            per channel: [num_blocks, 1,          kv_heads, head_dim]      (KIVI keys: one group =
                                                                            the tokens of a block)
 
-KIVI residual (int4/int2): a block is quantized only when it *seals* (its last slot is written),
-so its per-channel key statistics cover all its tokens. Until then its tokens live in full
-precision in a small residual pool whose slots are handed out on device:
+KIVI residual (int4/int2): a block is quantized when it *seals* (its last slot is written), so
+its per-channel key statistics cover all its tokens. Its tokens also live in full precision in a
+residual pool while the block is inside the sequence's *residual window*: the unsealed block plus
+the last ``R - 1`` sealed blocks (``residual_blocks = R``, KIVI's residual length in blocks):
 
-    res_slot[block] = r > 0   ->  residual[r] holds the block (unsealed tail of a sequence)
-    res_slot[block] = 0       ->  the block is sealed: read data/scale/zero
-    res_owner[r] = block (0 = free),  res_stamp[r] = clock of the last write into slot r
+    sequence of 5 blocks, R = 3:   | q | q | r | r | r. |    q = read as codes (sealed, left the
+                                                             window), r = read from the residual
 
-A block that needs a slot takes a free one, else the least recently written slot not touched in
-this step (a stale tail of a finished or preempted sequence). Slot 0 is a null slot. With at
-least ``max_num_seqs + 1`` slots every running sequence's tail fits as long as each running
-sequence is scheduled in every step (the engine's continuous batching does this).
+    res_slot[block] = r > 0   ->  residual[r] holds the block (inside its sequence's window)
+    res_slot[block] = 0       ->  read data/scale/zero
+    res_owner[r] = block (0 = free),  res_stamp[r] = clock of the last write or window refresh
+
+When the token that seals logical block j is written, block ``j + 1 - R`` leaves the window and
+its slot is freed (for R = 1 that is block j itself). A block that needs a slot takes a free one,
+else the least recently stamped slot not touched in this step (a stale window of a finished or
+preempted sequence; the live windows of the step's sequences are re-stamped every step). Slot 0
+is a null slot. With at least ``R * max_num_seqs + 1`` slots every running sequence's window
+fits as long as each running sequence is scheduled in every step (the engine's continuous
+batching does this).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import quant
+from jaxkv.metadata import AttentionMetadata
 from jaxkv.planner import KIVI_GROUP_SIZE
 
 
@@ -60,9 +68,9 @@ FLOAT_KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float1
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["data", "scale", "zero", "residual", "res_slot", "res_owner", "res_stamp",
-                      "clock"],
+                      "clock", "sealed"],
          meta_fields=["fmt", "axis", "group_size", "residual_full_precision", "static_scale",
-                      "head_dim"])
+                      "head_dim", "residual_blocks"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedPages:
     """One layer's quantized K (or V) pool; see the module docstring for the layout.
@@ -77,6 +85,8 @@ class QuantizedPages:
       res_owner: int32 [num_res] block held by each residual slot, 0 if free.
       res_stamp: int32 [num_res] ``clock`` of the last write into each slot.
       clock: int32 [] writes so far.
+      sealed: bool [num_blocks] the block's codes are final (its last slot was written); writes
+        into a sealed block (the recomputed last token of a cached prompt) are dropped.
       fmt: ``quant.KV_QUANT_FORMATS`` name.
       axis: ``"token"`` (groups along head_dim within a token) or ``"channel"`` (per channel over
         the tokens of one block).
@@ -85,6 +95,8 @@ class QuantizedPages:
         read fake-quantized too.
       static_scale: fixed per-tensor scale (fp8 only), or None for per-token scales.
       head_dim: unpacked channels per vector.
+      residual_blocks: KIVI residual window R: the unsealed block plus the last R - 1 sealed
+        blocks of each sequence are read from the full-precision residual.
     """
 
     data: jax.Array               # [N, bs, Hkv, D * bits / 8]
@@ -95,12 +107,14 @@ class QuantizedPages:
     res_owner: jax.Array | None   # [R]
     res_stamp: jax.Array | None   # [R]
     clock: jax.Array | None       # []
+    sealed: jax.Array | None      # [N] bool
     fmt: str
     axis: str
     group_size: int
     residual_full_precision: bool
     static_scale: float | None
     head_dim: int
+    residual_blocks: int = 1
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -197,7 +211,7 @@ def check_quant_geometry(kv_cache_dtype: str, *, block_size: int, head_dim: int,
 
 def _init_quantized(fmt_name: str, axis: str, shape, dtype, *, num_residual_slots: int,
                     group_size: int, residual_full_precision: bool,
-                    static_scale: float | None) -> QuantizedPages:
+                    static_scale: float | None, residual_blocks: int = 1) -> QuantizedPages:
     """Zeroed ``QuantizedPages`` of logical ``shape`` [num_blocks, block_size, Hkv, D]."""
     fmt = quant.get_format(fmt_name)
     n, bs, h, d = shape
@@ -210,16 +224,17 @@ def _init_quantized(fmt_name: str, axis: str, shape, dtype, *, num_residual_slot
         sshape = (n, 1, h, d) if axis == "channel" else (n, bs, h, groups)
         scale = jnp.zeros(sshape, quant.SCALE_DTYPE)
         zero = jnp.zeros(sshape, quant.SCALE_DTYPE) if fmt.asymmetric else None
-    res = dict(residual=None, res_slot=None, res_owner=None, res_stamp=None, clock=None)
+    res = dict(residual=None, res_slot=None, res_owner=None, res_stamp=None, clock=None,
+               sealed=None)
     if fmt.asymmetric:
         r = num_residual_slots + 1        # slot 0 is the null slot
         res = dict(residual=jnp.zeros((r, bs, h, d), dtype), res_slot=jnp.zeros(n, jnp.int32),
                    res_owner=jnp.zeros(r, jnp.int32), res_stamp=jnp.zeros(r, jnp.int32),
-                   clock=jnp.zeros((), jnp.int32))
+                   clock=jnp.zeros((), jnp.int32), sealed=jnp.zeros(n, bool))
     return QuantizedPages(data=data, scale=scale, zero=zero, **res, fmt=fmt_name, axis=axis,
                           group_size=g if fmt.asymmetric else d,
                           residual_full_precision=residual_full_precision,
-                          static_scale=static_scale, head_dim=d)
+                          static_scale=static_scale, head_dim=d, residual_blocks=residual_blocks)
 
 
 def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -227,7 +242,7 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
                num_residual_slots: int = 256, key_axis: str = "channel",
                value_axis: str = "token", group_size: int = KIVI_GROUP_SIZE,
                residual_full_precision: bool = True,
-               static_scale: float | None = None) -> PagedKVCache:
+               static_scale: float | None = None, residual_blocks: int = 1) -> PagedKVCache:
     """Allocates a zeroed cache.
 
     Args:
@@ -236,8 +251,8 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
       dtype: element dtype of float pools and of the KIVI residual.
       kv_cache_dtype: None (pools in ``dtype``), ``"fp32"``/``"bf16"``/``"fp16"``, or a quantized
         format of ``KV_CACHE_QUANT_DTYPES``.
-      num_residual_slots: unsealed blocks the KIVI residual pool holds (int4/int2); at least the
-        number of sequences running at once.
+      num_residual_slots: blocks the KIVI residual pool holds (int4/int2); at least
+        ``residual_blocks`` times the number of sequences running at once.
       key_axis, value_axis: int4/int2 grouping of K and V: ``"channel"`` (per channel over a
         block's tokens) or ``"token"`` (groups of ``group_size`` channels per token). KIVI is
         keys per channel, values per token (the defaults); the others are for ablations.
@@ -245,6 +260,8 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
       residual_full_precision: False reads unsealed int4/int2 blocks fake-quantized (the
         residual-off ablation; the storage is the same).
       static_scale: fp8 only: a fixed per-tensor scale instead of per-token scales.
+      residual_blocks: int4/int2 residual window R >= 1 in blocks (the unsealed block plus the
+        last R - 1 sealed blocks of a sequence are read in full precision).
 
     Returns:
       PagedKVCache with ``num_layers`` K and V pools of logical shape
@@ -272,12 +289,16 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
     if static_scale is not None and not kv_cache_dtype.startswith("fp8"):
         raise ValueError(f"static_scale applies to fp8 formats, not kv_cache_dtype="
                          f"{kv_cache_dtype!r}")
-    if fmt.asymmetric and num_residual_slots < 1:
-        raise ValueError(f"num_residual_slots={num_residual_slots} must be >= 1")
+    if fmt.asymmetric and residual_blocks < 1:
+        raise ValueError(f"residual_blocks={residual_blocks} must be >= 1")
+    if fmt.asymmetric and num_residual_slots < residual_blocks:
+        raise ValueError(f"num_residual_slots={num_residual_slots} must be >= residual_blocks="
+                         f"{residual_blocks} (one sequence's window)")
     check_quant_geometry(kv_cache_dtype, block_size=block_size, head_dim=head_dim,
                          group_size=group_size)
     kw = dict(num_residual_slots=num_residual_slots, group_size=group_size,
-              residual_full_precision=residual_full_precision, static_scale=static_scale)
+              residual_full_precision=residual_full_precision, static_scale=static_scale,
+              residual_blocks=residual_blocks)
     k_axis, v_axis = (key_axis, value_axis) if fmt.asymmetric else ("token", "token")
     return PagedKVCache(
         k=tuple(_init_quantized(kv_cache_dtype, k_axis, shape, dtype, **kw)
@@ -384,54 +405,95 @@ def _write_tokens(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Ar
     return out
 
 
-def _write_kivi(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Array
-                ) -> QuantizedPages:
-    """int4/int2: tokens of unsealed blocks go to the residual; blocks whose last slot is written
-    in this step are quantized whole (residual tokens + this step's tokens) and leave it."""
+def _residual_window(p: QuantizedPages, blk, off, md: AttentionMetadata | None):
+    """Where each written token stands in its sequence's residual window.
+
+    Returns:
+      keep: bool [T], the token's block is inside the window after this step (None without
+        ``md``: R = 1, the block stays unless it seals in this step).
+      release: int32 [T], the block leaving the window when this token seals its block (0: none).
+      live: int32 [S * R] the blocks of every window of the step (0 padding), to re-stamp.
+    """
+    bs, r = p.data.shape[1], p.residual_blocks
+    seals_own = off == bs - 1
+    if md is None:                     # R = 1: the window is the unsealed block alone
+        if r != 1:
+            raise ValueError(f"residual_blocks={r} > 1 needs the step's AttentionMetadata")
+        return None, jnp.where(seals_own, blk, 0), jnp.zeros(0, jnp.int32)
+    qsl, lens, tables = md.query_start_loc, md.seq_lens, md.block_tables
+    t = jnp.arange(blk.shape[0], dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, lens.shape[0] - 1)
+    pos = lens[seq] - (qsl[seq + 1] - qsl[seq]) + (t - qsl[seq])               # [T]
+    first = lens[seq] // bs - (r - 1)                # first logical block of the final window
+    keep = pos // bs >= first
+    out = pos // bs + 1 - r
+    release = jnp.where(seals_own & (out >= 0), tables[seq, jnp.maximum(out, 0)], 0)
+    win = (lens // bs - (r - 1))[:, None] + jnp.arange(r, dtype=jnp.int32)    # [S, R]
+    ok = (win >= 0) & (win < (lens[:, None] + bs - 1) // bs)
+    live = jnp.where(ok, jnp.take_along_axis(tables, jnp.clip(win, 0, tables.shape[1] - 1),
+                                             axis=1), 0)
+    return keep, release, live.reshape(-1)
+
+
+def _write_kivi(p: QuantizedPages, new: jax.Array, blk: jax.Array, off: jax.Array,
+                md: AttentionMetadata | None) -> QuantizedPages:
+    """int4/int2: tokens of blocks inside their residual window go to the residual; blocks whose
+    last slot is written in this step are quantized whole (residual tokens + this step's tokens)
+    and become sealed; blocks leaving the window give their slot back."""
     n, bs = p.data.shape[:2]
     r = p.res_owner.shape[0]
     t = new.shape[0]
     old_slot = p.res_slot
-    # a block is written if it is unsealed (has a slot) or starts at offset 0 in this step; a
+    keep, release, live = _residual_window(p, blk, off, md)
+    # a block is written if it is not sealed or starts at offset 0 in this step (reallocated); a
     # write into a sealed block (the recomputed last token of a fully cached prompt) is dropped
     # and the block keeps its codes, so cached blocks stay bit-exact
-    starts = jnp.zeros(n, bool).at[blk].max(off == 0)[blk]
-    valid = (blk != 0) & ((old_slot[blk] > 0) | starts)
+    starts = jnp.zeros(n, bool).at[blk].max(off == 0)
+    valid = (blk != 0) & (~p.sealed[blk] | starts[blk])
     last = valid & (off == bs - 1)
-    seals = jnp.zeros(n, bool).at[blk].max(last)[blk] & valid          # [T]
-    # residual slots for the new blocks written now (tokens of one block are contiguous)
-    first = valid & jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])
-    touched = jnp.zeros(r, bool).at[old_slot[blk]].set(valid)
-    need = first & ~seals & (old_slot[blk] == 0)
-    p, _ = _assign_slots(p, blk, need, touched)
-    slot = p.res_slot[blk]                                             # [T]
-    keep = valid & ~seals
-    res_idx = jnp.where(keep, slot, r)
-    residual = p.residual.at[res_idx, off].set(new.astype(p.residual.dtype), mode="drop")
-    stamp = p.res_stamp.at[res_idx].set(p.clock + 1, mode="drop")
-    # seal: the blocks whose last slot is written now, at most one per token (static bound)
+    seals = jnp.zeros(n, bool).at[blk].max(last)[blk] & valid                  # [T]
+    keep = valid & (~seals if keep is None else keep)
+    # seal: the blocks whose last slot is written now, at most one per token (static bound);
+    # their full-precision tokens come from the residual as it was before this step
     m = min(t, n)
     (last_tok,) = jnp.nonzero(last, size=m, fill_value=0)
-    sealed = jnp.where(last[last_tok], blk[last_tok], 0)                # [M], 0 = padding
-    full = p.residual[old_slot[sealed]].astype(jnp.float32)            # [M, bs, Hkv, D]
+    sealed = jnp.where(last[last_tok], blk[last_tok], 0)                       # [M], 0 = padding
+    full = p.residual[old_slot[sealed]].astype(jnp.float32)                    # [M, bs, Hkv, D]
     pos = jnp.zeros(n, jnp.int32).at[sealed].set(jnp.arange(m, dtype=jnp.int32))
     full = full.at[jnp.where(seals, pos[blk], m), off].set(new.astype(jnp.float32), mode="drop")
     data, scale, zero = _quantize_blocks(p, full)
-    freed = jnp.where(sealed > 0, old_slot[sealed], r)
+    # release the slots of blocks leaving their window
+    rel = jnp.where(last, release, 0)
+    rel_slot = old_slot[rel]
+    p = dataclasses.replace(p, res_slot=old_slot.at[jnp.where(rel > 0, rel, n)].set(0, mode="drop"),
+                            res_owner=p.res_owner.at[jnp.where(rel_slot > 0, rel_slot, r)].set(
+                                0, mode="drop"))
+    # residual slots for blocks inside the window that have none (a block's tokens are contiguous)
+    first = keep & jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])
+    touched = jnp.zeros(r, bool).at[old_slot[blk]].set(valid).at[p.res_slot[live]].set(True)
+    p, _ = _assign_slots(p, blk, first & (p.res_slot[blk] == 0), touched)
+    res_idx = jnp.where(keep, p.res_slot[blk], r)
+    residual = p.residual.at[res_idx, off].set(new.astype(p.residual.dtype), mode="drop")
+    stamp = p.res_stamp.at[res_idx].set(p.clock + 1, mode="drop")
+    live_slot = p.res_slot[live]
+    stamp = stamp.at[jnp.where(live_slot > 0, live_slot, r)].set(p.clock + 1, mode="drop")
+    is_sealed = p.sealed.at[jnp.where(starts, jnp.arange(n), n)].set(False, mode="drop")
     return dataclasses.replace(
         p, data=p.data.at[sealed].set(data), scale=p.scale.at[sealed].set(scale),
         zero=p.zero.at[sealed].set(zero), residual=residual, res_stamp=stamp,
-        res_slot=p.res_slot.at[sealed].set(0), res_owner=p.res_owner.at[freed].set(0, mode="drop"),
-        clock=p.clock + 1)
+        sealed=is_sealed.at[sealed].set(True).at[0].set(False), clock=p.clock + 1)
 
 
-def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array) -> Pages:
+def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array,
+                md: AttentionMetadata | None = None) -> Pages:
     """Scatters new K (or V) rows of one layer into its pool by slot (quantizing on write).
 
     Args:
       pool: [num_blocks, block_size, num_kv_heads, head_dim] array or ``QuantizedPages``.
       new: [T, num_kv_heads, head_dim], cast to the pool dtype (or quantized).
       slot_mapping: int32 [T], ``block_id * block_size + offset``; padding tokens point into block 0.
+      md: the step's metadata; needed by KIVI pools with ``residual_blocks > 1`` (each token's
+        sequence, position and block table place it in its residual window).
 
     Returns:
       The updated pool (in place under donation).
@@ -442,15 +504,16 @@ def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array) -> Pages:
         return pool.at[blk, off].set(new.astype(pool.dtype))
     if pool.residual is None:
         return _write_tokens(pool, new, blk, off)
-    return _write_kivi(pool, new, blk, off)
+    return _write_kivi(pool, new, blk, off, md)
 
 
 def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
-          slot_mapping: jax.Array) -> PagedKVCache:
-    """Writes one layer's new K and V ([T, num_kv_heads, head_dim]) at ``slot_mapping`` (int32 [T])."""
+          slot_mapping: jax.Array, md: AttentionMetadata | None = None) -> PagedKVCache:
+    """Writes one layer's new K and V ([T, num_kv_heads, head_dim]) at ``slot_mapping`` (int32
+    [T]); ``md`` as in ``write_layer``."""
     ks, vs = list(cache.k), list(cache.v)
-    ks[layer] = write_layer(ks[layer], k, slot_mapping)
-    vs[layer] = write_layer(vs[layer], v, slot_mapping)
+    ks[layer] = write_layer(ks[layer], k, slot_mapping, md)
+    vs[layer] = write_layer(vs[layer], v, slot_mapping, md)
     return PagedKVCache(k=tuple(ks), v=tuple(vs))
 
 
@@ -490,6 +553,7 @@ def _copy_pool(p: Pages, src: jax.Array, dst: jax.Array) -> Pages:
         out = dataclasses.replace(out, zero=p.zero.at[dst].set(p.zero[src]))
     if p.residual is None:
         return out
+    out = dataclasses.replace(out, sealed=p.sealed.at[dst].set(p.sealed[src]))
     src_slot = p.res_slot[src]
     touched = jnp.zeros(p.res_owner.shape[0], bool).at[src_slot].set(True)
     out = dataclasses.replace(out, res_slot=out.res_slot.at[dst].set(0))

@@ -92,8 +92,11 @@ class LLM:
         ``"float16"``: parameter, activation and KV dtype.
       kv_cache_dtype: ``"auto"`` (= ``dtype``), ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``,
         ``"fp8_e5m2"``, ``"int8"`` (per-token-per-head scales), ``"int4"``, ``"int2"`` (KIVI:
-        keys per channel per block, values per token, the unsealed block in full precision);
+        keys per channel per block, values per token, the residual window in full precision);
         see jaxkv/cache.py and jaxkv/quant.py.
+      kv_residual_blocks: int4/int2 only: KIVI's residual window R in blocks: the unsealed block
+        plus the last R - 1 sealed blocks of every sequence stay in full precision (costs
+        ``R * max_num_seqs + 1`` full-precision blocks, counted by the planner).
       block_size: tokens per KV block.
       max_model_len: longest prompt + output; default ``min(model context, 8192)``.
       max_num_seqs: most sequences per step.
@@ -132,7 +135,8 @@ class LLM:
         return super().__new__(cls)
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", *, dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", block_size: int = 16,
+                 kv_cache_dtype: str = "auto", kv_residual_blocks: int = 1,
+                 block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, memory_utilization: float = 0.9,
                  kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
@@ -152,6 +156,9 @@ class LLM:
                              f"{PREFIX_CACHING_MODES} or None")
         dtype, attention_impl = _default_backend_choices(dtype, attention_impl)
         self.kv_cache_dtype = planner.resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if not isinstance(kv_residual_blocks, int) or kv_residual_blocks < 1:
+            raise ValueError(f"kv_residual_blocks={kv_residual_blocks!r} must be an int >= 1")
+        self.kv_residual_blocks = kv_residual_blocks
         from_checkpoint = checkpoint.is_checkpoint(model)
         config = checkpoint.read_config(model) if from_checkpoint else load_config(model)
         sharding.check_parallel_sizes(config, tensor_parallel_size, data_parallel_size,
@@ -170,9 +177,10 @@ class LLM:
                 raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
                                  f"tensor parallelism yet; use a float KV cache")
             if attention_impl == "pallas" and self.kv_cache_dtype in ("int4", "int2"):
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} (KIVI, packed) is not "
-                                 f"served by the Pallas kernels yet; use attention_impl="
-                                 f"'reference'")
+                from jaxkv.pallas.kv_format import kivi_chunk_width
+
+                kivi_chunk_width(self.kv_cache_dtype, config.head_dim,
+                                 min(planner.KIVI_GROUP_SIZE, config.head_dim))
         self.mesh = mesh
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = config
@@ -197,7 +205,9 @@ class LLM:
             self.cache = init_cache(c.num_layers, self.cache_config.num_blocks, block_size,
                                     c.num_kv_heads, c.head_dim, self.dtype,
                                     kv_cache_dtype=self.kv_cache_dtype,
-                                    num_residual_slots=max_num_seqs + 1)
+                                    residual_blocks=kv_residual_blocks,
+                                    num_residual_slots=planner.kivi_residual_slots(
+                                        max_num_seqs, kv_residual_blocks))
         else:
             self.cache = sharding.init_sharded_cache(c.num_layers, self.cache_config.num_blocks,
                                                      block_size, c.num_kv_heads, c.head_dim,
@@ -265,7 +275,8 @@ class LLM:
                   max_model_len=s.max_model_len,
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                   kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
-                  tensor_parallel_size=self.tensor_parallel_size)
+                  tensor_parallel_size=self.tensor_parallel_size,
+                  kv_residual_blocks=self.kv_residual_blocks)
         plan = planner.plan(c, **kw)
         # a pool larger than max_num_seqs full-length sequences is never used: don't allocate it
         cap = s.max_num_seqs * plan.blocks_per_seq + 1

@@ -79,7 +79,8 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
       chunk: tokens per forward call (chunked prefill through the paged cache).
       max_windows: stop after this many windows.
       **cache_options: passed to ``jaxkv.cache.init_cache`` (``key_axis``, ``value_axis``,
-        ``group_size``, ``residual_full_precision``, ``static_scale``: the ablations).
+        ``group_size``, ``residual_full_precision``, ``static_scale``: the ablations;
+        ``residual_blocks``: KIVI's residual window).
 
     Returns:
       PerplexityResult.
@@ -98,7 +99,8 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
     c, bs = llm.model_config, llm.cache_config.block_size
     nb = -(-context // bs)
     cache = init_cache(c.num_layers, nb + 1, bs, c.num_kv_heads, c.head_dim, llm.dtype,
-                       kv_cache_dtype=kv_cache_dtype, num_residual_slots=1, **cache_options)
+                       kv_cache_dtype=kv_cache_dtype,
+                       num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
     run = _make_chunk_fn(c, llm.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
     total, count, windows = 0.0, 0, 0

@@ -128,7 +128,7 @@ def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
     Float, fp8, int8: ``block_size x kv_bytes_per_token``. KIVI int4/int2 per layer and kv head:
     keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
     ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``KIVI_GROUP_SIZE``), plus per
-    layer ``2 x 4`` bytes of residual-slot index (K and V pools).
+    layer ``2 x 5`` bytes of residual-slot index and sealed flag (K and V pools).
     """
     name = resolve_kv_cache_dtype(kv_dtype, "float32")
     fmt = KV_CACHE_DTYPES[name]
@@ -139,7 +139,13 @@ def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
     codes = block_size * -(-D * fmt.bits // 8)
     keys = codes + 2 * 2 * D
     values = codes + block_size * 2 * 2 * (D // min(KIVI_GROUP_SIZE, D))
-    return config.num_layers * (heads * (keys + values) + 2 * 4)
+    return config.num_layers * (heads * (keys + values) + 2 * (4 + 1))
+
+
+def kivi_residual_slots(max_num_seqs: int, residual_blocks: int) -> int:
+    """Residual slots an engine allocates: every running sequence's window of
+    ``residual_blocks`` blocks, plus one spare so a step never steals a live slot."""
+    return residual_blocks * max_num_seqs + 1
 
 
 def kivi_residual_bytes(config: ModelConfig, kv_dtype: str, dtype: str, block_size: int,
@@ -346,7 +352,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          max_model_len: int | None = None, max_num_seqs: int = 256,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
-         tensor_parallel_size: int = 1) -> MemoryPlan:
+         tensor_parallel_size: int = 1, kv_residual_blocks: int = 1) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -369,6 +375,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
       num_kv_blocks: pool size in blocks (including the null block) instead of the utilization
         sizing; exclusive with ``kv_cache_bytes``.
       tensor_parallel_size: devices the model is split over (see jaxkv.sharding).
+      kv_residual_blocks: KIVI residual window in blocks (int4/int2): the full-precision
+        residual pool holds ``kivi_residual_slots(max_num_seqs, kv_residual_blocks)`` blocks.
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -386,14 +394,15 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
 
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
-          kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1) -> MemoryPlan:
+          kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
+          kv_residual_blocks=1) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
@@ -403,7 +412,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         raise ValueError(f"memory_utilization={memory_utilization} must be in (0, 1]")
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
+                        ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("kv_residual_blocks", kv_residual_blocks)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     if max_model_len is None:
@@ -428,7 +438,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size)
     per_token = -(-per_block // block_size)
-    residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size, max_num_seqs + 1,
+    residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
+                                   kivi_residual_slots(max_num_seqs, kv_residual_blocks),
                                    tensor_parallel_size)
     if num_kv_blocks is not None:
         kv_budget = num_kv_blocks * per_block

@@ -22,6 +22,15 @@ def tiny(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """head_dim 64: the smallest head the packed int2 kernel serves (16-channel chunks)."""
+    path = tmp_path_factory.mktemp("tinyq64")
+    save_tokenizer(path)
+    save_tiny_model(path, "llama", head_dim=64)
+    return str(path)
+
+
 def prompts(n, seed=0):
     text = austen_text(20_000)
     rng = np.random.default_rng(seed)
@@ -80,3 +89,33 @@ def test_bad_kv_cache_dtype_and_geometry(tiny, monkeypatch):
         LLM(tiny, kv_cache_dtype="int3", **ENGINE)
     with pytest.raises(ValueError, match="block_size=1 must be >= 2"):
         LLM(tiny, kv_cache_dtype="int4", **{**ENGINE, "block_size": 1})
+
+
+def test_residual_window_covering_the_sequence_equals_the_float_cache(tiny64):
+    # with every block inside the window, nothing is ever read as codes: the int2 engine must
+    # give the fp32 cache's tokens exactly, with the reference attention and the packed kernel
+    ps = prompts(3, seed=5)
+    want, _ = greedy(tiny64, "fp32", ps)
+    whole = ENGINE["max_model_len"] // ENGINE["block_size"]
+    got, _ = greedy(tiny64, "int2", ps, kv_residual_blocks=whole)
+    assert got == want
+    got, _ = greedy(tiny64, "int2", ps, kv_residual_blocks=whole, attention_impl="pallas",
+                    interpret=True)
+    assert got == want
+    short, _ = greedy(tiny64, "int2", ps, kv_residual_blocks=2)
+    assert short != want          # a window of two blocks does read codes (and differs)
+
+
+def test_kivi_engine_with_pallas_kernels_equals_reference(tiny64):
+    ps = prompts(3, seed=6)
+    want, _ = greedy(tiny64, "int4", ps, kv_residual_blocks=3)
+    got, _ = greedy(tiny64, "int4", ps, kv_residual_blocks=3, attention_impl="pallas",
+                    interpret=True)
+    assert agreement(got, want) >= 0.9   # same codes; kernel vs reference float sums differ
+
+
+def test_bad_kv_residual_blocks_and_kernel_geometry(tiny):
+    with pytest.raises(ValueError, match="kv_residual_blocks=0 must be an int >= 1"):
+        LLM(tiny, kv_cache_dtype="int4", kv_residual_blocks=0, **ENGINE)
+    with pytest.raises(ValueError, match="head_dim=16 and group_size=16 gives 4-channel chunks"):
+        LLM(tiny, kv_cache_dtype="int2", attention_impl="pallas", interpret=True, **ENGINE)

@@ -1,6 +1,8 @@
 """Quantized KV: quantize/dequantize error bounds, packing, quantized cache writes (KIVI seal and
 residual), reference attention over dequantized pages, copy_blocks, and geometry errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -236,3 +238,44 @@ def test_rewrite_into_sealed_kivi_block_keeps_its_codes():
     np.testing.assert_array_equal(c.k[0].data, before.data)
     np.testing.assert_array_equal(c.k[0].scale, before.scale)
     assert int(c.k[0].res_owner.max()) == 0
+
+
+def _decode_writes(cache, tables, n, *, residual_blocks, seed=0):
+    """Writes n tokens of one sequence one decode step at a time (with the step metadata);
+    returns the cache and the written K."""
+    from jaxkv.metadata import AttentionMetadata
+
+    rng = np.random.default_rng(seed)
+    ks = rng.normal(size=(n, 1, 8)).astype(np.float32)
+    bs = cache.block_size
+    write = jax.jit(kvcache.write, static_argnums=1)
+    for p in range(n):
+        md = AttentionMetadata(slot_mapping=jnp.asarray([tables[p // bs] * bs + p % bs], jnp.int32),
+                               query_start_loc=jnp.asarray([0, 1], jnp.int32),
+                               seq_lens=jnp.asarray([p + 1], jnp.int32),
+                               block_tables=jnp.asarray([tables], jnp.int32))
+        cache = write(cache, 0, jnp.asarray(ks[p:p + 1]), jnp.asarray(ks[p:p + 1]),
+                      md.slot_mapping, md)
+    return cache, ks
+
+
+@pytest.mark.parametrize("n", [13, 16, 22])
+def test_residual_window_holds_the_last_blocks_exactly(n):
+    """R = 3: the unsealed block and the last two sealed blocks keep residual slots (exact block
+    ids), read back bit-exactly; blocks before the window read as codes identical to R = 1's."""
+    tables = [5, 2, 7, 4, 6, 3]
+    make = functools.partial(kvcache.init_cache, 1, 8, 4, 1, 8, kv_cache_dtype="int2",
+                             num_residual_slots=3)
+    c3, ks = _decode_writes(make(residual_blocks=3), tables, n, residual_blocks=3)
+    c1, _ = _decode_writes(make(residual_blocks=1), tables, n, residual_blocks=1)
+    nb, full = -(-n // 4), n // 4
+    window = [tables[j] for j in range(max(full - 2, 0), nb)]
+    assert sorted(np.nonzero(np.asarray(c3.k[0].res_slot))[0].tolist()) == sorted(window)
+    assert np.asarray(c1.k[0].res_slot > 0).sum() == (n % 4 > 0)
+    got3 = np.asarray(kvcache.read_pages(c3.k[0], jnp.asarray(tables[:nb])))
+    got1 = np.asarray(kvcache.read_pages(c1.k[0], jnp.asarray(tables[:nb])))
+    flat3, flat1 = got3.reshape(-1, 1, 8)[:n], got1.reshape(-1, 1, 8)[:n]
+    first = max(full - 2, 0) * 4
+    np.testing.assert_array_equal(flat3[first:], ks[first:])
+    np.testing.assert_array_equal(flat3[:first], flat1[:first])
+    np.testing.assert_array_equal(np.asarray(c3.k[0].data), np.asarray(c1.k[0].data))

@@ -1,5 +1,6 @@
 """Pallas kernels over fp8/int8 pools (interpret mode): output equals the reference applied to the
-same quantized pages; the quantized variants lower to CUDA (Triton); KIVI pools are refused."""
+same quantized pages (fp8/int8 codes, packed KIVI int4/int2 with their residual); every quantized
+variant lowers to CUDA (Triton)."""
 
 import functools
 
@@ -15,10 +16,10 @@ from jaxkv.pallas import paged_decode_attention, ragged_paged_attention
 H, HKV, D, BS, NB = 4, 2, 16, 8, 12
 
 
-def quantized_pools(kv, lengths, seed=0, **kw):
+def quantized_pools(kv, lengths, seed=0, d=D, **kw):
     """A one-layer quantized cache holding random K/V for sequences of ``lengths`` tokens."""
     rng = np.random.default_rng(seed)
-    c = kvcache.init_cache(1, NB, BS, HKV, D, kv_cache_dtype=kv, num_residual_slots=4, **kw)
+    c = kvcache.init_cache(1, NB, BS, HKV, d, kv_cache_dtype=kv, num_residual_slots=4, **kw)
     perm = rng.permutation(np.arange(1, NB))
     nb = max(-(-n // BS) for n in lengths)
     tables = np.zeros((len(lengths), nb), np.int32)
@@ -28,7 +29,7 @@ def quantized_pools(kv, lengths, seed=0, **kw):
         tables[s, :k] = perm[at:at + k]
         at += k
         slots += [tables[s, p // BS] * BS + p % BS for p in range(n)]
-    new = jnp.asarray(rng.normal(size=(len(slots), HKV, D)), jnp.float32)
+    new = jnp.asarray(rng.normal(size=(len(slots), HKV, d)), jnp.float32)
     c = kvcache.write(c, 0, new, new * 0.5 + 0.1, jnp.asarray(slots, jnp.int32))
     return c.k[0], c.v[0], jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
 
@@ -57,16 +58,41 @@ def test_static_scale_fp8_kernel_matches_reference():
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_kivi_pools_are_refused_by_the_kernels():
-    k, v, tables, lens = quantized_pools("int4", [10])
-    q = jnp.zeros((1, H, D), jnp.float32)
-    with pytest.raises(ValueError, match="attention_impl='reference'"):
+@pytest.mark.parametrize("kv,d", [("int4", 32), ("int2", 64)])
+@pytest.mark.parametrize("axes", [("channel", "token"), ("token", "channel")])
+def test_kivi_kernels_match_reference_on_packed_pages(kv, d, axes):
+    """Packed int4/int2 pools (sealed blocks read as codes * scale + zero, unsealed tails from the
+    full-precision residual) give the reference's output, for KIVI's grouping and the ablation's."""
+    lengths = [19, 5, 16]                        # 19: two sealed + a tail; 16: sealed exactly
+    k, v, tables, lens = quantized_pools(kv, lengths, d=d, key_axis=axes[0],
+                                         value_axis=axes[1], group_size=16)
+    assert int((k.res_slot > 0).sum()) == 2      # the tails of 19 and 5 are unsealed
+    q_lens = np.array([7, 1, 4])
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(int(q_lens.sum()), H, d)), jnp.float32)
+    want = paged_attention_reference(q, k, v, tables, lens, qsl)
+    got = ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    qd = q[:3]
+    want = paged_attention_reference(qd, k, v, tables, lens, jnp.arange(4, dtype=jnp.int32))
+    got = paged_decode_attention(qd, k, v, tables, lens, num_splits=2, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kivi_kernel_errors_name_the_problem():
+    k, v, tables, lens = quantized_pools("int2", [10], d=32, group_size=16)
+    q = jnp.zeros((1, H, 32), jnp.float32)
+    with pytest.raises(ValueError, match="8-channel chunks"):
+        paged_decode_attention(q, k, v, tables, lens, interpret=True)
+    k, v, tables, lens = quantized_pools("int4", [10], d=32, group_size=16,
+                                         residual_full_precision=False)
+    with pytest.raises(ValueError, match="residual_full_precision=False"):
         paged_decode_attention(q, k, v, tables, lens, interpret=True)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"])
 def test_quantized_kernels_lower_to_cuda(kv):
-    pools = kvcache.init_cache(1, 300, 16, 8, 128, kv_cache_dtype=kv)
+    pools = kvcache.init_cache(1, 300, 16, 8, 128, kv_cache_dtype=kv, num_residual_slots=9)
     k, v = (jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
             for p in (pools.k[0], pools.v[0]))
     tables = jax.ShapeDtypeStruct((8, 64), jnp.int32)

@@ -65,8 +65,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping)
-        v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping)
+        k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
+        v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping, md)
         o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
                       impl=impl, interpret=interpret, sliding_window=window)
         return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool)

@@ -28,7 +28,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxkv.attention import merge_attention_states
 from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
                                  check_seq_lens, finalize, init_carry, check_tuning, is_concrete,
-                                 kv_operands, kv_tile_range, next_pow2, whole_block)
+                                 kv_tile_range, next_pow2, whole_block)
+from jaxkv.pallas.kv_format import KvLayout, kv_operands
 
 # Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
 _TARGET_PROGRAMS = 264
@@ -74,14 +75,14 @@ def _decode_kernel(
     q_ref,       # [G_pad, D] the kv-head group of one sequence's token
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    *refs,       # inputs: k, v [num_blocks, block_size, Hkv, D] (+ fp8/int8 scales
-                 #   [num_blocks, block_size, Hkv, 1]); outputs: o f32 [G_pad, D] normalized
-                 #   partial output of this split, lse f32 [G_pad] (-inf if it saw nothing)
+    *refs,       # inputs: the kv operands of kv_format.kv_operands; outputs: o f32 [G_pad, D]
+                 #   normalized partial output of this split, lse f32 [G_pad] (-inf if it saw
+                 #   nothing)
     num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
-    num_sinks: int, soft_cap: float | None, static_scale: float | None):
+    num_sinks: int, soft_cap: float | None, layout: KvLayout):
     *kv_refs, o_ref, lse_ref = refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    rows = q_ref.shape[0]
     kv_len = lens_ref[seq]
     q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)                            # [rows]
     sink_tiles, window_first, count = kv_tile_range(
@@ -90,20 +91,22 @@ def _decode_kernel(
     per_split = lax.div(count + num_splits - 1, num_splits)
     v_start = jnp.minimum(split * per_split, count)
     v_stop = jnp.minimum(v_start + per_split, count)
-    carry = attend_tiles(q_ref[...], q_pos, seq, head, kv_refs, tables_ref,
-                         init_carry(rows, head_dim), v_start, v_stop, sink_tiles, window_first,
+    q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
+    carry = attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref,
+                         init_carry(rows, layout), v_start, v_stop, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, static_scale=static_scale)
+                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)
     out, lse = finalize(carry)
-    o_ref[...] = out
+    for (ch0, width, _, _), o in zip(layout.chunks, out):
+        o_ref[:, pl.ds(ch0, width)] = o
     lse_ref[...] = lse
 
 
 @functools.partial(jax.jit, static_argnames=(
     "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config",
-    "static_scale"))
+    "layout"))
 def _decode_call(q, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
-                 sliding_window, num_sinks, soft_cap, interpret, config, static_scale):
+                 sliding_window, num_sinks, soft_cap, interpret, config, layout):
     S, Hq, D = q.shape
     Hkv = kv_ops[0].shape[2]
     G = Hq // Hkv
@@ -113,7 +116,7 @@ def _decode_call(q, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
     kernel = functools.partial(
         _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
         sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        static_scale=static_scale)
+        layout=layout)
     outs, lses = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
@@ -177,8 +180,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if q.ndim != 3 or q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q must be [S, num_heads, head_dim] with S = {block_tables.shape[0]} "
                          f"(block_tables rows), got shape {q.shape}")
-    kv_ops, static_scale = kv_operands(k_pages, v_pages)
-    k_pages, v_pages = kv_ops[:2]
+    kv_ops, layout = kv_operands(k_pages, v_pages)
     check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
     check_options(sm_scale, sliding_window, num_sinks, soft_cap)
     config = config or DecodeConfig()
@@ -193,7 +195,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_page_ids(block_tables, k_pages.shape[0])
         check_seq_lens(seq_lens, block_tables.shape[1], block_size)
     out, lse = _decode_call(
-        q, kv_ops, block_tables, seq_lens, num_splits=num_splits, static_scale=static_scale,
+        q, kv_ops, block_tables, seq_lens, num_splits=num_splits, layout=layout,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

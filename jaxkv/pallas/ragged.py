@@ -42,11 +42,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, kv_operands, load_chunk,
+                                    pool_dtype, split_refs)
+
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without inf - inf NaNs.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# Pool dtypes dequantized in-kernel (jaxkv.cache QuantizedPages of fp8_e4m3, fp8_e5m2, int8).
-QUANTIZED_CODE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8)
 
 
 def next_pow2(n: int) -> int:
@@ -140,10 +141,10 @@ def check_kv_inputs(q_shape, q_dtype, k_pages, v_pages, block_tables, seq_lens) 
         raise ValueError(
             f"k_pages/v_pages must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {k_pages.shape} and {v_pages.shape}")
-    if k_pages.dtype != v_pages.dtype or (k_pages.dtype != q_dtype
-                                          and k_pages.dtype not in QUANTIZED_CODE_DTYPES):
-        raise ValueError(f"q, k_pages, v_pages must share one dtype (or the pools hold fp8/int8 "
-                         f"codes), got {q_dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    k_dtype, v_dtype = pool_dtype(k_pages), pool_dtype(v_pages)
+    if k_dtype != v_dtype or (k_dtype != q_dtype and k_dtype not in QUANTIZED_CODE_DTYPES):
+        raise ValueError(f"q, k_pages, v_pages must share one dtype (or the pools hold quantized "
+                         f"codes), got {q_dtype}, {k_dtype}, {v_dtype}")
     if q_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype {q_dtype} is not supported; use float32, bfloat16 or float16")
     num_heads, head_dim = q_shape[-2:]
@@ -228,28 +229,30 @@ def tile_index(v, sink_tiles, window_first):
 def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_stop,
                  sink_tiles, window_first, *, block_kv: int, sm_scale: float,
                  sliding_window: int | None, num_sinks: int, soft_cap: float | None,
-                 static_scale: float | None = None):
+                 layout: KvLayout):
     """Online softmax of q rows over loop steps ``[v_start, v_stop)`` of the kv walk.
 
     Args:
-      q: [rows, D] queries (kernel dtype).
+      q: tuple of [rows, width] queries (kernel dtype), one per head-dim chunk of ``layout``.
       q_pos: int32 [rows] kv position of each row's token.
       seq, head: int32 scalars, the sequence (block-table row) and the kv head.
-      kv_refs: (k_ref, v_ref) [num_blocks, block_size, Hkv, D] whole pools, plus for fp8/int8
-        pools (see ``kv_operands``) their per-token scales (ks_ref, vs_ref) [.., Hkv, 1]; codes
-        are dequantized in registers to q's dtype (times ``static_scale`` if given).
+      kv_refs: the refs of ``kv_format.kv_operands`` (whole pools, plus scales, zeros and the KIVI
+        residual for quantized ones); tiles are dequantized in registers to q's dtype.
       tables_ref: int32 [S, max_blocks] whole block table.
-      carry: (m f32 [rows], l f32 [rows], acc f32 [rows, D]) running max, sum and output.
+      carry: (m f32 [rows], l f32 [rows], acc tuple of f32 [rows, width] per chunk) running max,
+        sum and output.
       v_start, v_stop, sink_tiles, window_first: the loop range and tile map of kv_tile_range.
+      layout: the pools' ``KvLayout``.
 
     Returns:
       The updated carry.
     """
-    k_ref, v_ref, *scale_refs = kv_refs
-    k_scale_ref, v_scale_ref = scale_refs or (None, None)
-    num_blocks, block_size = k_ref.shape[0], k_ref.shape[1]
+    k_refs, v_refs = split_refs(kv_refs, layout)
+    k_axis, v_axis = layout.axes
+    num_blocks, block_size = kv_refs[0].shape[0], kv_refs[0].shape[1]
     max_blocks = tables_ref.shape[1]
     offsets = jnp.arange(block_kv, dtype=jnp.int32)                     # [block_kv]
+    dtype = q[0].dtype
 
     def body(v, carry):
         m, l, acc = carry
@@ -257,10 +260,13 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
         logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
         slot = lax.rem(kv_pos, block_size)
-        k = _load_tile(k_ref, k_scale_ref, page, slot, head, static_scale, q.dtype)
-        v_tile = _load_tile(v_ref, v_scale_ref, page, slot, head, static_scale, q.dtype)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * sm_scale     # [rows, block_kv]
+        s = None
+        for qc, chunk in zip(q, layout.chunks):
+            k = load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype)  # [bkv, w]
+            part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        s = s * sm_scale                                                          # [rows, bkv]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         seen = kv_pos[None, :] <= q_pos[:, None]                                  # [rows, block_kv]
@@ -274,63 +280,31 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
         p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(axis=1)
-        acc = alpha[:, None] * acc + lax.dot_general(
-            p.astype(v_tile.dtype), v_tile, (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32)
+        p = p.astype(dtype)
+        acc = tuple(
+            alpha[:, None] * a + lax.dot_general(
+                p, load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype),
+                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            for a, chunk in zip(acc, layout.chunks))
         return m_new, l, acc
 
     return lax.fori_loop(v_start, v_stop, body, carry)
 
 
-def _load_tile(ref, scale_ref, page, slot, head, static_scale, dtype):
-    """One kv tile [block_kv, D] in ``dtype``: gathered by (page, slot) and dequantized if the pool
-    holds fp8/int8 codes (per-token scale [block_kv, 1], or the static per-tensor scale)."""
-    x = ref[page, slot, head, :]                                                  # [block_kv, D]
-    if scale_ref is None and static_scale is None:
-        return x
-    x = x.astype(jnp.float32)
-    if scale_ref is not None:
-        x = x * scale_ref[page, slot, head, :].astype(jnp.float32)               # [block_kv, 1]
-    else:
-        x = x * static_scale
-    return x.astype(dtype)
-
-
-def kv_operands(k_pages, v_pages):
-    """Kernel operands of one layer's pools: ([k, v] or [k, v, k_scale, v_scale], static_scale).
-
-    Float pools pass through. fp8/int8 ``jaxkv.cache.QuantizedPages`` pass their codes
-    [num_blocks, block_size, Hkv, D] and bf16 per-token scales [num_blocks, block_size, Hkv, 1]
-    (or none with a static scale). KIVI int4/int2 pools are not served by these kernels yet.
-
-    Raises:
-      ValueError: for int4/int2 pools.
-    """
-    from jaxkv.cache import QuantizedPages   # the cache pytree only; no engine import
-
-    if not isinstance(k_pages, QuantizedPages):
-        return [k_pages, v_pages], None
-    if k_pages.residual is not None:
-        raise ValueError(f"kv_cache_dtype={k_pages.fmt!r} (KIVI, packed) is not served by the "
-                         f"Pallas kernels yet; use attention_impl='reference'")
-    ops = [k_pages.data, v_pages.data]
-    if k_pages.scale is not None:
-        ops += [k_pages.scale, v_pages.scale]
-    return ops, k_pages.static_scale
-
-
-def init_carry(rows: int, head_dim: int):
-    """Empty online-softmax state: (m [rows], l [rows], acc [rows, head_dim]), all f32."""
+def init_carry(rows: int, layout: KvLayout):
+    """Empty online-softmax state: (m [rows], l [rows], acc: [rows, width] per chunk), all f32."""
     return (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+            tuple(jnp.zeros((rows, c[1]), jnp.float32) for c in layout.chunks))
 
 
 def finalize(carry):
-    """Normalized output f32 [rows, D] (0 where nothing was seen) and lse f32 [rows] (-inf)."""
+    """Normalized output chunks f32 [rows, width] (0 where nothing was seen) and lse f32 [rows]
+    (-inf there)."""
     m, l, acc = carry
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
-    return acc / l_safe[:, None], jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    return (tuple(a / l_safe[:, None] for a in acc),
+            jnp.where(seen, m + jnp.log(l_safe), -jnp.inf))
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,35 +317,35 @@ def _ragged_kernel(
     tiles_ref,   # int32 [num_tiles, 4]: seq, first token, valid tokens, kv position of first token
     q_ref,       # [Hkv, T_pad * G_pad, D]
     tables_ref,  # int32 [S, max_blocks]
-    *refs,       # inputs: k, v [num_blocks, block_size, Hkv, D] (+ fp8/int8 scales
-                 #   [num_blocks, block_size, Hkv, 1]); outputs: o [Hkv, T_pad * G_pad, D],
-                 #   lse f32 [Hkv, T_pad * G_pad]
+    *refs,       # inputs: the kv operands of kv_format.kv_operands; outputs:
+                 #   o [Hkv, T_pad * G_pad, D], lse f32 [Hkv, T_pad * G_pad]
     block_q: int, group_pad: int, block_kv: int, sm_scale: float,
     sliding_window: int | None, num_sinks: int, soft_cap: float | None,
-    static_scale: float | None):
+    layout: KvLayout):
     *kv_refs, o_ref, lse_ref = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     seq, tok0 = tiles_ref[tile, 0], tiles_ref[tile, 1]
     n_valid, q_first = tiles_ref[tile, 2], tiles_ref[tile, 3]
-    rows, head_dim = block_q * group_pad, q_ref.shape[2]
+    rows = block_q * group_pad
     row_ids = pl.ds(tok0 * group_pad, rows)
 
-    q = q_ref[head, row_ids, :]                                                  # [rows, D]
+    q = tuple(q_ref[head, row_ids, pl.ds(c[0], c[1])] for c in layout.chunks)  # [rows, w] each
     row_tok = lax.div(jnp.arange(rows, dtype=jnp.int32), group_pad)              # [rows]
     q_pos = q_first + row_tok                                                    # [rows]
     sink_tiles, window_first, count = kv_tile_range(
         q_first, q_first + n_valid, block_kv=block_kv, sliding_window=sliding_window,
         num_sinks=num_sinks)
     carry = attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref,
-                         init_carry(rows, head_dim), 0, count, sink_tiles, window_first,
+                         init_carry(rows, layout), 0, count, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, static_scale=static_scale)
+                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)
     out, lse = finalize(carry)
 
     # rows past the tile's tokens belong to the next sequence's tiles: never write them
     row_ok = row_tok < n_valid                                                   # [rows]
-    plgpu.store(o_ref.at[head, row_ids, :], out.astype(o_ref.dtype),
-                mask=jnp.broadcast_to(row_ok[:, None], (rows, head_dim)))
+    for (ch0, width, _, _), o in zip(layout.chunks, out):
+        plgpu.store(o_ref.at[head, row_ids, pl.ds(ch0, width)], o.astype(o_ref.dtype),
+                    mask=jnp.broadcast_to(row_ok[:, None], (rows, width)))
     plgpu.store(lse_ref.at[head, row_ids], lse, mask=row_ok)
 
 
@@ -408,9 +382,9 @@ def _tile_schedule(query_start_loc, seq_lens, num_tiles: int, block_q: int):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config", "static_scale"))
+    "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config", "layout"))
 def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale,
-                 sliding_window, num_sinks, soft_cap, interpret, config, static_scale):
+                 sliding_window, num_sinks, soft_cap, interpret, config, layout):
     T, Hq, D = q.shape
     Hkv = kv_ops[0].shape[2]
     G = Hq // Hkv
@@ -427,7 +401,7 @@ def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale
     kernel = functools.partial(
         _ragged_kernel, block_q=block_q, group_pad=G_pad, block_kv=config.block_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        static_scale=static_scale)
+        layout=layout)
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
@@ -491,8 +465,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
-    kv_ops, static_scale = kv_operands(k_pages, v_pages)
-    k_pages, v_pages = kv_ops[:2]
+    kv_ops, layout = kv_operands(k_pages, v_pages)
     check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
     if query_start_loc.shape != (block_tables.shape[0] + 1,):
         raise ValueError(f"query_start_loc must be [S + 1] = [{block_tables.shape[0] + 1}], "
@@ -512,7 +485,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_seq_lens(seq_lens, block_tables.shape[1], k_pages.shape[1])
         _check_query_start_loc(query_start_loc, seq_lens, T)
     out, lse = _ragged_call(
-        q, kv_ops, block_tables, seq_lens, query_start_loc, static_scale=static_scale,
+        q, kv_ops, block_tables, seq_lens, query_start_loc, layout=layout,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

@@ -1,0 +1,176 @@
+"""How the kernels read a kv tile from any pool format: float, fp8/int8 codes, or packed KIVI.
+
+``kv_operands`` turns one layer's K/V pools into the flat list of kernel operands plus a static
+``KvLayout``; ``load_chunk`` gathers one kv tile of one head-dim *chunk* and dequantizes it in
+registers. The kernels work chunk by chunk along head_dim, so a packed pool never has to be
+re-assembled into a [block_kv, D] tile (Triton can't concatenate or reshape tiles):
+
+    float / fp8 / int8:   one chunk, the whole head_dim            chunks = ((0, D, 0, 0),)
+    int4, D = 64, G = 32: byte j holds channels j and j + 32         chunks = ((0, 32, 0, 0),
+                          (part 0 = low nibble, part 1 = high)                 (32, 32, 0, 1))
+    int2, D = 64, G = 32: byte j holds channels j, j+16, j+32, j+48  chunks = ((0, 16, 0, 0),
+                                                                               (16, 16, 0, 1), ...)
+
+A chunk ``(ch0, width, byte0, part)`` covers channels ``[ch0, ch0 + width)``, read from bytes
+``[byte0, byte0 + width)`` shifted right by ``part * bits``. ``width = min(G, D * bits / 8)`` so a
+chunk never straddles a per-token value group (G = ``group_size``), and ``q . k`` and ``p @ v``
+become one dot per chunk (width >= 16, Triton's dot minimum).
+
+KIVI pools (int4/int2) dequantize as ``code * scale + zero`` with per-channel key statistics
+``[num_blocks, 1, Hkv, D]`` (one group = the tokens of a block) or per-token groups
+``[num_blocks, block_size, Hkv, D / G]``; a page whose ``res_slot`` is > 0 is not sealed yet (or
+still inside the residual window) and is read from the full-precision residual pool instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Pool code dtypes dequantized in-kernel (fp8_e4m3, fp8_e5m2, int8; KIVI int4/int2 are uint8).
+QUANTIZED_CODE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8, jnp.uint8)
+MIN_CHUNK = 16     # Triton's smallest dot dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class KvLayout:
+    """Static description of a pool format, as the kernels need it (hashable: a jit static arg).
+
+    Attributes:
+      head_dim: D, unpacked channels per vector.
+      chunks: ``(ch0, width, byte0, part)`` per head-dim chunk (see the module docstring).
+      scaled: fp8/int8 pools with per-token-per-head scales.
+      static_scale: fp8 pools with one fixed per-tensor scale.
+      bits: 4 or 2 for KIVI pools, else 0.
+      group_size: channels per per-token group of a KIVI pool.
+      axes: (k_axis, v_axis) of a KIVI pool, ``"channel"`` or ``"token"``.
+    """
+
+    head_dim: int
+    chunks: tuple[tuple[int, int, int, int], ...]
+    scaled: bool = False
+    static_scale: float | None = None
+    bits: int = 0
+    group_size: int = 0
+    axes: tuple[str, str] = ("token", "token")
+
+    @property
+    def operands_per_pool(self) -> int:
+        """Kernel operands of each of K and V (codes, then scales, zeros, residual, res_slot)."""
+        if self.bits:
+            return 5
+        return 2 if self.scaled else 1
+
+
+def pool_dtype(pages):
+    """The element dtype of a float pool, the stored code dtype of a ``QuantizedPages``."""
+    data = getattr(pages, "data", None)
+    return pages.dtype if data is None else data.dtype
+
+
+def float_layout(head_dim: int) -> KvLayout:
+    """The layout of a plain float pool (one chunk, no dequantization)."""
+    return KvLayout(head_dim=head_dim, chunks=((0, head_dim, 0, 0),))
+
+
+def kivi_chunk_width(kv_cache_dtype: str, head_dim: int, group_size: int) -> int:
+    """Channels per head-dim chunk of a packed int4/int2 pool: ``min(G, D * bits / 8)``.
+
+    Raises:
+      ValueError: if that is below 16 (Triton's dot minimum), naming head_dim and group_size.
+    """
+    from jaxkv.quant import get_format
+
+    n = get_format(kv_cache_dtype).per_byte
+    width = min(group_size, head_dim // n)
+    if width < MIN_CHUNK:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with head_dim={head_dim} and "
+                         f"group_size={group_size} gives {width}-channel chunks; the Pallas "
+                         f"kernels need >= {MIN_CHUNK} (head_dim >= {MIN_CHUNK * n}, group_size "
+                         f">= {MIN_CHUNK}); use attention_impl='reference'")
+    return width
+
+
+def kv_operands(k_pages, v_pages):
+    """Kernel operands of one layer's pools: (k operands + v operands, ``KvLayout``).
+
+    Float pools pass [k, v]. fp8/int8 ``jaxkv.cache.QuantizedPages`` pass their codes
+    [num_blocks, block_size, Hkv, D] and bf16 per-token scales [num_blocks, block_size, Hkv, 1]
+    (none with a static scale). KIVI int4/int2 pools pass, for K then V: packed codes
+    uint8 [num_blocks, block_size, Hkv, D * bits / 8], scale and zero (bf16, per channel
+    [num_blocks, 1, Hkv, D] or per token [num_blocks, block_size, Hkv, D / G]), the residual
+    [num_res, block_size, Hkv, D] and res_slot int32 [num_blocks].
+
+    Raises:
+      ValueError: for the residual-off ablation pools (``residual_full_precision=False``) and for
+        head_dim chunks narrower than 16 channels (e.g. int2 with head_dim < 64).
+    """
+    from jaxkv.cache import QuantizedPages   # the cache pytree only; no engine import
+
+    if not isinstance(k_pages, QuantizedPages):
+        return [k_pages, v_pages], float_layout(k_pages.shape[-1])
+    d = k_pages.head_dim
+    if k_pages.residual is None:
+        scaled = k_pages.scale is not None
+        ops = [k_pages.data, k_pages.scale, v_pages.data, v_pages.scale] if scaled else \
+            [k_pages.data, v_pages.data]
+        return ops, KvLayout(head_dim=d, chunks=((0, d, 0, 0),), scaled=scaled,
+                             static_scale=k_pages.static_scale)
+    if not (k_pages.residual_full_precision and v_pages.residual_full_precision):
+        raise ValueError("residual_full_precision=False (the residual-off ablation) is served by "
+                         "attention_impl='reference' only")
+    bits = k_pages.format.bits
+    n = 8 // bits
+    width = kivi_chunk_width(k_pages.fmt, d, k_pages.group_size)
+    chunks = tuple((part * (d // n) + byte0, width, byte0, part)
+                   for part in range(n) for byte0 in range(0, d // n, width))
+    ops = []
+    for p in (k_pages, v_pages):
+        ops += [p.data, p.scale, p.zero, p.residual, p.res_slot]
+    return ops, KvLayout(head_dim=d, chunks=chunks, bits=bits, group_size=k_pages.group_size,
+                         axes=(k_pages.axis, v_pages.axis))
+
+
+def split_refs(kv_refs, layout: KvLayout):
+    """(k refs, v refs): the kernel's kv operand refs split per pool."""
+    n = layout.operands_per_pool
+    return tuple(kv_refs[:n]), tuple(kv_refs[n:2 * n])
+
+
+def load_chunk(pool_refs, layout: KvLayout, axis: str, chunk, page, slot, head, dtype):
+    """One kv tile of one head-dim chunk, [block_kv, width] in ``dtype``.
+
+    Args:
+      pool_refs: the refs of one pool (``split_refs``).
+      layout: the pool format.
+      axis: the pool's KIVI grouping (``layout.axes[0]`` for K, ``[1]`` for V).
+      chunk: ``(ch0, width, byte0, part)``.
+      page, slot: int32 [block_kv] page id and in-page offset of each kv position.
+      head: the kv head.
+      dtype: the dtype the tile is returned in (q's).
+    """
+    ch0, width, byte0, part = chunk
+    if not layout.bits:
+        x = pool_refs[0][page, slot, head, pl.ds(ch0, width)]                    # [bkv, w]
+        if len(pool_refs) == 1 and layout.static_scale is None:
+            return x
+        x = x.astype(jnp.float32)
+        if len(pool_refs) == 2:
+            x = x * pool_refs[1][page, slot, head, :].astype(jnp.float32)       # [bkv, 1]
+        else:
+            x = x * layout.static_scale
+        return x.astype(dtype)
+    data_ref, scale_ref, zero_ref, res_ref, res_slot_ref = pool_refs
+    codes = data_ref[page, slot, head, pl.ds(byte0, width)]                      # uint8 [bkv, w]
+    codes = (codes >> (part * layout.bits)) & ((1 << layout.bits) - 1)
+    if axis == "channel":
+        idx = (page, 0, head, pl.ds(ch0, width))                                 # [bkv, w]
+    else:
+        idx = (page, slot, head, pl.ds(ch0 // layout.group_size, 1))             # [bkv, 1]
+    x = codes.astype(jnp.float32) * scale_ref[idx].astype(jnp.float32) \
+        + zero_ref[idx].astype(jnp.float32)
+    res_slot = res_slot_ref[page]                                                # [bkv]
+    res = res_ref[res_slot, slot, head, pl.ds(ch0, width)].astype(jnp.float32)   # [bkv, w]
+    return jnp.where(res_slot[:, None] > 0, res, x).astype(dtype)

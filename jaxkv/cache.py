@@ -307,20 +307,23 @@ def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: 
                 for _ in range(num_layers)))
 
 
-def quantize_pages(pool: jax.Array, kv_cache_dtype: str) -> QuantizedPages:
-    """An fp8/int8 ``QuantizedPages`` holding a float pool [num_blocks, block_size, Hkv, D]
-    quantized per token and head (what writing every token would give); for benchmarks.
-
-    Raises:
-      ValueError: for a format that is not fp8/int8.
+def quantize_pages(pool: jax.Array, kv_cache_dtype: str, *, axis: str = "token",
+                   group_size: int = KIVI_GROUP_SIZE) -> QuantizedPages:
+    """A ``QuantizedPages`` holding a float pool [num_blocks, block_size, Hkv, D] quantized as if
+    every block had been written and sealed (fp8/int8: per token and head; int4/int2: per
+    ``axis``, KIVI keys ``"channel"``, values ``"token"``, with an empty residual); for benchmarks.
     """
-    if quant.get_format(kv_cache_dtype).asymmetric:
-        raise ValueError(f"quantize_pages serves fp8/int8, not kv_cache_dtype={kv_cache_dtype!r}")
-    empty = _init_quantized(kv_cache_dtype, "token", (1, *pool.shape[1:]), pool.dtype,
-                            num_residual_slots=0, group_size=pool.shape[-1],
+    fmt = quant.get_format(kv_cache_dtype)
+    n, bs, h, d = pool.shape
+    empty = _init_quantized(kv_cache_dtype, axis if fmt.asymmetric else "token", (1, bs, h, d),
+                            pool.dtype, num_residual_slots=0,
+                            group_size=group_size if fmt.asymmetric else d,
                             residual_full_precision=True, static_scale=None)
-    data, scale, _ = _quantize_blocks(empty, pool)
-    return dataclasses.replace(empty, data=data, scale=scale)
+    data, scale, zero = _quantize_blocks(empty, pool)
+    out = dataclasses.replace(empty, data=data, scale=scale, zero=zero)
+    if not fmt.asymmetric:
+        return out
+    return dataclasses.replace(out, res_slot=jnp.zeros(n, jnp.int32), sealed=jnp.ones(n, bool))
 
 
 def _quantize_blocks(p: QuantizedPages, x: jax.Array):

@@ -104,3 +104,20 @@ def test_quantized_kernels_lower_to_cuda(kv):
             text = jax.jit(f).trace(q, k, v, tables, lens, *extra).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4", "int2"])
+def test_quantize_pages_equals_writing_every_token(kv):
+    """The benchmarks' whole-pool quantizer gives what writing and sealing every block gives."""
+    lengths = [16, 24]                                       # whole blocks only: all sealed
+    k, v, tables, lens = quantized_pools(kv, lengths, d=64, group_size=16)
+    pool = kvcache.read_pages(k, jnp.arange(NB))             # f32 [NB, BS, HKV, 64]
+    raw = jnp.zeros((NB, BS, HKV, 64))
+    rng = np.random.default_rng(0)                           # replays quantized_pools' draws
+    rng.permutation(np.arange(1, NB))
+    new = jnp.asarray(rng.normal(size=(sum(lengths), HKV, 64)), jnp.float32)
+    ids = np.concatenate([tables[0, :2], tables[1, :3]])
+    raw = raw.at[ids].set(new.reshape(-1, BS, HKV, 64))
+    q = kvcache.quantize_pages(raw, kv, axis="channel" if kv in ("int4", "int2") else "token",
+                               group_size=16)
+    np.testing.assert_array_equal(kvcache.read_pages(q, jnp.asarray(ids)), pool[ids])

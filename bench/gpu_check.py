@@ -6,12 +6,19 @@ Run from the repository root (only jax + numpy needed; finishes in under 8 minut
     PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU
 
 Sections:
-  (a) every kernel variant vs jaxkv.attention.paged_attention_reference at real sizes;
+  (a) every kernel variant vs jaxkv.attention.paged_attention_reference at real sizes; plus KIVI
+      int4/int2 pools (bf16 q, head_dim 128; ragged and split-K decode kernels vs the reference
+      on the same QuantizedPages): a fully sealed quantize_pages pool and a pool written through
+      cache.init_cache + cache.write whose sequences end in unsealed blocks (the residual path);
   (b) decode: batch x context x GQA grid, bf16, head_dim 128; achieved GB/s = KV bytes read / time,
-      plus fp8_e4m3 / int8 pools at 8k and 32k context (codes + bf16 per-token scales; the
-      context cell shows the dtype and the speedup over the bf16 row),
       as a fraction of the device-to-device copy bandwidth measured in the same run, next to the
       ragged kernel on the same decode batch and jax.experimental.pallas.ops.gpu.paged_attention;
+  (b2) quantized decode: fp8_e4m3, int8 (bf16 per-token scales) and KIVI int4, int2 (keys per
+      channel, values per token in groups of 32) pools at 8k and 32k context, GQA 4, the bf16
+      rows' batches and q: ms per call, GB/s over the bytes the kernel reads (codes + scales +
+      zero points + int32 res_slot per page + the residual's null slot), the speedup over the
+      bf16 row of the same batch, and issue #6's targets at 32k (>= 1.7x fp8/int8, >= 2.5x int4)
+      as pass/fail;
   (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
       (pallas ops.gpu.attention.mha with K/V repeated to every head, and
       jax.nn.dot_product_attention);
@@ -19,6 +26,8 @@ Sections:
 Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
 per call. Every section is guarded: a failure is recorded in the report, the script goes on.
+Time guards: no bf16 decode measurement starts after 300 s, no quantized one after 360 s, no
+sweep one after 400 s. The speedup targets are reported, not part of the exit status.
 """
 
 from __future__ import annotations
@@ -68,7 +77,10 @@ class Settings:
     sweep_block_kv: tuple[int, ...]
     sweep_launch: tuple[tuple[int, int], ...]     # (num_warps, num_stages)
     quant_contexts: tuple[int, ...] = ()          # contexts of the quantized decode rows
-    quant_dtypes: tuple[str, ...] = ("fp8_e4m3", "int8")
+    quant_dtypes: tuple[str, ...] = ("fp8_e4m3", "int8", "int4", "int2")
+    quant_groups: tuple[int, ...] = (4,)          # GQA groups of the quantized decode rows
+    quant_until_s: float = 360.0  # no quantized decode row starts after this (bf16 rows: 300 s)
+    target_context: int = 32768   # context at which QUANT_TARGETS are judged
 
 
 REAL = Settings(
@@ -82,13 +94,19 @@ REAL = Settings(
     ),
     sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
     quant_contexts=(8192, 32768))
+# head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
-    interpret=True, head_dim=16, num_kv_heads=2, block_size=8,
+    interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
     batches=(1, 2), contexts=(64,), groups=(4,),
     prefill_tokens=64, copy_bytes=1 << 20, reps=2, target_s=0.0,
     decode_until_s=120.0, sweep_until_s=120.0,
     correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
-    sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,))
+    sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,), quant_until_s=120.0,
+    target_context=64)
+
+# Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
+QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
+KIVI_DTYPES = ("int4", "int2")     # packed KIVI pools: K per channel, V per token (G = 32)
 
 
 class Clock:
@@ -131,6 +149,69 @@ def is_close(got, want, dtype_name):
     tol = TOL[dtype_name]
     return bool(np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                             atol=tol["atol"], rtol=tol["rtol"]))
+
+
+@functools.partial(jax.jit, static_argnames=("kv_cache_dtype",))
+def quantize_kv(k, v, kv_cache_dtype: str):
+    """(K, V) ``QuantizedPages`` of float pools, every block sealed: fp8/int8 per token; KIVI
+    int4/int2 keys per channel (over a block's tokens), values per token (groups of 32)."""
+    from jaxkv.cache import quantize_pages  # jax-only module of the package
+
+    kivi = kv_cache_dtype in KIVI_DTYPES
+    return (quantize_pages(k, kv_cache_dtype, axis="channel" if kivi else "token"),
+            quantize_pages(v, kv_cache_dtype, axis="token"))
+
+
+def written_kivi_pools(k, v, tables, lens, kv_cache_dtype: str):
+    """KIVI (K, V) pools built the serving way: ``init_cache`` + one ``cache.write`` of every
+    token of every sequence (the values of the float pools ``k``, ``v`` at the same slots).
+    Blocks filled to the end are sealed (codes); the tail block of a sequence whose length is
+    not a multiple of block_size stays unsealed, in the full-precision residual."""
+    from jaxkv import cache as kvcache
+
+    num_blocks, bs, hkv, d = k.shape
+    tables_np, lens_np = np.asarray(tables), np.asarray(lens)
+    pos = [np.arange(n) for n in lens_np]
+    blk = np.concatenate([tables_np[s, p // bs] for s, p in enumerate(pos)]).astype(np.int32)
+    off = np.concatenate([p % bs for p in pos]).astype(np.int32)
+    c = kvcache.init_cache(1, num_blocks, bs, hkv, d, k.dtype, kv_cache_dtype=kv_cache_dtype,
+                           num_residual_slots=len(lens_np))
+    blk, off = jnp.asarray(blk), jnp.asarray(off)
+    c = jax.jit(kvcache.write, static_argnums=1)(c, 0, k[blk, off], v[blk, off], blk * bs + off)
+    return c.k[0], c.v[0]
+
+
+def wide_offsets(pool):
+    """``pool`` padded with unreferenced blocks where Pallas' Triton lowering would overflow.
+
+    The lowering indexes an array with 32-bit element offsets unless it is over 2**32 bytes,
+    and the offsets are signed: a 1-byte code array of 2**31..2**32 bytes (int4 codes at batch
+    128 x 32k context: 262145 blocks of 8192 bytes) would read its top pages at negative
+    offsets. Padding every [num_blocks, ...] array past 2**32 bytes switches it to 64-bit
+    offsets; the padded blocks are never read, so neither time nor bytes read change.
+    """
+    if not hasattr(pool, "data") or not 2**31 <= pool.data.nbytes <= 2**32 \
+            or pool.data.dtype.itemsize != 1:
+        return pool
+    n = pool.data.shape[0]
+    extra = 2**32 // (pool.data.nbytes // n) + 1 - n
+    pad = {f: jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
+           for f in ("data", "scale", "zero", "res_slot", "sealed")
+           if (a := getattr(pool, f)) is not None and a.shape[0] == n}
+    return dataclasses.replace(pool, **pad)
+
+
+def read_bytes(pool, pages_read: int) -> int:
+    """Bytes the kernels read from one pool for ``pages_read`` pages: a float pool's pages; a
+    ``QuantizedPages``' codes + scales + zero points (per-page slices of every [num_blocks, ...]
+    array: fp8/int8 per-token scales; KIVI per-channel [N, 1, Hkv, D] or per-token
+    [N, bs, Hkv, D / G] bf16 scale and zero, the int32 res_slot) + its residual pool once (for a
+    ``quantize_pages`` pool only the null slot, which every sealed page reads)."""
+    if not hasattr(pool, "data"):
+        return pool.nbytes // pool.shape[0] * pages_read
+    per_page = sum(a.nbytes for a in (pool.data, pool.scale, pool.zero, pool.res_slot)
+                   if a is not None) // pool.data.shape[0]
+    return per_page * pages_read + (0 if pool.residual is None else pool.residual.nbytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,6 +296,8 @@ def check_correctness(settings: Settings, peer, errors: list[str]):
                     rows.append(dict(kernel=f"decode splits={splits or 'auto'}", variant=label,
                                      dtype=name, max_err=max_err(got_d, want_d),
                                      ok=is_close(got_d, want_d, name)))
+            if dtype == jnp.bfloat16:
+                rows += check_kivi(settings, (k, v, tables, lens), q, qsl, n, errors)
             if peer is not None and dtype == jnp.bfloat16:
                 want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d)
                 try:
@@ -225,6 +308,48 @@ def check_correctness(settings: Settings, peer, errors: list[str]):
                 except Exception as e:  # noqa: BLE001 - the peer is not under test
                     errors.append(f"peer correctness: {type(e).__name__}: {str(e)[:200]}")
     return dict(ours=rows, peer=peer_rows)
+
+
+def check_kivi(settings: Settings, paged, q, qsl, n: int, errors: list[str]) -> list[dict]:
+    """Rows of the KIVI int4/int2 pools (K per channel, V per token): the ragged kernel and the
+    split-K decode kernel (default splits) vs the reference on the same ``QuantizedPages``, for
+    a fully sealed ``quantize_pages`` pool (what the decode rows time) and a pool written through
+    ``cache.write`` whose sequences end in unsealed blocks (read from the residual)."""
+    k, v, tables, lens = paged
+    S = lens.shape[0]
+    qd, qsl_d = q[:S], jnp.arange(S + 1, dtype=jnp.int32)
+    tails = int(np.sum(np.asarray(lens) % settings.block_size != 0))
+    rows = []
+    for kv in KIVI_DTYPES:
+        for label in (f"{kv} sealed (quantize_pages)", f"{kv} written, {tails} unsealed tails"):
+            try:
+                if "sealed (" in label:
+                    kq, vq = quantize_kv(k, v, kv)
+                else:
+                    kq, vq = written_kivi_pools(k, v, tables, lens, kv)
+                    got_tails = int(jnp.sum(kq.res_slot > 0))
+                    if got_tails != tails:
+                        raise AssertionError(f"{got_tails} unsealed blocks, expected {tails}")
+                want = paged_attention_reference(q, kq, vq, tables, lens, qsl)
+                got = ragged_paged_attention(q, kq, vq, tables, lens, qsl,
+                                             interpret=settings.interpret)
+                rows.append(dict(kernel="ragged", variant=label, dtype="bfloat16",
+                                 max_err=max_err(got[:n], want[:n]),
+                                 ok=is_close(got[:n], want[:n], "bfloat16")
+                                 and bool(jnp.all(got[n:] == 0))))
+                want_d = paged_attention_reference(qd, kq, vq, tables, lens, qsl_d)
+                got_d = paged_decode_attention(qd, kq, vq, tables, lens,
+                                               interpret=settings.interpret)
+                rows.append(dict(kernel="decode splits=auto", variant=label, dtype="bfloat16",
+                                 max_err=max_err(got_d, want_d),
+                                 ok=is_close(got_d, want_d, "bfloat16")))
+                del kq, vq
+            except Exception as e:  # noqa: BLE001 - recorded, the other pools go on
+                traceback.print_exc()
+                errors.append(f"correctness {label}: {type(e).__name__}: {str(e)[:200]}")
+                rows.append(dict(kernel="ragged + decode", variant=label, dtype="bfloat16",
+                                 max_err=float("nan"), ok=False))
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +395,7 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
         k, v, tables_all, _ = make_paged(jax.random.key(ctx), [ctx] * max_b, Hkv=Hkv, D=D,
                                          bs=bs, dtype=dtype)
         k_hnd, v_hnd = to_hnd(k), to_hnd(v)
+        bf16_rows = {}
         for G in settings.groups:
             for B in settings.batches:
                 if clock.elapsed() > settings.decode_until_s:
@@ -296,41 +422,68 @@ def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> li
                     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                         row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
+                bf16_rows[G, B] = row
                 print(fmt_decode_row(row), flush=True)
-                if ctx in settings.quant_contexts:
-                    rows += bench_quant_decode(settings, row, q, k, v, tables, lens, copy_gbps)
-        del k, v, k_hnd, v_hnd
+        del k_hnd, v_hnd
+        gc.collect()
+        if ctx in settings.quant_contexts:
+            rows += bench_quant_decode(settings, clock, bf16_rows, k, v, tables_all, copy_gbps)
+        del k, v
         gc.collect()
     return rows
 
 
-def bench_quant_decode(settings: Settings, bf16_row: dict, q, k, v, tables, lens,
+def bench_quant_decode(settings: Settings, clock: Clock, bf16_rows: dict, k, v, tables_all,
                        copy_gbps: float) -> list[dict]:
-    """Decode rows of the fp8/int8 pools of the same batch: GB/s over the bytes the kernel reads
-    (codes + bf16 per-token scales) and the speedup over the bf16 row's time."""
-    from jaxkv.cache import quantize_pages  # jax-only module of the package
+    """Decode rows of the quantized pools (each dtype quantized once from the bf16 pools of the
+    context) for the batches of the bf16 rows at GQA ``quant_groups``, same q: ms per call, GB/s
+    over the bytes the kernel reads (``read_bytes``) and the speedup over the bf16 row's time."""
+    from jaxkv.pallas.kv_format import kivi_chunk_width
+    from jaxkv.planner import KIVI_GROUP_SIZE
 
     rows = []
-    B, ctx = bf16_row["batch"], bf16_row["context"]
-    D, Hkv = settings.head_dim, settings.num_kv_heads
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
     for kv in settings.quant_dtypes:
-        kq, vq = quantize_pages(k, kv), quantize_pages(v, kv)
-        kv_bytes = B * ctx * Hkv * (D + 2) * 2
-        row = dict(batch=B, context=ctx, group=bf16_row["group"], kv_bytes=kv_bytes,
-                   kv_cache_dtype=kv)
-        fn = functools.partial(paged_decode_attention, interpret=settings.interpret)
-        try:
-            med, lo, hi, _ = time_op(fn, (q, kq, vq, tables, lens), settings=settings,
-                                     est_s=kv_bytes / 3e12 + 5e-6)
-            row.update(ours_ms=med * 1e3, ours_min_ms=lo * 1e3, ours_max_ms=hi * 1e3,
-                       ours_gbps=kv_bytes / med / 1e9, ours_frac_copy=kv_bytes / med / 1e9
-                       / copy_gbps, speedup_vs_bf16=bf16_row.get("ours_ms", float("nan"))
-                       / (med * 1e3))
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            row["ours_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-        print(fmt_decode_row(row), flush=True)
+        if clock.elapsed() > settings.quant_until_s:
+            break
+        if kv in KIVI_DTYPES:
+            try:
+                kivi_chunk_width(kv, D, KIVI_GROUP_SIZE)
+            except ValueError as e:
+                print(f"skipping {kv} decode rows: {e}", flush=True)
+                continue
+        kq, vq = (wide_offsets(p) for p in quantize_kv(k, v, kv))
+        for G in settings.quant_groups:
+            for B in settings.batches:
+                bf16 = bf16_rows.get((G, B))
+                if bf16 is None or "ours_ms" not in bf16:
+                    continue
+                if clock.elapsed() > settings.quant_until_s:
+                    break
+                ctx = bf16["context"]
+                tables, lens = tables_all[:B], jnp.full((B,), ctx, jnp.int32)
+                q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), jnp.bfloat16)
+                pages = B * -(-ctx // bs)
+                kv_bytes = read_bytes(kq, pages) + read_bytes(vq, pages)
+                row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes, kv_cache_dtype=kv,
+                           bf16_ms=bf16["ours_ms"], bf16_kv_bytes=bf16["kv_bytes"])
+                fn = functools.partial(paged_decode_attention, interpret=settings.interpret)
+                try:
+                    med, lo, hi, _ = time_op(fn, (q, kq, vq, tables, lens), settings=settings,
+                                             est_s=kv_bytes / 3e12 + 5e-6)
+                    gbps = kv_bytes / med / 1e9
+                    row.update(ours_ms=med * 1e3, ours_min_ms=lo * 1e3, ours_max_ms=hi * 1e3,
+                               ours_gbps=gbps, ours_frac_copy=gbps / copy_gbps,
+                               speedup_vs_bf16=bf16["ours_ms"] / (med * 1e3))
+                    target = QUANT_TARGETS.get(kv) if ctx == settings.target_context else None
+                    if target is not None:
+                        row.update(target=target, target_met=row["speedup_vs_bf16"] >= target)
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    row["ours_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(fmt_quant_row(row), flush=True)
         del kq, vq
+        gc.collect()
     return rows
 
 
@@ -438,15 +591,46 @@ def _cell(row, name, key, spec):
 
 
 def fmt_decode_row(row) -> str:
-    ctx = str(row["context"])
-    if "kv_cache_dtype" in row:     # a quantized row: its dtype and speedup over the bf16 row
-        ctx += f" {row['kv_cache_dtype']} (x{row.get('speedup_vs_bf16', float('nan')):.2f})"
-    cells = [str(row["batch"]), ctx, str(row["group"])]
+    cells = [str(row["batch"]), str(row["context"]), str(row["group"])]
     for name in ("ours", "ragged", "peer"):
         cells += [_cell(row, name, "ms", ".4f"),
                   f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",
                   _cell(row, name, "gbps", ".0f"), _cell(row, name, "frac_copy", ".2f")]
     return "| " + " | ".join(cells) + " |"
+
+
+def fmt_quant_row(row) -> str:
+    """| batch | context | GQA | kv dtype | ms | spread | GB/s | frac | bytes vs bf16 | bf16 ms |
+    speedup | target |"""
+    if "target" in row:
+        target = f"≥ {row['target']}× " + ("pass" if row["target_met"] else "**fail**")
+    else:
+        target = "-"
+    speedup = row.get("speedup_vs_bf16")
+    cells = [str(row["batch"]), str(row["context"]), str(row["group"]), row["kv_cache_dtype"],
+             _cell(row, "ours", "ms", ".4f"),
+             f"{_cell(row, 'ours', 'min_ms', '.4f')}–{_cell(row, 'ours', 'max_ms', '.4f')}",
+             _cell(row, "ours", "gbps", ".0f"), _cell(row, "ours", "frac_copy", ".2f"),
+             f"{row['kv_bytes'] / row['bf16_kv_bytes']:.3f}", f"{row['bf16_ms']:.4f}",
+             "error" if speedup is None else f"×{speedup:.2f}", target]
+    return "| " + " | ".join(cells) + " |"
+
+
+def quant_target_summary(rows) -> list[str]:
+    """One line per dtype with a target: at how many batches of the target context it is met."""
+    lines = []
+    for kv, target in QUANT_TARGETS.items():
+        judged = [r for r in rows if r["kv_cache_dtype"] == kv and "target" in r]
+        if not judged:
+            continue
+        met = [r for r in judged if r["target_met"]]
+        speedups = [r["speedup_vs_bf16"] for r in judged]
+        verdict = "pass" if len(met) == len(judged) else "**fail**"
+        failing = ", ".join(str(r["batch"]) for r in judged if not r["target_met"]) or "none"
+        lines.append(f"* {kv} ≥ {target}× at context {judged[0]['context']}: {verdict} — met at "
+                     f"{len(met)}/{len(judged)} batches (speedup ×{min(speedups):.2f}–"
+                     f"×{max(speedups):.2f}; failing batches: {failing})")
+    return lines
 
 
 def markdown(report) -> str:
@@ -462,7 +646,21 @@ def markdown(report) -> str:
               "| batch | context | GQA | ours ms | spread | GB/s | frac | ragged ms | spread "
               "| GB/s | frac | peer ms | spread | GB/s | frac |",
               "|" + "---|" * 15]
-    lines += [fmt_decode_row(r) for r in report["decode"]]
+    lines += [fmt_decode_row(r) for r in report["decode"] if "kv_cache_dtype" not in r]
+    quant = [r for r in report["decode"] if "kv_cache_dtype" in r]
+    lines += ["", "## (b2) decode, quantized pools (our decode kernel; same batches and q as the "
+              "bf16 rows; GB/s = bytes the kernel reads / time: codes + scales + zero points "
+              "(fp8/int8: bf16 per-token scales; KIVI int4/int2: keys per channel, scale/zero "
+              "[blocks, 1, Hkv, D] bf16, values per token in groups of 32, scale/zero "
+              "[blocks, bs, Hkv, D/32] bf16, + int32 res_slot per page + the residual's null "
+              "slot); bytes = of the bf16 row's; speedup = bf16 ms / ms; targets at context "
+              f"{report.get('target_context', '-')})", "",
+              "| batch | context | GQA | kv dtype | ms | spread | GB/s | frac | bytes vs bf16 "
+              "| bf16 ms | speedup | target |", "|" + "---|" * 12]
+    lines += [fmt_quant_row(r) for r in quant]
+    summary = quant_target_summary(quant)
+    if summary:
+        lines += [""] + summary
     lines += ["", "## (c) prefill (one causal prompt)", "",
               "| kernel | tokens | ms | min–max | TFLOP/s |", "|---|---|---|---|---|"]
     for r in report["prefill"]:
@@ -505,7 +703,8 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     report = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
-                  head_dim=settings.head_dim, correctness=dict(ours=[], peer=[]), decode=[],
+                  head_dim=settings.head_dim, target_context=settings.target_context,
+                  correctness=dict(ours=[], peer=[]), decode=[],
                   prefill=[], sweep=[], errors=[], elapsed_s=0.0)
 
     def section(key, fn):

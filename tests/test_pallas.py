@@ -387,7 +387,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     ours, peer = report["correctness"]["ours"], report["correctness"]["peer"]
-    assert len(ours) == 18 and all(r["ok"] for r in ours) and len(peer) == 1
+    # 18 float rows + ragged and split-K decode on 4 KIVI pools (int4/int2, sealed and written)
+    assert len(ours) == 26 and all(r["ok"] for r in ours) and len(peer) == 1
+    assert sum("unsealed" in r["variant"] for r in ours) == 4
     assert report["decode"] and all(r["ours_ms"] > 0 for r in report["decode"])
+    quant = {r["kv_cache_dtype"] for r in report["decode"] if "kv_cache_dtype" in r}
+    assert quant == {"fp8_e4m3", "int8", "int4", "int2"}
     assert report["prefill"] and report["copy_gbps"] > 0
     assert "| batch |" in (tmp_path / "gpu_check.md").read_text()

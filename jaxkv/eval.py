@@ -11,10 +11,16 @@ chunks of ``chunk`` tokens (chunked prefill), so later chunks attend to earlier 
                           |--------- window 1 ---------|        stride = context / 2
     scored   |xxxxxxxxxxxxxxxxxxxxxxxxxxxx|xxxxxxxxxxxxxx|
 
-With ``chunk`` a multiple of the block size every block seals in the step that writes it, so an
-int4/int2 cache is read fully quantized, even by the tokens of the block itself: stricter than
-KIVI (whose prefill attends to exact K/V). The KIVI residual window (the unsealed block kept in
-full precision) therefore shows in decoding (greedy agreement), not in this perplexity.
+A chunk's K/V are written before its queries attend, so an int4/int2 block that seals inside a
+chunk and lies outside the KIVI residual window (``residual_blocks`` R: the unsealed block plus
+the last R - 1 sealed blocks) is read quantized even by its own tokens. With ``chunk`` at most
+``(R - 1) * block_size`` every query reads at least the last ``(R - 1) * block_size - chunk``
+tokens before its chunk, and its own chunk, in full precision: within ``chunk`` tokens of what
+decoding sees. With R = 1 every sealed block is read quantized (stricter than KIVI, whose prefill
+attends to exact K/V).
+
+``token_agreement`` decodes a fixed reference continuation one token per step (the generation
+path) and reports how often each step's argmax matches the reference.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _make_chunk_fn(config, attention_impl: str):
                                 attention_impl=attention_impl)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]     # [T]
-        return cache, nll
+        return cache, nll, jnp.argmax(logits, axis=-1)                       # [T], [T]
 
     return run
 
@@ -112,7 +118,7 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
         first_scored = 0 if w == 0 else context - stride
         for a in range(0, context, chunk):
             pos = np.arange(a, a + chunk, dtype=np.int32)
-            cache, nll = run(llm.params, cache, jnp.asarray(ids[start + pos]),
+            cache, nll, _ = run(llm.params, cache, jnp.asarray(ids[start + pos]),
                              jnp.asarray(ids[start + pos + 1]), jnp.asarray(pos),
                              jnp.asarray(table[pos // bs] * bs + pos % bs), table,
                              jnp.int32(a + chunk))
@@ -126,3 +132,67 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
                             num_windows=windows, seconds=time.perf_counter() - t0,
                             kv_cache_dtype=kv_cache_dtype, context=context, stride=stride,
                             chunk=chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreementResult:
+    """Teacher-forced top-1 agreement with a reference continuation.
+
+    Attributes:
+      agreement: fraction of continuation positions whose argmax equals the reference token.
+      first_difference: first position whose argmax differs (``len`` if none).
+      argmax: the cache's argmax token at each continuation position.
+      kv_cache_dtype: the cache's dtype.
+    """
+
+    agreement: float
+    first_difference: int
+    argmax: tuple[int, ...]
+    kv_cache_dtype: str
+
+
+def token_agreement(llm, prompt_ids, reference_ids, *, kv_cache_dtype: str,
+                    prefill_chunk: int = 256, **cache_options) -> AgreementResult:
+    """Greedy agreement along a fixed path: decode ``reference_ids`` after ``prompt_ids`` one
+    token per step (as generation does) and compare each step's argmax with the next reference
+    token. Unlike free-running greedy agreement, one near-tie flip does not change every later
+    position's context, so the number measures the cache rather than the text's near-ties.
+
+    Args:
+      llm: a ``jaxkv.LLM`` (params, config, block size, attention impl).
+      prompt_ids: int token ids, prefilled in chunks of ``prefill_chunk``.
+      reference_ids: int [N] the reference continuation (e.g. the fp32 cache's greedy tokens).
+      kv_cache_dtype: the cache to evaluate.
+      prefill_chunk: tokens per prefill forward.
+      **cache_options: as for ``perplexity``.
+
+    Returns:
+      AgreementResult over the N continuation positions.
+    """
+    prompt = np.asarray(prompt_ids, np.int32)
+    ref = np.asarray(reference_ids, np.int32)
+    if len(prompt) < 1 or len(ref) < 1:
+        raise ValueError(f"prompt_ids ({len(prompt)}) and reference_ids ({len(ref)}) must be "
+                         f"non-empty")
+    ids = np.concatenate([prompt, ref])
+    c, bs = llm.model_config, llm.cache_config.block_size
+    nb = -(-len(ids) // bs)
+    cache = init_cache(c.num_layers, nb + 1, bs, c.num_kv_heads, c.head_dim, llm.dtype,
+                       kv_cache_dtype=kv_cache_dtype,
+                       num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
+    run = _make_chunk_fn(c, llm.attention_impl)
+    table = jnp.arange(1, nb + 1, dtype=jnp.int32)
+    steps = [(a, min(a + prefill_chunk, len(prompt))) for a in range(0, len(prompt), prefill_chunk)]
+    steps += [(p, p + 1) for p in range(len(prompt), len(ids) - 1)]
+    argmax = []
+    for a, b in steps:
+        pos = np.arange(a, b, dtype=np.int32)
+        cache, _, top = run(llm.params, cache, jnp.asarray(ids[pos]),
+                            jnp.asarray(ids[np.minimum(pos + 1, len(ids) - 1)]), jnp.asarray(pos),
+                            jnp.asarray(table[pos // bs] * bs + pos % bs), table, jnp.int32(b))
+        if b >= len(prompt):
+            argmax.append(int(np.asarray(top)[-1]))
+    same = np.asarray(argmax) == ref
+    return AgreementResult(agreement=float(same.mean()),
+                           first_difference=int(np.argmin(same)) if not same.all() else len(ref),
+                           argmax=tuple(argmax), kv_cache_dtype=kv_cache_dtype)

@@ -37,6 +37,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(KIVI); see jaxkv/cache.py")
     g.add_argument("--kv-residual-blocks", type=int, default=1,
                    help="int4/int2: KIVI residual window in blocks kept in full precision")
+    g.add_argument("--kv-group-size", type=int, default=32,
+                   help="int4/int2: channels per value scale/zero group (KIVI)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -83,7 +85,8 @@ def _make_llm(a):
 
         initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
     return LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-               kv_residual_blocks=a.kv_residual_blocks, block_size=a.block_size,
+               kv_residual_blocks=a.kv_residual_blocks, kv_group_size=a.kv_group_size,
+               block_size=a.block_size,
                max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                memory_utilization=a.memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
@@ -190,7 +193,7 @@ def cmd_plan(a) -> int:
                      max_num_batched_tokens=a.max_num_batched_tokens,
                      kv_cache_bytes=a.kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
                      tensor_parallel_size=a.tensor_parallel_size,
-                     kv_residual_blocks=a.kv_residual_blocks)
+                     kv_residual_blocks=a.kv_residual_blocks, kv_group_size=a.kv_group_size)
     print(p.summary())
     return 0 if p.runs else 1
 
@@ -204,7 +207,8 @@ def cmd_eval_ppl(a) -> int:
     with _make_llm(a) as llm:
         ids = llm.tokenizer.encode(open(a.text, encoding="utf-8").read())[:a.max_text_tokens]
         r = perplexity(llm, ids, kv_cache_dtype=llm.kv_cache_dtype, context=a.context,
-                       stride=a.stride, chunk=a.chunk, residual_blocks=llm.kv_residual_blocks)
+                       stride=a.stride, chunk=a.chunk, residual_blocks=llm.kv_residual_blocks,
+                       group_size=llm.kv_group_size)
     print(json.dumps({"text": a.text, "model": a.model, **dataclasses.asdict(r)}, indent=2))
     return 0
 
@@ -255,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--kv-residual-blocks", type=int, default=1)
+    p.add_argument("--kv-group-size", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)

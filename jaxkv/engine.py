@@ -97,6 +97,8 @@ class LLM:
       kv_residual_blocks: int4/int2 only: KIVI's residual window R in blocks: the unsealed block
         plus the last R - 1 sealed blocks of every sequence stay in full precision (costs
         ``R * max_num_seqs + 1`` full-precision blocks, counted by the planner).
+      kv_group_size: int4/int2 only: channels per bf16 scale and zero of a value vector (KIVI's
+        group, default 32); with ``block_size`` (the key group) it sets the metadata overhead.
       block_size: tokens per KV block.
       max_model_len: longest prompt + output; default ``min(model context, 8192)``.
       max_num_seqs: most sequences per step.
@@ -136,6 +138,7 @@ class LLM:
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", *, dtype: str = "auto",
                  kv_cache_dtype: str = "auto", kv_residual_blocks: int = 1,
+                 kv_group_size: int = planner.KIVI_GROUP_SIZE,
                  block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, memory_utilization: float = 0.9,
@@ -159,6 +162,9 @@ class LLM:
         if not isinstance(kv_residual_blocks, int) or kv_residual_blocks < 1:
             raise ValueError(f"kv_residual_blocks={kv_residual_blocks!r} must be an int >= 1")
         self.kv_residual_blocks = kv_residual_blocks
+        if not isinstance(kv_group_size, int) or kv_group_size < 1:
+            raise ValueError(f"kv_group_size={kv_group_size!r} must be an int >= 1")
+        self.kv_group_size = kv_group_size
         from_checkpoint = checkpoint.is_checkpoint(model)
         config = checkpoint.read_config(model) if from_checkpoint else load_config(model)
         sharding.check_parallel_sizes(config, tensor_parallel_size, data_parallel_size,
@@ -172,7 +178,7 @@ class LLM:
             mesh = sharding.make_mesh(tensor_parallel_size)
         if self.kv_cache_dtype in KV_CACHE_QUANT_DTYPES:
             check_quant_geometry(self.kv_cache_dtype, block_size=block_size,
-                                 head_dim=config.head_dim)
+                                 head_dim=config.head_dim, group_size=kv_group_size)
             if mesh is not None:
                 raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
                                  f"tensor parallelism yet; use a float KV cache")
@@ -180,7 +186,7 @@ class LLM:
                 from jaxkv.pallas.kv_format import kivi_chunk_width
 
                 kivi_chunk_width(self.kv_cache_dtype, config.head_dim,
-                                 min(planner.KIVI_GROUP_SIZE, config.head_dim))
+                                 min(kv_group_size, config.head_dim))
         self.mesh = mesh
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = config
@@ -206,6 +212,7 @@ class LLM:
                                     c.num_kv_heads, c.head_dim, self.dtype,
                                     kv_cache_dtype=self.kv_cache_dtype,
                                     residual_blocks=kv_residual_blocks,
+                                    group_size=kv_group_size,
                                     num_residual_slots=planner.kivi_residual_slots(
                                         max_num_seqs, kv_residual_blocks))
         else:
@@ -276,7 +283,8 @@ class LLM:
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                   kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
                   tensor_parallel_size=self.tensor_parallel_size,
-                  kv_residual_blocks=self.kv_residual_blocks)
+                  kv_residual_blocks=self.kv_residual_blocks,
+                  kv_group_size=self.kv_group_size)
         plan = planner.plan(c, **kw)
         # a pool larger than max_num_seqs full-length sequences is never used: don't allocate it
         cap = s.max_num_seqs * plan.blocks_per_seq + 1

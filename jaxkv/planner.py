@@ -122,12 +122,12 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
 
 
 def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
-                       tensor_parallel_size: int = 1) -> int:
+                       tensor_parallel_size: int = 1, group_size: int = KIVI_GROUP_SIZE) -> int:
     """Exact KV bytes of one block over all layers (K and V) on one device.
 
     Float, fp8, int8: ``block_size x kv_bytes_per_token``. KIVI int4/int2 per layer and kv head:
     keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
-    ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``KIVI_GROUP_SIZE``), plus per
+    ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``min(group_size, D)``), plus per
     layer ``2 x 5`` bytes of residual-slot index and sealed flag (K and V pools).
     """
     name = resolve_kv_cache_dtype(kv_dtype, "float32")
@@ -138,7 +138,7 @@ def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
     heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
     codes = block_size * -(-D * fmt.bits // 8)
     keys = codes + 2 * 2 * D
-    values = codes + block_size * 2 * 2 * (D // min(KIVI_GROUP_SIZE, D))
+    values = codes + block_size * 2 * 2 * (D // min(group_size, D))
     return config.num_layers * (heads * (keys + values) + 2 * (4 + 1))
 
 
@@ -352,7 +352,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          max_model_len: int | None = None, max_num_seqs: int = 256,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
-         tensor_parallel_size: int = 1, kv_residual_blocks: int = 1) -> MemoryPlan:
+         tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
+         kv_group_size: int = KIVI_GROUP_SIZE) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -377,6 +378,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
       tensor_parallel_size: devices the model is split over (see jaxkv.sharding).
       kv_residual_blocks: KIVI residual window in blocks (int4/int2): the full-precision
         residual pool holds ``kivi_residual_slots(max_num_seqs, kv_residual_blocks)`` blocks.
+      kv_group_size: KIVI value group (channels per bf16 scale and zero, int4/int2).
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -394,7 +396,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
-              tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks)
+              tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks,
+              kv_group_size=kv_group_size)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
@@ -402,7 +405,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
-          kv_residual_blocks=1) -> MemoryPlan:
+          kv_residual_blocks=1, kv_group_size=KIVI_GROUP_SIZE) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
@@ -413,7 +416,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("kv_residual_blocks", kv_residual_blocks)):
+                        ("kv_residual_blocks", kv_residual_blocks),
+                        ("kv_group_size", kv_group_size)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     if max_model_len is None:
@@ -436,7 +440,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         activation_bytes = activation_bytes_estimate(
             config, dtype=dtype, kv_cache_dtype=kv_dtype,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size)
+    per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size,
+                                   kv_group_size)
     per_token = -(-per_block // block_size)
     residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
                                    kivi_residual_slots(max_num_seqs, kv_residual_blocks),

@@ -226,6 +226,15 @@ def test_planner_counts_the_exact_cache_bytes(name):
     ratio = planner.kv_bytes_per_block(cfg, "bf16", 32) / planner.kv_bytes_per_block(cfg, name, 32)
     assert ratio >= {"fp32": 0.5, "bf16": 1, "fp8_e4m3": 1.9, "int8": 1.9, "int4": 3.1,
                      "int2": 5.0}[name]
+    # KIVI geometry levers: a 64-token key group (block) and 64-channel value groups, with a
+    # residual window of 2 blocks per sequence
+    p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=64,
+                     max_num_seqs=3, max_model_len=128, num_kv_blocks=5, dtype="float32",
+                     kv_residual_blocks=2, kv_group_size=64)
+    c = kvcache.init_cache(2, 5, 64, 2, 64, jnp.float32, kv_cache_dtype=name,
+                           num_residual_slots=planner.kivi_residual_slots(3, 2),
+                           residual_blocks=2, group_size=64)
+    assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
 
 
 def test_rewrite_into_sealed_kivi_block_keeps_its_codes():

@@ -121,3 +121,15 @@ def test_quantize_pages_equals_writing_every_token(kv):
     q = kvcache.quantize_pages(raw, kv, axis="channel" if kv in ("int4", "int2") else "token",
                                group_size=16)
     np.testing.assert_array_equal(kvcache.read_pages(q, jnp.asarray(ids)), pool[ids])
+
+
+def test_one_byte_pools_of_two_to_four_gib_are_refused():
+    """Triton would address them with overflowing int32 offsets (jax's lowering switches to int64
+    only past 2^32 bytes); checked on shapes, nothing is allocated."""
+    from jaxkv.pallas.kv_format import check_offsets
+
+    big = jax.ShapeDtypeStruct((2 ** 17 + 1, 16, 8, 128), jnp.int8)          # 2 GiB + 16 KiB
+    with pytest.raises(ValueError, match="overflowing int32 offsets"):
+        check_offsets([big])
+    check_offsets([jax.ShapeDtypeStruct((2 ** 17, 16, 8, 128), jnp.int8),   # exactly 2 GiB
+                   jax.ShapeDtypeStruct((2 ** 17 + 1, 16, 8, 128), jnp.bfloat16)])

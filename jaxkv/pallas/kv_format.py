@@ -93,6 +93,21 @@ def kivi_chunk_width(kv_cache_dtype: str, head_dim: int, group_size: int) -> int
     return width
 
 
+def check_offsets(operands) -> None:
+    """Raises ValueError for a 1-byte operand of more than 2 GiB and at most 4 GiB.
+
+    The Triton lowering indexes arrays of at most 2^32 bytes with 32-bit element offsets, which
+    Triton adds to the base pointer as signed numbers: past 2^31 elements (only possible for 1-byte
+    codes) the top of the pool would be read at negative offsets.
+    """
+    for a in operands:
+        if a.dtype.itemsize == 1 and 2 ** 31 < a.size * a.dtype.itemsize <= 2 ** 32:
+            raise ValueError(f"a {a.dtype} pool operand of shape {a.shape} is "
+                             f"{a.size / 2 ** 30:.2f} GiB; the Triton kernels address 1-byte pools "
+                             f"of 2-4 GiB with overflowing int32 offsets: use fewer blocks "
+                             f"(<= 2 GiB per layer) or more than 4 GiB per layer")
+
+
 def kv_operands(k_pages, v_pages):
     """Kernel operands of one layer's pools: (k operands + v operands, ``KvLayout``).
 
@@ -104,8 +119,9 @@ def kv_operands(k_pages, v_pages):
     [num_res, block_size, Hkv, D] and res_slot int32 [num_blocks].
 
     Raises:
-      ValueError: for the residual-off ablation pools (``residual_full_precision=False``) and for
-        head_dim chunks narrower than 16 channels (e.g. int2 with head_dim < 64).
+      ValueError: for the residual-off ablation pools (``residual_full_precision=False``), for
+        head_dim chunks narrower than 16 channels (e.g. int2 with head_dim < 64), and for code
+        pools ``check_offsets`` refuses.
     """
     from jaxkv.cache import QuantizedPages   # the cache pytree only; no engine import
 
@@ -116,6 +132,7 @@ def kv_operands(k_pages, v_pages):
         scaled = k_pages.scale is not None
         ops = [k_pages.data, k_pages.scale, v_pages.data, v_pages.scale] if scaled else \
             [k_pages.data, v_pages.data]
+        check_offsets(ops)
         return ops, KvLayout(head_dim=d, chunks=((0, d, 0, 0),), scaled=scaled,
                              static_scale=k_pages.static_scale)
     if not (k_pages.residual_full_precision and v_pages.residual_full_precision):
@@ -129,6 +146,7 @@ def kv_operands(k_pages, v_pages):
     ops = []
     for p in (k_pages, v_pages):
         ops += [p.data, p.scale, p.zero, p.residual, p.res_slot]
+    check_offsets(ops)
     return ops, KvLayout(head_dim=d, chunks=chunks, bits=bits, group_size=k_pages.group_size,
                          axes=(k_pages.axis, v_pages.axis))
 

@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import QuantizedPages, read_pages
+from jaxkv.cache import QuantizedPages, read_pages, residual_window
 
 ATTENTION_IMPLS = ("reference", "pallas")
 
@@ -125,18 +125,21 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     seq_idx, q_pos, valid = token_layout(query_start_loc, seq_lens, T)
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale      # [T, Hkv, G, D]
 
-    def read_chunk(pages, ids):
+    def read_chunk(pages, ids, c):
         """f32 [T, chunk, bs, Hkv, D]: a float pool is gathered per token; a quantized one is
-        dequantized once per sequence, then handed to that sequence's tokens."""
+        dequantized once per sequence (KIVI: its residual window in full precision), then
+        handed to that sequence's tokens."""
         if isinstance(pages, QuantizedPages):
-            return read_pages(pages, ids)[seq_idx]
+            logical = c * chunk + jnp.arange(chunk, dtype=jnp.int32)               # [chunk]
+            window = residual_window(seq_lens, logical, bs, pages.residual_blocks)  # [S, chunk]
+            return read_pages(pages, ids, window)[seq_idx]
         return read_pages(pages, ids[seq_idx])
 
     def body(c, carry):
         m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
         ids = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)       # [S, chunk]
-        k = read_chunk(k_pages, ids).reshape(T, chunk * bs, Hkv, D)
-        v = read_chunk(v_pages, ids).reshape(T, chunk * bs, Hkv, D)
+        k = read_chunk(k_pages, ids, c).reshape(T, chunk * bs, Hkv, D)
+        v = read_chunk(v_pages, ids, c).reshape(T, chunk * bs, Hkv, D)
         s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)

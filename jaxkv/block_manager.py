@@ -67,9 +67,15 @@ class BlockManager:
       num_blocks: blocks in the pool including the null block 0 (``>= 2``).
       block_size: tokens per block (``>= 1``).
       prefix_caching: ``"hash"``, ``"radix"`` or None (no prefix cache).
+      residual_window_blocks: the KIVI residual window R of an int4/int2 cache, or 0. A cached
+        block holds codes only, so a hit must not put one inside the new request's window:
+        ``lookup`` then stops before the prompt's last R - 1 full blocks and matches no partial
+        block (those are recomputed, and land in the full-precision residual as they would
+        without the cache).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: str | None = None):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: str | None = None,
+                 residual_window_blocks: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         if block_size < 1:
@@ -83,6 +89,7 @@ class BlockManager:
         self._num_free = num_blocks - 1
         self._tables: dict[Hashable, tuple[int, ...]] = {}
         self.prefix_cache: PrefixCache | None = make_prefix_cache(prefix_caching, block_size)
+        self.residual_window_blocks = residual_window_blocks
         # per request: (root key, keys of its leading registered full blocks...)
         self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
 
@@ -97,6 +104,7 @@ class BlockManager:
         new._num_free = self._num_free
         new._tables = dict(self._tables)
         new.prefix_cache = None if self.prefix_cache is None else self.prefix_cache.copy()
+        new.residual_window_blocks = self.residual_window_blocks
         new._chains = dict(self._chains)
         return new
 
@@ -164,11 +172,17 @@ class BlockManager:
         return int(self._ref[block])
 
     def lookup(self, token_ids: Sequence[int], salt: Hashable = None):
-        """Longest cached prefix of ``token_ids``: ``(blocks, keys, partial)`` as
-        ``prefix_cache.lookup``; nothing without prefix caching."""
+        """Longest cached prefix of ``token_ids`` (a prompt but its last token):
+        ``(blocks, keys, partial)`` as ``prefix_cache.lookup``, cut before the residual window
+        (see the class docstring); nothing without prefix caching."""
         if self.prefix_cache is None:
             return (), (), None
-        return lookup(self.prefix_cache, token_ids, salt)
+        blocks, keys, partial = lookup(self.prefix_cache, token_ids, salt)
+        if not self.residual_window_blocks:
+            return blocks, keys, partial
+        # the window after the prompt (len + 1 tokens) starts at this logical block
+        n = max(0, (len(token_ids) + 1) // self.block_size - (self.residual_window_blocks - 1))
+        return blocks[:n], keys[:n], None
 
     def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
                             partial: tuple[int, int] | None) -> bool:

@@ -343,13 +343,16 @@ def _dequantize(p: QuantizedPages, data, scale, zero) -> jax.Array:
                             axis=-1 if p.axis == "token" else 0, static_scale=p.static_scale)
 
 
-def read_pages(pages: Pages, ids: jax.Array) -> jax.Array:
-    """Whole blocks ``ids`` of one pool as f32 values (dequantized; unsealed KIVI blocks from the
-    residual).
+def read_pages(pages: Pages, ids: jax.Array, in_window: jax.Array | None = None) -> jax.Array:
+    """Whole blocks ``ids`` of one pool as f32 values (dequantized; KIVI blocks that hold a
+    residual slot from the full-precision residual).
 
     Args:
       pages: one layer's K or V pool (array or ``QuantizedPages``).
       ids: int32 [...] block ids.
+      in_window: bool like ``ids``: the block is inside its reader's residual window
+        (``residual_window``); a block outside it is read as codes even if it still holds a slot
+        (a stale or shared one). None: every block with a slot reads the residual.
 
     Returns:
       f32 [..., block_size, num_kv_heads, head_dim].
@@ -366,8 +369,21 @@ def read_pages(pages: Pages, ids: jax.Array) -> jax.Array:
     if not pages.residual_full_precision:
         res = _dequantize(pages, *_quantize_blocks(pages, res.reshape(-1, *res.shape[-3:])))
         res = res.reshape(out.shape)
-    unsealed = (slot > 0).reshape(*slot.shape, 1, 1, 1)
-    return jnp.where(unsealed, res, out)
+    use = slot > 0 if in_window is None else (slot > 0) & in_window
+    return jnp.where(use.reshape(*slot.shape, 1, 1, 1), res, out)
+
+
+def residual_window(seq_lens: jax.Array, logical: jax.Array, block_size: int,
+                    residual_blocks: int) -> jax.Array:
+    """bool [S, N]: logical block ``logical[n]`` of sequence s lies in its KIVI residual window,
+    the unsealed block and the last ``residual_blocks - 1`` sealed ones (int32 [S] lengths,
+    int32 [N] logical block indices)."""
+    return logical[None, :] >= window_first(seq_lens, block_size, residual_blocks)[:, None]
+
+
+def window_first(seq_lens: jax.Array, block_size: int, residual_blocks: int) -> jax.Array:
+    """int32 like ``seq_lens``: the first logical block of each sequence's residual window."""
+    return seq_lens // block_size - (residual_blocks - 1)
 
 
 def _assign_slots(p: QuantizedPages, blocks: jax.Array, need: jax.Array, touched: jax.Array
@@ -427,11 +443,10 @@ def _residual_window(p: QuantizedPages, blk, off, md: AttentionMetadata | None):
     t = jnp.arange(blk.shape[0], dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(qsl[1:], t, side="right"), 0, lens.shape[0] - 1)
     pos = lens[seq] - (qsl[seq + 1] - qsl[seq]) + (t - qsl[seq])               # [T]
-    first = lens[seq] // bs - (r - 1)                # first logical block of the final window
-    keep = pos // bs >= first
+    keep = pos // bs >= window_first(lens, bs, r)[seq]
     out = pos // bs + 1 - r
     release = jnp.where(seals_own & (out >= 0), tables[seq, jnp.maximum(out, 0)], 0)
-    win = (lens // bs - (r - 1))[:, None] + jnp.arange(r, dtype=jnp.int32)    # [S, R]
+    win = window_first(lens, bs, r)[:, None] + jnp.arange(r, dtype=jnp.int32)   # [S, R]
     ok = (win >= 0) & (win < (lens[:, None] + bs - 1) // bs)
     live = jnp.where(ok, jnp.take_along_axis(tables, jnp.clip(win, 0, tables.shape[1] - 1),
                                              axis=1), 0)

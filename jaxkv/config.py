@@ -43,11 +43,14 @@ class CacheConfig:
         ``num_blocks - 1`` blocks are usable (see jaxkv/block_manager.py).
       prefix_caching: ``"hash"`` (full blocks, hash chain), ``"radix"`` (token granular) or
         None (off); see jaxkv/prefix_cache.py.
+      residual_window_blocks: the KIVI residual window of an int4/int2 cache (0 otherwise);
+        prefix hits stop before it (see ``BlockManager``).
     """
 
     block_size: int = 16
     num_blocks: int
     prefix_caching: str | None = None
+    residual_window_blocks: int = 0
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -58,6 +61,8 @@ class CacheConfig:
         if self.prefix_caching not in (None, *PREFIX_CACHING_MODES):
             raise ValueError(f"prefix_caching={self.prefix_caching!r} is not one of "
                              f"{PREFIX_CACHING_MODES} or None")
+        if self.residual_window_blocks < 0:
+            raise ValueError(f"residual_window_blocks={self.residual_window_blocks} must be >= 0")
         if self.num_blocks * self.block_size > 2**31 - 1:
             raise ValueError(f"num_blocks * block_size = {self.num_blocks * self.block_size} "
                              f"slots overflow the int32 slot_mapping")

@@ -201,9 +201,11 @@ class LLM:
         logger.info("%s", self.memory_plan.summary())
         if not self.memory_plan.runs:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
+        kivi = self.kv_cache_dtype in ("int4", "int2")
         self.cache_config = CacheConfig(block_size=block_size,
                                         num_blocks=self.memory_plan.num_blocks,
-                                        prefix_caching=prefix_caching)
+                                        prefix_caching=prefix_caching,
+                                        residual_window_blocks=kv_residual_blocks if kivi else 0)
         self.dtype = jnp.dtype(dtype)
         self.params, self.tokenizer = self._load(model, from_checkpoint)
         c = sharding.tp_config(config, tensor_parallel_size)   # kv heads as the devices hold them

@@ -244,7 +244,9 @@ class StepPlan:
 def init_state(cache_config: CacheConfig) -> SchedulerState:
     """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks."""
     return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size,
-                                       cache_config.prefix_caching), types.MappingProxyType({}))
+                                       cache_config.prefix_caching,
+                                       cache_config.residual_window_blocks),
+                          types.MappingProxyType({}))
 
 
 def _key(rs: RequestState, policy: str) -> tuple:

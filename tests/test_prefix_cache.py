@@ -387,3 +387,20 @@ class PrefixMachine(RuleBasedStateMachine):
 
 TestPrefixMachine = PrefixMachine.TestCase
 TestPrefixMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+@pytest.mark.parametrize("mode", ["hash", "radix"])
+def test_lookup_stops_before_the_kivi_residual_window(mode):
+    """A cached block holds codes only: with a residual window of R blocks, a prompt's last R - 1
+    full blocks and any partial block are recomputed, not reused (exact block ids)."""
+    for window, want in ((1, (1, 2, 3)), (2, (1, 2, 3)), (3, (1, 2)), (4, (1,)), (5, ())):
+        bm = BlockManager(12, 2, mode, residual_window_blocks=window)
+        bm.allocate("a", 7)
+        bm.register("a", [10, 11, 12, 13, 14, 15, 16])          # blocks 1, 2, 3 cached
+        prompt = [10, 11, 12, 13, 14, 15, 16, 17]               # 8 tokens: window from block
+        blocks, keys, partial = bm.lookup(prompt[:-1])         # 8 // 2 - (R - 1)
+        assert blocks == want and len(keys) == len(want) and partial is None
+    bm = BlockManager(12, 2, mode)
+    bm.allocate("a", 7)
+    bm.register("a", [10, 11, 12, 13, 14, 15, 16])
+    assert bm.lookup([10, 11, 12, 13, 14, 15, 16])[0] == (1, 2, 3)      # no window: all

@@ -92,7 +92,7 @@ def _decode_kernel(
     v_start = jnp.minimum(split * per_split, count)
     v_stop = jnp.minimum(v_start + per_split, count)
     q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
-    carry = attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref,
+    carry = attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref,
                          init_carry(rows, layout), v_start, v_stop, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
                          num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)

@@ -18,8 +18,9 @@ become one dot per chunk (width >= 16, Triton's dot minimum).
 
 KIVI pools (int4/int2) dequantize as ``code * scale + zero`` with per-channel key statistics
 ``[num_blocks, 1, Hkv, D]`` (one group = the tokens of a block) or per-token groups
-``[num_blocks, block_size, Hkv, D / G]``; a page whose ``res_slot`` is > 0 is not sealed yet (or
-still inside the residual window) and is read from the full-precision residual pool instead.
+``[num_blocks, block_size, Hkv, D / G]``; a page inside the sequence's residual window (its last
+R pages: ``logical >= kv_len // block_size - (R - 1)``) that has a residual slot is read from the
+full-precision residual pool instead (see jaxkv/cache.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class KvLayout:
       bits: 4 or 2 for KIVI pools, else 0.
       group_size: channels per per-token group of a KIVI pool.
       axes: (k_axis, v_axis) of a KIVI pool, ``"channel"`` or ``"token"``.
+      residual_blocks: the KIVI residual window R: a page is read from the residual only if it
+        has a slot and is one of the sequence's pages from ``kv_len // block_size - (R - 1)`` on.
     """
 
     head_dim: int
@@ -55,6 +58,7 @@ class KvLayout:
     bits: int = 0
     group_size: int = 0
     axes: tuple[str, str] = ("token", "token")
+    residual_blocks: int = 1
 
     @property
     def operands_per_pool(self) -> int:
@@ -148,7 +152,8 @@ def kv_operands(k_pages, v_pages):
         ops += [p.data, p.scale, p.zero, p.residual, p.res_slot]
     check_offsets(ops)
     return ops, KvLayout(head_dim=d, chunks=chunks, bits=bits, group_size=k_pages.group_size,
-                         axes=(k_pages.axis, v_pages.axis))
+                         axes=(k_pages.axis, v_pages.axis),
+                         residual_blocks=k_pages.residual_blocks)
 
 
 def split_refs(kv_refs, layout: KvLayout):
@@ -157,7 +162,8 @@ def split_refs(kv_refs, layout: KvLayout):
     return tuple(kv_refs[:n]), tuple(kv_refs[n:2 * n])
 
 
-def load_chunk(pool_refs, layout: KvLayout, axis: str, chunk, page, slot, head, dtype):
+def load_chunk(pool_refs, layout: KvLayout, axis: str, chunk, page, slot, head, dtype,
+               in_window=None):
     """One kv tile of one head-dim chunk, [block_kv, width] in ``dtype``.
 
     Args:
@@ -168,6 +174,8 @@ def load_chunk(pool_refs, layout: KvLayout, axis: str, chunk, page, slot, head, 
       page, slot: int32 [block_kv] page id and in-page offset of each kv position.
       head: the kv head.
       dtype: the dtype the tile is returned in (q's).
+      in_window: bool [block_kv], the position's page is inside the sequence's KIVI residual
+        window (KIVI pools only).
     """
     ch0, width, byte0, part = chunk
     if not layout.bits:
@@ -191,4 +199,5 @@ def load_chunk(pool_refs, layout: KvLayout, axis: str, chunk, page, slot, head, 
         + zero_ref[idx].astype(jnp.float32)
     res_slot = res_slot_ref[page]                                                # [bkv]
     res = res_ref[res_slot, slot, head, pl.ds(ch0, width)].astype(jnp.float32)   # [bkv, w]
-    return jnp.where(res_slot[:, None] > 0, res, x).astype(dtype)
+    use_res = (res_slot > 0) & in_window                                         # [bkv]
+    return jnp.where(use_res[:, None], res, x).astype(dtype)

@@ -226,7 +226,7 @@ def tile_index(v, sink_tiles, window_first):
     return jnp.where(v < sink_tiles, v, window_first + v - sink_tiles)
 
 
-def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_stop,
+def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_start, v_stop,
                  sink_tiles, window_first, *, block_kv: int, sm_scale: float,
                  sliding_window: int | None, num_sinks: int, soft_cap: float | None,
                  layout: KvLayout):
@@ -236,6 +236,7 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
       q: tuple of [rows, width] queries (kernel dtype), one per head-dim chunk of ``layout``.
       q_pos: int32 [rows] kv position of each row's token.
       seq, head: int32 scalars, the sequence (block-table row) and the kv head.
+      kv_len: int32 scalar, the sequence's kv length (places the KIVI residual window).
       kv_refs: the refs of ``kv_format.kv_operands`` (whole pools, plus scales, zeros and the KIVI
         residual for quantized ones); tiles are dequantized in registers to q's dtype.
       tables_ref: int32 [S, max_blocks] whole block table.
@@ -253,6 +254,7 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
     max_blocks = tables_ref.shape[1]
     offsets = jnp.arange(block_kv, dtype=jnp.int32)                     # [block_kv]
     dtype = q[0].dtype
+    first_window = lax.div(kv_len, block_size) - (layout.residual_blocks - 1)
 
     def body(v, carry):
         m, l, acc = carry
@@ -260,9 +262,11 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
         logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
         slot = lax.rem(kv_pos, block_size)
+        in_window = logical >= first_window                                      # [block_kv]
         s = None
         for qc, chunk in zip(q, layout.chunks):
-            k = load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype)  # [bkv, w]
+            k = load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype,
+                           in_window)                                           # [bkv, w]
             part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
             s = part if s is None else s + part
@@ -283,7 +287,8 @@ def attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref, carry, v_start, v_sto
         p = p.astype(dtype)
         acc = tuple(
             alpha[:, None] * a + lax.dot_general(
-                p, load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype),
+                p, load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype,
+                              in_window),
                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             for a, chunk in zip(acc, layout.chunks))
         return m_new, l, acc
@@ -317,6 +322,7 @@ def _ragged_kernel(
     tiles_ref,   # int32 [num_tiles, 4]: seq, first token, valid tokens, kv position of first token
     q_ref,       # [Hkv, T_pad * G_pad, D]
     tables_ref,  # int32 [S, max_blocks]
+    lens_ref,    # int32 [S]
     *refs,       # inputs: the kv operands of kv_format.kv_operands; outputs:
                  #   o [Hkv, T_pad * G_pad, D], lse f32 [Hkv, T_pad * G_pad]
     block_q: int, group_pad: int, block_kv: int, sm_scale: float,
@@ -335,7 +341,7 @@ def _ragged_kernel(
     sink_tiles, window_first, count = kv_tile_range(
         q_first, q_first + n_valid, block_kv=block_kv, sliding_window=sliding_window,
         num_sinks=num_sinks)
-    carry = attend_tiles(q, q_pos, seq, head, kv_refs, tables_ref,
+    carry = attend_tiles(q, q_pos, seq, lens_ref[seq], head, kv_refs, tables_ref,
                          init_carry(rows, layout), 0, count, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
                          num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)
@@ -405,7 +411,8 @@ def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
-        in_specs=[whole_block(a.shape) for a in (tiles, q_rows, block_tables, *kv_ops)],
+        in_specs=[whole_block(a.shape)
+                  for a in (tiles, q_rows, block_tables, seq_lens, *kv_ops)],
         out_specs=[whole_block((Hkv, T_pad * G_pad, D)), whole_block((Hkv, T_pad * G_pad))],
         out_shape=[jax.ShapeDtypeStruct((Hkv, T_pad * G_pad, D), q.dtype),
                    jax.ShapeDtypeStruct((Hkv, T_pad * G_pad), jnp.float32)],
@@ -413,7 +420,7 @@ def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
-    )(tiles, q_rows, block_tables, *kv_ops)
+    )(tiles, q_rows, block_tables, seq_lens, *kv_ops)
 
     # tokens no tile wrote (padding after qsl[-1]) hold garbage: zero them, as the spec says
     valid = jnp.arange(T) < query_start_loc[-1]                                  # [T]

@@ -40,6 +40,12 @@ the last ``R - 1`` sealed blocks (``residual_blocks = R``, KIVI's residual lengt
     res_slot[block] = 0       ->  read data/scale/zero
     res_owner[r] = block (0 = free),  res_stamp[r] = clock of the last write or window refresh
 
+Readers decide by position, not by the slot alone: logical block j of a sequence of length L reads
+the residual iff it holds a slot and ``j >= L // block_size - (R - 1)`` (``residual_window``), so
+a stale slot (a finished sequence's window) or one of another sequence sharing the block never
+changes what a sequence reads. Prefix-cache hits stop before a new request's window
+(``BlockManager``), so every block inside a window was written by its own sequence (or a fork).
+
 When the token that seals logical block j is written, block ``j + 1 - R`` leaves the window and
 its slot is freed (for R = 1 that is block j itself). A block that needs a slot takes a free one,
 else the least recently stamped slot not touched in this step (a stale window of a finished or

@@ -10,16 +10,13 @@ One engine step (``LLM.step``):
     scheduler.update(state, plan, tokens) ◄── tokens ◄── step(params, cache, inputs, sampling, rng)
 
 The engine owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
-it as it was), the device params and the donated cache, and per-request host bookkeeping:
-detokenized text, stop strings, logprobs and timestamps. A request with ``n > 1`` runs as ``n``
-scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does); samples ``i > 0``
-fork sample 0 once its prompt is computed, sharing the prompt's blocks (copy-on-write).
+it as it was), the device params and the donated cache, and a ``jaxkv.requests.RequestTable``:
+the per-request host bookkeeping (detokenized text, stop strings, logprobs and timestamps).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -34,45 +31,18 @@ from jaxkv import batch, beam_search, planner, scheduler, sharding
 from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxkv.cache import KV_CACHE_QUANT_DTYPES, check_quant_geometry, copy_blocks, init_cache
 from jaxkv.config import PREFIX_CACHING_MODES, CacheConfig, SchedulerConfig
-from jaxkv.detokenize import IncrementalDetokenizer
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
-from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxkv.outputs import RequestOutput
+from jaxkv.requests import MAX_LOGPROBS, Request, RequestTable
 from jaxkv.sampling import SamplingParams, SamplingTensors
 from jaxkv.step import DeviceStepInput, make_step, step_rng
 
 logger = logging.getLogger("jaxkv")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MAX_LOGPROBS = 20
 _LOGPROB_BUCKETS = (0, 1, 5, MAX_LOGPROBS)   # static top-N sizes the step is compiled for
-
-
-@dataclasses.dataclass
-class _Sample:
-    """Host bookkeeping of one scheduler sequence (one of a request's ``n`` samples)."""
-
-    parent: str
-    params: SamplingParams
-    completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    num_cached_tokens: int | None = None
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
-                             [dataclasses.replace(s.completion, token_ids=list(
-                                 s.completion.token_ids)) for s in self.samples],
-                             dataclasses.replace(self.metrics), self.num_cached_tokens)
 
 
 def _default_backend_choices(dtype: str, attention_impl: str | None) -> tuple[str, str]:
@@ -226,9 +196,7 @@ class LLM:
                                   mesh=mesh)
         self._seed = seed
         self._state = scheduler.init_state(self.cache_config)
-        self._requests: dict[str, _Request] = {}
-        self._samples: dict[str, _Sample] = {}
-        self._ids = itertools.count()
+        self._table = RequestTable(self.tokenizer, config.vocab_size, max_model_len)
         self._num_steps = 0
         self._num_preemptions = 0
         self._peak_usage = 0.0
@@ -347,62 +315,17 @@ class LLM:
             raise RuntimeError("this LLM was closed")
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = [int(i) for i in prompt["prompt_token_ids"]]
-            if not ids:
-                raise ValueError("prompt_token_ids must not be empty")
-            if min(ids) < 0 or max(ids) >= self.model_config.vocab_size:
-                raise ValueError(f"prompt_token_ids must lie in [0, vocab_size="
-                                 f"{self.model_config.vocab_size})")
-            return prompt.get("prompt"), ids
-        raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got "
-                         f"{type(prompt).__name__}")
+        """(text or None, token ids) of one prompt (``RequestTable.tokenize``; beam search's)."""
+        return self._table.tokenize(prompt)
 
-    def _new_request(self, prompt, params: SamplingParams, *, priority: int = 0,
-                     request_id: str | None = None, cache_salt=None):
-        """Validates one prompt; returns (_Request, scheduler Requests) without adding anything."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={MAX_LOGPROBS}")
-        text, ids = self._tokenize(prompt)
-        if len(ids) + params.max_tokens > self.sched_config.max_model_len:
-            raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
-                             f"exceed max_model_len={self.sched_config.max_model_len}")
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self._requests:
-            raise ValueError(f"request_id={rid!r} is already in use")
-        now = time.perf_counter()
-        samples, reqs = [], []
-        for i in range(params.n):
-            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            samples.append(_Sample(rid, p, CompletionOutput(
-                index=i, logprobs=[] if params.logprobs is not None else None),
-                IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)))
-            stop = scheduler.StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
-                                      stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-                                      eos_token_ids=self.tokenizer.eos_token_ids)
-            reqs.append(scheduler.Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
-                                          arrival_time=now, priority=priority,
-                                          cache_salt=cache_salt,
-                                          fork_of=f"{rid}#0" if i else None))
-        return _Request(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
-
-    def _add(self, new: list[tuple[_Request, list[scheduler.Request]]]) -> None:
+    def _add(self, new: list[tuple[Request, list[scheduler.Request]]]) -> None:
         """Adds validated requests all together, or none of them (the state is immutable)."""
         state = self._state
         for _, reqs in new:
             for r in reqs:
                 state = scheduler.add_request(state, r, self.sched_config)
         self._state = state
-        for req, reqs in new:
-            self._requests[req.request_id] = req
-            for r, sample in zip(reqs, req.samples):
-                self._samples[r.request_id] = sample
+        self._table.add(new)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, cache_salt=None) -> str:
@@ -415,14 +338,15 @@ class LLM:
           ValueError: naming what is wrong; nothing is queued then.
         """
         self._check_open()
-        new = self._new_request(prompt, sampling_params or SamplingParams(),
-                                priority=priority, request_id=request_id, cache_salt=cache_salt)
+        new = self._table.new_request(prompt, sampling_params or SamplingParams(),
+                                      priority=priority, request_id=request_id,
+                                      cache_salt=cache_salt)
         self._add([new])
         return new[0].request_id
 
     def abort_request(self, request_id: str) -> None:
         """Aborts a queued or running request; its blocks are freed at once."""
-        req = self._requests.get(str(request_id))
+        req = self._table.requests.get(str(request_id))
         if req is None:
             raise ValueError(f"request_id={request_id!r} is not queued or running")
         state = self._state
@@ -430,7 +354,7 @@ class LLM:
             if not s.completion.finished:
                 state = scheduler.abort(state, f"{req.request_id}#{i}")
         self._state = state
-        self._collect_finished()
+        self._table.collect_finished(self._state.finished)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._state.requests)
@@ -448,15 +372,16 @@ class LLM:
         self._num_preemptions += len(plan.preempted_ids)
         if not plan.seqs:
             self._state = state
-            return self._collect_finished()
+            return self._table.collect_finished(self._state.finished)
+        samples = self._table.samples
         tokens, logprobs, top_ids, top_vals = self._run_plan(
-            state, plan, [self._samples[s.request_id].params for s in plan.seqs])
+            state, plan, [samples[s.request_id].params for s in plan.seqs])
         now = time.perf_counter()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         stop_hits = set()
         for row, seq in enumerate(plan.seqs):
-            sample = self._samples[seq.request_id]
-            req = self._requests[sample.parent]
+            sample = samples[seq.request_id]
+            req = self._table.requests[sample.parent]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = t0
                 req.num_cached_tokens = seq.num_cached_tokens
@@ -464,28 +389,17 @@ class LLM:
                 self._num_prompt_tokens += len(seq.token_ids)
             if not seq.sample:
                 continue
-            tok = int(tokens[row])
-            comp = sample.completion
-            comp.token_ids.append(tok)
-            comp.cumulative_logprob += float(logprobs[row])
-            if comp.logprobs is not None:
-                entry = {int(i): float(v) for i, v in
-                         zip(top_ids[row, :sample.params.logprobs], top_vals[row, :sample.params.logprobs])}
-                entry[tok] = float(logprobs[row])
-                comp.logprobs.append(entry)
+            if sample.append(int(tokens[row]), float(logprobs[row]), top_ids[row], top_vals[row]):
+                stop_hits.add(seq.request_id)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.num_generated_tokens += 1
             self._num_generated += 1
-            searched = len(sample.detokenizer.text)
-            sample.detokenizer.update(comp.token_ids)
-            if self._apply_stop_strings(sample, searched):
-                stop_hits.add(seq.request_id)
             touched[req.request_id] = req
         self._peak_usage = max(self._peak_usage, state.block_manager.usage())
         self._state = scheduler.update(state, plan, tokens, finished_ids=frozenset(stop_hits))
         self._busy_time += time.perf_counter() - t0
-        finished = self._collect_finished()
+        finished = self._table.collect_finished(self._state.finished)
         done = {o.request_id for o in finished}
         return finished + [r.output() for rid, r in touched.items() if rid not in done]
 
@@ -540,58 +454,6 @@ class LLM:
         bm.reset_prefix_cache()
         self._state = dataclasses.replace(self._state, block_manager=bm)
 
-    @staticmethod
-    def _apply_stop_strings(sample: _Sample, searched: int) -> bool:
-        """Sets the sample's text after new tokens, trimmed before the earliest stop string.
-
-        The full text is ``detokenizer.text + detokenizer.pending``; its first ``searched``
-        characters (committed before this step) held no stop string, so only what follows them,
-        with the last ``len(stop) - 1`` characters before, is searched. Without a match the text
-        is the committed text less the last ``max(len(stop)) - 1`` characters, which a stop
-        string completed later could still trim, so the texts a stream sees only ever grow.
-
-        Args:
-          sample: the sample whose detokenizer has just been updated.
-          searched: ``len(detokenizer.text)`` before the update.
-
-        Returns:
-          True if a stop string matched (then ``stop_reason`` is set to it).
-        """
-        comp, detok = sample.completion, sample.detokenizer
-        hold = max([len(s) - 1 for s in sample.params.stop if s], default=0)
-        start = max(0, searched - hold)
-        tail = detok.text[start:] + detok.pending
-        hits = [(tail.find(s), s) for s in sample.params.stop if s and s in tail]
-        if not hits:
-            comp.text = detok.text[:max(0, len(detok.text) - hold)]
-            return False
-        pos, stop = min(hits)
-        comp.text = detok.text[:start] + tail[:pos]
-        comp.stop_reason = stop
-        return True
-
-    def _collect_finished(self) -> list[RequestOutput]:
-        """Moves scheduler-finished sequences into their requests; returns finished requests."""
-        out = []
-        now = time.perf_counter()
-        for seq_id, rs in self._state.finished.items():
-            sample = self._samples.pop(seq_id, None)
-            if sample is None:
-                continue
-            comp = sample.completion
-            comp.finish_reason = rs.finish_reason
-            if comp.stop_reason is None:   # no stop string trimmed it: all of the text
-                comp.text = sample.detokenizer.text + sample.detokenizer.pending
-            if comp.stop_reason is None and rs.finish_reason == scheduler.FINISH_STOP \
-                    and comp.token_ids:
-                comp.stop_reason = comp.token_ids[-1]
-            req = self._requests[sample.parent]
-            if all(s.completion.finished for s in req.samples):
-                req.metrics.finished_time = now
-                out.append(req.output())
-                del self._requests[req.request_id]
-        return out
-
     # ------------------------------------------------------------------ high level
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -632,7 +494,7 @@ class LLM:
         new = []
         for i, (p, sp, pr) in enumerate(zip(prompts, params, prio)):
             try:
-                new.append(self._new_request(p, sp, priority=pr, cache_salt=cache_salt))
+                new.append(self._table.new_request(p, sp, priority=pr, cache_salt=cache_salt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         try:
@@ -664,7 +526,7 @@ class LLM:
                         finished = out.finished
                         yield out
         finally:
-            if not finished and rid in self._requests:
+            if not finished and rid in self._table.requests:
                 self.abort_request(rid)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,

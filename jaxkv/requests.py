@@ -1,0 +1,222 @@
+"""Per-request host bookkeeping of the engine: what a request is and how its outputs are built.
+
+``RequestTable`` validates prompts into requests, holds the live ones and turns finished samples
+into ``RequestOutput``s; nothing here touches the device. A request with ``n > 1`` runs as ``n``
+scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does); samples ``i > 0``
+fork sample 0 once its prompt is computed, sharing the prompt's blocks (copy-on-write). Each
+``Sample`` keeps its detokenized text, stop strings and logprobs; its ``Request`` the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from jaxkv import scheduler
+from jaxkv.detokenize import IncrementalDetokenizer
+from jaxkv.model.tokenizer import Tokenizer
+from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxkv.sampling import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass
+class Sample:
+    """Host bookkeeping of one scheduler sequence (one of a request's ``n`` samples)."""
+
+    parent: str
+    params: SamplingParams
+    completion: CompletionOutput
+    detokenizer: IncrementalDetokenizer
+
+    def append(self, token: int, logprob: float, top_ids: np.ndarray,
+               top_vals: np.ndarray) -> bool:
+        """Appends one sampled token: its logprobs, the detokenized text and the stop strings.
+
+        Args:
+          token: the sampled token id.
+          logprob: its log-probability.
+          top_ids: [N] int32, the step's top-N token ids for this sample (N >= ``params.logprobs``
+            when logprobs are requested; read only then).
+          top_vals: [N] float32, their log-probabilities.
+
+        Returns:
+          True if a stop string matched (see ``_apply_stop_strings``).
+        """
+        comp = self.completion
+        comp.token_ids.append(token)
+        comp.cumulative_logprob += logprob
+        if comp.logprobs is not None:
+            n = self.params.logprobs
+            entry = {int(i): float(v) for i, v in zip(top_ids[:n], top_vals[:n])}
+            entry[token] = logprob
+            comp.logprobs.append(entry)
+        searched = len(self.detokenizer.text)
+        self.detokenizer.update(comp.token_ids)
+        return self._apply_stop_strings(searched)
+
+    def _apply_stop_strings(self, searched: int) -> bool:
+        """Sets the completion's text after new tokens, trimmed before the earliest stop string.
+
+        The full text is ``detokenizer.text + detokenizer.pending``; its first ``searched``
+        characters (committed before this step) held no stop string, so only what follows them,
+        with the last ``len(stop) - 1`` characters before, is searched. Without a match the text
+        is the committed text less the last ``max(len(stop)) - 1`` characters, which a stop
+        string completed later could still trim, so the texts a stream sees only ever grow.
+
+        Args:
+          searched: ``len(detokenizer.text)`` before the update.
+
+        Returns:
+          True if a stop string matched (then ``stop_reason`` is set to it).
+        """
+        comp, detok = self.completion, self.detokenizer
+        hold = max([len(s) - 1 for s in self.params.stop if s], default=0)
+        start = max(0, searched - hold)
+        tail = detok.text[start:] + detok.pending
+        hits = [(tail.find(s), s) for s in self.params.stop if s and s in tail]
+        if not hits:
+            comp.text = detok.text[:max(0, len(detok.text) - hold)]
+            return False
+        pos, stop = min(hits)
+        comp.text = detok.text[:start] + tail[:pos]
+        comp.stop_reason = stop
+        return True
+
+    def finish(self, finish_reason: str) -> None:
+        """Marks the completion finished: its full text unless a stop string trimmed it, and a
+        stop token as ``stop_reason`` when a stop token (or eos) ended it."""
+        comp = self.completion
+        comp.finish_reason = finish_reason
+        if comp.stop_reason is None:   # no stop string trimmed it: all of the text
+            comp.text = self.detokenizer.text + self.detokenizer.pending
+        if comp.stop_reason is None and finish_reason == scheduler.FINISH_STOP and comp.token_ids:
+            comp.stop_reason = comp.token_ids[-1]
+
+
+@dataclasses.dataclass
+class Request:
+    """Host bookkeeping of one request: its prompt, its ``n`` samples and its metrics."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int | None = None
+
+    def output(self) -> RequestOutput:
+        """A snapshot of the request as a ``RequestOutput`` (later steps do not change it)."""
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids),
+                             [dataclasses.replace(s.completion, token_ids=list(
+                                 s.completion.token_ids)) for s in self.samples],
+                             dataclasses.replace(self.metrics), self.num_cached_tokens)
+
+
+class RequestTable:
+    """The engine's live requests on the host, and the validation of new ones.
+
+    Args:
+      tokenizer: the model's tokenizer (prompts, eos ids, detokenization).
+      vocab_size: token ids of prompts must lie in ``[0, vocab_size)``.
+      max_model_len: longest prompt + ``max_tokens``.
+
+    Attributes:
+      requests: live requests by request id.
+      samples: their unfinished samples by scheduler sequence id ``"<id>#<i>"``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.samples: dict[str, Sample] = {}
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a str or a ``{"prompt_token_ids": [...]}`` dict.
+
+        Raises:
+          ValueError: an empty prompt, token ids outside the vocabulary, or another type.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(i) for i in prompt["prompt_token_ids"]]
+            if not ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"prompt_token_ids must lie in [0, vocab_size="
+                                 f"{self.vocab_size})")
+            return prompt.get("prompt"), ids
+        raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got "
+                         f"{type(prompt).__name__}")
+
+    def new_request(self, prompt: str | dict, params: SamplingParams, *, priority: int = 0,
+                    request_id: str | None = None, cache_salt=None
+                    ) -> tuple[Request, list[scheduler.Request]]:
+        """Validates one prompt; returns its request and its ``n`` scheduler requests, adding
+        nothing (``add`` does, once the scheduler took them).
+
+        Raises:
+          ValueError: naming the bad prompt or parameter.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={MAX_LOGPROBS}")
+        text, ids = self.tokenize(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
+                             f"exceed max_model_len={self.max_model_len}")
+        rid = str(next(self._ids)) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        now = time.perf_counter()
+        samples, reqs = [], []
+        for i in range(params.n):
+            p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            samples.append(Sample(rid, p, CompletionOutput(
+                index=i, logprobs=[] if params.logprobs is not None else None),
+                IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)))
+            stop = scheduler.StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+                                      stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+                                      eos_token_ids=self.tokenizer.eos_token_ids)
+            reqs.append(scheduler.Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
+                                          arrival_time=now, priority=priority,
+                                          cache_salt=cache_salt,
+                                          fork_of=f"{rid}#0" if i else None))
+        return Request(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
+
+    def add(self, new: list[tuple[Request, list[scheduler.Request]]]) -> None:
+        """Registers requests from ``new_request`` that the scheduler has taken."""
+        for req, reqs in new:
+            self.requests[req.request_id] = req
+            for r, sample in zip(reqs, req.samples):
+                self.samples[r.request_id] = sample
+
+    def collect_finished(self, finished: Mapping[str, scheduler.RequestState]
+                         ) -> list[RequestOutput]:
+        """Finishes the samples of the scheduler's ``finished`` sequences; returns (and forgets)
+        the requests whose samples are now all finished."""
+        out = []
+        now = time.perf_counter()
+        for seq_id, rs in finished.items():
+            sample = self.samples.pop(seq_id, None)
+            if sample is None:
+                continue
+            sample.finish(rs.finish_reason)
+            req = self.requests[sample.parent]
+            if all(s.completion.finished for s in req.samples):
+                req.metrics.finished_time = now
+                out.append(req.output())
+                del self.requests[req.request_id]
+        return out

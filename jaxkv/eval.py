@@ -54,6 +54,15 @@ class PerplexityResult:
     chunk: int
 
 
+def _sequence_cache(llm, num_blocks: int, kv_cache_dtype: str, cache_options: dict):
+    """A cache for one sequence of ``num_blocks`` blocks (+ the null block) in the model's
+    geometry; KIVI pools get one residual window's worth of slots."""
+    c = llm.model_config
+    return init_cache(c.num_layers, num_blocks + 1, llm.cache_config.block_size, c.num_kv_heads,
+                      c.head_dim, llm.dtype, kv_cache_dtype=kv_cache_dtype,
+                      num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
+
+
 def _make_chunk_fn(config, attention_impl: str):
     @partial(jax.jit, donate_argnums=1)
     def run(params, cache, token_ids, targets, positions, slots, block_table, seq_len):
@@ -104,9 +113,7 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
         raise ValueError(f"the text has {len(ids)} tokens; context={context} needs more than that")
     c, bs = llm.model_config, llm.cache_config.block_size
     nb = -(-context // bs)
-    cache = init_cache(c.num_layers, nb + 1, bs, c.num_kv_heads, c.head_dim, llm.dtype,
-                       kv_cache_dtype=kv_cache_dtype,
-                       num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
+    cache = _sequence_cache(llm, nb, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, llm.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
     total, count, windows = 0.0, 0, 0
@@ -177,9 +184,7 @@ def token_agreement(llm, prompt_ids, reference_ids, *, kv_cache_dtype: str,
     ids = np.concatenate([prompt, ref])
     c, bs = llm.model_config, llm.cache_config.block_size
     nb = -(-len(ids) // bs)
-    cache = init_cache(c.num_layers, nb + 1, bs, c.num_kv_heads, c.head_dim, llm.dtype,
-                       kv_cache_dtype=kv_cache_dtype,
-                       num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
+    cache = _sequence_cache(llm, nb, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, llm.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
     steps = [(a, min(a + prefill_chunk, len(prompt))) for a in range(0, len(prompt), prefill_chunk)]

@@ -14,21 +14,22 @@ from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E4
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
               block_size=8, token_buckets=(16, 64), seq_buckets=(4,))
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+def _tiny_checkpoint(tmp_path_factory, name, head_dim):
+    path = tmp_path_factory.mktemp(name)
+    save_tokenizer(path)
+    save_tiny_model(path, "llama", head_dim=head_dim)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tinyq")
-    save_tokenizer(path)
-    save_tiny_model(path, "llama", head_dim=16)
-    return str(path)
+    return _tiny_checkpoint(tmp_path_factory, "tinyq", 16)
 
 
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory):
     """head_dim 64: the smallest head the packed int2 kernel serves (16-channel chunks)."""
-    path = tmp_path_factory.mktemp("tinyq64")
-    save_tokenizer(path)
-    save_tiny_model(path, "llama", head_dim=64)
-    return str(path)
+    return _tiny_checkpoint(tmp_path_factory, "tinyq64", 64)
 
 
 def prompts(n, seed=0):

@@ -34,13 +34,13 @@ def quantized_pools(kv, lengths, seed=0, d=D, **kw):
     return c.k[0], c.v[0], jnp.asarray(tables), jnp.asarray(lengths, jnp.int32)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
-def test_ragged_and_decode_kernels_match_reference_on_quantized_pages(kv):
-    lengths = [19, 5, 12]
-    k, v, tables, lens = quantized_pools(kv, lengths)
+def assert_kernels_match_reference(k, v, tables, lens):
+    """Ragged (prefill chunks of 7, 1, 4 tokens) and split-K decode kernels == the reference on
+    the pools of three sequences."""
     q_lens = np.array([7, 1, 4])
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    q = jnp.asarray(np.random.default_rng(1).normal(size=(int(q_lens.sum()), H, D)), jnp.float32)
+    q = jnp.asarray(np.random.default_rng(1).normal(size=(int(q_lens.sum()), H, k.shape[3])),
+                    jnp.float32)
     want = paged_attention_reference(q, k, v, tables, lens, qsl)
     got = ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
@@ -48,6 +48,13 @@ def test_ragged_and_decode_kernels_match_reference_on_quantized_pages(kv):
     want = paged_attention_reference(qd, k, v, tables, lens, jnp.arange(4, dtype=jnp.int32))
     got = paged_decode_attention(qd, k, v, tables, lens, num_splits=2, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_ragged_and_decode_kernels_match_reference_on_quantized_pages(kv):
+    lengths = [19, 5, 12]
+    k, v, tables, lens = quantized_pools(kv, lengths)
+    assert_kernels_match_reference(k, v, tables, lens)
 
 
 def test_static_scale_fp8_kernel_matches_reference():
@@ -67,16 +74,7 @@ def test_kivi_kernels_match_reference_on_packed_pages(kv, d, axes):
     k, v, tables, lens = quantized_pools(kv, lengths, d=d, key_axis=axes[0],
                                          value_axis=axes[1], group_size=16)
     assert int((k.res_slot > 0).sum()) == 2      # the tails of 19 and 5 are unsealed
-    q_lens = np.array([7, 1, 4])
-    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    q = jnp.asarray(np.random.default_rng(1).normal(size=(int(q_lens.sum()), H, d)), jnp.float32)
-    want = paged_attention_reference(q, k, v, tables, lens, qsl)
-    got = ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=True)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-    qd = q[:3]
-    want = paged_attention_reference(qd, k, v, tables, lens, jnp.arange(4, dtype=jnp.int32))
-    got = paged_decode_attention(qd, k, v, tables, lens, num_splits=2, interpret=True)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert_kernels_match_reference(k, v, tables, lens)
 
 
 def test_kivi_kernel_errors_name_the_problem():

@@ -20,9 +20,11 @@ from jaxkv import scheduler
 from jaxkv.detokenize import IncrementalDetokenizer
 from jaxkv.model.tokenizer import Tokenizer
 from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxkv.sampling import SamplingParams
+from jaxkv.sampling import SamplingParams, check_number, check_token_ids, check_type
 
 MAX_LOGPROBS = 20
+# The keys of a token prompt dict (vLLM's TokensPrompt, without multi-modal data).
+_PROMPT_KEYS = frozenset({"prompt_token_ids", "prompt"})
 
 
 @dataclasses.dataclass
@@ -140,46 +142,72 @@ class RequestTable:
         self._ids = itertools.count()
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a str or a ``{"prompt_token_ids": [...]}`` dict.
+        """(text or None, token ids) of one prompt.
+
+        A prompt is a non-empty str, or a dict (vLLM's ``TokensPrompt``) with
+        ``"prompt_token_ids"``, a non-empty list / tuple of ints or 1-D integer array, and
+        optionally ``"prompt"``, its text (a str, reported back in the output). Every id, the
+        tokenizer's included, must lie in ``[0, vocab_size)``.
 
         Raises:
-          ValueError: an empty prompt, token ids outside the vocabulary, or another type.
+          ParamTypeError: a prompt, text or token id of the wrong type (a ``TypeError``).
+          ValueError: an empty prompt, an unknown dict key, or an id outside the vocabulary.
         """
+        check_type("prompt", prompt, (str, dict), "a str or a dict with 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = [int(i) for i in prompt["prompt_token_ids"]]
-            if not ids:
-                raise ValueError("prompt_token_ids must not be empty")
-            if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise ValueError(f"prompt_token_ids must lie in [0, vocab_size="
-                                 f"{self.vocab_size})")
-            return prompt.get("prompt"), ids
-        raise ValueError(f"prompt must be a str or a dict with 'prompt_token_ids', got "
-                         f"{type(prompt).__name__}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            if set(prompt) - _PROMPT_KEYS or "prompt_token_ids" not in prompt:
+                raise ValueError(f"prompt has keys {sorted(prompt, key=repr)}: it must have "
+                                 f"'prompt_token_ids' and may have 'prompt', nothing else")
+            text = prompt.get("prompt")
+            if text is not None:
+                check_type("prompt['prompt']", text, (str,), "None or a str")
+            ids = prompt["prompt_token_ids"]
+        ids = check_token_ids("prompt_token_ids", ids, self.vocab_size)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        return text, ids
 
     def new_request(self, prompt: str | dict, params: SamplingParams, *, priority: int = 0,
-                    request_id: str | None = None, cache_salt=None
+                    request_id: str | int | None = None, cache_salt: str | None = None
                     ) -> tuple[Request, list[scheduler.Request]]:
-        """Validates one prompt; returns its request and its ``n`` scheduler requests, adding
-        nothing (``add`` does, once the scheduler took them).
+        """Validates one request; returns it and its ``n`` scheduler requests, adding nothing
+        (``add`` does, once the scheduler took them).
+
+        Args:
+          prompt: see ``tokenize``.
+          params: its ``SamplingParams``; ``logprobs <= MAX_LOGPROBS`` and every stop token id
+            inside the vocabulary.
+          priority: an int (Python or numpy); lower is more urgent.
+          request_id: a str, or an int (stored as its decimal str, so ``abort_request`` takes
+            either), not in use by a live request; None picks the next free counter value.
+          cache_salt: None or a str: the prefix-cache namespace.
 
         Raises:
-          ValueError: naming the bad prompt or parameter.
+          ParamTypeError: naming the field of the wrong type (a ``TypeError``).
+          ValueError: naming the bad value; nothing is queued either way.
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_type("sampling_params", params, (SamplingParams,), "a SamplingParams")
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={MAX_LOGPROBS}")
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        priority = check_number("priority", priority, int)
+        check_type("cache_salt", cache_salt, (str, type(None)), "None or a str")
+        check_type("request_id", request_id, (str, int, np.integer, type(None)),
+                   "None, a str or an int")
         text, ids = self.tokenize(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens={params.max_tokens} "
                              f"exceed max_model_len={self.max_model_len}")
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self.requests:
-            raise ValueError(f"request_id={rid!r} is already in use")
+        if request_id is None:
+            rid = next(r for r in map(str, self._ids) if r not in self.requests)
+        else:
+            rid = request_id if isinstance(request_id, str) else str(int(request_id))
+            if rid in self.requests:
+                raise ValueError(f"request_id={rid!r} is already in use")
         now = time.perf_counter()
         samples, reqs = [], []
         for i in range(params.n):

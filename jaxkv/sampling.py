@@ -4,7 +4,10 @@ The host describes every request of a step with a ``SamplingParams`` (vLLM's fie
 defaults). ``SamplingTensors.from_params`` turns the batch into fixed-shape numpy arrays, padded to
 the engine's sequence bucket ``S``, and ``sample(logits, tensors, rng)`` draws one token per row
 inside the engine's jitted step. Per-request behaviour is data, never a static argument, so one
-compiled sampler serves every mix of greedy, seeded and penalised requests.
+compiled sampler serves every mix of greedy, seeded and penalised requests. The request checks
+(``check_type``, ``check_number``, ``check_token_ids``) live here too: ``SamplingParams`` checks
+every field with them on construction, and ``jaxkv.requests`` checks prompts and the other
+request fields with the same three.
 
 Processing order of one row (``process_logits``), as in vLLM:
 
@@ -36,6 +39,7 @@ Processing order of one row (``process_logits``), as in vLLM:
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from collections.abc import Sequence
 from functools import partial
 
@@ -47,25 +51,136 @@ import numpy as np
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Padding of the history and stop-id arrays.
 PAD_ID = -1
+# What the request checks accept as a bool, an int and a real number (bools are neither number).
+_BOOLS = (bool, np.bool_)
+_INTS = (int, np.integer)
+_REALS = (int, float, np.integer, np.floating)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class ParamTypeError(TypeError, ValueError):
+    """A request field of the wrong type.
+
+    A ``TypeError``, and also a ``ValueError`` so that callers that report every rejected
+    request by catching ``ValueError`` (the CLI, ``LLM.generate``) keep reporting this one.
+    """
+
+
+def check_type(name: str, value, types: tuple[type, ...], expected: str):
+    """Returns ``value`` if it is an instance of ``types``; a bool only if ``bool`` is one of them.
+
+    Raises:
+      ParamTypeError: ``"<name>=<value> is not <expected>"``.
+    """
+    if not isinstance(value, types) or (isinstance(value, _BOOLS) and bool not in types):
+        raise ParamTypeError(f"{name}={reprlib.repr(value)} is not {expected}")
+    return value
+
+
+def check_number(name: str, value, kind: type = int, *, low=None, high=None,
+                 low_open: bool = False, high_open: bool = False, optional: bool = False,
+                 note: str = ""):
+    """Returns ``value`` as a Python ``kind`` (``int`` or ``float``) inside the given range.
+
+    An int is a Python or numpy integer; a float is any Python or numpy real number and must be
+    finite as a float32 (what the sampler computes with). Bools are neither.
+
+    Args:
+      name: the field, named first in every error.
+      value: what the caller passed.
+      kind: ``int`` or ``float``.
+      low, high: the bounds (None: unbounded), inclusive unless ``low_open`` / ``high_open``.
+      optional: None is allowed (and returned).
+      note: appended to the range error (e.g. what a bound stands for).
+
+    Raises:
+      ParamTypeError: not a number of ``kind``.
+      ValueError: NaN, infinite, or outside the range.
+    """
+    if optional and value is None:
+        return None
+    expected = "an int" if kind is int else "a real number"
+    check_type(name, value, _INTS if kind is int else _REALS,
+               f"None or {expected}" if optional else expected)
+    if kind is float and not abs(value) <= _F32_MAX:   # NaN, +-inf, or beyond float32
+        raise ValueError(f"{name}={reprlib.repr(value)} is not finite (as a float32)")
+    number = kind(value)
+    if (low is not None and (number <= low if low_open else number < low)) or (
+            high is not None and (number >= high if high_open else number > high)):
+        if high is None:
+            bounds = f"{'>' if low_open else '>='} {low}"
+        elif low is None:
+            bounds = f"{'<' if high_open else '<='} {high}"
+        else:
+            bounds = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name}={number!r} must be {bounds}{note}")
+    return number
+
+
+def check_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
+    """Returns token ids as a list of Python ints, each ``>= 0`` (and ``< vocab_size`` if given).
+
+    ``ids`` is a list or tuple of ints (Python or numpy; no bools, floats or strings) or a 1-D
+    numpy integer array.
+
+    Raises:
+      ParamTypeError: another container, an element that is not an int, or a non-integer array.
+      ValueError: an array that is not 1-D, or an id outside the range; element errors read
+        ``"<name>=<ids>: <name>[<index>]=<id> ..."``.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise ParamTypeError(f"{name} has dtype {ids.dtype}, not an integer dtype")
+        if ids.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {ids.shape}")
+        ids = ids.tolist()
+    check_type(name, ids, (list, tuple), "a list or tuple of ints or a 1-D integer array")
+    head = f"{name}={reprlib.repr(ids)}: {name}"
+    note = "" if vocab_size is None else f" (vocab_size={vocab_size})"
+    return [check_number(f"{head}[{i}]", t, int, low=0, high=vocab_size, high_open=True,
+                         note=note) for i, t in enumerate(ids)]
+
+
+# The numeric fields of SamplingParams and their checks (vLLM's ranges), in field order.
+_NUMERIC_FIELDS = {
+    "n": dict(kind=int, low=1),
+    "temperature": dict(kind=float, low=0),
+    "top_p": dict(kind=float, low=0, high=1, low_open=True),
+    "top_k": dict(kind=int, low=-1, note=" (-1 or 0: off)"),
+    "min_p": dict(kind=float, low=0, high=1),
+    "repetition_penalty": dict(kind=float, low=0, low_open=True),
+    "presence_penalty": dict(kind=float, low=-2, high=2),
+    "frequency_penalty": dict(kind=float, low=-2, high=2),
+    "seed": dict(kind=int, low=0, high=2 ** 64, high_open=True, optional=True, note=" (2**64)"),
+    "max_tokens": dict(kind=int, low=1),
+    "logprobs": dict(kind=int, low=0, optional=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request (vLLM's ``SamplingParams`` fields and defaults).
 
+    Every field is checked on construction: int fields take Python or numpy integers, float
+    fields any finite real number (NaN and inf refused), flags bools; a bool is never a number.
+    Each is stored as the plain Python type. A wrong type raises ``ParamTypeError`` (a
+    ``TypeError``), a wrong value ``ValueError``; both messages start with the field's name.
+
     Attributes:
       n: completions per prompt (parallel sampling); >= 1.
       temperature: softmax temperature; 0 (or below 1e-5) means greedy argmax.
       top_p: nucleus mass in (0, 1]; 1 keeps every token.
-      top_k: keep the k most likely tokens; -1 or 0 keeps every token.
+      top_k: keep the k most likely tokens; -1 or 0 keeps every token (0 is stored as -1, as
+        both mean off in vLLM).
       min_p: keep tokens with probability >= ``min_p`` x the top probability; in [0, 1].
       repetition_penalty: > 0; > 1 discourages tokens seen in the prompt or output.
       presence_penalty: in [-2, 2]; subtracted once from every token present in the output.
       frequency_penalty: in [-2, 2]; subtracted per occurrence of a token in the output.
       seed: 0 <= seed < 2**64 makes the request's samples reproducible; None draws from the
         engine's stream.
-      stop: stop strings; a ``str`` or a list of them is stored as a tuple.
-      stop_token_ids: token ids that end the request (besides eos), stored as a tuple.
+      stop: stop strings; a ``str`` or a list / tuple of them is stored as a tuple.
+      stop_token_ids: token ids >= 0 that end the request (besides eos): a list / tuple of ints
+        or a 1-D integer array, stored as a tuple (the engine checks them against its vocab).
       max_tokens: most tokens to generate; >= 1.
       min_tokens: stop and eos tokens are suppressed until this many tokens are generated;
         ``0 <= min_tokens <= max_tokens``.
@@ -93,47 +208,32 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 or 0 (off) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2 ** 64):
-            raise ValueError(f"seed={self.seed!r} must be None or an int in [0, 2**64)")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs={self.logprobs} must be None or >= 0")
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
+        """Checks every field (type first, then value) and stores it normalised: Python ints and
+        floats, ``top_k`` 0 as -1, ``stop`` and ``stop_token_ids`` as tuples, flags as bools.
+
+        Raises:
+          ParamTypeError: a field of the wrong type (a ``TypeError``), named first.
+          ValueError: a field's value out of range (or NaN / infinite), named first.
+        """
+        for name, check in _NUMERIC_FIELDS.items():
+            object.__setattr__(self, name, check_number(name, getattr(self, name), **check))
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        object.__setattr__(self, "min_tokens", check_number(
+            "min_tokens", self.min_tokens, int, low=0, high=self.max_tokens,
+            note=f" (max_tokens={self.max_tokens})"))
+        stop = () if self.stop is None else self.stop
+        if isinstance(stop, str):
             stop = (stop,)
-        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-            stop = tuple(stop)
-        else:
-            raise ValueError(f"stop={self.stop!r} must be None, a str or a list of str")
-        object.__setattr__(self, "stop", stop)
+        check_type("stop", stop, (list, tuple), "None, a str or a list of str")
+        head = f"stop={reprlib.repr(stop)}: stop"
+        object.__setattr__(self, "stop", tuple(
+            check_type(f"{head}[{i}]", s, (str,), "a str") for i, s in enumerate(stop)))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(i, (int, np.integer)) and i >= 0 for i in ids):
-            raise ValueError(
-                f"stop_token_ids={self.stop_token_ids!r} must be None or a list of ints >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        object.__setattr__(self, "stop_token_ids", tuple(check_token_ids("stop_token_ids", ids)))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            object.__setattr__(self, name, bool(check_type(name, getattr(self, name), _BOOLS,
+                                                           "a bool")))
 
     @property
     def greedy(self) -> bool:

@@ -98,12 +98,14 @@ def host_overhead(llm, tokenizer, n=256, out=24):
     while llm.stats()["num_running"] < n or llm.stats()["num_waiting"]:
         llm.step()                     # prefill every request first
     before = llm.stats()
-    busy0, dev0 = llm._busy_time, llm._device_time
+    s0 = llm.stats()
+    busy0, dev0 = s0["busy_time_s"], s0["device_time_s"]
     steps = 0
     while llm.stats()["num_running"] == n and steps < 8:
         llm.step()
         steps += 1
-    busy, dev = llm._busy_time - busy0, llm._device_time - dev0
+    s1 = llm.stats()
+    busy, dev = s1["busy_time_s"] - busy0, s1["device_time_s"] - dev0
     while llm.has_unfinished_requests():
         llm.step()
     return {"running": n, "steps": steps, "step_s": busy / steps,

@@ -1,6 +1,7 @@
 """jaxkv: a JAX/Pallas LLM inference engine built around paged KV-cache memory management.
 
-The public API is small: ``LLM`` (the engine), ``SamplingParams``, the outputs, the configs and
+The public API is small: ``LLM`` and ``AsyncLLM`` (the engine facades), ``EngineCore``
+(the step loop), ``SamplingParams``, the outputs, the configs and
 the memory planner. The names are imported on first use, so ``import jaxkv.pallas`` (the GPU
 check on a machine with only jax and numpy) does not pull in flax, the tokenizer or tqdm.
 Importing jaxkv never imports torch or transformers.
@@ -9,7 +10,11 @@ Importing jaxkv never imports torch or transformers.
 import importlib
 
 _EXPORTS = {
-    "LLM": "jaxkv.engine",
+    "LLM": "jaxkv.engine.llm",
+    "AsyncLLM": "jaxkv.engine.async_llm",
+    "EngineCore": "jaxkv.engine.core",
+    "DataParallelLLM": "jaxkv.replicas",
+    "EngineConfig": "jaxkv.config",
     "SamplingParams": "jaxkv.sampling",
     "RequestOutput": "jaxkv.outputs",
     "CompletionOutput": "jaxkv.outputs",

@@ -84,40 +84,44 @@ def score(tokens: Sequence[int], cum_logprob: float, eos_token_ids: Sequence[int
     return cum_logprob / seq_len ** length_penalty
 
 
-def run(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Beam search with the engine ``llm`` (module docstring); one output per prompt."""
+def run(core, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """Beam search with an idle ``EngineCore`` (module docstring); one output per prompt.
+
+    It drives the scheduler itself through the core's driver calls: ``scheduler_state``, then
+    ``run`` for each plan it schedules, then ``commit`` of the final state (every beam released).
+    """
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-    if llm.has_unfinished_requests():
+    if core.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine: finish or abort queued requests first")
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
     width = params.beam_width
-    per_group = llm.sched_config.max_num_seqs // width
+    per_group = core.sched_config.max_num_seqs // width
     if per_group < 1:
         raise ValueError(f"beam_width={width} exceeds max_num_seqs="
-                         f"{llm.sched_config.max_num_seqs}")
+                         f"{core.sched_config.max_num_seqs}")
     encoded = []
     for i, p in enumerate(prompts):
-        _, ids = llm._tokenize(p)
-        if len(ids) + params.max_tokens > llm.sched_config.max_model_len:
+        _, ids = core.tokenize(p)
+        if len(ids) + params.max_tokens > core.sched_config.max_model_len:
             raise ValueError(f"prompts[{i}]: its {len(ids)} tokens + max_tokens="
                              f"{params.max_tokens} exceed max_model_len="
-                             f"{llm.sched_config.max_model_len}")
+                             f"{core.sched_config.max_model_len}")
         encoded.append(ids)
     out = []
     for start in range(0, len(encoded), per_group):
-        out += _run_group(llm, encoded[start:start + per_group], params)
+        out += _run_group(core, encoded[start:start + per_group], params)
     return out
 
 
-def _run_group(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def _run_group(core, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Beam search of at most ``max_num_seqs // beam_width`` prompts together."""
-    width, config = params.beam_width, llm.sched_config
-    eos = tuple(llm.tokenizer.eos_token_ids)
+    width, config = params.beam_width, core.sched_config
+    eos = tuple(core.tokenizer.eos_token_ids)
     sampling = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=2 * width,
                               ignore_eos=True)
-    state = llm._state
+    state = core.scheduler_state
     ids = (f"beam-{n}" for n in itertools.count())
     beams: dict[str, tuple[int, list[int], float]] = {}   # id -> (prompt, tokens, cum logprob)
     for i, prompt in enumerate(prompts):
@@ -132,16 +136,15 @@ def _run_group(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[
             top = {}   # beam id -> [(token, logprob)], its top 2 * width
             while len(top) < len(beams):
                 state, plan = scheduler.schedule(state, config)
-                llm._peak_usage = max(llm._peak_usage, state.block_manager.usage())
                 for rid in plan.preempted_ids:
                     top.pop(rid, None)   # its K/V is gone: it is recomputed
                 if not plan.seqs:
                     continue
-                _, _, top_ids, top_vals = llm._run_plan(state, plan, [sampling] * len(plan.seqs))
+                result = core.run(state, plan, [sampling] * len(plan.seqs))
                 for row, seq in enumerate(plan.seqs):
                     if seq.sample:
-                        top[seq.request_id] = list(zip(top_ids[row, :2 * width].tolist(),
-                                                       top_vals[row, :2 * width].tolist()))
+                        top[seq.request_id] = list(zip(result.top_ids[row, :2 * width].tolist(),
+                                                       result.top_vals[row, :2 * width].tolist()))
                 rest = tuple(s for s in plan.seqs if not s.sample)
                 state = scheduler.update(state, dataclasses.replace(plan, seqs=rest),
                                          [0] * len(rest))
@@ -174,13 +177,13 @@ def _run_group(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[
         for rid in beams:
             if rid in state.requests:
                 state = scheduler.abort(state, rid)
-        llm._state = state
+        core.commit(state)
     outputs = []
     for i, hyps in enumerate(finished):
         hyps.sort(key=lambda h: -score(h[0], h[1], eos, params.length_penalty))
         n = len(prompts[i])
         outputs.append(BeamSearchOutput([
             BeamSearchSequence(tokens=t, cum_logprob=c, finish_reason=r,
-                               text=llm.tokenizer.decode(t[n:], skip_special_tokens=True))
+                               text=core.tokenizer.decode(t[n:], skip_special_tokens=True))
             for t, c, r in hyps[:width]]))
     return outputs

@@ -1,63 +1,28 @@
-"""The ``jaxkv`` command line: ``generate``, ``chat``, ``bench``, ``plan`` (flags named like vLLM's)."""
+"""The ``jaxkv`` command line; engine flags are generated from ``jaxkv.config.EngineConfig``
+(named like vLLM's)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
+
+from jaxkv.config import EngineConfig, parse_bytes
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
 ]
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` / ``"1.5e9"`` / ``"512MB"`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB, 512MB or 1e9")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="SmolLM2-135M-Instruct",
-                   help="store name, .gguf file or HF model directory (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (= --dtype), fp32, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2 "
-                        "(KIVI); see jaxkv/cache.py")
-    g.add_argument("--kv-residual-blocks", type=int, default=1,
-                   help="int4/int2: KIVI residual window in blocks kept in full precision")
-    g.add_argument("--kv-group-size", type=int, default=32,
-                   help="int4/int2: channels per value scale/zero group (KIVI)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization",
-                   type=float, default=0.9, help="fraction of device (CPU: host budget) memory")
-    g.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=parse_bytes, default=None,
-                   help="KV pool size (e.g. 2GiB), overrides the utilization sizing")
-    g.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int,
-                   default=None, help="KV pool size in blocks (including the null block)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-impl", choices=["reference", "pallas"], default=None,
-                   help="default: pallas on GPU, reference on CPU")
-    g.add_argument("--interpret", action="store_true", help="run Pallas kernels in interpret mode")
-    g = p.add_argument_group("parallelism (jaxkv.sharding, jaxkv.replicas)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="devices each engine's model is split over")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="independent engine replicas, each over --tensor-parallel-size devices")
+def _engine_args(p: argparse.ArgumentParser, **defaults) -> None:
+    """Every engine flag (generated from ``EngineConfig``) and the multi-host launch flags."""
+    EngineConfig.add_cli_args(p, **defaults)
+    g = p.add_argument_group("multi-host launch (jax.distributed)")
     g.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0, for jax.distributed.initialize "
                         "(default: the JAX_COORDINATOR_ADDRESS env var); every process runs the "
@@ -78,21 +43,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _make_llm(a):
-    from jaxkv.engine import LLM
-
+    """The engine of the parsed flags: an ``LLM``, or a ``DataParallelLLM`` for ``-dp > 1``."""
     if a.coordinator_address or a.num_processes:
         from jaxkv.sharding import initialize_distributed
 
         initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
-    return LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-               kv_residual_blocks=a.kv_residual_blocks, kv_group_size=a.kv_group_size,
-               block_size=a.block_size,
-               max_model_len=a.max_model_len,
-               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               memory_utilization=a.memory_utilization, kv_cache_bytes=a.kv_cache_bytes,
-               num_kv_blocks=a.num_kv_blocks, seed=a.seed, attention_impl=a.attention_impl,
-               interpret=a.interpret, tensor_parallel_size=a.tensor_parallel_size,
-               data_parallel_size=a.data_parallel_size)
+    config = EngineConfig.from_cli(a)
+    if config.parallel.data_parallel_size > 1:
+        from jaxkv.replicas import DataParallelLLM
+
+        return DataParallelLLM(**config.to_kwargs())
+    from jaxkv.engine.llm import LLM
+
+    return LLM.from_config(config)
 
 
 def _sampling(a):
@@ -177,23 +140,18 @@ def cmd_bench(a) -> int:
 
 def cmd_plan(a) -> int:
     from jaxkv import planner
+    from jaxkv.engine.runner import plan_memory, resolve
     from jaxkv.model.weights import load_config
 
-    config = load_config(a.model)
-    memory = a.device_memory or planner.host_memory_budget()
-    print(f"model: {a.model} ({config.architecture}, {config.num_layers} layers, "
+    engine = EngineConfig.from_cli(a)
+    config = load_config(engine.model.model)
+    print(f"model: {engine.model.model} ({config.architecture}, {config.num_layers} layers, "
           f"{config.num_heads} q heads / {config.num_kv_heads} kv heads x {config.head_dim})")
     print("KV bytes per token:")
     for kv in planner.KV_CACHE_DTYPES:
         print(f"  {kv:<10} {planner.kv_bytes_per_token(config, kv):>10,} B")
-    p = planner.plan(config, device_memory_bytes=memory, memory_utilization=a.memory_utilization,
-                     dtype="float32" if a.dtype == "auto" else a.dtype,
-                     kv_cache_dtype=a.kv_cache_dtype, block_size=a.block_size,
-                     max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                     max_num_batched_tokens=a.max_num_batched_tokens,
-                     kv_cache_bytes=a.kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
-                     tensor_parallel_size=a.tensor_parallel_size,
-                     kv_residual_blocks=a.kv_residual_blocks, kv_group_size=a.kv_group_size)
+    print(f"resolved: {resolve(engine, config)}")
+    p = plan_memory(engine, config, device_memory_bytes=a.device_memory)
     print(p.summary())
     return 0 if p.runs else 1
 
@@ -203,12 +161,14 @@ def cmd_eval_ppl(a) -> int:
 
     a.max_model_len = a.max_model_len or a.context
     # the engine's own pool only has to hold one window (eval allocates its own cache)
-    a.num_kv_blocks = a.num_kv_blocks or -(-a.max_model_len // a.block_size) + 1
+    a.num_gpu_blocks_override = (a.num_gpu_blocks_override
+                                 or -(-a.max_model_len // a.block_size) + 1)
     with _make_llm(a) as llm:
+        runner = llm.engine.runner
         ids = llm.tokenizer.encode(open(a.text, encoding="utf-8").read())[:a.max_text_tokens]
-        r = perplexity(llm, ids, kv_cache_dtype=llm.kv_cache_dtype, context=a.context,
-                       stride=a.stride, chunk=a.chunk, residual_blocks=llm.kv_residual_blocks,
-                       group_size=llm.kv_group_size)
+        r = perplexity(runner, ids, kv_cache_dtype=runner.kv_cache_dtype, context=a.context,
+                       stride=a.stride, chunk=a.chunk, residual_blocks=runner.kv_residual_blocks,
+                       group_size=runner.kv_group_size)
     print(json.dumps({"text": a.text, "model": a.model, **dataclasses.asdict(r)}, indent=2))
     return 0
 
@@ -222,19 +182,33 @@ def cmd_convert(a) -> int:
     return 0
 
 
+COMMANDS = (
+    ("generate", "generate text for prompts and print KV-cache statistics"),
+    ("chat", "chat with the model (stdin lines, or one --message)"),
+    ("bench", "offline throughput on prompts cut from a text file"),
+    ("plan", "memory plan: what fits, how many blocks, why it OOMs"),
+    ("convert", "convert a GGUF / HF model once into an orbax checkpoint"),
+    ("eval", "model quality with a chosen KV cache (eval ppl)"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="jaxkv", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="jaxkv: a JAX/Pallas LLM inference engine over a paged KV cache.\n\n"
+                    "commands:\n" + "\n".join(f"  {name:<10} {text}" for name, text in COMMANDS)
+                    + "\n\n`jaxkv COMMAND --help` lists a command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for prompts and print KV-cache statistics")
-    _engine_args(g)
+    _engine_args(g, max_num_seqs=4)
     _sampling_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: 3 examples")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="chat with the model (stdin lines, or one --message)")
-    _engine_args(c)
+    _engine_args(c, max_num_seqs=1)
     _sampling_args(c)
     c.add_argument("--message", default=None)
     c.set_defaults(func=cmd_chat)
@@ -250,24 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")
-    p.add_argument("--model", default="SmolLM2-135M-Instruct",
-                   help="store name, .gguf file, HF directory or config.json")
+    EngineConfig.add_cli_args(p)
     p.add_argument("--device-memory", type=parse_bytes, default=None,
-                   help="device memory (e.g. 80GiB); default: the CPU host budget")
-    p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization",
-                   type=float, default=0.9)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--kv-residual-blocks", type=int, default=1)
-    p.add_argument("--kv-group-size", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", dest="kv_cache_bytes", type=parse_bytes, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="plan per device for a model split over this many devices")
+                   help="device memory (e.g. 80GiB); default: this machine's (CPU: the host "
+                        "budget)")
     p.set_defaults(func=cmd_plan)
 
     v = sub.add_parser("convert", help="convert a GGUF / HF model once into an orbax checkpoint "
@@ -283,14 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     esub = e.add_subparsers(dest="metric", required=True)
     ppl = esub.add_parser("ppl", help="perplexity on a text file through the engine's paged "
                                       "(possibly quantized) KV cache (jaxkv.eval)")
-    _engine_args(ppl)
+    _engine_args(ppl, max_num_seqs=1, max_num_batched_tokens=256)
     ppl.add_argument("--text", required=True, help="a text file (e.g. an Austen novel)")
     ppl.add_argument("--context", type=int, default=2048, help="tokens per window")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default: context)")
     ppl.add_argument("--chunk", type=int, default=256, help="tokens per forward (chunked prefill)")
     ppl.add_argument("--max-text-tokens", type=int, default=None,
                      help="evaluate only the first N tokens of the text")
-    ppl.set_defaults(func=cmd_eval_ppl, max_num_seqs=1, max_num_batched_tokens=256)
+    ppl.set_defaults(func=cmd_eval_ppl)
     return parser
 
 
@@ -298,7 +258,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         print(f"jaxkv {args.command}: error: {e}", file=sys.stderr)
         return 2
 

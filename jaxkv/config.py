@@ -1,17 +1,130 @@
-"""Engine configuration: frozen dataclasses validated in ``__post_init__``.
+"""Engine configuration: frozen dataclasses validated in ``__post_init__``, and the one place
+engine arguments are listed.
 
-``CacheConfig`` sizes the paged KV pool; ``SchedulerConfig`` bounds one engine step and fixes the
-padded shapes (buckets) the device step is compiled for. Every invalid value raises ``ValueError``
-naming the field, at construction time, so a bad configuration never reaches the engine loop.
-The model's own hyper-parameters live in ``jaxkv/model/config.py``.
+``EngineConfig`` groups what a user chooses, one frozen dataclass per concern::
+
+    EngineConfig
+      model     ModelArgs        which weights, dtype, engine seed
+      cache     CacheArgs        KV format, block size, pool sizing, prefix caching
+      scheduler SchedulerConfig  step limits, policy, buckets (max_model_len resolved later)
+      parallel  ParallelArgs     tensor / data parallel sizes, an explicit mesh
+      runtime   RuntimeArgs      attention implementation, warm-up, compilation cache
+
+Every field is declared once, with ``option(default, help, ...)``: its type (from the annotation),
+range and choices are checked by ``check_fields``; ``EngineConfig.from_kwargs`` takes them as the
+flat keyword arguments of ``LLM(...)`` / ``AsyncLLM(...)`` (with vLLM's names, plus a few
+aliases), and ``add_cli_args`` / ``from_cli`` make them the command-line flags. Every invalid value
+raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value) naming the field, at
+construction time, so a bad configuration never reaches the engine loop.
+
+``CacheConfig`` (the pool as planned: block count included) and ``SchedulerConfig`` (with
+``max_model_len`` resolved) are what the host-side block manager and scheduler read. The model's
+own hyper-parameters live in ``jaxkv/model/config.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
+import math
+import numbers
+import re
+import types
+import typing
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
+ATTENTION_IMPLS = ("reference", "pallas")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` / ``"1.5e9"`` / ``"512MB"`` -> bytes (a CLI flag parser)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB, 512MB or 1e9")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def option(default, help: str, *, choices=None, minimum=None, maximum=None, aliases=(),
+           flags=(), parse=None, cli: bool = True):
+    """A config field declared once: default, help, checks and its CLI flag.
+
+    Args:
+      default: the default value.
+      help: one line for the docs and ``--help``.
+      choices: allowed values (``None`` is allowed iff the annotation is optional).
+      minimum, maximum: inclusive bounds of a number.
+      aliases: other keyword names ``EngineConfig.from_kwargs`` accepts for it.
+      flags: extra CLI flags (the main one is ``--`` + the name with dashes).
+      parse: CLI string parser (default: from the annotation).
+      cli: False for fields that are not command-line flags (e.g. a mesh object).
+    """
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, choices=choices, minimum=minimum, maximum=maximum, aliases=tuple(aliases),
+        flags=tuple(flags), parse=parse, cli=cli))
+
+
+def _base_type(tp):
+    """(type without ``| None``, whether None is allowed) of an annotation."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _checked(name: str, value, tp):
+    """``value`` as the field's type (ints as int, tuples as tuple), or TypeError naming it."""
+    tp, optional = _base_type(tp)
+    if value is None and optional:
+        return None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+    elif tp is float:
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be finite")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(tp) is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_checked(f"{name}[{i}]", v, typing.get_args(tp)[0])
+                         for i, v in enumerate(value))
+    else:
+        return value
+    kind = getattr(tp, "__name__", str(tp)) + (" or None" if optional else "")
+    raise TypeError(f"{name}={value!r} must be {kind}, not {type(value).__name__}")
+
+
+def check_fields(obj) -> None:
+    """Checks (and normalises) every ``option`` field of a frozen dataclass instance.
+
+    Raises:
+      TypeError: a value of the wrong type (a bool or float for an int, a str for a number...).
+      ValueError: a value out of its range or choices.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = _checked(f.name, getattr(obj, f.name), hints[f.name])
+        object.__setattr__(obj, f.name, value)
+        meta = f.metadata
+        if value is None or not meta:
+            continue
+        if meta["choices"] is not None and value not in meta["choices"]:
+            raise ValueError(f"{f.name}={value!r} is not one of {tuple(meta['choices'])}")
+        if meta["minimum"] is not None and value < meta["minimum"]:
+            raise ValueError(f"{f.name}={value!r} must be >= {meta['minimum']}")
+        if meta["maximum"] is not None and value > meta["maximum"]:
+            raise ValueError(f"{f.name}={value!r} must be <= {meta['maximum']}")
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -80,7 +193,9 @@ class SchedulerConfig:
     Attributes:
       max_num_seqs: most sequences in one step (and most requests running at once).
       max_num_batched_tokens: token budget of one step (decodes + prefill chunks).
-      max_model_len: longest sequence (prompt + generated tokens) a request may reach.
+      max_model_len: longest sequence (prompt + generated tokens) a request may reach; None
+        until the engine resolves it from the model (``min(model context, 8192)``). The
+        scheduler and the batch builder need it resolved.
       policy: ``"fcfs"`` (arrival order), ``"priority"`` (lower number first, ties by arrival) or
         ``"lpm"`` (longest cached prefix first, ties by arrival; needs prefix caching to matter).
       lpm_max_skips: under ``"lpm"``, a waiting request overtaken this many times is admitted
@@ -92,20 +207,20 @@ class SchedulerConfig:
         minima as vLLM's TPU backend: smaller buckets save little and add compilations).
     """
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int
-    policy: str = "fcfs"
-    lpm_max_skips: int = 8
-    token_buckets: tuple[int, ...] | None = None
-    seq_buckets: tuple[int, ...] | None = None
+    max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
+    max_num_batched_tokens: int = option(2048, "token budget of one step", minimum=1)
+    max_model_len: int | None = option(None, "longest prompt + output (default: min(model "
+                                       "context, 8192))", minimum=1)
+    policy: str = option("fcfs", "scheduling order", choices=SCHEDULING_POLICIES)
+    lpm_max_skips: int = option(8, "lpm: admissions a waiting request may be overtaken by",
+                                minimum=1)
+    token_buckets: tuple[int, ...] | None = option(None, "padded token-axis sizes the step "
+                                                   "compiles for (default: powers of two)")
+    seq_buckets: tuple[int, ...] | None = option(None, "padded sequence-axis sizes the step "
+                                                 "compiles for (default: powers of two)")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "lpm_max_skips"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not one of {SCHEDULING_POLICIES}")
+        check_fields(self)
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets",
                                _powers_of_two(min(16, self.max_num_batched_tokens),
@@ -118,3 +233,177 @@ class SchedulerConfig:
         _check_buckets("token_buckets", self.token_buckets,
                        "max_num_batched_tokens", self.max_num_batched_tokens)
         _check_buckets("seq_buckets", self.seq_buckets, "max_num_seqs", self.max_num_seqs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Which model the engine runs, and how."""
+
+    model: str = option("SmolLM2-135M-Instruct", "store name, .gguf file, HF model directory "
+                        "or orbax checkpoint")
+    dtype: str = option("auto", "parameter, activation and default KV dtype (auto: bfloat16 on "
+                        "GPU, float32 on CPU)", choices=MODEL_DTYPES)
+    seed: int = option(0, "engine seed of requests without their own")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheArgs:
+    """The KV cache: its format, block size, pool size and prefix caching."""
+
+    kv_cache_dtype: str = option("auto", "KV format (auto = the model dtype); the formats are "
+                                 "listed in jaxkv/kv_spec.py")
+    kv_residual_blocks: int = option(1, "int4/int2 (KIVI): residual window in blocks kept in "
+                                     "full precision", minimum=1)
+    kv_group_size: int | None = option(None, "int4/int2 (KIVI): channels per value scale/zero "
+                                       "group (default: the largest divisor of head_dim <= 32)",
+                                       minimum=1)
+    block_size: int = option(16, "tokens per KV block", minimum=1)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of device memory the engine plans with (CPU: of half the host memory)",
+        minimum=1e-3, maximum=1.0, aliases=("memory_utilization",),
+        flags=("--memory-utilization",))
+    kv_cache_memory_bytes: int | None = option(
+        None, "KV pool size in bytes (e.g. 2GiB), instead of the utilization sizing", minimum=1,
+        aliases=("kv_cache_bytes",), flags=("--kv-cache-memory",), parse=parse_bytes)
+    num_gpu_blocks_override: int | None = option(
+        None, "KV pool size in blocks (including the null block), instead of both", minimum=2,
+        aliases=("num_kv_blocks",), flags=("--num-kv-blocks",))
+    prefix_caching: str | None = option("hash", "prefix caching: hash (full blocks), radix "
+                                        "(token granular) or none",
+                                        choices=PREFIX_CACHING_MODES,
+                                        parse=lambda s: None if s.lower() == "none" else s)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelArgs:
+    """How the model is split over devices."""
+
+    tensor_parallel_size: int = option(1, "devices the model is split over", minimum=1,
+                                       flags=("-tp",))
+    data_parallel_size: int = option(1, "independent replicas, each over tensor_parallel_size "
+                                     "devices (jaxkv.DataParallelLLM)", minimum=1, flags=("-dp",))
+    mesh: object = option(None, "an explicit jax.sharding.Mesh {'dp': 1, 'tp': N}", cli=False)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeArgs:
+    """How the device step runs and compiles."""
+
+    attention_impl: str | None = option(None, "attention implementation (default: pallas on "
+                                        "GPU, reference on CPU)", choices=ATTENTION_IMPLS)
+    interpret: bool = option(False, "run Pallas kernels in interpret mode (CPU)")
+    warmup: bool = option(False, "compile every (tokens, sequences) bucket at start")
+    compilation_cache: bool = option(True, "use JAX's persistent compilation cache")
+    compilation_cache_dir: str | None = option(None, "its directory (default: under the user "
+                                               "cache dir, or $JAXKV_COMPILATION_CACHE_DIR)")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything a user chooses about an engine, grouped (see the module docstring)."""
+
+    model: ModelArgs = dataclasses.field(default_factory=ModelArgs)
+    cache: CacheArgs = dataclasses.field(default_factory=CacheArgs)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelArgs = dataclasses.field(default_factory=ParallelArgs)
+    runtime: RuntimeArgs = dataclasses.field(default_factory=RuntimeArgs)
+
+    @classmethod
+    def groups(cls) -> dict[str, type]:
+        """Group name -> its dataclass, in declaration order."""
+        return {f.name: f.default_factory for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """The config of flat keyword arguments (``LLM(model=..., max_num_seqs=...)``).
+
+        Raises:
+          TypeError: an unknown argument (with the closest names), an argument given twice
+            (under a name and an alias), or a value of the wrong type.
+          ValueError: a value out of range, naming the argument.
+        """
+        names = _argument_names()
+        grouped: dict[str, dict] = {g: {} for g in cls.groups()}
+        for key, value in kwargs.items():
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=3)
+                raise TypeError(f"unknown engine argument {key!r}"
+                                + (f"; did you mean {', '.join(close)}?" if close else ""))
+            group, field = names[key]
+            if field in grouped[group]:
+                raise TypeError(f"engine argument {field!r} given twice (as {key!r})")
+            grouped[group][field] = value
+        return cls(**{g: t(**grouped[g]) for g, t in cls.groups().items()})
+
+    def to_kwargs(self) -> dict:
+        """The flat keyword arguments that rebuild this config (``from_kwargs`` inverse)."""
+        return {f.name: getattr(getattr(self, g), f.name)
+                for g, t in self.groups().items() for f in dataclasses.fields(t)}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, **defaults) -> None:
+        """Adds one flag per field, grouped; ``defaults`` overrides a field's default."""
+        for group, t in cls.groups().items():
+            g = parser.add_argument_group(f"engine: {group}", _summary(t))
+            hints = typing.get_type_hints(t)
+            for f in dataclasses.fields(t):
+                if not f.metadata.get("cli", True):
+                    continue
+                meta, (tp, _) = f.metadata, _base_type(hints[f.name])
+                flags = ["--" + f.name.replace("_", "-"), *meta["flags"]]
+                kw = dict(dest=f.name, default=defaults.get(f.name, f.default), help=meta["help"])
+                if tp is bool:
+                    kw["action"] = argparse.BooleanOptionalAction
+                elif typing.get_origin(tp) is tuple:
+                    kw.update(nargs="+", type=int)
+                else:
+                    kw["type"] = meta["parse"] or tp
+                    if meta["choices"] is not None:
+                        kw["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+                g.add_argument(*flags, **kw)
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> "EngineConfig":
+        """The config of parsed ``add_cli_args`` flags (other attributes are ignored)."""
+        names = {field for key, (_, field) in _argument_names().items() if key == field}
+        return cls.from_kwargs(**{k: v for k, v in vars(namespace).items() if k in names})
+
+
+def _summary(t: type) -> str:
+    """The first line of a class's docstring."""
+    return t.__doc__.strip().splitlines()[0]
+
+
+def describe_arguments(indent: int = 0) -> str:
+    """One line per engine argument (``name (default): help``), by group, for docstrings."""
+    pad = " " * indent
+    lines = []
+    for group, t in EngineConfig.groups().items():
+        lines.append(f"{pad}{group}: {_summary(t)}")
+        for f in dataclasses.fields(t):
+            aliases = f.metadata.get("aliases", ())
+            also = f"; also {', '.join(aliases)}" if aliases else ""
+            lines.append(f"{pad}  {f.name} (default {f.default!r}{also}): {f.metadata['help']}")
+    return "\n".join(lines) + "\n"
+
+
+def _argument_names() -> dict[str, tuple[str, str]]:
+    """Every accepted keyword (field names and aliases) -> (group, field)."""
+    out = {}
+    for group, t in EngineConfig.groups().items():
+        for f in dataclasses.fields(t):
+            for key in (f.name, *f.metadata.get("aliases", ())):
+                out[key] = (group, f.name)
+    return out

@@ -57,7 +57,8 @@ class CompletionOutput:
       cumulative_logprob: sum of the chosen tokens' logprobs.
       logprobs: per token, ``{token_id: logprob}`` of the top-N tokens and the chosen one, when
         ``SamplingParams.logprobs`` is set; else None.
-      finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or None while running.
+      finish_reason: ``"stop"``, ``"length"``, ``"abort"``, ``"error"`` (this request failed
+        inside a step; see ``RequestOutput.error``) or None while running.
       stop_reason: the stop string or stop token id that ended it, if any.
     """
 
@@ -86,6 +87,8 @@ class RequestOutput:
       metrics: timestamps, TTFT and TPOT.
       num_cached_tokens: prompt tokens taken from the prefix cache at admission (not
         computed); None before the request is scheduled.
+      error: why the request failed (its completions have ``finish_reason="error"``); None
+        otherwise.
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     num_cached_tokens: int | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

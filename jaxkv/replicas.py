@@ -3,6 +3,7 @@
     mesh (M = 2, N = 4)      dp row 0: devices 0 1 2 3  ->  LLM replica 0 (its own params, cache,
                              dp row 1: devices 4 5 6 7  ->  LLM replica 1  scheduler and step)
 
+Construct it explicitly (``LLM(data_parallel_size=M)`` refuses M > 1 and points here).
 ``generate`` spreads prompts round-robin (prompt i to replica ``i % M``), runs the replicas in
 parallel threads (jax releases the GIL while a step runs) and gathers the outputs in input order.
 Replicas share nothing, so a request's tokens are exactly what one engine would produce.
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxkv import sharding
-from jaxkv.engine import LLM
+from jaxkv.engine.llm import LLM, chat_prompts
 from jaxkv.model import checkpoint
 from jaxkv.model.weights import load_config
 from jaxkv.outputs import RequestOutput
@@ -25,8 +26,6 @@ from jaxkv.sampling import SamplingParams
 
 class DataParallelLLM:
     """``data_parallel_size`` LLM replicas, each over ``tensor_parallel_size`` devices.
-
-    ``LLM(..., data_parallel_size=M)`` with ``M > 1`` returns one of these.
 
     Args:
       model: as for ``LLM``.
@@ -41,7 +40,7 @@ class DataParallelLLM:
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", *, data_parallel_size: int,
                  tensor_parallel_size: int = 1, devices=None, **engine_kwargs):
-        if "mesh" in engine_kwargs:
+        if engine_kwargs.pop("mesh", None) is not None:
             raise ValueError("mesh: data-parallel replicas build their own mesh; pass devices")
         devices = list(jax.devices() if devices is None else devices)
         config = (checkpoint.read_config(model) if checkpoint.is_checkpoint(model)
@@ -96,10 +95,8 @@ class DataParallelLLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """``LLM.chat`` spread over the replicas (one conversation or a list of them)."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(
-            t, add_special_tokens=False)} for t in map(self.tokenizer.apply_chat_template, convs)]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(chat_prompts(self.tokenizer, messages), sampling_params,
+                             use_tqdm=use_tqdm)
 
     def warmup(self) -> int:
         """``LLM.warmup`` on every replica; returns the buckets compiled per replica."""

@@ -23,6 +23,7 @@ from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxkv.sampling import SamplingParams, check_number, check_token_ids, check_type
 
 MAX_LOGPROBS = 20
+FINISH_ERROR = "error"   # the request failed inside a step (RequestOutput.error says why)
 # The keys of a token prompt dict (vLLM's TokensPrompt, without multi-modal data).
 _PROMPT_KEYS = frozenset({"prompt_token_ids", "prompt"})
 
@@ -248,3 +249,18 @@ class RequestTable:
                 out.append(req.output())
                 del self.requests[req.request_id]
         return out
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        """Scheduler sequence ids of the request's unfinished samples."""
+        req = self.requests[request_id]
+        return [f"{request_id}#{i}" for i, s in enumerate(req.samples)
+                if not s.completion.finished]
+
+    def fail(self, request_id: str, error: str) -> RequestOutput:
+        """Finishes every unfinished sample of a live request with ``finish_reason="error"``;
+        returns (and forgets) its final output, carrying ``error``."""
+        for seq_id in self.seq_ids(request_id):
+            self.samples.pop(seq_id).finish(FINISH_ERROR)
+        req = self.requests.pop(request_id)
+        req.metrics.finished_time = time.perf_counter()
+        return dataclasses.replace(req.output(), error=error)

@@ -18,7 +18,7 @@ def test_smollm2_generate_greedy_equals_transformers():
     params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)   # = HF min_new_tokens
     with LLM(dtype="float32", **ENGINE) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        path = llm.model_path
+        path = llm.engine.runner.model_path
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     for o in outs:
@@ -32,7 +32,7 @@ def test_smollm2_generate_greedy_equals_transformers():
 def test_smollm2_greedy_tokens_pallas_interpret_equal_reference():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with LLM(attention_impl="pallas", interpret=True, **ENGINE) as llm:
-        assert llm.attention_impl == "pallas"
+        assert llm.engine.runner.attention_impl == "pallas"
         pallas = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     with LLM(attention_impl="reference", **ENGINE) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

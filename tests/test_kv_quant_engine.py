@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from jaxkv.engine import LLM  # noqa: E402
+from jaxkv import LLM  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
 from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
 
@@ -86,7 +86,7 @@ def test_preemption_prefix_reuse_and_forks_are_bit_exact(tiny, kv, window):
 
 
 def test_bad_kv_cache_dtype_and_geometry(tiny, monkeypatch):
-    import jaxkv.engine as engine
+    import jaxkv.engine.runner as engine
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the check")

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxkv.beam_search import BeamSearchParams, score  # noqa: E402
-from jaxkv.engine import LLM  # noqa: E402
+from jaxkv import LLM  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
 from tiny_models import austen_text  # noqa: E402
 
@@ -163,7 +163,7 @@ def test_beam_search_equals_brute_force_reference(tiny, engines, width):
             out.sequences[0].tokens[len(prompt):], skip_special_tokens=True)
     assert not engine.has_unfinished_requests()
     assert engine.stats()["kv_blocks_used"] == 0
-    engine._state.block_manager.check_invariants()
+    engine.engine.check_invariants()
 
 
 def test_beam_search_rejects_bad_input(engines):

@@ -8,6 +8,7 @@ the devices it needs and prints one JSON object (the results) as its last stdout
     python tests/tp_worker.py forks   MODEL_DIR --tp 1 4
     python tests/tp_worker.py inspect MODEL_DIR --tp 4
     python tests/tp_worker.py errors  MODEL_DIR
+    python tests/tp_worker.py kv_parity MODEL_DIR --tp 1 2 4 --kv int8 int4
     python tests/tp_worker.py checkpoint MODEL_DIR CKPT_DIR --tp 4
     python tests/tp_worker.py distributed MODEL_DIR --tp 4 --coordinator 127.0.0.1:PORT \
         --num-processes 2 --process-id 0
@@ -23,12 +24,14 @@ from unittest import mock
 import jax
 import numpy as np
 
-from jaxkv import engine, sharding
-from jaxkv.engine import LLM
+from jaxkv import DataParallelLLM, sharding
+from jaxkv.engine import runner as engine
+from jaxkv import LLM
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_model_files
 from jaxkv.sampling import SamplingParams
+from paged_runner import PagedRunner
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=48,
               block_size=8, token_buckets=(32,), seq_buckets=(4,), dtype="float32")
@@ -51,10 +54,31 @@ def cmd_parity(a) -> dict:
                                    llm.memory_plan.kv_head_replication]
     if a.dp_tp:
         dp, tp = a.dp_tp
-        llm = LLM(a.model, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
+        llm = DataParallelLLM(a.model, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
         with llm:
             out[f"dp{dp}xtp{tp}"] = greedy(llm, a.tokens)
-            out["dp_devices"] = [[d.id for d in r.mesh.devices.flat] for r in llm.replicas]
+            out["dp_devices"] = [[d.id for d in r.engine.runner.mesh.devices.flat]
+                                  for r in llm.replicas]
+    return out
+
+
+def cmd_kv_parity(a) -> dict:
+    """Greedy tokens of the model over a quantized paged cache at each tp degree (tests/
+    paged_runner.py: the engine step's sharded params, cache and shard_map attention), and the
+    per-device shard shape of every array of the first K pool."""
+    loaded = load_model_files(a.model)
+    params = params_from_hf(loaded.config, loaded.tensors, np.float32)
+    prompt = loaded.tokenizer.encode(PROMPTS[2])
+    out = {}
+    for kv in a.kv:
+        for tp in a.tp:
+            mesh = None if tp == 1 else sharding.make_mesh(tp)
+            runner = PagedRunner(params, loaded.config, block_size=8, max_len=64,
+                                 kv_cache_dtype=kv, mesh=mesh)
+            out[f"{kv}_tp{tp}"] = runner.greedy(prompt, a.tokens, chunk=5)[0]
+            leaves = jax.tree_util.tree_flatten_with_path(runner.cache.k[0])[0]
+            out[f"{kv}_tp{tp}_shards"] = {jax.tree_util.keystr(path) or "pages": list(
+                x.addressable_shards[0].data.shape) for path, x in leaves}
     return out
 
 
@@ -68,7 +92,7 @@ def cmd_forks(a) -> dict:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             out[f"tp{tp}"] = [[c.token_ids for c in o.outputs] for o in outs]
             out[f"tp{tp}_prefix_hits"] = llm.stats()["prefix_cache_hits"]
-            out[f"tp{tp}_cache_spec"] = list(getattr(llm.cache.k[0].sharding, "spec", ()))
+            out[f"tp{tp}_cache_spec"] = list(getattr(llm.engine.runner.cache.k[0].sharding, "spec", ()))
     return out
 
 
@@ -80,11 +104,11 @@ def _specs(tree) -> dict:
 def cmd_inspect(a) -> dict:
     with LLM(a.model, tensor_parallel_size=a.tp[0], **ENGINE) as llm:
         hlo = llm.compiled_step_text(32, 4)
-        cache = llm.cache
-        return {"param_specs": _specs(llm.params),
+        cache = llm.engine.runner.cache
+        return {"param_specs": _specs(llm.engine.runner.params),
                 "cache_specs": [_specs(cache.k[0]), _specs(cache.v[-1])],
                 "cache_shard_shape": list(cache.k[0].addressable_shards[0].data.shape),
-                "mesh": dict(llm.mesh.shape),
+                "mesh": dict(llm.engine.runner.mesh.shape),
                 "num_layers": llm.model_config.num_layers,
                 "all_reduces": sharding.count_all_reduces(hlo)}
 
@@ -137,18 +161,19 @@ def cmd_distributed(a) -> dict:
         tokens = greedy(llm, a.tokens)
         return {"tokens": tokens, "process_index": jax.process_index(),
                 "global_devices": len(jax.devices()), "local_devices": len(jax.local_devices()),
-                "processes_in_mesh": sorted({d.process_index for d in llm.mesh.devices.flat})}
+                "processes_in_mesh": sorted({d.process_index for d in llm.engine.runner.mesh.devices.flat})}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["parity", "forks", "inspect", "errors", "checkpoint",
-                                       "distributed"])
+    p.add_argument("command", choices=["parity", "kv_parity", "forks", "inspect", "errors",
+                                       "checkpoint", "distributed"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])
     p.add_argument("--dp-tp", type=int, nargs=2, default=None)
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--kv", nargs="+", default=["int8"], help="kv_parity: the KV cache dtypes")
     p.add_argument("--attention-impl", choices=["reference", "pallas"], default="reference",
                    help="parity: pallas runs the kernels in interpret mode under shard_map")
     p.add_argument("--coordinator", default=None)

@@ -1,0 +1,203 @@
+"""AsyncLLM: the asyncio facade over ``EngineCore`` (vLLM's ``AsyncLLM`` shape).
+
+    engine = AsyncLLM(model="SmolLM2-135M-Instruct", max_num_seqs=64)
+    async for out in engine.generate("Once upon a time", SamplingParams(max_tokens=32),
+                                     request_id="r1"):
+        print(out.outputs[0].text)
+    await engine.abort("r1")
+    engine.shutdown()
+
+One background thread runs the device loop; any number of coroutines (on one event loop or on
+several) share it::
+
+    coroutine ── add (validated in a worker thread, under the engine lock) ──► EngineCore
+    device thread: loop { apply queued aborts; step(); route each output to its request's
+                          asyncio.Queue via loop.call_soon_threadsafe }
+    coroutine ◄── RequestOutput after every step that adds tokens, the last one finished
+
+A coroutine that is cancelled, or whose generator is closed early, aborts its request: the
+device thread frees its blocks before its next step. If a step raises an error that no single
+request can be blamed for, every in-flight request gets that error, and the engine refuses new
+work (``EngineDeadError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+
+from jaxkv.config import EngineConfig, describe_arguments
+from jaxkv.engine.core import EngineCore
+from jaxkv.outputs import RequestOutput
+from jaxkv.sampling import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The device loop failed or was shut down; the engine takes no more requests."""
+
+
+class AsyncLLM:
+    """An asyncio engine: ``async for out in engine.generate(...)``.
+
+    Args:
+      model: as for ``LLM``.
+      **kwargs: the engine arguments of ``LLM`` (``EngineConfig.from_kwargs``), listed below.
+
+    Raises:
+      TypeError, ValueError: naming a bad engine argument (in the constructor, before the
+        device thread starts).
+
+    Engine arguments:
+    """
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs):
+        self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._lock = threading.Lock()                 # guards the engine and the queues
+        self._wake = threading.Condition(self._lock)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: deque[str] = deque()
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="jaxkv-device", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ device thread
+
+    def _loop(self) -> None:
+        """The device loop: steps while there is work, sleeps on the condition otherwise."""
+        while True:
+            with self._wake:
+                while not self._stopping and not self._aborts \
+                        and not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                while self._aborts:
+                    rid = self._aborts.popleft()
+                    if self.engine.is_live(rid):
+                        self.engine.abort_request(rid)
+                try:
+                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else {}
+                except BaseException as e:   # nothing to blame one request for: fail them all
+                    self._error = e
+                    for loop, queue in self._queues.values():
+                        _deliver(loop, queue, e)
+                    self._queues.clear()
+                    return
+                routes = [(self._queues.get(rid), out) for rid, out in outputs.items()]
+                for rid, out in outputs.items():
+                    if out.finished:
+                        self._queues.pop(rid, None)
+            for route, out in routes:
+                if route is not None:
+                    _deliver(*route, out)
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._error!r}") from self._error
+        if self._stopping:
+            raise EngineDeadError("the engine was shut down")
+
+    def _add(self, loop, queue, prompt, sampling_params, request_id, priority,
+             cache_salt) -> str:
+        with self._wake:
+            self._check_alive()
+            rid = self.engine.add_request(prompt, sampling_params, request_id=request_id,
+                                          priority=priority, cache_salt=cache_salt)
+            self._queues[rid] = (loop, queue)
+            self._wake.notify()
+            return rid
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Generates one prompt, yielding its ``RequestOutput`` after every step that adds
+        tokens; the last one is finished.
+
+        Args:
+          prompt: a str or ``{"prompt_token_ids": [...]}``.
+          sampling_params: default ``SamplingParams()``.
+          request_id: a str unique among live requests (default: a fresh number).
+          priority, cache_salt: as for ``LLM.generate``.
+
+        Raises:
+          TypeError, ValueError: naming the bad field, before anything is queued.
+          EngineDeadError: the engine loop failed or was shut down.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = await asyncio.to_thread(self._add, loop, queue, prompt, sampling_params,
+                                      request_id, priority, cache_salt)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"the engine loop failed: {out!r}") from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort_soon(rid)
+
+    def _abort_soon(self, request_id: str) -> None:
+        """Has the device thread abort ``request_id`` before its next step (never blocks)."""
+        self._aborts.append(request_id)
+        if self._lock.acquire(blocking=False):   # wake it if it sleeps; else it is stepping
+            try:
+                self._wake.notify()
+            finally:
+                self._lock.release()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a queued or running request: its blocks are freed before the next step and
+        its generator ends with a finished output (``finish_reason="abort"``)."""
+        self._abort_soon(request_id)
+
+    async def stats(self) -> dict:
+        """``EngineCore.stats()``, read under the engine lock."""
+        return await asyncio.to_thread(self._stats)
+
+    def _stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stops the device loop (in-flight requests get ``EngineDeadError``) and frees the
+        device memory. Idempotent."""
+        with self._wake:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._wake.notify()
+            for loop, queue in self._queues.values():
+                _deliver(loop, queue, EngineDeadError("the engine was shut down"))
+            self._queues.clear()
+        self._thread.join()
+        self.engine.close()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+
+AsyncLLM.__doc__ += describe_arguments(indent=6)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+    """Puts ``item`` into a coroutine's queue from the device thread (dropped if its event
+    loop is closed: nobody is waiting any more)."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:
+        pass

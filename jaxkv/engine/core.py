@@ -1,0 +1,401 @@
+"""EngineCore: the only step loop of jaxkv. Requests in, outputs keyed by request id out.
+
+    core = EngineCore(EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct"))
+    core.add_request("Once upon a time", SamplingParams(max_tokens=8), request_id="a")
+    while core.has_unfinished_requests():
+        for request_id, out in core.step().items(): ...
+
+One step::
+
+    scheduler.schedule(state) ─► StepPlan ─► runner.execute(plan, rows) ─► tokens, logprobs
+                                                                                │
+    outputs {request_id: RequestOutput} ◄── RequestTable (text, stops) ◄───────┤
+                                            scheduler.update(state, plan, tokens)
+
+The core owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
+it as it was), the ``ModelRunner`` (params, donated cache, jitted step) and the ``RequestTable``
+(per-request host bookkeeping). It is single-threaded: the facades (``LLM`` in
+jaxkv/engine/llm.py, ``AsyncLLM`` in jaxkv/engine/async_llm.py) serialise their calls.
+
+Request isolation: every field of a request is validated before it is queued (``add_request``
+raises and queues nothing). A failure during a step that belongs to one request (its sampling
+tensors cannot be built, its detokenization raises) ends that request alone with
+``finish_reason="error"`` and the error text in ``RequestOutput.error``; the others continue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+from jaxkv import scheduler
+from jaxkv.compile_cache import enable_compilation_cache
+from jaxkv.config import EngineConfig
+from jaxkv.engine.runner import ModelRunner, RowInput, StepOutput
+from jaxkv.outputs import RequestOutput
+from jaxkv.requests import Request, RequestTable
+from jaxkv.sampling import SamplingParams
+
+logger = logging.getLogger("jaxkv")
+
+
+class EngineCore:
+    """The engine: add and abort requests, step, read outputs keyed by request id.
+
+    Args:
+      config: the engine config (``EngineConfig.from_kwargs(**LLM kwargs)``).
+
+    Attributes:
+      config: as given.
+      runner: the ``ModelRunner`` (params, cache, jitted step; ``runner.params`` etc.).
+      tokenizer, model_config, sched_config, cache_config, memory_plan: shortcuts to the
+        runner's.
+      compilation_cache_dir: where JAX's persistent compilation cache lives (None: off).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        rc = config.runtime
+        self.compilation_cache_dir = (enable_compilation_cache(rc.compilation_cache_dir)
+                                      if rc.compilation_cache else None)
+        self.runner = ModelRunner(config)
+        r = self.runner
+        self.tokenizer, self.model_config = r.tokenizer, r.model_config
+        self.sched_config, self.cache_config = r.sched_config, r.cache_config
+        self.memory_plan = r.memory_plan
+        self._state = scheduler.init_state(self.cache_config)
+        self._table = RequestTable(self.tokenizer, self.model_config.vocab_size,
+                                   self.sched_config.max_model_len)
+        self._pending: dict[str, RequestOutput] = {}   # finished outside a step (aborts)
+        self._num_preemptions = 0
+        self._peak_usage = 0.0
+        self._num_generated = 0
+        self._num_prompt_tokens = 0
+        self._num_computed_tokens = 0   # tokens the device computed (no padding)
+        self._num_lookup_tokens = 0     # prefix-cache queries, tokens
+        self._num_hit_tokens = 0        # of which found cached (or shared by a fork)
+        self._num_errors = 0
+        self._busy_time = 0.0           # seconds inside step()
+        self._closed = False
+        if config.runtime.warmup:
+            self.runner.warmup()
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was closed")
+
+    def add_requests(self, requests: Sequence[dict]) -> list[str]:
+        """Queues several requests all together, or none of them.
+
+        Args:
+          requests: dicts of ``add_request``'s arguments (``prompt``, and optionally
+            ``sampling_params``, ``request_id``, ``priority``, ``cache_salt``).
+
+        Returns:
+          Their request ids, in order.
+
+        Raises:
+          TypeError, ValueError: naming the request (``requests[i]``) and its bad field;
+            nothing is queued then and the requests already in the engine keep running.
+        """
+        self._check_open()
+        new: list[tuple[Request, list[scheduler.Request]]] = []
+        ids = set()
+        for i, r in enumerate(requests):
+            try:
+                req = self._table.new_request(
+                    r["prompt"], r.get("sampling_params") or SamplingParams(),
+                    priority=r.get("priority", 0), request_id=r.get("request_id"),
+                    cache_salt=r.get("cache_salt"))
+                if req[0].request_id in ids or req[0].request_id in self._pending:
+                    raise ValueError(f"request_id={req[0].request_id!r} is already in use")
+                ids.add(req[0].request_id)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"requests[{i}]: {e}" if len(requests) > 1 else str(e)) from None
+            new.append(req)
+        state = self._state
+        for _, reqs in new:
+            for r in reqs:
+                state = scheduler.add_request(state, r, self.sched_config)
+        self._state = state
+        self._table.add(new)
+        return [req.request_id for req, _ in new]
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
+        """Queues one request; returns its id.
+
+        Args:
+          prompt: a non-empty str, or ``{"prompt_token_ids": [int, ...]}`` (optionally with
+            ``"prompt"``: its text).
+          sampling_params: default ``SamplingParams()``.
+          request_id: a str unique among live requests (default: a fresh number).
+          priority: the ``"priority"`` policy's key (lower is more urgent).
+          cache_salt: prefix-cache namespace (a str): the request shares cached blocks only
+            with requests of the same salt (tenant isolation).
+
+        Raises:
+          TypeError, ValueError: naming the bad field; nothing is queued then.
+        """
+        return self.add_requests([dict(prompt=prompt, sampling_params=sampling_params,
+                                       request_id=request_id, priority=priority,
+                                       cache_salt=cache_salt)])[0]
+
+    def abort_request(self, request_id: str) -> None:
+        """Aborts a queued or running request; its blocks are freed at once and its final
+        output (``finish_reason="abort"``) comes out of the next ``step``.
+
+        Raises:
+          ValueError: ``request_id`` is not queued or running.
+        """
+        req = self._table.requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id={request_id!r} is not queued or running")
+        state = self._state
+        for seq_id in self._table.seq_ids(request_id):
+            state = scheduler.abort(state, seq_id)
+        self._state = state
+        for out in self._table.collect_finished(self._state.finished):
+            self._pending[out.request_id] = out
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` is queued or running."""
+        return request_id in self._table.requests
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, validated as ``add_request`` does.
+
+        Raises:
+          TypeError, ValueError: naming what is wrong with the prompt.
+        """
+        return self._table.tokenize(prompt)
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is queued or running, or a final output is still to be stepped out."""
+        return bool(self._state.requests) or bool(self._pending)
+
+    def num_unfinished_requests(self) -> int:
+        """Requests queued or running."""
+        return len(self._table.requests)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> dict[str, RequestOutput]:
+        """Runs one engine step.
+
+        Returns:
+          ``{request_id: RequestOutput}`` of every request that got tokens this step or finished
+          (a finished one exactly once, with ``finished`` True, then forgotten); each output is
+          a snapshot that later steps do not change.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, {}
+        state, plan = scheduler.schedule(self._state, self.sched_config)
+        self._num_preemptions += len(plan.preempted_ids)
+        if not plan.seqs:
+            self._state = state
+            return outputs | self._collect()
+        samples = self._table.samples
+        rows = [RowInput(samples[s.request_id].params, state.requests[s.request_id]
+                         .request.prompt_token_ids, state.requests[s.request_id].output_token_ids)
+                for s in plan.seqs]
+        try:
+            result = self.runner.execute(plan, rows)
+        except (TypeError, ValueError) as exc:   # before the device: the state stays as it was
+            culprits = self._failing_rows(plan, rows)
+            if not culprits:
+                raise
+            for request_id, err in culprits.items():
+                outputs |= self._fail(request_id, err)
+            logger.warning("step without %d failing request(s): %s", len(culprits), exc)
+            return outputs
+        self._count(plan, state)
+        now = time.perf_counter()
+        touched, stop_hits, errors = self._apply(plan, result, t0, now)
+        self._state = scheduler.update(state, plan, result.tokens,
+                                       finished_ids=frozenset(stop_hits))
+        for request_id, err in errors.items():
+            outputs |= self._fail(request_id, err)
+        outputs |= self._collect()
+        for request_id, req in touched.items():
+            if request_id not in outputs:
+                outputs[request_id] = req.output()
+        self._busy_time += time.perf_counter() - t0
+        return outputs
+
+    def _failing_rows(self, plan: scheduler.StepPlan, rows: Sequence[RowInput]) -> dict[str, str]:
+        """Of a step that failed before the device: the requests whose own rows fail alone,
+        by request id -> the error text."""
+        out = {}
+        for seq, row in zip(plan.seqs, rows):
+            try:
+                self.runner.sampling_tensors([row], 1)
+            except (TypeError, ValueError) as e:
+                out.setdefault(self._table.samples[seq.request_id].parent,
+                               f"{type(e).__name__}: {e}")
+        return out
+
+    def _count(self, plan: scheduler.StepPlan, state: scheduler.SchedulerState) -> None:
+        self._num_lookup_tokens += plan.num_lookup_tokens
+        self._num_hit_tokens += plan.num_hit_tokens
+        self._num_computed_tokens += plan.num_tokens
+        self._peak_usage = max(self._peak_usage, state.block_manager.usage())
+
+    def _apply(self, plan: scheduler.StepPlan, result: StepOutput, t0: float, now: float):
+        """Hands each sampled row to its request's bookkeeping (text, logprobs, stop strings).
+
+        Returns:
+          (requests that got a token by id, sequence ids whose stop string matched, request ids
+          whose bookkeeping raised -> the error text).
+        """
+        samples = self._table.samples
+        touched: dict[str, Request] = {}
+        stop_hits, errors = set(), {}
+        for row, seq in enumerate(plan.seqs):
+            sample = samples[seq.request_id]
+            req = self._table.requests[sample.parent]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = t0
+                req.num_cached_tokens = seq.num_cached_tokens
+            if seq.start_pos == 0:
+                self._num_prompt_tokens += len(seq.token_ids)
+            if not seq.sample or req.request_id in errors:
+                continue
+            try:
+                if sample.append(int(result.tokens[row]), float(result.logprobs[row]),
+                                 result.top_ids[row], result.top_vals[row]):
+                    stop_hits.add(seq.request_id)
+            except Exception as e:   # one request's bookkeeping must not stop the others
+                errors[req.request_id] = f"{type(e).__name__}: {e}"
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.num_generated_tokens += 1
+            self._num_generated += 1
+            touched[req.request_id] = req
+        return touched, stop_hits - {s for s in stop_hits if samples[s].parent in errors}, errors
+
+    def _fail(self, request_id: str, error: str) -> dict[str, RequestOutput]:
+        """Ends ``request_id`` with ``finish_reason="error"``: its blocks freed, its output
+        carrying ``error``."""
+        logger.warning("request %s failed: %s", request_id, error)
+        state = self._state
+        for seq_id in self._table.seq_ids(request_id):
+            if seq_id in state.requests:
+                state = scheduler.abort(state, seq_id)
+        self._state = dataclasses.replace(state, finished={
+            k: v for k, v in state.finished.items() if k not in self._table.seq_ids(request_id)})
+        self._num_errors += 1
+        return {request_id: self._table.fail(request_id, error)}
+
+    def _collect(self) -> dict[str, RequestOutput]:
+        return {o.request_id: o for o in self._table.collect_finished(self._state.finished)}
+
+    # ------------------------------------------------------------------ drivers (beam search)
+
+    @property
+    def scheduler_state(self) -> scheduler.SchedulerState:
+        """The current (immutable) scheduler state."""
+        return self._state
+
+    def run(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+            params: Sequence[SamplingParams]) -> StepOutput:
+        """Runs a plan a driver scheduled itself from ``state`` (beam search): one
+        ``SamplingParams`` per ``plan.seqs`` entry; the step's statistics are counted.
+
+        The driver then hands its final state back with ``commit``.
+        """
+        self._check_open()
+        rows = [RowInput(p, state.requests[s.request_id].request.prompt_token_ids,
+                         state.requests[s.request_id].output_token_ids)
+                for s, p in zip(plan.seqs, params)]
+        self._count(plan, state)
+        return self.runner.execute(plan, rows)
+
+    def commit(self, state: scheduler.SchedulerState) -> None:
+        """Adopts a scheduler state a driver advanced from ``scheduler_state`` with sequences
+        of its own (it must have released them all: none may be left that no request owns).
+
+        Raises:
+          ValueError: ``state`` holds sequences the request table does not know.
+        """
+        unknown = set(state.requests) - set(self._table.samples)
+        if unknown:
+            raise ValueError(f"commit: sequences {sorted(map(str, unknown))} are still live")
+        self._state = state
+
+    # ------------------------------------------------------------------ introspection
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the scheduler state, the block manager and the request
+        table agree (every live sequence has its bookkeeping and vice versa)."""
+        scheduler.check_invariants(self._state, self.sched_config)
+        live = set(self._state.requests)
+        if live != set(self._table.samples):
+            raise AssertionError(f"scheduler sequences {sorted(live)} != request table "
+                                 f"samples {sorted(self._table.samples)}")
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (running requests keep their blocks)."""
+        bm = self._state.block_manager.copy()
+        bm.reset_prefix_cache()
+        self._state = dataclasses.replace(self._state, block_manager=bm)
+
+    def stats(self) -> dict:
+        """KV usage and throughput counters since start.
+
+        Returns:
+          dict with ``kv_blocks_total`` (usable, excluding the null block), ``kv_blocks_used``,
+          ``kv_blocks_free``, ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
+          step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests),
+          ``num_running``, ``num_waiting``, ``num_preemptions``, ``num_steps``,
+          ``num_prompt_tokens``, ``num_generated_tokens``, ``num_errors`` (requests ended with
+          ``finish_reason="error"``), ``generation_tokens_per_s`` (generated tokens / time spent
+          in steps), ``num_computed_tokens`` (tokens the device computed),
+          ``prefix_cache_queries`` and ``prefix_cache_hits`` (tokens of admitted requests, and
+          of those the tokens found in the prefix cache or shared by a fork),
+          ``prefix_cache_hit_rate`` (their ratio), ``num_cached_blocks`` (blocks in the prefix
+          cache, in use or free), ``host_time_fraction`` (share of step time spent on the host:
+          scheduling, batch building, sampling tensors, detokenization; the rest is the jitted
+          step), ``busy_time_s`` and ``device_time_s``.
+        """
+        bm = self._state.block_manager
+        total = self.cache_config.num_usable_blocks
+        busy, device = self._busy_time, self.runner.device_time
+        return {
+            "kv_blocks_total": total,
+            "kv_blocks_used": total - bm.num_free_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_usage": bm.usage(),
+            "kv_usage_peak": self._peak_usage,
+            "kv_tokens_live": sum(rs.num_computed_tokens for rs in self._state.requests.values()),
+            "num_running": len(self._state.running),
+            "num_waiting": len(self._state.waiting),
+            "num_preemptions": self._num_preemptions,
+            "num_steps": self.runner.num_steps,
+            "num_prompt_tokens": self._num_prompt_tokens,
+            "num_generated_tokens": self._num_generated,
+            "num_errors": self._num_errors,
+            "num_computed_tokens": self._num_computed_tokens,
+            "prefix_cache_queries": self._num_lookup_tokens,
+            "prefix_cache_hits": self._num_hit_tokens,
+            "prefix_cache_hit_rate": self._num_hit_tokens / self._num_lookup_tokens
+            if self._num_lookup_tokens else 0.0,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "generation_tokens_per_s": self._num_generated / busy if busy else 0.0,
+            "host_time_fraction": 1.0 - device / busy if busy else 0.0,
+            "busy_time_s": busy,
+            "device_time_s": device,
+        }
+
+    def close(self) -> None:
+        """Frees device memory; the engine cannot be used afterwards."""
+        if not self._closed:
+            self.runner.close()
+            self._closed = True

@@ -1,0 +1,353 @@
+"""ModelRunner: the device side of the engine: params, the donated paged KV cache, the jitted step.
+
+    ModelRunner(config)           resolve dtype / attention, plan the pool, load the weights,
+                                  allocate the cache, build the jitted step
+    runner.execute(plan, rows)    copy-on-write block copies, then one step:
+                                  StepPlan ─► batch.build ─► step(params, cache, ...) ─► host arrays
+
+The runner knows nothing about requests: ``execute`` takes the plan and, per scheduled sequence,
+its sampling parameters and token history, and returns host arrays row by row. ``EngineCore``
+(jaxkv/engine/core.py) owns the requests and the scheduler state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxkv import batch, planner, sharding
+from jaxkv.cache import copy_blocks, init_cache
+from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.kv_spec import (KVCacheSpec, default_group_size, kivi_residual_slots,
+                            resolve_kv_cache_dtype)
+from jaxkv.model import checkpoint
+from jaxkv.model.llama import param_shapes, params_from_hf
+from jaxkv.model.weights import load_config, load_model_files
+from jaxkv.requests import MAX_LOGPROBS
+from jaxkv.sampling import SamplingParams, SamplingTensors
+from jaxkv.scheduler import StepPlan
+from jaxkv.step import DeviceStepInput, make_step, step_rng
+
+logger = logging.getLogger("jaxkv")
+
+_LOGPROB_BUCKETS = (0, 1, 5, MAX_LOGPROBS)   # static top-N sizes the step is compiled for
+
+
+@dataclasses.dataclass(frozen=True)
+class RowInput:
+    """What the runner needs of one scheduled sequence besides the plan.
+
+    Attributes:
+      params: its sampling parameters.
+      prompt_token_ids: its prompt (penalties read it).
+      output_token_ids: its generated tokens so far (penalties and seeded rngs read them).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Host arrays of one step; row ``i`` belongs to ``plan.seqs[i]`` (padding rows follow).
+
+    Attributes:
+      tokens: int32 [S], the sampled tokens.
+      logprobs: float32 [S], their raw log-probabilities.
+      top_ids: int32 [S, N], the top-N token ids (N the logprobs bucket of the step, maybe 0).
+      top_vals: float32 [S, N], their log-probabilities.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_vals: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The engine arguments whose defaults depend on the backend or the model.
+
+    Attributes:
+      dtype: parameter / activation dtype name (``"auto"``: bfloat16 on GPU, float32 on CPU).
+      attention_impl: ``"pallas"`` on GPU, ``"reference"`` on CPU unless chosen.
+      kv_cache_dtype: the canonical KV format name.
+      kv_group_size: KIVI's value group (default: the largest divisor of head_dim <= 32).
+      max_model_len: default ``min(model context, 8192)``.
+    """
+
+    dtype: str
+    attention_impl: str
+    kv_cache_dtype: str
+    kv_group_size: int
+    max_model_len: int
+
+
+def resolve(config: EngineConfig, model_config) -> Resolved:
+    """The backend- and model-dependent defaults of ``config`` for ``model_config``."""
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = config.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    return Resolved(
+        dtype=dtype,
+        attention_impl=config.runtime.attention_impl or ("pallas" if on_gpu else "reference"),
+        kv_cache_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype),
+        kv_group_size=config.cache.kv_group_size or default_group_size(model_config.head_dim),
+        max_model_len=(config.scheduler.max_model_len
+                       or min(model_config.max_position_embeddings, 8192)))
+
+
+def plan_memory(config: EngineConfig, model_config,
+                device_memory_bytes: int | None = None) -> planner.MemoryPlan:
+    """The memory plan of an engine config for a model on this backend.
+
+    A pool larger than ``max_num_seqs`` full-length sequences can use is capped to that
+    (unless the pool size is given explicitly): ``min(budget, max_num_seqs x max_model_len)``.
+
+    Args:
+      device_memory_bytes: one device's memory (default: the first local device's limit; on
+        CPU ``planner.host_memory_budget()``).
+    """
+    r, cc, s = resolve(config, model_config), config.cache, config.scheduler
+    if device_memory_bytes is None:
+        device_memory_bytes = (planner.host_memory_budget() if jax.default_backend() == "cpu"
+                               else jax.local_devices()[0].memory_stats()["bytes_limit"])
+    kw = dict(device_memory_bytes=device_memory_bytes,
+              memory_utilization=cc.gpu_memory_utilization,
+              dtype=r.dtype, kv_cache_dtype=r.kv_cache_dtype, block_size=cc.block_size,
+              max_model_len=r.max_model_len, max_num_seqs=s.max_num_seqs,
+              max_num_batched_tokens=s.max_num_batched_tokens,
+              kv_cache_bytes=cc.kv_cache_memory_bytes, num_kv_blocks=cc.num_gpu_blocks_override,
+              tensor_parallel_size=config.parallel.tensor_parallel_size,
+              kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size)
+    plan = planner.plan(model_config, **kw)
+    cap = s.max_num_seqs * plan.blocks_per_seq + 1
+    explicit = cc.num_gpu_blocks_override is not None or cc.kv_cache_memory_bytes is not None
+    if not explicit and plan.num_blocks > cap:
+        plan = planner.plan(model_config, **{**kw, "num_kv_blocks": cap})
+    return plan
+
+
+class ModelRunner:
+    """The model on its devices and the one jitted step over the paged KV cache.
+
+    Args:
+      config: the engine config (model, cache, scheduler, parallel and runtime groups).
+
+    Attributes:
+      model_config: the model's hyper-parameters.
+      sched_config: ``config.scheduler`` with ``max_model_len`` resolved.
+      cache_config: the pool as planned (block count included).
+      memory_plan: the planner's sizing (``planner.MemoryPlan``).
+      kv_cache_dtype: the canonical KV format name.
+      dtype: the parameter / activation dtype.
+      attention_impl: ``"reference"`` or ``"pallas"``.
+      mesh: the tensor-parallel mesh, or None on one device.
+      params, cache, tokenizer, model_path: the loaded model and its KV cache.
+
+    Raises:
+      ValueError: naming the argument that cannot work (checked before weights load where
+        possible: parallel sizes, mesh, KV geometry, memory).
+    """
+
+    def __init__(self, config: EngineConfig):
+        mc, cc, rc, pc = config.model, config.cache, config.runtime, config.parallel
+        from_checkpoint = checkpoint.is_checkpoint(mc.model)
+        model_config = (checkpoint.read_config(mc.model) if from_checkpoint
+                        else load_config(mc.model))
+        self.model_config = model_config
+        r = resolve(config, model_config)
+        self.attention_impl, self.kv_cache_dtype = r.attention_impl, r.kv_cache_dtype
+        tp = pc.tensor_parallel_size
+        if pc.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={pc.data_parallel_size}: one engine is one "
+                             "replica; use jaxkv.DataParallelLLM for data parallelism")
+        sharding.check_parallel_sizes(model_config, tp, 1, num_devices=len(jax.devices()))
+        mesh = pc.mesh
+        if mesh is not None:
+            sharding.check_mesh(mesh, tp)
+        elif tp > 1:
+            mesh = sharding.make_mesh(tp)
+        self.mesh = mesh
+        self.tensor_parallel_size = tp
+        self.kv_group_size = r.kv_group_size
+        self.kv_residual_blocks = cc.kv_residual_blocks
+        self.sched_config = dataclasses.replace(config.scheduler, max_model_len=r.max_model_len)
+        c = sharding.tp_config(model_config, tp)   # kv heads as the devices hold them
+        spec = KVCacheSpec(num_layers=c.num_layers, num_blocks=2, block_size=cc.block_size,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=r.dtype,
+                           kv_cache_dtype=r.kv_cache_dtype, group_size=r.kv_group_size,
+                           residual_blocks=cc.kv_residual_blocks,
+                           num_residual_slots=kivi_residual_slots(
+                               self.sched_config.max_num_seqs, cc.kv_residual_blocks))
+        self._check_kv_support(spec)
+        self.memory_plan = plan_memory(config, model_config)
+        logger.info("%s", self.memory_plan.summary())
+        if not self.memory_plan.runs:
+            raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
+        self.kv_spec = dataclasses.replace(spec, num_blocks=self.memory_plan.num_blocks)
+        self.cache_config = CacheConfig(
+            block_size=cc.block_size, num_blocks=self.memory_plan.num_blocks,
+            prefix_caching=cc.prefix_caching,
+            residual_window_blocks=cc.kv_residual_blocks if spec.format.kivi else 0)
+        self.dtype = jnp.dtype(r.dtype)
+        self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
+        self.cache = init_cache(self.kv_spec, None if mesh is None
+                                else sharding.cache_shardings(self.kv_spec, mesh))
+        self._seed = mc.seed
+        self._step_fn = make_step(sharding.tp_config(model_config, tp),
+                                  attention_impl=self.attention_impl,
+                                  interpret=rc.interpret, mesh=mesh)
+        self.num_steps = 0
+        self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_kv_support(self, spec: KVCacheSpec) -> None:
+        """Raises ValueError if the attention implementation cannot read ``spec``'s pools."""
+        if spec.format.quantized and self.mesh is not None:
+            raise ValueError(f"kv_cache_dtype={spec.kv_cache_dtype!r} is not supported with "
+                             f"tensor parallelism yet; use a float KV cache")
+        if self.attention_impl == "pallas":
+            from jaxkv.pallas.kv_format import check_pallas_support
+
+            check_pallas_support(spec)
+
+    def _load(self, model: str, from_checkpoint: bool):
+        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint."""
+        c = self.model_config
+        if from_checkpoint:
+            if self.mesh is None:
+                dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                shardings = jax.tree.map(lambda _: dev, param_shapes(c, self.dtype))
+            else:
+                shardings = sharding.stored_param_shardings(c, self.mesh)
+            params = checkpoint.restore_params(model, param_shapes(c, self.dtype), shardings)
+            tokenizer = checkpoint.read_tokenizer(model)
+            self.model_path = Path(model)
+        else:
+            loaded = load_model_files(model)
+            self.model_path = Path(loaded.source)
+            params = params_from_hf(c, loaded.tensors, self.dtype, source=loaded.source)
+            tokenizer = loaded.tokenizer
+        if self.mesh is not None:
+            params = sharding.shard_params(params, c, self.mesh)
+        return params, tokenizer
+
+    def _to_device(self, tree):
+        """Host step inputs as device arrays: replicated over the mesh under tensor parallelism."""
+        return tree if self.mesh is None else sharding.put_replicated(tree, self.mesh)
+
+    def _to_host(self, x) -> np.ndarray:
+        return np.asarray(x) if self.mesh is None else sharding.to_host(x)
+
+    # ------------------------------------------------------------------ compilation
+
+    def warmup(self, *, progress: bool = True) -> int:
+        """Compiles the step for every (T, S) bucket pair with S <= T; returns how many.
+
+        Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20).
+        Also compiles the copy-on-write block copy for every padded batch size (not counted).
+        With the persistent compilation cache on, a later start loads these from disk.
+        """
+        s = self.sched_config
+        pairs = [(t, n) for t in s.token_buckets for n in s.seq_buckets if n <= t]
+        copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
+        with tqdm(total=len(pairs) + len(copies), desc="Compiling step buckets", unit="shape",
+                  disable=not progress) as bar:
+            for t, n in pairs:
+                bar.set_postfix(tokens=t, seqs=n)
+                self.cache, tokens, *_ = self._step_fn(self.params, self.cache,
+                                                       *self._padded_args(t, n), num_logprobs=0)
+                tokens.block_until_ready()
+                bar.update(1)
+            for n in copies:   # a step copies at most one block per sequence, padded to 2^k
+                null = jnp.zeros(n, jnp.int32)
+                self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
+                bar.update(1)
+        return len(pairs)
+
+    def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:
+        """The optimized HLO text of the step compiled for one (tokens, sequences) bucket.
+
+        Under tensor parallelism it shows the collectives (2 all-reduces per layer, see
+        jaxkv.sharding.count_all_reduces).
+        """
+        return self._step_fn.lower(self.params, self.cache, *self._padded_args(
+            num_tokens, num_seqs), num_logprobs=0).compile().as_text()
+
+    def num_compilations(self) -> int:
+        """How many step variants have been compiled (a steady state adds none)."""
+        return self._step_fn._cache_size()
+
+    def _padded_args(self, t: int, s: int):
+        """(inputs, sampling, rng) of an all-padding step of shape (t, s), on the devices:
+        every slot is the null block's, so it writes nothing that is read."""
+        m = batch.max_blocks_per_seq(self.cache_config, self.sched_config)
+        inputs = DeviceStepInput(
+            token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
+            slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+            seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
+            logits_indices=np.zeros(s, np.int32))
+        sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
+                                               prompt_token_ids=[], output_token_ids=[], pad_to=s)
+        return self._to_device((inputs, sampling, step_rng(self._seed, 0)))
+
+    # ------------------------------------------------------------------ the step
+
+    def sampling_tensors(self, rows: Sequence[RowInput], pad_to: int) -> SamplingTensors:
+        """The padded host sampling arrays of ``rows`` (raises ValueError on a row's bad value)."""
+        return SamplingTensors.from_params(
+            [r.params for r in rows], vocab_size=self.model_config.vocab_size,
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=pad_to)
+
+    def execute(self, plan: StepPlan, rows: Sequence[RowInput]) -> StepOutput:
+        """Runs ``plan`` on the device: its block copies, then one jitted step.
+
+        Args:
+          plan: the scheduler's plan (``plan.seqs`` non-empty).
+          rows: one ``RowInput`` per ``plan.seqs`` entry, in order.
+
+        Returns:
+          StepOutput host arrays, row ``i`` for ``plan.seqs[i]``.
+        """
+        inputs = batch.build(plan, self.cache_config, self.sched_config)
+        num_logprobs = next(b for b in _LOGPROB_BUCKETS
+                            if b >= max((r.params.logprobs or 0) for r in rows))
+        sampling = self.sampling_tensors(rows, len(inputs.seq_lens))
+        self._apply_copies(plan.copy_ops)
+        t_device = time.perf_counter()
+        self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
+            self.params, self.cache, *self._to_device((
+                DeviceStepInput.from_host(inputs), sampling,
+                step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs)
+        out = StepOutput(*(self._to_host(x) for x in (tokens, logprobs, top_ids, top_vals)))
+        self.device_time += time.perf_counter() - t_device
+        self.num_steps += 1
+        return out
+
+    def _apply_copies(self, copy_ops: Sequence[tuple[int, int]]) -> None:
+        """Applies a plan's copy-on-write block copies on the device, all at once."""
+        if copy_ops:
+            n = 1 << (len(copy_ops) - 1).bit_length()   # pad to a power of two: few compiles
+            ops = np.zeros((n, 2), np.int32)            # padding copies null -> null
+            ops[:len(copy_ops)] = copy_ops
+            self.cache = copy_blocks(self.cache, jnp.asarray(ops[:, 0]), jnp.asarray(ops[:, 1]))
+
+    def close(self) -> None:
+        """Frees device memory (params and cache); the runner cannot be used afterwards."""
+        for leaf in jax.tree_util.tree_leaves((self.params, self.cache)):
+            leaf.delete()
+        self.params = self.cache = None

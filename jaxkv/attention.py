@@ -1,4 +1,4 @@
-"""Paged attention over a ragged batch: the pure-jnp reference (the specification) and impl dispatch.
+"""Paged attention over a ragged batch: the pure-jnp reference (the specification).
 
 A step's batch is *ragged*: sequences contribute different numbers of query tokens (a prefill chunk,
 or one decode token), flattened into one token axis ``T``:
@@ -13,9 +13,12 @@ window W it sees only ``q_pos - p < W`` (W positions, itself included), except t
 ``num_sinks`` positions (attention sinks) stay visible. Keys/values of position p of sequence s live
 in block ``block_tables[s, p // block_size]`` at offset ``p % block_size`` (see jaxkv/cache.py).
 
-``paged_attention`` dispatches on an explicit ``impl``; the reference below walks the kv axis in
-chunks of whole blocks with an online softmax (f32 accumulators), which is also what the kernels do.
-Its memory is O(T * chunk) rather than O(T * max_kv_len), so the engine can use it on CPU.
+The reference below walks the kv axis in chunks of whole blocks with an online softmax (f32
+accumulators), which is also what the kernels do. Its memory is O(T * chunk) rather than
+O(T * max_kv_len), so the engine can use it on CPU. ``merge_attention_states`` combines results
+over disjoint kv ranges (the split-K kernel uses it). Nothing here imports the kernels: the
+explicit ``impl=`` choice between this reference and jaxkv.pallas lives in jaxkv/attention_impl.py,
+so the arrows run attention_impl -> {attention, pallas} -> attention.
 """
 
 from __future__ import annotations
@@ -26,9 +29,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import QuantizedPages, read_pages, residual_window
-
-ATTENTION_IMPLS = ("reference", "pallas")
-
 
 def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
     if q.ndim != 3:
@@ -166,31 +166,6 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         return out
     lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(T, Hq)
     return out, lse
-
-
-def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-                    impl: str = "reference", interpret: bool = False, **options):
-    """Ragged paged attention with an explicit implementation choice.
-
-    Args:
-      q, k_pages, v_pages, block_tables, seq_lens, query_start_loc: as in
-        ``paged_attention_reference``.
-      impl: ``"reference"`` (pure jnp) or ``"pallas"`` (jaxkv.pallas kernels).
-      interpret: run the Pallas kernel in interpret mode (CPU).
-      **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``.
-
-    Returns:
-      [T, num_heads, head_dim] in q's dtype.
-    """
-    if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens,
-                                         query_start_loc, **options)
-    if impl == "pallas":
-        from jaxkv.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
-
-        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
-                                      query_start_loc, interpret=interpret, **options)
-    raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of {ATTENTION_IMPLS}")
 
 
 def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:

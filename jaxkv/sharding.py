@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.attention import paged_attention
+from jaxkv.attention_impl import paged_attention
 from jaxkv.cache import CACHE_LOGICAL_AXES, PagedKVCache
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes

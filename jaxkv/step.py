@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxkv import sharding
-from jaxkv.attention import paged_attention
+from jaxkv.attention_impl import paged_attention
 from jaxkv.batch import StepInput
 from jaxkv.cache import PagedKVCache
 from jaxkv.metadata import AttentionMetadata

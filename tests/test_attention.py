@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import cache as kvcache
-from jaxkv.attention import paged_attention, paged_attention_reference
+from jaxkv.attention import paged_attention_reference
+from jaxkv.attention_impl import paged_attention
 
 
 def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, soft_cap=None):

@@ -24,7 +24,7 @@ def test_import_jaxkv_does_not_import_torch_or_transformers():
 
 
 def test_import_pallas_needs_only_jax():
-    assert imported_after("import jaxkv.pallas, jaxkv.attention",
+    assert imported_after("import jaxkv.pallas, jaxkv.attention, jaxkv.attention_impl",
                           ("flax", "tqdm", "tokenizers")) == []
 
 

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jaxkv.attention import merge_attention_states, paged_attention, paged_attention_reference
+from jaxkv.attention import merge_attention_states, paged_attention_reference
+from jaxkv.attention_impl import paged_attention
 from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
                           default_ragged_config, paged_decode_attention, ragged_paged_attention)
 from jaxkv.pallas.ragged import _tile_schedule

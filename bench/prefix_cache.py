@@ -176,7 +176,7 @@ def sharing(args, tiny_dir):
     prompt = {"prompt_token_ids": [(7 * i) % 390 + 3 for i in range(prompt_len)]}
 
     def peak(fn):
-        llm._peak_usage = 0.0
+        llm.engine.reset_peak_usage()
         fn()
         return round(llm.stats()["kv_usage_peak"] * llm.cache_config.num_usable_blocks)
 

@@ -10,8 +10,7 @@ The one module that sees both sides, so the arrows run one way::
 from __future__ import annotations
 
 from jaxkv.attention import paged_attention_reference
-
-ATTENTION_IMPLS = ("reference", "pallas")
+from jaxkv.config import ATTENTION_IMPLS
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,

@@ -13,6 +13,7 @@ class RequestMetrics:
       arrival_time: when the request was added.
       first_scheduled_time: when its first tokens were computed (None before).
       first_token_time: when its first output token was sampled (None before).
+      last_token_time: when its latest output token was sampled (None before).
       finished_time: when it finished (None while running).
       num_generated_tokens: output tokens so far (over all ``n`` samples).
     """
@@ -20,6 +21,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
 

@@ -116,11 +116,11 @@ class AsyncLLM:
             self._wake.notify()
             return rid
 
-    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Generates one prompt, yielding its ``RequestOutput`` after every step that adds
-        tokens; the last one is finished.
+    async def add_request(self, prompt, sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, *, priority: int = 0,
+                          cache_salt: str | None = None) -> "AsyncRequestStream":
+        """Queues one request and returns the async iterator of its outputs (a server
+        validates here, before it answers, and streams afterwards).
 
         Args:
           prompt: a str or ``{"prompt_token_ids": [...]}``.
@@ -129,24 +129,34 @@ class AsyncLLM:
           priority, cache_salt: as for ``LLM.generate``.
 
         Raises:
-          TypeError, ValueError: naming the bad field, before anything is queued.
+          TypeError, ValueError: naming the bad field; nothing is queued then.
           EngineDeadError: the engine loop failed or was shut down.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        rid = await asyncio.to_thread(self._add, loop, queue, prompt, sampling_params,
-                                      request_id, priority, cache_salt)
-        finished = False
+        added = asyncio.ensure_future(asyncio.to_thread(
+            self._add, loop, queue, prompt, sampling_params, request_id, priority, cache_salt))
         try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise EngineDeadError(f"the engine loop failed: {out!r}") from out
-                finished = out.finished
+            rid = await asyncio.shield(added)
+        except asyncio.CancelledError:   # the add still lands in its thread: undo it then
+            added.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                    or self._abort_soon(f.result()))
+            raise
+        return AsyncRequestStream(self, rid, queue)
+
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Generates one prompt, yielding its ``RequestOutput`` after every step that adds
+        tokens; the last one is finished. Arguments and errors as for ``add_request``; a
+        cancelled or closed generator aborts its request."""
+        stream = await self.add_request(prompt, sampling_params, request_id, priority=priority,
+                                        cache_salt=cache_salt)
+        try:
+            async for out in stream:
                 yield out
         finally:
-            if not finished:
-                self._abort_soon(rid)
+            stream.abort()
 
     def _abort_soon(self, request_id: str) -> None:
         """Has the device thread abort ``request_id`` before its next step (never blocks)."""
@@ -192,6 +202,39 @@ class AsyncLLM:
 
 
 AsyncLLM.__doc__ += describe_arguments(indent=6)
+
+
+class AsyncRequestStream(AsyncIterator[RequestOutput]):
+    """The outputs of one ``AsyncLLM`` request, step by step (``AsyncLLM.add_request``).
+
+    ``__anext__`` waits for the next output; after the finished one it stops. ``abort`` (or
+    ``aclose``) aborts an unfinished request: its blocks are freed before the next step.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, queue: asyncio.Queue):
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise EngineDeadError(f"the engine loop failed: {out!r}") from out
+        self.finished = out.finished
+        return out
+
+    def abort(self) -> None:
+        """Aborts the request unless it finished (idempotent, never blocks)."""
+        if not self.finished:
+            self.finished = True
+            self._engine._abort_soon(self.request_id)
+
+    async def aclose(self) -> None:
+        self.abort()
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:

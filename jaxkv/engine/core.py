@@ -276,6 +276,7 @@ class EngineCore:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
             req.metrics.num_generated_tokens += 1
             self._num_generated += 1
             touched[req.request_id] = req
@@ -341,6 +342,10 @@ class EngineCore:
             raise AssertionError(f"scheduler sequences {sorted(live)} != request table "
                                  f"samples {sorted(self._table.samples)}")
 
+    def reset_peak_usage(self) -> None:
+        """Restarts ``stats()["kv_usage_peak"]`` from the current usage (per-phase peaks)."""
+        self._peak_usage = self._state.block_manager.usage()
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (running requests keep their blocks)."""
         bm = self._state.block_manager.copy()
@@ -354,7 +359,9 @@ class EngineCore:
           dict with ``kv_blocks_total`` (usable, excluding the null block), ``kv_blocks_used``,
           ``kv_blocks_free``, ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
           step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests),
-          ``num_running``, ``num_waiting``, ``num_preemptions``, ``num_steps``,
+          ``num_running``, ``num_waiting`` (sequences: a request with ``n`` samples counts
+          ``n``), ``num_requests_running`` (requests with a running sample),
+          ``num_requests_waiting`` (the other live requests), ``num_preemptions``, ``num_steps``,
           ``num_prompt_tokens``, ``num_generated_tokens``, ``num_errors`` (requests ended with
           ``finish_reason="error"``), ``generation_tokens_per_s`` (generated tokens / time spent
           in steps), ``num_computed_tokens`` (tokens the device computed),
@@ -377,6 +384,10 @@ class EngineCore:
             "kv_tokens_live": sum(rs.num_computed_tokens for rs in self._state.requests.values()),
             "num_running": len(self._state.running),
             "num_waiting": len(self._state.waiting),
+            "num_requests_running": len({self._table.samples[s].parent
+                                         for s in self._state.running}),
+            "num_requests_waiting": len(self._table.requests) - len(
+                {self._table.samples[s].parent for s in self._state.running}),
             "num_preemptions": self._num_preemptions,
             "num_steps": self.runner.num_steps,
             "num_prompt_tokens": self._num_prompt_tokens,

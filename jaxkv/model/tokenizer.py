@@ -73,6 +73,19 @@ def _byte_alphabet() -> frozenset[str]:
 
 
 @functools.cache
+def _char_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level spelling inverted: printable character -> the byte it stands for.
+
+    Bytes that print (``!``..``~``, ``¡``..``¬``, ``®``..``ÿ``) spell themselves; the other 68
+    are shifted to code points 256.. in byte order (GPT-2's ``bytes_to_unicode``).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+@functools.cache
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message: str):
         raise jinja2.exceptions.TemplateError(message)
@@ -133,6 +146,21 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Turns ids (any int sequence or 1-D int array) back into text."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level token may be part of a UTF-8
+        character); an added token whose spelling is not byte-level gives its UTF-8 text.
+
+        Raises:
+          ValueError: ``token_id`` is not in the vocabulary.
+        """
+        token = self.backend.id_to_token(int(token_id))
+        if token is None:
+            raise ValueError(f"token_id={token_id} is not in the vocabulary")
+        table = _char_to_byte()
+        if all(ch in table for ch in token):
+            return bytes(table[ch] for ch in token)
+        return token.encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         """Id of one vocabulary entry (spelled as in the vocabulary), or None."""

@@ -138,8 +138,20 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from jaxkv.server.app import serve
+
+    if a.coordinator_address or a.num_processes:
+        raise ValueError("serve runs one engine in one process; multi-host serving is not "
+                         "supported")
+    return serve(EngineConfig.from_cli(a), host=a.host, port=a.port,
+                 served_model_name=a.served_model_name, api_key=a.api_key,
+                 shutdown_timeout=a.shutdown_timeout, log_level=a.log_level)
+
+
 def cmd_plan(a) -> int:
     from jaxkv import planner
+    from jaxkv.kv_spec import KV_FORMATS
     from jaxkv.engine.runner import plan_memory, resolve
     from jaxkv.model.weights import load_config
 
@@ -148,7 +160,7 @@ def cmd_plan(a) -> int:
     print(f"model: {engine.model.model} ({config.architecture}, {config.num_layers} layers, "
           f"{config.num_heads} q heads / {config.num_kv_heads} kv heads x {config.head_dim})")
     print("KV bytes per token:")
-    for kv in planner.KV_CACHE_DTYPES:
+    for kv in KV_FORMATS:
         print(f"  {kv:<10} {planner.kv_bytes_per_token(config, kv):>10,} B")
     print(f"resolved: {resolve(engine, config)}")
     p = plan_memory(engine, config, device_memory_bytes=a.device_memory)
@@ -186,6 +198,7 @@ COMMANDS = (
     ("generate", "generate text for prompts and print KV-cache statistics"),
     ("chat", "chat with the model (stdin lines, or one --message)"),
     ("bench", "offline throughput on prompts cut from a text file"),
+    ("serve", "an OpenAI-compatible HTTP server (completions, chat, metrics)"),
     ("plan", "memory plan: what fits, how many blocks, why it OOMs"),
     ("convert", "convert a GGUF / HF model once into an orbax checkpoint"),
     ("eval", "model quality with a chosen KV cache (eval ppl)"),
@@ -222,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--min-output-len", type=int, default=16)
     b.add_argument("--max-output-len", type=int, default=256)
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    _engine_args(s)
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: --model)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")
     EngineConfig.add_cli_args(p)

@@ -173,10 +173,11 @@ class AsyncLLM:
         self._abort_soon(request_id)
 
     async def stats(self) -> dict:
-        """``EngineCore.stats()``, read under the engine lock."""
-        return await asyncio.to_thread(self._stats)
+        """``EngineCore.stats()``, read under the engine lock (in a worker thread)."""
+        return await asyncio.to_thread(self.stats_now)
 
-    def _stats(self) -> dict:
+    def stats_now(self) -> dict:
+        """``EngineCore.stats()`` from a plain thread (waits for a running step to end)."""
         with self._lock:
             return self.engine.stats()
 

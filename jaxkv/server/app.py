@@ -1,0 +1,443 @@
+"""The OpenAI-compatible server: a FastAPI app over one ``AsyncLLM``, served by uvicorn.
+
+    jaxkv serve --model SmolLM2-135M-Instruct --port 8000 [--api-key KEY] [engine flags]
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``.
+
+* Every request is validated before anything is queued; a bad one gets a 400 in OpenAI's error
+  schema with the engine's own error text, and never touches the others. 401 without the API key
+  (``/health``, ``/metrics``, ``/version`` stay open), 404 for an unknown model, 503 once the
+  server is draining.
+* Streaming is server-sent events, one chunk per engine step per choice, ``data: [DONE]`` last;
+  with ``stream_options.include_usage`` a final chunk carries ``usage`` and ``choices: []``.
+* A client that disconnects aborts its requests (streamed or not): the device thread frees their
+  blocks before its next step.
+* SIGTERM: the server stops accepting, lets in-flight requests finish for up to
+  ``--shutdown-timeout`` seconds, then aborts the rest, frees the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import jaxkv
+from jaxkv.config import EngineConfig
+from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
+from jaxkv.engine.llm import chat_prompts
+from jaxkv.outputs import RequestOutput
+from jaxkv.sampling import check_token_ids
+from jaxkv.server import protocol
+from jaxkv.server.metrics import ServerMetrics
+
+OPEN_PATHS = ("/health", "/metrics", "/version")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's schema with an HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(self.message, self.kind, self.status, self.param),
+                            status_code=self.status)
+
+
+def bad_request(e: Exception) -> APIError:
+    return APIError(400, str(e), "BadRequestError")
+
+
+class Server:
+    """The routes' shared state: the engine, the served name, metrics and the draining flag.
+
+    Args:
+      engine: the ``AsyncLLM`` (the server shuts it down on exit).
+      served_model_name: the ``model`` clients send and ``/v1/models`` lists.
+      api_key: required as ``Authorization: Bearer <key>`` on the API routes (None: open).
+    """
+
+    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None):
+        self.engine = engine
+        self.core = engine.engine
+        self.name = served_model_name
+        self.api_key = api_key
+        self.draining = False
+        self.max_model_len = self.core.sched_config.max_model_len
+        self.metrics = ServerMetrics(served_model_name, engine.stats_now)
+
+    # ------------------------------------------------------------------ requests
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    async def add(self, prompt, params, cache_salt, priority) -> AsyncRequestStream:
+        """Queues one prompt; a refused field is a 400, a dead engine a 503."""
+        try:
+            return await self.engine.add_request(prompt, params, priority=priority,
+                                                  cache_salt=cache_salt)
+        except (TypeError, ValueError) as e:
+            raise bad_request(e) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+
+    async def add_all(self, prompts: list, req: protocol._SamplingRequest, *,
+                      max_tokens: int | None, logprobs: int | None
+                      ) -> list[AsyncRequestStream]:
+        """Queues every prompt of a request, or none (a later refusal aborts the earlier)."""
+        streams: list[AsyncRequestStream] = []
+        try:
+            for prompt in prompts:
+                try:
+                    _, ids = self.core.tokenize(prompt)
+                    params = req.sampling_params(len(ids), self.max_model_len,
+                                                 max_tokens=max_tokens, logprobs=logprobs)
+                except (TypeError, ValueError) as e:
+                    raise bad_request(e) from None
+                streams.append(await self.add(prompt, params, req.cache_salt, req.priority))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    async def follow(self, stream: AsyncRequestStream) -> AsyncIterator[RequestOutput]:
+        """A request's outputs, observed by the metrics on the way."""
+        previous = None
+        async for out in stream:
+            self.metrics.observe_step(previous, out)
+            if out.finished:
+                self.metrics.observe_finished(out)
+            previous = out
+            yield out
+
+    async def final(self, request: Request, streams: list[AsyncRequestStream]
+                    ) -> list[RequestOutput]:
+        """The finished outputs of non-streamed requests; aborts them all if the client
+        disconnects first."""
+        async def last(stream):
+            out = None
+            async for out in self.follow(stream):
+                pass
+            return out
+
+        gathered = asyncio.gather(*(last(s) for s in streams))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if gathered not in done:
+                raise APIError(499, "client disconnected", "ClientDisconnected")
+            outs = gathered.result()
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+        finally:
+            watcher.cancel()
+            gathered.cancel()
+            for s in streams:
+                s.abort()
+        failed = [o.error for o in outs if o.error]
+        if failed:
+            raise APIError(500, failed[0], "InternalServerError")
+        return outs
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.05)
+
+
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+async def _merged(server: Server, streams: list[AsyncRequestStream]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) of several requests, in the order the outputs arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncRequestStream):
+        try:
+            async for out in server.follow(stream):
+                await queue.put((i, out))
+        except BaseException as e:   # surfaced by the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        pending = len(streams)
+        while pending:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                pending -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+class _ChoiceCursor:
+    """What of one choice has been sent: text characters and tokens."""
+
+    def __init__(self):
+        self.text = 0
+        self.tokens = 0
+        self.started = False
+        self.done = False
+
+
+async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, kind: str,
+                         request_id: str, include_usage: bool, n: int,
+                         fmt: protocol.LogprobFormatter | None,
+                         echo_texts: list[str] | None = None) -> AsyncIterator[str]:
+    """The SSE events of a streamed (chat) completion: one chunk per step per choice."""
+    created = int(time.time())
+    cursors: dict[int, _ChoiceCursor] = {}
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for p, out in _merged(server, streams):
+            prompt_tokens[p] = len(out.prompt_token_ids)
+            choices = []
+            for c in out.outputs:
+                index = p * n + c.index
+                cur = cursors.setdefault(index, _ChoiceCursor())
+                completion_tokens[index] = len(c.token_ids)
+                text, tokens = c.text[cur.text:], c.token_ids[cur.tokens:]
+                entries = (c.logprobs or [])[cur.tokens:]
+                if cur.done or not (text or tokens or c.finished or not cur.started):
+                    continue
+                if kind == "chat":
+                    delta = {"role": "assistant", "content": text} if not cur.started else (
+                        {"content": text} if text else {})
+                    choice = {"index": index, "delta": delta,
+                              "logprobs": fmt.chat(tokens, entries) if fmt and tokens else None}
+                else:
+                    prefix = echo_texts[p] if echo_texts and not cur.started else ""
+                    choice = {"index": index, "text": prefix + text,
+                              "logprobs": fmt.completion(tokens, entries, cur.text)
+                              if fmt and tokens else None}
+                cur.started = True
+                cur.text += len(text)
+                cur.tokens += len(tokens)
+                if c.finished:
+                    cur.done = True
+                    choice |= {"finish_reason": protocol.finish_reason(c),
+                               "stop_reason": c.stop_reason}
+                    if out.error:
+                        yield _sse(protocol.error_body(out.error, "InternalServerError", 500))
+                        continue
+                else:
+                    choice["finish_reason"] = None
+                choices.append(choice)
+            if choices:
+                yield _sse(protocol.chunk(request_id, server.name, created, kind, choices))
+        if include_usage:
+            yield _sse(protocol.chunk(request_id, server.name, created, kind, [],
+                                      protocol.usage(sum(prompt_tokens.values()),
+                                                     sum(completion_tokens.values()))))
+    except EngineDeadError as e:
+        yield _sse(protocol.error_body(str(e), "ServiceUnavailableError", 503))
+    yield _sse("[DONE]")
+
+
+def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
+              model_path: str | None = None) -> FastAPI:
+    """The FastAPI app over ``engine`` (module docstring); it shuts the engine down on exit.
+
+    Args:
+      engine: a started ``AsyncLLM``.
+      served_model_name: the model id of the API.
+      api_key: the bearer token the API routes require (None: none).
+      model_path: shown as ``root`` in ``/v1/models``.
+    """
+    server = Server(engine, served_model_name, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        server.draining = True
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="jaxkv", version=jaxkv.__version__, lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:])}: "
+                            f"{err.get('msg')}" for err in e.errors())
+        return APIError(400, message or "invalid request", "BadRequestError", where).response()
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        if server.draining:
+            return APIError(503, "the server is shutting down", "ServiceUnavailableError"
+                            ).response()
+        if server.api_key is not None and request.url.path not in OPEN_PATHS and \
+                request.headers.get("authorization") != f"Bearer {server.api_key}":
+            return APIError(401, "invalid or missing API key", "AuthenticationError").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxkv.__version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        body = await asyncio.to_thread(server.metrics.exposition)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.name, "object": "model", "created": int(time.time()),
+            "owned_by": "jaxkv", "root": model_path or server.name, "parent": None,
+            "max_model_len": server.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: protocol.TokenizeRequest):
+        server.check_model(req.model)
+        tok = server.core.tokenizer
+        try:
+            if (req.prompt is None) == (req.messages is None):
+                raise ValueError("give exactly one of prompt and messages")
+            if req.messages is not None:
+                text = tok.apply_chat_template([m.as_dict() for m in req.messages],
+                                               add_generation_prompt=req.add_generation_prompt)
+                ids = tok.encode(text, add_special_tokens=False)
+            else:
+                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except ValueError as e:
+            raise bad_request(e) from None
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: protocol.DetokenizeRequest):
+        server.check_model(req.model)
+        try:
+            ids = check_token_ids("tokens", req.tokens, server.core.model_config.vocab_size)
+        except (TypeError, ValueError) as e:
+            raise bad_request(e) from None
+        return {"prompt": server.core.tokenizer.decode(ids, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(req: protocol.CompletionRequest, request: Request):
+        server.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server "
+                                "does not compute", "BadRequestError", "echo")
+        try:
+            prompts = req.prompts()
+            echo_texts = [_prompt_text(server, p) for p in prompts] if req.echo else None
+        except (TypeError, ValueError) as e:
+            raise bad_request(e) from None
+        streams = await server.add_all(prompts, req, max_tokens=req.max_tokens,
+                                       logprobs=req.logprobs)
+        fmt = (None if req.logprobs is None
+               else protocol.LogprobFormatter(server.core.tokenizer, req.logprobs))
+        rid = protocol.new_id("cmpl")
+        if req.stream:
+            return StreamingResponse(_stream_events(
+                server, streams, kind="completion", request_id=rid,
+                include_usage=req.include_usage, n=req.n, fmt=fmt, echo_texts=echo_texts),
+                media_type="text/event-stream")
+        outs = await server.final(request, streams)
+        return protocol.completion_body(rid, server.name, outs, echo_texts or [""] * len(outs),
+                                        fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: protocol.ChatCompletionRequest, request: Request):
+        server.check_model(req.model)
+        try:
+            num_logprobs = req.num_logprobs()
+            messages = [m.as_dict() for m in req.messages]
+            prompt = chat_prompts(server.core.tokenizer, messages)[0]
+        except (TypeError, ValueError) as e:
+            raise bad_request(e) from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        streams = await server.add_all([prompt], req, max_tokens=max_tokens,
+                                       logprobs=num_logprobs)
+        fmt = (None if num_logprobs is None
+               else protocol.LogprobFormatter(server.core.tokenizer, num_logprobs))
+        rid = protocol.new_id("chatcmpl")
+        if req.stream:
+            return StreamingResponse(_stream_events(
+                server, streams, kind="chat", request_id=rid, include_usage=req.include_usage,
+                n=req.n, fmt=fmt), media_type="text/event-stream")
+        outs = await server.final(request, streams)
+        return protocol.chat_body(rid, server.name, outs[0], fmt)
+
+    return app
+
+
+def _prompt_text(server: Server, prompt) -> str:
+    """The text ``echo`` puts before a completion: the prompt as given, or its decoded ids."""
+    if isinstance(prompt, str):
+        return prompt
+    return server.core.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server that answers 503 from the first SIGTERM / SIGINT on (uvicorn then stops
+    accepting, waits for in-flight requests up to ``timeout_graceful_shutdown`` and runs the
+    app's shutdown, which stops the engine)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self._api = server
+
+    def handle_exit(self, sig, frame) -> None:
+        self._api.draining = True
+        super().handle_exit(sig, frame)
+
+
+def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
+          served_model_name: str | None = None, api_key: str | None = None,
+          shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """Starts the engine and serves it until SIGTERM / SIGINT; returns the exit status 0.
+
+    Args:
+      config: the engine config (``EngineConfig.from_cli``).
+      host, port: where to listen.
+      served_model_name: the API's model id (default: the ``--model`` value).
+      api_key: bearer token required on the API routes (None: open).
+      shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
+      log_level: uvicorn's log level.
+
+    Raises:
+      TypeError, ValueError: a bad engine argument (before anything listens).
+    """
+    engine = AsyncLLM(**config.to_kwargs())
+    app = build_app(engine, served_model_name=served_model_name or config.model.model,
+                    api_key=api_key, model_path=str(engine.engine.runner.model_path))
+    server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=shutdown_timeout),
+                             app.state.server)
+    server.run()
+    return 0

@@ -1,0 +1,115 @@
+"""Prometheus metrics of the server under vLLM's names, so its dashboards and routers (the
+Gateway API inference extension's endpoint picker, llm-d) read jaxkv unmodified.
+
+Two sources, one registry per server (never the process-global one, so several apps coexist):
+
+* the engine's own counters, read at scrape time from ``EngineCore.stats()`` by a collector:
+  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's) and the counters
+  ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens);
+* per request, observed when its outputs reach the server (from the engine's timestamps, not
+  the server's clock): counters ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+  ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix) and histograms
+  ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
+
+Every metric carries the ``model_name`` label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxkv.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class _EngineCollector:
+    """Reads the engine's gauges and counters at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self):
+        s = self.stats()
+        label = [self.model_name]
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests with a sequence in the running batch.",
+                 s["num_requests_running"]),
+                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                 s["num_requests_waiting"]),
+                ("vllm:kv_cache_usage_perc", "Fraction of the KV blocks in use (1 = full).",
+                 s["kv_usage"])):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        for name, doc, value in (
+                ("vllm:num_preemptions", "Sequences preempted (recomputed later).",
+                 s["num_preemptions"]),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s["prefix_cache_queries"]),
+                ("vllm:prefix_cache_hits", "Of those, tokens found cached.",
+                 s["prefix_cache_hits"])):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            yield c
+
+
+class ServerMetrics:
+    """The server's registry: engine gauges/counters plus per-request observations.
+
+    Args:
+      model_name: the served model name (the ``model_name`` label).
+      stats: returns ``EngineCore.stats()`` (read under the engine lock).
+    """
+
+    def __init__(self, model_name: str, stats: Callable[[], dict]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, stats))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                                     **kw)
+        self.generation_tokens = Counter("vllm:generation_tokens",
+                                         "Generated tokens of finished requests.", **kw)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"],
+                               registry=self.registry)
+        hist = dict(kw, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", **hist)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between a request's consecutive engine steps' tokens.", **hist)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", **hist)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Arrival to first scheduled.", **hist)
+
+    def observe_step(self, previous: RequestOutput | None, out: RequestOutput) -> None:
+        """One new output of a request (after ``previous``, its last one seen, if any)."""
+        m, label = out.metrics, self.model_name
+        if previous is None or previous.metrics.first_token_time is None:
+            if m.first_token_time is not None:
+                self.ttft.labels(label).observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.labels(label).observe(m.first_scheduled_time - m.arrival_time)
+        elif m.last_token_time is not None and m.last_token_time > previous.metrics.last_token_time:
+            self.itl.labels(label).observe(m.last_token_time - previous.metrics.last_token_time)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """A finished request: its tokens, its finish reason (the first choice's, as vLLM
+        counts requests, not choices) and its latency."""
+        label = self.model_name
+        self.prompt_tokens.labels(label).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(label).inc(sum(len(c.token_ids) for c in out.outputs))
+        self.success.labels(label, out.outputs[0].finish_reason).inc()
+        if out.metrics.e2e_latency is not None:
+            self.e2e.labels(label).observe(out.metrics.e2e_latency)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

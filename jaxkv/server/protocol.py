@@ -1,0 +1,262 @@
+"""The wire format of the OpenAI-compatible server: request models and response bodies.
+
+Requests are pydantic models in strict mode (an int field takes an int, not ``"3"`` or ``true``),
+with OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``,
+``cache_salt``); unknown fields are ignored, as OpenAI's servers do. Values are range-checked by
+``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text.
+
+Logprobs: completions use the legacy schema (``tokens``, ``token_logprobs``, ``top_logprobs`` as
+``{token: logprob}``, ``text_offset``); chat uses ``{"content": [{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}]}``, a list per position, so two tokens that decode to the
+same text (byte-fallback pieces of one character) stay apart, each with its exact ``bytes``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.sampling import SamplingParams
+
+# OpenAI caps top_logprobs at 20; so does the engine (jaxkv.requests.MAX_LOGPROBS).
+MAX_TOP_LOGPROBS = 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, *, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        """The engine's ``SamplingParams``; without ``max_tokens`` the rest of the context
+        (vLLM's default), at least 1 so an over-long prompt gets the length error.
+
+        Raises:
+          TypeError, ValueError: a field out of range, named (from ``SamplingParams``).
+        """
+        if max_tokens is None:
+            max_tokens = max(1, max_model_len - prompt_len)
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k", "min_p",
+                                                "presence_penalty", "frequency_penalty",
+                                                "repetition_penalty", "seed")
+                 if getattr(self, k) is not None}
+        return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              skip_special_tokens=self.skip_special_tokens, **given)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    def prompts(self) -> list[str | dict]:
+        """The prompts as the engine takes them: str or ``{"prompt_token_ids": [...]}``."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        return [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+
+class ChatMessage(BaseModel):
+    """One message; ``content`` is a str or a list of ``{"type": "text", "text": ...}`` parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict:
+        """The message for the chat template (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise ValueError("messages: only text content parts are supported")
+            content = "".join(str(part.get("text", "")) for part in content)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: a conversation rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def num_logprobs(self) -> int | None:
+        """Top-N the engine must return per token (None: no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize``: a text ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
+    """OpenAI's error schema: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(c: CompletionOutput) -> str | None:
+    """OpenAI's finish reason of a completion (``stop``, ``length``; ``abort``/``error`` as is)."""
+    return c.finish_reason
+
+
+class LogprobFormatter:
+    """Turns a completion's per-token ``{id: logprob}`` entries into either logprobs schema.
+
+    Args:
+      tokenizer: the model's tokenizer (``token_bytes`` for exact bytes).
+      num: the top-N requested (the engine adds the chosen token to each entry).
+    """
+
+    def __init__(self, tokenizer, num: int):
+        self.tokenizer = tokenizer
+        self.num = num
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _top(self, entry: dict[int, float], chosen: int) -> list[tuple[int, float]]:
+        """The top-N of an entry (the chosen token is in the entry only to give its logprob)."""
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        return ranked[:self.num] if self.num else []
+
+    def chat(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict:
+        """``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
+        def item(tid: int, lp: float) -> dict:
+            return {"token": self._text(tid), "logprob": lp,
+                    "bytes": list(self.tokenizer.token_bytes(tid))}
+        return {"content": [{**item(t, e[t]), "top_logprobs": [item(i, v) for i, v in
+                                                               self._top(e, t)]}
+                            for t, e in zip(token_ids, entries)]}
+
+    def completion(self, token_ids: list[int], entries: list[dict[int, float]],
+                   offset: int) -> dict:
+        """The legacy ``{tokens, token_logprobs, top_logprobs, text_offset}``; ``offset`` is
+        the length of the text before the first of these tokens."""
+        tokens = [self._text(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{self._text(i): v for i, v in self._top(e, t)}
+                                 for t, e in zip(token_ids, entries)],
+                "text_offset": offsets}
+
+
+def completion_body(request_id: str, model: str, outputs: list[RequestOutput],
+                    echo_texts: list[str], fmt: LogprobFormatter | None) -> dict:
+    """The non-streamed ``text_completion`` of one request per prompt, ``n`` choices each."""
+    choices, n_prompt, n_out = [], 0, 0
+    for p, (out, echo) in enumerate(zip(outputs, echo_texts)):
+        n_prompt += len(out.prompt_token_ids)
+        for c in out.outputs:
+            n_out += len(c.token_ids)
+            choices.append({
+                "index": p * len(out.outputs) + c.index, "text": echo + c.text,
+                "logprobs": None if fmt is None else fmt.completion(c.token_ids, c.logprobs,
+                                                                    len(echo)),
+                "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(n_prompt, n_out)}
+
+
+def chat_body(request_id: str, model: str, out: RequestOutput,
+              fmt: LogprobFormatter | None) -> dict:
+    """The non-streamed ``chat.completion``, ``n`` choices."""
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": c.index,
+                         "message": {"role": "assistant", "content": c.text},
+                         "logprobs": None if fmt is None else fmt.chat(c.token_ids, c.logprobs),
+                         "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
+                        for c in out.outputs],
+            "usage": usage(len(out.prompt_token_ids),
+                           sum(len(c.token_ids) for c in out.outputs))}
+
+
+def chunk(request_id: str, model: str, created: int, kind: Literal["completion", "chat"],
+          choices: list[dict], usage_: dict | None = None) -> dict:
+    """One streamed chunk (``choices: []`` plus ``usage`` for the final usage chunk)."""
+    body = {"id": request_id,
+            "object": "text_completion" if kind == "completion" else "chat.completion.chunk",
+            "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body

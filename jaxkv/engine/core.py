@@ -195,11 +195,11 @@ class EngineCore:
         """
         self._check_open()
         t0 = time.perf_counter()
-        outputs, self._pending = self._pending, {}
+        outputs = self._pending   # handed out only if this step succeeds
         state, plan = scheduler.schedule(self._state, self.sched_config)
-        self._num_preemptions += len(plan.preempted_ids)
         if not plan.seqs:
-            self._state = state
+            self._state, self._pending = state, {}
+            self._num_preemptions += len(plan.preempted_ids)
             return outputs | self._collect()
         samples = self._table.samples
         rows = [RowInput(samples[s.request_id].params, state.requests[s.request_id]
@@ -211,10 +211,13 @@ class EngineCore:
             culprits = self._failing_rows(plan, rows)
             if not culprits:
                 raise
+            self._pending = {}
             for request_id, err in culprits.items():
                 outputs |= self._fail(request_id, err)
             logger.warning("step without %d failing request(s): %s", len(culprits), exc)
             return outputs
+        self._pending = {}
+        self._num_preemptions += len(plan.preempted_ids)
         self._count(plan, state)
         now = time.perf_counter()
         touched, stop_hits, errors = self._apply(plan, result, t0, now)

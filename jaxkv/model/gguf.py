@@ -13,6 +13,7 @@ Qwen2 GGUFs are not permuted (its converter keeps HF's layout).
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from pathlib import Path
@@ -80,14 +81,24 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """Opens (memory-maps) a GGUF file.
+    """Opens (memory-maps) a GGUF file; the reader of an unchanged file (same size and mtime)
+    is reused, so reading the config and then the weights parses the metadata once (1.6 s for
+    SmolLM2's 30-layer file).
 
     Raises:
       FileNotFoundError: no such file.
       ValueError: not a GGUF file, or truncated (naming the file).
     """
-    if not Path(path).is_file():
+    path = Path(path)
+    if not path.is_file():
         raise FileNotFoundError(f"{path}: not found")
+    st = path.stat()
+    return _open_unchanged(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_unchanged(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    """The reader of one version of a file (``size`` and ``mtime_ns`` key the version)."""
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, struct.error) as e:

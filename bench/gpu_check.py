@@ -50,6 +50,7 @@ import numpy as np
 
 
 from jaxkv.attention import paged_attention_reference
+from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec
 from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
                           paged_decode_attention, ragged_paged_attention)
 
@@ -106,7 +107,8 @@ DRY = Settings(
 
 # Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
 QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
-KIVI_DTYPES = ("int4", "int2")     # packed KIVI pools: K per channel, V per token (G = 32)
+# packed KIVI pools (int4, int2): K per channel, V per token (G = 32 at head_dim 128)
+KIVI_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.kivi)
 
 
 class Clock:
@@ -174,8 +176,10 @@ def written_kivi_pools(k, v, tables, lens, kv_cache_dtype: str):
     pos = [np.arange(n) for n in lens_np]
     blk = np.concatenate([tables_np[s, p // bs] for s, p in enumerate(pos)]).astype(np.int32)
     off = np.concatenate([p % bs for p in pos]).astype(np.int32)
-    c = kvcache.init_cache(1, num_blocks, bs, hkv, d, k.dtype, kv_cache_dtype=kv_cache_dtype,
-                           num_residual_slots=len(lens_np))
+    c = kvcache.init_cache(KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=bs,
+                                       num_kv_heads=hkv, head_dim=d, dtype=jnp.dtype(k.dtype).name,
+                                       kv_cache_dtype=kv_cache_dtype,
+                                       num_residual_slots=len(lens_np)))
     blk, off = jnp.asarray(blk), jnp.asarray(off)
     c = jax.jit(kvcache.write, static_argnums=1)(c, 0, k[blk, off], v[blk, off], blk * bs + off)
     return c.k[0], c.v[0]
@@ -206,7 +210,8 @@ def read_bytes(pool, pages_read: int) -> int:
     ``QuantizedPages``' codes + scales + zero points (per-page slices of every [num_blocks, ...]
     array: fp8/int8 per-token scales; KIVI per-channel [N, 1, Hkv, D] or per-token
     [N, bs, Hkv, D / G] bf16 scale and zero, the int32 res_slot) + its residual pool once (for a
-    ``quantize_pages`` pool only the null slot, which every sealed page reads)."""
+    ``quantize_pages`` pool only the null slot, which every sealed page reads, and one empty
+    slot)."""
     if not hasattr(pool, "data"):
         return pool.nbytes // pool.shape[0] * pages_read
     per_page = sum(a.nbytes for a in (pool.data, pool.scale, pool.zero, pool.res_slot)
@@ -438,20 +443,20 @@ def bench_quant_decode(settings: Settings, clock: Clock, bf16_rows: dict, k, v, 
     """Decode rows of the quantized pools (each dtype quantized once from the bf16 pools of the
     context) for the batches of the bf16 rows at GQA ``quant_groups``, same q: ms per call, GB/s
     over the bytes the kernel reads (``read_bytes``) and the speedup over the bf16 row's time."""
-    from jaxkv.pallas.kv_format import kivi_chunk_width
-    from jaxkv.planner import KIVI_GROUP_SIZE
+    from jaxkv.pallas.kv_format import check_pallas_support
 
     rows = []
     D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
     for kv in settings.quant_dtypes:
         if clock.elapsed() > settings.quant_until_s:
             break
-        if kv in KIVI_DTYPES:
-            try:
-                kivi_chunk_width(kv, D, KIVI_GROUP_SIZE)
-            except ValueError as e:
-                print(f"skipping {kv} decode rows: {e}", flush=True)
-                continue
+        try:
+            check_pallas_support(KVCacheSpec(num_layers=1, num_blocks=2, block_size=bs,
+                                             num_kv_heads=Hkv, head_dim=D, dtype="bfloat16",
+                                             kv_cache_dtype=kv))
+        except ValueError as e:
+            print(f"skipping {kv} decode rows: {e}", flush=True)
+            continue
         kq, vq = (wide_offsets(p) for p in quantize_kv(k, v, kv))
         for G in settings.quant_groups:
             for B in settings.batches:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from jaxkv import planner
 from jaxkv.cli import parse_bytes
+from jaxkv.kv_spec import kivi_residual_slots
 from jaxkv.model.weights import load_config
 
 # (label, kv dtype, block size, value group, residual window in blocks)
@@ -55,7 +56,7 @@ def capacity(config, kv, budget, block_size, seq_len, group_size, residual_block
     for seqs in range(budget // (per_block * per_seq), 0, -1):
         residual = planner.kivi_residual_bytes(
             config, kv, weight_dtype, block_size,
-            planner.kivi_residual_slots(seqs, residual_blocks))
+            kivi_residual_slots(seqs, residual_blocks))
         blocks = (budget - residual) // per_block
         if (blocks - 1) // per_seq >= seqs:
             return blocks, (blocks - 1) * block_size, seqs, residual

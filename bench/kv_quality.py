@@ -23,6 +23,7 @@ Rows are appended to the JSON file as they finish (a partial run keeps its rows)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from jaxkv.eval import perplexity, token_agreement
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 FLOAT_AND_8BIT = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
-# KIVI 2-bit ablation: (name, init_cache options besides the residual window)
+# KIVI 2-bit ablation: (name, KVCacheSpec options besides the residual window)
 ABLATION = (
     ("int2 KIVI (K channel, V token)", {}),
     ("int2 K channel, V channel", dict(key_axis="channel", value_axis="channel")),
@@ -47,11 +48,11 @@ ABLATION = (
 
 
 def free_running(llm, kv, options, prompt_ids, n, logprobs=None):
-    """The greedy continuation through the engine with the cache swapped for ``kv``."""
-    c, r = llm.model_config, options.get("residual_blocks", 1)
-    llm.cache = init_cache(c.num_layers, llm.cache_config.num_blocks,
-                           llm.cache_config.block_size, c.num_kv_heads, c.head_dim, llm.dtype,
-                           kv_cache_dtype=kv, num_residual_slots=r + 1, **options)
+    """The greedy continuation through the engine with its cache swapped for a ``kv`` one of
+    the same pool (``options``: KVCacheSpec fields; one sequence's residual slots)."""
+    runner = llm.engine.runner
+    runner.cache = init_cache(dataclasses.replace(runner.kv_spec, kv_cache_dtype=kv,
+                                                  num_residual_slots=None, **options))
     out = llm.generate([{"prompt_token_ids": prompt_ids}],
                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                       logprobs=logprobs), use_tqdm=False)
@@ -105,10 +106,10 @@ def main():
         if a.only is not None and name not in a.only:
             continue
         t0 = time.perf_counter()
-        agree = token_agreement(llm, prompt, ref, kv_cache_dtype=kv, **opts)
+        agree = token_agreement(llm.engine.runner, prompt, ref, kv_cache_dtype=kv, **opts)
         own = free_running(llm, kv, opts, prompt, a.gen_tokens).token_ids
         first = next((i for i, (x, y) in enumerate(zip(own, ref)) if x != y), len(ref))
-        r = perplexity(llm, ids, kv_cache_dtype=kv, context=a.context, chunk=chunk,
+        r = perplexity(llm.engine.runner, ids, kv_cache_dtype=kv, context=a.context, chunk=chunk,
                        max_windows=windows, **opts)
         row = {"table": table, "name": name, "kv_cache_dtype": kv, "options": opts,
                "chunk": chunk, "ppl": r.perplexity, "scored_tokens": r.num_scored,

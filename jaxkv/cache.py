@@ -19,6 +19,9 @@ A token's KV lives at a *slot* ``slot = block_id * block_size + offset``:
 Block 0 is the null block: ``slot_mapping`` of padding tokens points into it and padded block-table
 entries are 0, so no index ever leaves the pool; sequence lengths mask whatever it holds.
 
+``init_cache(spec, shardings=None)`` is the one constructor: a ``jaxkv.kv_spec.KVCacheSpec`` fixes
+every array (the arrays and their byte counts are listed there), ``shardings`` places them on a mesh.
+
 Quantized caches (``kv_cache_dtype`` fp8_e4m3, fp8_e5m2, int8, int4, int2) hold a ``QuantizedPages``
 per layer and K/V instead of the plain array; its codes keep the NHD page layout, with the last
 axis packed for int4/int2 (see jaxkv/quant.py for the bit layout):
@@ -64,17 +67,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import quant
+from jaxkv.kv_spec import KV_ALIASES, KVCacheSpec, KVFormat, get_format
 from jaxkv.metadata import AttentionMetadata
-from jaxkv.planner import KIVI_GROUP_SIZE
+
+# The array fields of a QuantizedPages (jaxkv.kv_spec.KVCacheSpec.block_arrays + residual_arrays).
+_POOL_FIELDS = ("data", "scale", "zero", "residual", "res_slot", "res_owner", "res_stamp",
+                "clock", "sealed")
 
 
-KV_CACHE_QUANT_DTYPES = tuple(quant.KV_QUANT_FORMATS)
-FLOAT_KV_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
-
-
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["data", "scale", "zero", "residual", "res_slot", "res_owner", "res_stamp",
-                      "clock", "sealed"],
+@partial(jax.tree_util.register_dataclass, data_fields=list(_POOL_FIELDS),
          meta_fields=["fmt", "axis", "group_size", "residual_full_precision", "static_scale",
                       "head_dim", "residual_blocks"])
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ class QuantizedPages:
       clock: int32 [] writes so far.
       sealed: bool [num_blocks] the block's codes are final (its last slot was written); writes
         into a sealed block (the recomputed last token of a cached prompt) are dropped.
-      fmt: ``quant.KV_QUANT_FORMATS`` name.
+      fmt: the ``jaxkv.kv_spec.KV_FORMATS`` name.
       axis: ``"token"`` (groups along head_dim within a token) or ``"channel"`` (per channel over
         the tokens of one block).
       group_size: channels per group for ``axis="token"``.
@@ -130,8 +131,9 @@ class QuantizedPages:
     ndim = 4
 
     @property
-    def format(self) -> quant.QuantFormat:
-        return quant.KV_QUANT_FORMATS[self.fmt]
+    def format(self) -> KVFormat:
+        """The pool's ``KVFormat``."""
+        return get_format(self.fmt)
 
 
 Pages = jax.Array | QuantizedPages
@@ -179,157 +181,92 @@ class PagedKVCache:
 
     @property
     def kv_cache_dtype(self) -> str:
-        """``"fp32"``/``"bf16"``/``"fp16"`` or the quantized format name."""
+        """The canonical ``jaxkv.kv_spec.KV_FORMATS`` name of the pools."""
         pool = self.k[0]
         if isinstance(pool, QuantizedPages):
             return pool.fmt
-        return {jnp.dtype(v): k for k, v in FLOAT_KV_DTYPES.items()}[jnp.dtype(pool.dtype)]
+        return KV_ALIASES[jnp.dtype(pool.dtype).name]
 
     @property
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
 
-# Logical axis names of one layer's pool, for the sharding rules (kv heads split under TP).
+# Logical axis names of a pool-shaped cache array (codes, scales, zero points, residual:
+# [blocks or residual slots, tokens or 1, kv_heads, channels]), for the sharding rules.
 CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 
 
-def check_quant_geometry(kv_cache_dtype: str, *, block_size: int, head_dim: int,
-                         group_size: int = KIVI_GROUP_SIZE) -> None:
-    """Raises ValueError (naming the field) if a format cannot serve this geometry.
+def logical_axes(leaf) -> tuple[str | None, ...]:
+    """Logical axis names of one cache array (an array, tracer or ``jax.ShapeDtypeStruct``).
 
-    int4/int2 pack 2/4 channels per byte in split parts, so ``head_dim`` must be a multiple of
-    2/4; KIVI value groups need ``group_size`` to divide ``head_dim``; per-channel key groups
-    need ``block_size >= 2`` tokens.
+    The pool-shaped (4-D) arrays split over their kv heads (``CACHE_LOGICAL_AXES``); the KIVI
+    bookkeeping (``res_slot``, ``sealed`` [num_blocks], ``res_owner``, ``res_stamp`` [num_res],
+    ``clock`` []) describes whole blocks, shared by all heads, and is replicated.
     """
-    fmt = quant.get_format(kv_cache_dtype)
-    if head_dim % fmt.per_byte:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of {fmt.per_byte} for "
-                         f"kv_cache_dtype={kv_cache_dtype!r} ({fmt.per_byte} codes per byte)")
-    if fmt.asymmetric:
-        if head_dim % min(group_size, head_dim):
-            raise ValueError(f"group_size={group_size} must divide head_dim={head_dim} for "
-                             f"kv_cache_dtype={kv_cache_dtype!r}")
-        if block_size < 2:
-            raise ValueError(f"block_size={block_size} must be >= 2 for kv_cache_dtype="
-                             f"{kv_cache_dtype!r} (KIVI keys group the tokens of a block)")
+    return CACHE_LOGICAL_AXES if leaf.ndim == 4 else (None,) * leaf.ndim
 
 
-def _init_quantized(fmt_name: str, axis: str, shape, dtype, *, num_residual_slots: int,
-                    group_size: int, residual_full_precision: bool,
-                    static_scale: float | None, residual_blocks: int = 1) -> QuantizedPages:
-    """Zeroed ``QuantizedPages`` of logical ``shape`` [num_blocks, block_size, Hkv, D]."""
-    fmt = quant.get_format(fmt_name)
-    n, bs, h, d = shape
-    g = min(group_size, d)
-    data = jnp.zeros((n, bs, h, d // fmt.per_byte), fmt.storage)
-    if static_scale is not None:
-        scale = zero = None
-    else:
-        groups = d // g if fmt.asymmetric else 1
-        sshape = (n, 1, h, d) if axis == "channel" else (n, bs, h, groups)
-        scale = jnp.zeros(sshape, quant.SCALE_DTYPE)
-        zero = jnp.zeros(sshape, quant.SCALE_DTYPE) if fmt.asymmetric else None
-    res = dict(residual=None, res_slot=None, res_owner=None, res_stamp=None, clock=None,
-               sealed=None)
-    if fmt.asymmetric:
-        r = num_residual_slots + 1        # slot 0 is the null slot
-        res = dict(residual=jnp.zeros((r, bs, h, d), dtype), res_slot=jnp.zeros(n, jnp.int32),
-                   res_owner=jnp.zeros(r, jnp.int32), res_stamp=jnp.zeros(r, jnp.int32),
-                   clock=jnp.zeros((), jnp.int32), sealed=jnp.zeros(n, bool))
-    return QuantizedPages(data=data, scale=scale, zero=zero, **res, fmt=fmt_name, axis=axis,
-                          group_size=g if fmt.asymmetric else d,
-                          residual_full_precision=residual_full_precision,
-                          static_scale=static_scale, head_dim=d, residual_blocks=residual_blocks)
+def _zeros_pool(spec: KVCacheSpec, axis: str) -> Pages:
+    """One layer's zeroed K (``axis = spec.axes[0]``) or V (``spec.axes[1]``) pool: the arrays
+    ``spec.block_arrays(axis)`` and ``spec.residual_arrays()`` list."""
+    arrays = {name: jnp.zeros(shape, dtype) for name, (shape, dtype)
+              in {**spec.block_arrays(axis), **spec.residual_arrays()}.items()}
+    if not spec.format.quantized:
+        return arrays["data"]
+    return QuantizedPages(**{f: arrays.get(f) for f in _POOL_FIELDS}, fmt=spec.kv_cache_dtype,
+                          axis=axis, group_size=spec.token_group_size,
+                          residual_full_precision=spec.residual_full_precision,
+                          static_scale=spec.static_scale, head_dim=spec.head_dim,
+                          residual_blocks=spec.residual_blocks)
 
 
-def init_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-               head_dim: int, dtype=jnp.float32, *, kv_cache_dtype: str | None = None,
-               num_residual_slots: int = 256, key_axis: str = "channel",
-               value_axis: str = "token", group_size: int = KIVI_GROUP_SIZE,
-               residual_full_precision: bool = True,
-               static_scale: float | None = None, residual_blocks: int = 1) -> PagedKVCache:
-    """Allocates a zeroed cache.
+def _zeros(spec: KVCacheSpec) -> PagedKVCache:
+    k_axis, v_axis = spec.axes
+    return PagedKVCache(k=tuple(_zeros_pool(spec, k_axis) for _ in range(spec.num_layers)),
+                        v=tuple(_zeros_pool(spec, v_axis) for _ in range(spec.num_layers)))
+
+
+def init_cache(spec: KVCacheSpec, shardings: PagedKVCache | None = None) -> PagedKVCache:
+    """Allocates the zeroed cache ``spec`` describes, on one device or straight into shardings.
 
     Args:
-      num_layers, num_blocks, block_size, num_kv_heads, head_dim: pool geometry; ``num_blocks``
-        counts the reserved null block 0, so ``num_blocks - 1`` blocks are usable.
-      dtype: element dtype of float pools and of the KIVI residual.
-      kv_cache_dtype: None (pools in ``dtype``), ``"fp32"``/``"bf16"``/``"fp16"``, or a quantized
-        format of ``KV_CACHE_QUANT_DTYPES``.
-      num_residual_slots: blocks the KIVI residual pool holds (int4/int2); at least
-        ``residual_blocks`` times the number of sequences running at once.
-      key_axis, value_axis: int4/int2 grouping of K and V: ``"channel"`` (per channel over a
-        block's tokens) or ``"token"`` (groups of ``group_size`` channels per token). KIVI is
-        keys per channel, values per token (the defaults); the others are for ablations.
-      group_size: channels per group of a per-token int4/int2 pool.
-      residual_full_precision: False reads unsealed int4/int2 blocks fake-quantized (the
-        residual-off ablation; the storage is the same).
-      static_scale: fp8 only: a fixed per-tensor scale instead of per-token scales.
-      residual_blocks: int4/int2 residual window R >= 1 in blocks (the unsealed block plus the
-        last R - 1 sealed blocks of a sequence are read in full precision).
+      spec: the cache (geometry, format, KIVI options; validated on creation).
+      shardings: None (the default device), or a ``PagedKVCache`` of ``NamedSharding``s shaped
+        like this cache (``jaxkv.sharding.cache_shardings(spec, mesh)``): every array is created
+        in place on its devices, nothing is allocated whole first.
 
     Returns:
       PagedKVCache with ``num_layers`` K and V pools of logical shape
-      [num_blocks, block_size, num_kv_heads, head_dim].
+      [num_blocks, block_size, num_kv_heads, head_dim]: arrays in the format's storage dtype for
+      a float format, ``QuantizedPages`` (the arrays of ``spec.block_arrays`` and
+      ``spec.residual_arrays``) for a quantized one; ``nbytes == spec.nbytes``.
     """
-    for name, val in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                      ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                      ("head_dim", head_dim)):
-        if val < 1:
-            raise ValueError(f"{name}={val} must be >= 1")
-    if num_blocks < 2:
-        raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the reserved null block)")
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if kv_cache_dtype is None or kv_cache_dtype in FLOAT_KV_DTYPES:
-        dt = dtype if kv_cache_dtype is None else FLOAT_KV_DTYPES[kv_cache_dtype]
-        return PagedKVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(num_layers)),
-                            v=tuple(jnp.zeros(shape, dt) for _ in range(num_layers)))
-    if kv_cache_dtype not in KV_CACHE_QUANT_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of "
-                         f"{(*FLOAT_KV_DTYPES, *KV_CACHE_QUANT_DTYPES)}")
-    for name, val in (("key_axis", key_axis), ("value_axis", value_axis)):
-        if val not in ("channel", "token"):
-            raise ValueError(f"{name}={val!r} is not 'channel' or 'token'")
-    fmt = quant.get_format(kv_cache_dtype)
-    if static_scale is not None and not kv_cache_dtype.startswith("fp8"):
-        raise ValueError(f"static_scale applies to fp8 formats, not kv_cache_dtype="
-                         f"{kv_cache_dtype!r}")
-    if fmt.asymmetric and residual_blocks < 1:
-        raise ValueError(f"residual_blocks={residual_blocks} must be >= 1")
-    if fmt.asymmetric and num_residual_slots < residual_blocks:
-        raise ValueError(f"num_residual_slots={num_residual_slots} must be >= residual_blocks="
-                         f"{residual_blocks} (one sequence's window)")
-    check_quant_geometry(kv_cache_dtype, block_size=block_size, head_dim=head_dim,
-                         group_size=group_size)
-    kw = dict(num_residual_slots=num_residual_slots, group_size=group_size,
-              residual_full_precision=residual_full_precision, static_scale=static_scale,
-              residual_blocks=residual_blocks)
-    k_axis, v_axis = (key_axis, value_axis) if fmt.asymmetric else ("token", "token")
-    return PagedKVCache(
-        k=tuple(_init_quantized(kv_cache_dtype, k_axis, shape, dtype, **kw)
-                for _ in range(num_layers)),
-        v=tuple(_init_quantized(kv_cache_dtype, v_axis, shape, dtype, **kw)
-                for _ in range(num_layers)))
+    return jax.jit(_zeros, static_argnums=0, out_shardings=shardings)(spec)
+
+
+def abstract_cache(spec: KVCacheSpec) -> PagedKVCache:
+    """The cache ``init_cache(spec)`` returns, as ``jax.ShapeDtypeStruct`` leaves (nothing is
+    allocated)."""
+    return jax.eval_shape(partial(_zeros, spec))
 
 
 def quantize_pages(pool: jax.Array, kv_cache_dtype: str, *, axis: str = "token",
-                   group_size: int = KIVI_GROUP_SIZE) -> QuantizedPages:
+                   group_size: int | None = None) -> QuantizedPages:
     """A ``QuantizedPages`` holding a float pool [num_blocks, block_size, Hkv, D] quantized as if
     every block had been written and sealed (fp8/int8: per token and head; int4/int2: per
-    ``axis``, KIVI keys ``"channel"``, values ``"token"``, with an empty residual); for benchmarks.
+    ``axis``, KIVI keys ``"channel"``, values ``"token"``, groups of ``group_size`` channels,
+    default ``default_group_size(D)``, with an empty one-slot residual); for benchmarks.
     """
-    fmt = quant.get_format(kv_cache_dtype)
     n, bs, h, d = pool.shape
-    empty = _init_quantized(kv_cache_dtype, axis if fmt.asymmetric else "token", (1, bs, h, d),
-                            pool.dtype, num_residual_slots=0,
-                            group_size=group_size if fmt.asymmetric else d,
-                            residual_full_precision=True, static_scale=None)
+    spec = KVCacheSpec(num_layers=1, num_blocks=n, block_size=bs, num_kv_heads=h, head_dim=d,
+                       dtype=jnp.dtype(pool.dtype).name, kv_cache_dtype=kv_cache_dtype,
+                       group_size=group_size, num_residual_slots=1, key_axis=axis,
+                       value_axis=axis)
+    empty = _zeros_pool(spec, spec.axes[0])
     data, scale, zero = _quantize_blocks(empty, pool)
     out = dataclasses.replace(empty, data=data, scale=scale, zero=zero)
-    if not fmt.asymmetric:
-        return out
-    return dataclasses.replace(out, res_slot=jnp.zeros(n, jnp.int32), sealed=jnp.ones(n, bool))
+    return dataclasses.replace(out, sealed=jnp.ones(n, bool)) if spec.format.kivi else out
 
 
 def _quantize_blocks(p: QuantizedPages, x: jax.Array):

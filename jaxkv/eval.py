@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import init_cache
+from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.llama import forward
 
@@ -56,11 +57,13 @@ class PerplexityResult:
 
 def _sequence_cache(llm, num_blocks: int, kv_cache_dtype: str, cache_options: dict):
     """A cache for one sequence of ``num_blocks`` blocks (+ the null block) in the model's
-    geometry; KIVI pools get one residual window's worth of slots."""
+    geometry; KIVI pools get one residual window's worth of slots (the ``KVCacheSpec`` default)."""
     c = llm.model_config
-    return init_cache(c.num_layers, num_blocks + 1, llm.cache_config.block_size, c.num_kv_heads,
-                      c.head_dim, llm.dtype, kv_cache_dtype=kv_cache_dtype,
-                      num_residual_slots=cache_options.get("residual_blocks", 1), **cache_options)
+    return init_cache(KVCacheSpec(num_layers=c.num_layers, num_blocks=num_blocks + 1,
+                                  block_size=llm.cache_config.block_size,
+                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                  dtype=jnp.dtype(llm.dtype).name, kv_cache_dtype=kv_cache_dtype,
+                                  **cache_options))
 
 
 def _make_chunk_fn(config, attention_impl: str):
@@ -87,13 +90,13 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
     Args:
       llm: a ``jaxkv.LLM`` (its params, config, block size and attention impl are used).
       token_ids: the text's token ids.
-      kv_cache_dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or a quantized format (jaxkv.cache).
+      kv_cache_dtype: a ``jaxkv.kv_spec.KV_FORMATS`` name or alias.
       context: tokens per window (the attention context of the last scored token).
       stride: window advance (default ``context``: disjoint windows); each window scores its
         last ``stride`` tokens (the first window all of its tokens but the first).
       chunk: tokens per forward call (chunked prefill through the paged cache).
       max_windows: stop after this many windows.
-      **cache_options: passed to ``jaxkv.cache.init_cache`` (``key_axis``, ``value_axis``,
+      **cache_options: ``jaxkv.kv_spec.KVCacheSpec`` fields (``key_axis``, ``value_axis``,
         ``group_size``, ``residual_full_precision``, ``static_scale``: the ablations;
         ``residual_blocks``: KIVI's residual window).
 

@@ -26,49 +26,27 @@ import dataclasses
 import math
 import os
 
+from jaxkv.kv_spec import (KV_FORMATS, KVCacheSpec, check_model_dtype, get_format,
+                           kivi_residual_slots, resolve_kv_cache_dtype)
 from jaxkv.model.config import ModelConfig
 
 GiB = 1 << 30
 
-# Bytes per parameter of each weight dtype.
-WEIGHT_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per parameter of each weight dtype (the model dtypes of the KV-format registry).
+WEIGHT_DTYPES = {f.storage: f.bits // 8 for f in KV_FORMATS.values() if not f.quantized}
 
 
-@dataclasses.dataclass(frozen=True)
-class KVFormat:
-    """Storage of one KV element type.
-
-    Attributes:
-      bits: stored bits per element.
-      metadata_bytes: quantization metadata per K or V vector of one token and one kv head:
-        the bf16 per-token scale of fp8/int8 (jaxkv.cache); 0 for float types.
-      kivi: KIVI layout (int4/int2): keys carry a bf16 scale and zero per channel per block,
-        values a bf16 scale and zero per ``KIVI_GROUP_SIZE`` channels per token, each block an
-        int32 residual-slot index per pool, and unsealed blocks live in a full-precision residual
-        pool (``kivi_residual_bytes``). Exact sizes: ``kv_bytes_per_block``.
-    """
-
-    bits: int
-    metadata_bytes: int = 0
-    kivi: bool = False
+def _advice_formats() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The per-token KV formats the OOM advice offers: the first registry format of each size
+    with its same-size alternatives (bf16 with fp16, fp8_e4m3 with fp8_e5m2 and int8)."""
+    sizes: dict[tuple[int, int], list[str]] = {}
+    for f in KV_FORMATS.values():
+        if not f.kivi:
+            sizes.setdefault((f.bits, f.metadata_bytes), []).append(f.name)
+    return tuple((names[0], tuple(names[1:])) for names in sizes.values())
 
 
-# Every KV cache dtype ``plan`` accepts; ``"auto"`` means the weight dtype.
-KV_CACHE_DTYPES = {
-    "fp32": KVFormat(bits=32),
-    "bf16": KVFormat(bits=16),
-    "fp16": KVFormat(bits=16),
-    "fp8_e4m3": KVFormat(bits=8, metadata_bytes=2),
-    "fp8_e5m2": KVFormat(bits=8, metadata_bytes=2),
-    "int8": KVFormat(bits=8, metadata_bytes=2),
-    "int4": KVFormat(bits=4, kivi=True),
-    "int2": KVFormat(bits=2, kivi=True),
-}
-# Channels per KIVI value group (KIVI's G); jaxkv.cache quantizes with it.
-KIVI_GROUP_SIZE = 32
-_KV_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8_e4m3"}
-# The smaller KV dtypes the advice tries (int8 is the same size as fp8_e4m3).
-_SMALLER_KV = ("bf16", "fp8_e4m3")
+_ADVICE_KV = _advice_formats()
 
 # The reference attention walks kv in chunks of ~256 positions and gathers K/V per query token.
 ATTENTION_KV_CHUNK_TOKENS = 256
@@ -81,31 +59,13 @@ _TP_DEGREES = (2, 4, 8)
 _MAX_SUGGESTED_UTILIZATION = 0.95
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str) -> str:
-    """Canonical KV dtype name: ``"auto"`` follows the weight ``dtype``; aliases are mapped.
-
-    Raises:
-      ValueError: naming ``dtype``, or ``kv_cache_dtype`` with the list of choices.
-    """
-    _check_dtype(dtype)
-    name = _KV_ALIASES.get(dtype) if kv_cache_dtype == "auto" else kv_cache_dtype
-    name = _KV_ALIASES.get(name, name)
-    if name not in KV_CACHE_DTYPES:
-        choices = ", ".join(["auto", *KV_CACHE_DTYPES, *_KV_ALIASES])
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of: {choices}")
-    return name
-
-
 def kv_bytes_per_vector(kv_dtype: str, head_dim: int) -> int:
     """Bytes of one token's K (or V) vector of one kv head: packed elements plus metadata.
 
-    ``ceil(head_dim x bits / 8) + metadata_bytes`` (see ``KVFormat``); ``kv_dtype`` is a
-    ``KV_CACHE_DTYPES`` name or alias.
+    ``ceil(head_dim x bits / 8) + metadata_bytes`` (``KVFormat.vector_bytes``); ``kv_dtype`` is
+    a ``KV_FORMATS`` name or alias (not ``"auto"``).
     """
-    if kv_dtype == "auto":
-        raise ValueError("kv_dtype='auto' needs the weight dtype: use resolve_kv_cache_dtype")
-    fmt = KV_CACHE_DTYPES[resolve_kv_cache_dtype(kv_dtype, "float32")]
-    return -(-head_dim * fmt.bits // 8) + fmt.metadata_bytes
+    return get_format(kv_dtype).vector_bytes(head_dim)
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
@@ -113,7 +73,7 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
 
     Args:
       config: the model; its ``num_kv_heads`` (not ``num_heads``) counts, so GQA is accounted.
-      kv_dtype: a ``KV_CACHE_DTYPES`` name or alias (not ``"auto"``).
+      kv_dtype: a ``KV_FORMATS`` name or alias (not ``"auto"``).
       tensor_parallel_size: devices the kv heads are split over; each holds
         ``max(Hkv, tp) / tp`` heads (kv heads are repeated when fewer than devices).
     """
@@ -121,46 +81,53 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
     return 2 * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
 
 
+def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
+                   tensor_parallel_size: int = 1, group_size: int | None = None, *,
+                   dtype: str = "float32", num_residual_slots: int | None = None) -> KVCacheSpec:
+    """The ``KVCacheSpec`` of one device's share of the cache, for its per-block and residual
+    byte counts: ``max(Hkv, tp) / tp`` kv heads (repeated when fewer than devices) and the
+    smallest pool (2 blocks; a block's bytes do not depend on the pool size).
+
+    Raises:
+      ValueError: naming the field, for a geometry the format cannot serve.
+    """
+    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
+    return KVCacheSpec(num_layers=config.num_layers, num_blocks=2, block_size=block_size,
+                       num_kv_heads=heads, head_dim=config.head_dim, dtype=dtype,
+                       kv_cache_dtype=kv_dtype, group_size=group_size,
+                       num_residual_slots=num_residual_slots)
+
+
 def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
-                       tensor_parallel_size: int = 1, group_size: int = KIVI_GROUP_SIZE) -> int:
-    """Exact KV bytes of one block over all layers (K and V) on one device.
+                       tensor_parallel_size: int = 1, group_size: int | None = None) -> int:
+    """Exact KV bytes of one block over all layers (K and V) on one device
+    (``KVCacheSpec.block_bytes``).
 
     Float, fp8, int8: ``block_size x kv_bytes_per_token``. KIVI int4/int2 per layer and kv head:
     keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
-    ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``min(group_size, D)``), plus per
-    layer ``2 x 5`` bytes of residual-slot index and sealed flag (K and V pools).
+    ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``group_size``, default
+    ``default_group_size(D)``), plus per layer ``2 x 5`` bytes of residual-slot index and sealed
+    flag (K and V pools).
     """
-    name = resolve_kv_cache_dtype(kv_dtype, "float32")
-    fmt = KV_CACHE_DTYPES[name]
-    if not fmt.kivi:
-        return block_size * kv_bytes_per_token(config, name, tensor_parallel_size)
-    D = config.head_dim
-    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
-    codes = block_size * -(-D * fmt.bits // 8)
-    keys = codes + 2 * 2 * D
-    values = codes + block_size * 2 * 2 * (D // min(group_size, D))
-    return config.num_layers * (heads * (keys + values) + 2 * (4 + 1))
-
-
-def kivi_residual_slots(max_num_seqs: int, residual_blocks: int) -> int:
-    """Residual slots an engine allocates: every running sequence's window of
-    ``residual_blocks`` blocks, plus one spare so a step never steals a live slot."""
-    return residual_blocks * max_num_seqs + 1
+    spec = device_kv_spec(config, kv_dtype, block_size, tensor_parallel_size, group_size)
+    return spec.block_bytes
 
 
 def kivi_residual_bytes(config: ModelConfig, kv_dtype: str, dtype: str, block_size: int,
                         num_slots: int, tensor_parallel_size: int = 1) -> int:
-    """Bytes of the KIVI full-precision residual pool (0 for other KV dtypes).
+    """Bytes of the KIVI full-precision residual pool (0 for other KV dtypes;
+    ``KVCacheSpec.residual_bytes``).
 
     Per layer and pool (K, V): ``(num_slots + 1)`` slots (slot 0 is null) of ``block_size x
     Hkv x D`` elements in the weight ``dtype`` plus an int32 owner and stamp each, and an
     int32 clock.
     """
-    if not KV_CACHE_DTYPES[resolve_kv_cache_dtype(kv_dtype, dtype)].kivi:
+    kv = resolve_kv_cache_dtype(kv_dtype, dtype)
+    if not KV_FORMATS[kv].kivi:
         return 0
-    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
-    slot = block_size * heads * config.head_dim * WEIGHT_DTYPES[dtype] + 2 * 4
-    return 2 * config.num_layers * ((num_slots + 1) * slot + 4)
+    spec = device_kv_spec(config, kv, block_size, tensor_parallel_size, dtype=dtype,
+                          num_residual_slots=num_slots)
+    return spec.residual_bytes
 
 
 def num_parameters(config: ModelConfig) -> int:
@@ -186,7 +153,7 @@ def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_s
     else is split ``tensor_parallel_size`` ways, with k/v projections counted at
     ``max(Hkv, tp)`` heads (repeated kv heads, see jaxkv.sharding).
     """
-    _check_dtype(dtype)
+    check_model_dtype(dtype)
     t = tensor_parallel_size
     if t == 1:
         return num_parameters(config) * WEIGHT_DTYPES[dtype]
@@ -243,11 +210,6 @@ def host_memory_budget(fraction: float = 0.5) -> int:
         raise RuntimeError("host memory unknown: no MemAvailable in /proc/meminfo and no psutil"
                            ) from None
     return int(psutil.virtual_memory().available * fraction)
-
-
-def _check_dtype(dtype: str) -> None:
-    if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of: {', '.join(WEIGHT_DTYPES)}")
 
 
 def format_bytes(n: float) -> str:
@@ -353,7 +315,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
          tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
-         kv_group_size: int = KIVI_GROUP_SIZE) -> MemoryPlan:
+         kv_group_size: int | None = None) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -366,7 +328,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
       device_memory_bytes: memory of one device (GPU HBM, or ``host_memory_budget()`` on CPU).
       memory_utilization: fraction of it the engine may use, in (0, 1].
       dtype: weight dtype, one of ``WEIGHT_DTYPES``.
-      kv_cache_dtype: ``"auto"`` (= ``dtype``) or a ``KV_CACHE_DTYPES`` name or alias.
+      kv_cache_dtype: ``"auto"`` (= ``dtype``) or a ``KV_FORMATS`` name or alias.
       block_size: tokens per KV block.
       max_model_len: longest sequence; default the model's ``max_position_embeddings``.
       max_num_seqs: most sequences running at once.
@@ -378,7 +340,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
       tensor_parallel_size: devices the model is split over (see jaxkv.sharding).
       kv_residual_blocks: KIVI residual window in blocks (int4/int2): the full-precision
         residual pool holds ``kivi_residual_slots(max_num_seqs, kv_residual_blocks)`` blocks.
-      kv_group_size: KIVI value group (channels per bf16 scale and zero, int4/int2).
+      kv_group_size: KIVI value group (channels per bf16 scale and zero, int4/int2); None:
+        ``default_group_size(head_dim)``, the largest divisor of head_dim up to 32.
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -405,7 +368,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
-          kv_residual_blocks=1, kv_group_size=KIVI_GROUP_SIZE) -> MemoryPlan:
+          kv_residual_blocks=1, kv_group_size=None) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
@@ -417,7 +380,7 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("kv_residual_blocks", kv_residual_blocks),
-                        ("kv_group_size", kv_group_size)):
+                        ("kv_group_size", 1 if kv_group_size is None else kv_group_size)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     if max_model_len is None:
@@ -518,12 +481,12 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
     if most:
         out.append(f"lower max_num_seqs: max_num_seqs <= {most:,} would fit"
                    + (" (or keep it and let the scheduler preempt under load)" if p.runs else ""))
-    for q in _SMALLER_KV:
+    for q, alternatives in _ADVICE_KV:
         if kv_bytes_per_token(config, q) < p.kv_bytes_per_token:
             q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
             if fixed > p.budget_bytes and not getattr(q_plan, goal):
                 continue    # KV is not what is short
-            also = " (or 'int8')" if q == "fp8_e4m3" else ""
+            also = f" (or {', '.join(map(repr, alternatives))})" if alternatives else ""
             verdict = "would fit" if getattr(q_plan, goal) else "is not enough"
             out.append(f"quantize the KV cache: kv_cache_dtype={q!r}{also} holds "
                        f"{q_plan.max_concurrent_seqs:,} full-length sequences, {verdict}")

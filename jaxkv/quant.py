@@ -1,6 +1,6 @@
 """KV quantization formats and the pure quantize / dequantize / pack functions.
 
-Formats (``KV_QUANT_FORMATS``):
+Formats (the quantized ``jaxkv.kv_spec.KV_FORMATS``; the functions take a ``KVFormat``):
 
     name       stored as                 scheme                                   error bound
     fp8_e4m3   float8_e4m3fn [.., D]     symmetric, scale = amax / 448 per group  |x| * 2^-4 + s * 2^-9
@@ -29,52 +29,12 @@ Grouping is chosen by the caller: the statistics are taken over ``axis`` (``-1``
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-SCALE_DTYPE = jnp.bfloat16
+from jaxkv.kv_spec import SCALE_STORAGE, KVFormat
 
-
-@dataclasses.dataclass(frozen=True)
-class QuantFormat:
-    """One stored KV element format.
-
-    Attributes:
-      name: the ``kv_cache_dtype`` name.
-      bits: stored bits per element.
-      storage: numpy dtype name of the stored array (``uint8`` for packed sub-byte formats).
-      qmax: largest representable magnitude (symmetric) or code (asymmetric, ``2^bits - 1``).
-      asymmetric: min/max with a zero point (KIVI) instead of a symmetric absmax scale.
-    """
-
-    name: str
-    bits: int
-    storage: str
-    qmax: float
-    asymmetric: bool
-
-    @property
-    def per_byte(self) -> int:
-        """Elements per stored byte (2 for int4, 4 for int2, else 1)."""
-        return 8 // self.bits if self.bits < 8 else 1
-
-
-KV_QUANT_FORMATS = {
-    "fp8_e4m3": QuantFormat("fp8_e4m3", 8, "float8_e4m3fn", 448.0, False),
-    "fp8_e5m2": QuantFormat("fp8_e5m2", 8, "float8_e5m2", 57344.0, False),
-    "int8": QuantFormat("int8", 8, "int8", 127.0, False),
-    "int4": QuantFormat("int4", 4, "uint8", 15.0, True),
-    "int2": QuantFormat("int2", 2, "uint8", 3.0, True),
-}
-
-
-def get_format(name: str) -> QuantFormat:
-    """The ``QuantFormat`` of ``name``; ValueError listing the choices otherwise."""
-    if name not in KV_QUANT_FORMATS:
-        raise ValueError(f"kv quant format {name!r} is not one of {tuple(KV_QUANT_FORMATS)}")
-    return KV_QUANT_FORMATS[name]
+SCALE_DTYPE = jnp.dtype(SCALE_STORAGE)
 
 
 def _grouped(x: jax.Array, group_size: int | None) -> jax.Array:
@@ -86,13 +46,13 @@ def _grouped(x: jax.Array, group_size: int | None) -> jax.Array:
     return x.reshape(*x.shape[:-1], d // g, g)
 
 
-def quantize(x: jax.Array, fmt: QuantFormat, *, axis: int = -1, group_size: int | None = None,
+def quantize(x: jax.Array, fmt: KVFormat, *, axis: int = -1, group_size: int | None = None,
              static_scale: float | None = None):
     """Quantizes ``x`` with one scale (and zero) per group.
 
     Args:
       x: float [..., D] values.
-      fmt: the format.
+      fmt: a quantized format (``jaxkv.kv_spec.KV_FORMATS``).
       axis: ``-1``: groups of ``group_size`` channels within each vector (per-token); any other
         axis: the statistics run over that whole axis (per-channel over tokens, KIVI keys).
       group_size: channels per group for ``axis=-1`` (default: all of D).
@@ -105,13 +65,13 @@ def quantize(x: jax.Array, fmt: QuantFormat, *, axis: int = -1, group_size: int 
     """
     xf = x.astype(jnp.float32)
     if static_scale is not None:
-        if fmt.asymmetric:
+        if fmt.kivi:
             raise ValueError(f"static_scale applies to symmetric formats, not {fmt.name}")
         return _encode(xf / static_scale, fmt), None, None
     per_token = axis in (-1, x.ndim - 1)
     xg = _grouped(xf, group_size) if per_token else xf
     red = -1 if per_token else axis
-    if fmt.asymmetric:
+    if fmt.kivi:                                    # asymmetric: min/max, zero point
         lo, hi = xg.min(red, keepdims=True), xg.max(red, keepdims=True)
         scale = ((hi - lo) / fmt.qmax).astype(SCALE_DTYPE)
         zero = lo.astype(SCALE_DTYPE)
@@ -130,16 +90,16 @@ def quantize(x: jax.Array, fmt: QuantFormat, *, axis: int = -1, group_size: int 
     return codes, scale, zero
 
 
-def _encode(y: jax.Array, fmt: QuantFormat) -> jax.Array:
+def _encode(y: jax.Array, fmt: KVFormat) -> jax.Array:
     """Scaled f32 values -> symmetric codes (rounded and clipped for int8, cast for fp8)."""
     y = jnp.clip(y, -fmt.qmax, fmt.qmax)
-    if fmt.storage == "int8":
+    if jnp.issubdtype(fmt.storage, jnp.integer):
         y = jnp.round(y)
     return y.astype(fmt.storage)
 
 
 def dequantize(codes: jax.Array, scale: jax.Array | None, zero: jax.Array | None,
-               fmt: QuantFormat, *, axis: int = -1, static_scale: float | None = None
+               fmt: KVFormat, *, axis: int = -1, static_scale: float | None = None
                ) -> jax.Array:
     """Inverse of ``quantize``: f32 values shaped like ``codes`` (unpacked).
 
@@ -186,7 +146,7 @@ def unpack(packed: jax.Array, bits: int) -> jax.Array:
 
 
 def error_bound(x: jax.Array, scale: jax.Array, zero: jax.Array | None,
-                fmt: QuantFormat) -> jax.Array:
+                fmt: KVFormat) -> jax.Array:
     """Elementwise bound on ``|x - dequantize(quantize(x))|`` (see the module table).
 
     Args:
@@ -200,9 +160,8 @@ def error_bound(x: jax.Array, scale: jax.Array, zero: jax.Array | None,
     """
     ax = jnp.abs(x.astype(jnp.float32))
     s = scale.astype(jnp.float32)
-    if fmt.name == "fp8_e4m3":
-        return ax * 2.0 ** -4 + s * 2.0 ** -9
-    if fmt.name == "fp8_e5m2":
-        return ax * 2.0 ** -3 + s * 2.0 ** -16
+    if jnp.issubdtype(fmt.storage, jnp.floating):        # fp8: half an ulp, or a subnormal step
+        fi = jnp.finfo(fmt.storage)
+        return ax * (float(fi.eps) / 2) + s * float(fi.smallest_subnormal)
     z = 0.0 if zero is None else jnp.abs(zero.astype(jnp.float32))
     return s * 0.5 + (ax + z + s * fmt.qmax) * 2.0 ** -7

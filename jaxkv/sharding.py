@@ -1,7 +1,7 @@
 """Tensor parallelism: logical axis rules -> ``NamedSharding``s over a ``Mesh(("dp", "tp"))``.
 
 The model and the cache name *logical* axes only (``jaxkv.model.llama.logical_axes``,
-``jaxkv.cache.CACHE_LOGICAL_AXES``); this module is the one place that maps them to mesh axes:
+``jaxkv.cache.logical_axes``); this module is the one place that maps them to mesh axes:
 
     logical axis   mesh axis     what is split over the tp devices
     vocab          tp            embedding rows, LM-head columns
@@ -48,7 +48,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.attention_impl import paged_attention
-from jaxkv.cache import CACHE_LOGICAL_AXES, PagedKVCache
+from jaxkv.cache import PagedKVCache, abstract_cache
+from jaxkv.cache import logical_axes as cache_logical_axes
+from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes
 
@@ -164,10 +166,25 @@ def param_shardings(config: ModelConfig, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def cache_shardings(num_layers: int, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> PagedKVCache:
-    """A PagedKVCache of ``NamedSharding``s: every pool split over its kv-head axis."""
-    s = NamedSharding(mesh, spec(CACHE_LOGICAL_AXES, rules=rules))
-    return PagedKVCache(k=(s,) * num_layers, v=(s,) * num_layers)
+def cache_specs(tree, *, rules=LOGICAL_AXIS_RULES):
+    """The ``PartitionSpec`` of every array of a cache, a pool or a ``QuantizedPages`` (arrays,
+    tracers or ``jax.ShapeDtypeStruct``s), in the same structure: pool-shaped arrays (float
+    pages, codes, scales, zero points, the KIVI residual) split over their kv-head axis, the
+    KIVI bookkeeping replicated (``jaxkv.cache.logical_axes``)."""
+    return jax.tree.map(lambda x: spec(cache_logical_axes(x), rules=rules), tree)
+
+
+def cache_shardings(cache: PagedKVCache | KVCacheSpec, mesh: Mesh, *,
+                    rules=LOGICAL_AXIS_RULES) -> PagedKVCache:
+    """A PagedKVCache of ``NamedSharding``s for ``cache`` (or the cache a ``KVCacheSpec``
+    describes, ``jaxkv.cache.init_cache(spec, shardings)``), any format: see ``cache_specs``.
+
+    ``num_kv_heads`` of the spec is the (possibly replicated, ``tp_config``) total; each device
+    holds ``num_kv_heads // tp`` heads of every pool-shaped array.
+    """
+    if isinstance(cache, KVCacheSpec):
+        cache = abstract_cache(cache)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), cache_specs(cache, rules=rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -227,37 +244,23 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     return jax.jit(repeat, out_shardings=target)(params)
 
 
-def init_sharded_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype, mesh: Mesh) -> PagedKVCache:
-    """A zeroed cache allocated straight into ``cache_shardings`` (each device its kv heads).
-
-    ``num_kv_heads`` is the (possibly replicated) total; each device holds
-    ``num_kv_heads // tp`` heads of every ``[num_blocks, block_size, kv_heads, head_dim]`` pool.
-    """
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    shardings = cache_shardings(num_layers, mesh)
-
-    def zeros():
-        z = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-        return PagedKVCache(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
-
-    return jax.jit(zeros, out_shardings=shardings)()
-
-
 def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
     """``paged_attention`` run under ``shard_map`` on each device's kv-head shard.
 
     q [T, Hq, D] is split over heads and the pools [num_blocks, block_size, Hkv, D] over kv
     heads, so each device attends its ``Hq/tp`` q heads over its ``Hkv/tp`` kv heads (the GQA
-    groups stay whole); metadata is replicated. Same signature as ``paged_attention``.
+    groups stay whole); metadata is replicated. A quantized pool (``QuantizedPages``) is split
+    the same way (``cache_specs``): each device reads its heads' codes, scales, zero points and
+    KIVI residual, with the per-block bookkeeping replicated. Same signature as
+    ``paged_attention``.
     """
     q_spec = spec(("heads", "head_dim"), rules=rules)
     q_spec = P(None, *q_spec)                            # [T, heads, head_dim]
-    pool_spec = spec(CACHE_LOGICAL_AXES, rules=rules)
 
     def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, **kw):
+        pool_specs = cache_specs((k_pages, v_pages), rules=rules)
         fn = jax.shard_map(lambda *a: paged_attention(*a, **kw), mesh=mesh,
-                           in_specs=(q_spec, pool_spec, pool_spec, P(), P(), P()),
+                           in_specs=(q_spec, *pool_specs, P(), P(), P()),
                            out_specs=q_spec, check_vma=False)
         return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
 

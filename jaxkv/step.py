@@ -80,8 +80,7 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                 attention=attention)
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
-            cache = jax.lax.with_sharding_constraint(
-                cache, sharding.cache_shardings(config.num_layers, mesh))
+            cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
         tokens, logprobs, top = sample(logits, sampling, rng, num_logprobs=num_logprobs)
         if mesh is not None:
             tokens, logprobs, top = jax.lax.with_sharding_constraint(

@@ -1,7 +1,9 @@
 """A minimal single-sequence driver of ``forward`` over a paged cache, for model tests.
 
 It allocates blocks from a random permutation of page ids (never accidentally contiguous) and
-feeds the prompt in chunks, then decodes greedily one token at a time.
+feeds the prompt in chunks, then decodes greedily one token at a time. With a ``mesh`` it runs
+the model tensor-parallel as the engine step does: params sharded by the logical axis rules, the
+cache allocated into ``cache_shardings`` (any KV format), attention under ``shard_map``.
 """
 
 import jax
@@ -9,25 +11,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cache as kvcache
+from jaxkv import sharding
+from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.llama import forward
 
 
 class PagedRunner:
     def __init__(self, params, config, *, block_size=4, max_len=128, seed=0,
-                 attention_impl="reference", interpret=False):
-        self.params, self.config, self.bs = params, config, block_size
+                 attention_impl="reference", interpret=False, kv_cache_dtype="auto", mesh=None):
+        self.bs = block_size
         self.max_blocks = -(-max_len // block_size)
         num_blocks = self.max_blocks + 3
         rng = np.random.default_rng(seed)
         self.table = rng.permutation(np.arange(1, num_blocks))[: self.max_blocks].astype(np.int32)
-        dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        self.cache = kvcache.init_cache(config.num_layers, num_blocks, block_size,
-                                        config.num_kv_heads, config.head_dim, dtype)
+        dtype = jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype).name
+        if mesh is not None:
+            params = sharding.shard_params(params, config, mesh)
+            config = sharding.tp_config(config, mesh.shape["tp"])   # kv heads as devices hold them
+        self.params, self.config = params, config
+        self.spec = KVCacheSpec(num_layers=config.num_layers, num_blocks=num_blocks,
+                                block_size=block_size, num_kv_heads=config.num_kv_heads,
+                                head_dim=config.head_dim, dtype=dtype,
+                                kv_cache_dtype=kv_cache_dtype)
+        shardings = None if mesh is None else sharding.cache_shardings(self.spec, mesh)
+        attention = {} if mesh is None else {"attention": sharding.sharded_attention(mesh)}
+        self.cache = kvcache.init_cache(self.spec, shardings)
         self.len = 0
-        self._fwd = jax.jit(lambda p, t, pos, c, md: forward(
-            p, t, pos, c, md, config=config, attention_impl=attention_impl, interpret=interpret),
-            donate_argnums=3)
+
+        def step(p, t, pos, c, md):
+            logits, c = forward(p, t, pos, c, md, config=config, attention_impl=attention_impl,
+                                interpret=interpret, **attention)
+            if shardings is not None:
+                c = jax.lax.with_sharding_constraint(c, shardings)
+            return logits, c
+
+        self._fwd = jax.jit(step, donate_argnums=3)
 
     def feed(self, token_ids):
         """Appends tokens; returns float32 logits [len(token_ids), vocab] for them."""

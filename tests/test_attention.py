@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import cache as kvcache
+from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.attention import paged_attention_reference
 from jaxkv.attention_impl import paged_attention
 
@@ -112,7 +113,8 @@ def test_dispatch_rejects_unknown_impl_and_bad_shapes():
 def test_cache_write_gather_bit_exact_and_copy_blocks():
     rng = np.random.default_rng(2)
     bs, Hkv, D = 4, 2, 8
-    cache = kvcache.init_cache(2, 12, bs, Hkv, D, jnp.float32)
+    cache = kvcache.init_cache(KVCacheSpec(num_layers=2, num_blocks=12, block_size=bs,
+                                           num_kv_heads=Hkv, head_dim=D))
     table = np.array(rng.permutation(np.arange(1, 12))[:3], np.int32)   # 3 blocks, 11 tokens
     n = 11
     pos = np.arange(n)
@@ -133,13 +135,14 @@ def test_cache_write_gather_bit_exact_and_copy_blocks():
 
 def test_cache_rejects_bad_geometry():
     with pytest.raises(ValueError, match="num_blocks=1"):
-        kvcache.init_cache(1, 1, 16, 2, 8)
+        KVCacheSpec(num_layers=1, num_blocks=1, block_size=16, num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="block_size=0"):
-        kvcache.init_cache(1, 4, 0, 2, 8)
+        KVCacheSpec(num_layers=1, num_blocks=4, block_size=0, num_kv_heads=2, head_dim=8)
 
 
 def test_cache_is_a_pytree():
-    cache = kvcache.init_cache(3, 4, 2, 1, 4)
+    cache = kvcache.init_cache(KVCacheSpec(num_layers=3, num_blocks=4, block_size=2,
+                                           num_kv_heads=1, head_dim=4))
     leaves = jax.tree_util.tree_leaves(cache)
     assert len(leaves) == 6 and cache.block_size == 2 and cache.num_layers == 3
     assert cache.nbytes == 6 * 4 * 2 * 1 * 4 * 4

@@ -5,6 +5,7 @@ import re
 import pytest
 
 from jaxkv import planner
+from jaxkv.kv_spec import resolve_kv_cache_dtype
 from jaxkv.model.config import ModelConfig
 from jaxkv.planner import GiB, kv_bytes_per_token, num_parameters, plan, weights_bytes
 
@@ -27,8 +28,8 @@ def test_kv_bytes_per_token_by_hand():
     assert kv_bytes_per_token(LLAMA3_8B, "fp8_e4m3") == 2 * 32 * 8 * (128 + 2)   # + bf16 scale
     assert kv_bytes_per_token(LLAMA3_8B, "fp8") == kv_bytes_per_token(LLAMA3_8B, "int8")
     assert kv_bytes_per_token(LLAMA3_8B, "fp16") == kv_bytes_per_token(LLAMA3_8B, "bfloat16")
-    assert planner.resolve_kv_cache_dtype("auto", "bfloat16") == "bf16"
-    assert planner.resolve_kv_cache_dtype("fp8", "float32") == "fp8_e4m3"
+    assert resolve_kv_cache_dtype("auto", "bfloat16") == "bf16"
+    assert resolve_kv_cache_dtype("fp8", "float32") == "fp8_e4m3"
 
 
 def test_parameter_counts_of_known_models():
@@ -118,7 +119,7 @@ def test_kv_shortage_reasons_name_levers_that_fit():
     assert seqs >= p.max_concurrent_seqs       # fewer sequences also shrink the sampler's share
     assert plan(LLAMA3_8B, **{**kw, "max_num_seqs": seqs}).fits
     assert not plan(LLAMA3_8B, **{**kw, "max_num_seqs": seqs + 1}).fits
-    fp8 = _lever(p.reasons, r"kv_cache_dtype='fp8_e4m3' \(or 'int8'\) holds ([\d,]+)")
+    fp8 = _lever(p.reasons, r"kv_cache_dtype='fp8_e4m3' \(or 'fp8_e5m2', 'int8'\) holds ([\d,]+)")
     assert fp8 == plan(LLAMA3_8B, **{**kw, "kv_cache_dtype": "fp8"}).max_concurrent_seqs
     assert any(r.startswith("add tensor parallelism: 4 devices") for r in p.reasons)
 
@@ -197,7 +198,7 @@ def test_bad_arguments_name_their_field(kwargs, field):
 def test_unknown_kv_dtype_lists_the_choices():
     with pytest.raises(ValueError, match=r"^kv_cache_dtype='int3'.*fp8_e4m3.*int8"):
         plan(TINY, device_memory_bytes=GiB, kv_cache_dtype="int3")
-    with pytest.raises(ValueError, match="kv_dtype='auto'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto' needs the model dtype"):
         planner.kv_bytes_per_vector("auto", 64)
 
 

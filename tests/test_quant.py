@@ -11,8 +11,9 @@ import pytest
 from jaxkv import cache as kvcache
 from jaxkv import quant
 from jaxkv.attention import paged_attention_reference
+from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec, get_format
 
-FORMATS = tuple(quant.KV_QUANT_FORMATS)
+FORMATS = tuple(name for name, f in KV_FORMATS.items() if f.quantized)
 
 
 def outlier_data(shape, seed=0):
@@ -26,9 +27,9 @@ def outlier_data(shape, seed=0):
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_quantize_dequantize_within_bound(name, axis):
-    fmt = quant.KV_QUANT_FORMATS[name]
+    fmt = get_format(name)
     x = outlier_data((16, 3, 64))
-    group = 32 if fmt.asymmetric else None
+    group = 32 if fmt.kivi else None
     codes, scale, zero = quant.quantize(x, fmt, axis=axis, group_size=group)
     assert codes.dtype == jnp.dtype(fmt.storage) and codes.shape == x.shape
     y = quant.dequantize(codes, scale, zero, fmt, axis=axis)
@@ -49,16 +50,16 @@ def test_quantize_dequantize_within_bound(name, axis):
 
 
 def test_static_scale_and_constant_groups():
-    fmt = quant.KV_QUANT_FORMATS["fp8_e4m3"]
+    fmt = get_format("fp8_e4m3")
     x = outlier_data((4, 2, 16))
     codes, scale, zero = quant.quantize(x, fmt, static_scale=0.05)
     assert scale is None and zero is None
     y = quant.dequantize(codes, None, None, fmt, static_scale=0.05)
     np.testing.assert_allclose(y, x, rtol=2 ** -4, atol=0.05 * 2 ** -9)
     for name in ("int8", "int4", "int2"):
-        f = quant.KV_QUANT_FORMATS[name]
+        f = get_format(name)
         c = jnp.full((2, 8), 1.5)
-        q, s, z = quant.quantize(c, f, group_size=8 if f.asymmetric else None)
+        q, s, z = quant.quantize(c, f, group_size=8 if f.kivi else None)
         np.testing.assert_allclose(quant.dequantize(q, s, z, f), c, rtol=2 ** -7, atol=0)
 
 
@@ -81,7 +82,8 @@ def fill(cache_kw, lengths, block_size=4, chunk=3, seed=0, num_blocks=16):
     sequence (ragged, like chunked prefill then decode); returns (cache, tables, k, v)."""
     rng = np.random.default_rng(seed)
     H, D = 2, 16
-    c = kvcache.init_cache(1, num_blocks, block_size, H, D, jnp.float32, **cache_kw)
+    c = kvcache.init_cache(KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=block_size,
+                                       num_kv_heads=H, head_dim=D, **cache_kw))
     perm = rng.permutation(np.arange(1, num_blocks))
     nb = [-(-n // block_size) for n in lengths]
     tables, at = [], 0
@@ -114,12 +116,12 @@ def fill(cache_kw, lengths, block_size=4, chunk=3, seed=0, num_blocks=16):
 def test_cache_write_seals_blocks(name):
     lengths = [9, 4, 6]      # block_size 4: 2 sealed + 1 tail, 1 sealed, 1 sealed + tail
     c, tables, ks, vs = fill({"kv_cache_dtype": name, "num_residual_slots": 4}, lengths)
-    fmt = quant.KV_QUANT_FORMATS[name]
+    fmt = get_format(name)
     for s, n in enumerate(lengths):
         k, v = kvcache.gather(c, 0, jnp.asarray(tables[s]), n)
-        sealed = (n // 4) * 4 if fmt.asymmetric else n
+        sealed = (n // 4) * 4 if fmt.kivi else n
         for got, want, axis in ((k, ks[s], "channel"), (v, vs[s], "token")):
-            if fmt.asymmetric:
+            if fmt.kivi:
                 blocks = jnp.asarray(want[:sealed]).reshape(-1, 4, *want.shape[1:])
                 ax = 1 if axis == "channel" else -1
                 q, sc, z = quant.quantize(blocks, fmt, axis=ax, group_size=16)
@@ -129,7 +131,7 @@ def test_cache_write_seals_blocks(name):
                 ref = quant.dequantize(q, sc, z, fmt)
             np.testing.assert_array_equal(got[:sealed], ref[:sealed])
             np.testing.assert_array_equal(got[sealed:], want[sealed:])   # residual: exact
-    if fmt.asymmetric:
+    if fmt.kivi:
         pool = c.k[0]
         live = np.asarray(pool.res_slot)[tables[:, :3].ravel()]
         assert (live > 0).sum() == 2           # the two unsealed tails
@@ -186,7 +188,8 @@ def test_copy_blocks_copies_codes_scales_and_residual(name):
 
 def test_residual_slots_are_recycled():
     # 6 sequences one after another through a 2-slot residual: stale tails are reclaimed
-    c = kvcache.init_cache(1, 8, 4, 1, 8, kv_cache_dtype="int4", num_residual_slots=2)
+    c = kvcache.init_cache(KVCacheSpec(num_layers=1, num_blocks=8, block_size=4, num_kv_heads=1,
+                                       head_dim=8, kv_cache_dtype="int4", num_residual_slots=2))
     write = jax.jit(kvcache.write, static_argnums=1)
     x = outlier_data((3, 1, 8))
     for i in range(6):
@@ -199,29 +202,33 @@ def test_residual_slots_are_recycled():
 
 
 def test_bad_geometry_and_dtype():
+    spec = functools.partial(KVCacheSpec, num_layers=1, num_blocks=4, block_size=4, num_kv_heads=1,
+                             head_dim=8)
     with pytest.raises(ValueError, match="kv_cache_dtype='int3'"):
-        kvcache.init_cache(1, 4, 4, 1, 8, kv_cache_dtype="int3")
+        spec(kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="head_dim=6 must be a multiple of 4"):
-        kvcache.init_cache(1, 4, 4, 1, 6, kv_cache_dtype="int2")
+        spec(head_dim=6, kv_cache_dtype="int2")
     with pytest.raises(ValueError, match="block_size=1"):
-        kvcache.init_cache(1, 4, 1, 1, 8, kv_cache_dtype="int4")
+        spec(block_size=1, kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="group_size=24"):
-        kvcache.init_cache(1, 4, 4, 1, 64, kv_cache_dtype="int4", group_size=24)
+        spec(head_dim=64, kv_cache_dtype="int4", group_size=24)
     with pytest.raises(ValueError, match="static_scale"):
-        kvcache.init_cache(1, 4, 4, 1, 8, kv_cache_dtype="int8", static_scale=0.1)
+        spec(kv_cache_dtype="int8", static_scale=0.1)
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"])
 def test_planner_counts_the_exact_cache_bytes(name):
     from jaxkv import planner
+    from jaxkv.kv_spec import kivi_residual_slots
     from jaxkv.model.config import ModelConfig
     cfg = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       max_position_embeddings=256)
     p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=16,
                      max_num_seqs=3, max_model_len=64, num_kv_blocks=9, dtype="float32")
-    c = kvcache.init_cache(2, 9, 16, 2, 64, jnp.float32, kv_cache_dtype=name,
-                           num_residual_slots=4)
+    spec = functools.partial(KVCacheSpec, num_layers=2, num_kv_heads=2, head_dim=64,
+                             kv_cache_dtype=name)
+    c = kvcache.init_cache(spec(num_blocks=9, block_size=16, num_residual_slots=4))
     assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
     ratio = planner.kv_bytes_per_block(cfg, "bf16", 32) / planner.kv_bytes_per_block(cfg, name, 32)
     assert ratio >= {"fp32": 0.5, "bf16": 1, "fp8_e4m3": 1.9, "int8": 1.9, "int4": 3.1,
@@ -231,9 +238,9 @@ def test_planner_counts_the_exact_cache_bytes(name):
     p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=64,
                      max_num_seqs=3, max_model_len=128, num_kv_blocks=5, dtype="float32",
                      kv_residual_blocks=2, kv_group_size=64)
-    c = kvcache.init_cache(2, 5, 64, 2, 64, jnp.float32, kv_cache_dtype=name,
-                           num_residual_slots=planner.kivi_residual_slots(3, 2),
-                           residual_blocks=2, group_size=64)
+    c = kvcache.init_cache(spec(num_blocks=5, block_size=64,
+                                num_residual_slots=kivi_residual_slots(3, 2),
+                                residual_blocks=2, group_size=64))
     assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
 
 
@@ -273,10 +280,13 @@ def test_residual_window_holds_the_last_blocks_exactly(n):
     """R = 3: the unsealed block and the last two sealed blocks keep residual slots (exact block
     ids), read back bit-exactly; blocks before the window read as codes identical to R = 1's."""
     tables = [5, 2, 7, 4, 6, 3]
-    make = functools.partial(kvcache.init_cache, 1, 8, 4, 1, 8, kv_cache_dtype="int2",
+    spec = functools.partial(KVCacheSpec, num_layers=1, num_blocks=8, block_size=4,
+                             num_kv_heads=1, head_dim=8, kv_cache_dtype="int2",
                              num_residual_slots=3)
-    c3, ks = _decode_writes(make(residual_blocks=3), tables, n, residual_blocks=3)
-    c1, _ = _decode_writes(make(residual_blocks=1), tables, n, residual_blocks=1)
+    c3, ks = _decode_writes(kvcache.init_cache(spec(residual_blocks=3)), tables, n,
+                            residual_blocks=3)
+    c1, _ = _decode_writes(kvcache.init_cache(spec(residual_blocks=1)), tables, n,
+                           residual_blocks=1)
     nb, full = -(-n // 4), n // 4
     window = [tables[j] for j in range(max(full - 2, 0), nb)]
     assert sorted(np.nonzero(np.asarray(c3.k[0].res_slot))[0].tolist()) == sorted(window)

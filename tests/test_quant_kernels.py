@@ -11,6 +11,7 @@ import pytest
 
 from jaxkv import cache as kvcache
 from jaxkv.attention import paged_attention_reference
+from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.pallas import paged_decode_attention, ragged_paged_attention
 
 H, HKV, D, BS, NB = 4, 2, 16, 8, 12
@@ -19,7 +20,9 @@ H, HKV, D, BS, NB = 4, 2, 16, 8, 12
 def quantized_pools(kv, lengths, seed=0, d=D, **kw):
     """A one-layer quantized cache holding random K/V for sequences of ``lengths`` tokens."""
     rng = np.random.default_rng(seed)
-    c = kvcache.init_cache(1, NB, BS, HKV, d, kv_cache_dtype=kv, num_residual_slots=4, **kw)
+    c = kvcache.init_cache(KVCacheSpec(num_layers=1, num_blocks=NB, block_size=BS,
+                                       num_kv_heads=HKV, head_dim=d, kv_cache_dtype=kv,
+                                       num_residual_slots=4, **kw))
     perm = rng.permutation(np.arange(1, NB))
     nb = max(-(-n // BS) for n in lengths)
     tables = np.zeros((len(lengths), nb), np.int32)
@@ -90,9 +93,10 @@ def test_kivi_kernel_errors_name_the_problem():
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2"])
 def test_quantized_kernels_lower_to_cuda(kv):
-    pools = kvcache.init_cache(1, 300, 16, 8, 128, kv_cache_dtype=kv, num_residual_slots=9)
-    k, v = (jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p)
-            for p in (pools.k[0], pools.v[0]))
+    pools = kvcache.abstract_cache(KVCacheSpec(num_layers=1, num_blocks=300, block_size=16,
+                                               num_kv_heads=8, head_dim=128, kv_cache_dtype=kv,
+                                               num_residual_slots=9))
+    k, v = pools.k[0], pools.v[0]
     tables = jax.ShapeDtypeStruct((8, 64), jnp.int32)
     lens = jax.ShapeDtypeStruct((8,), jnp.int32)
     for dtype in (jnp.bfloat16, jnp.float16):

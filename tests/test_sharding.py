@@ -38,6 +38,23 @@ def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
         assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 16 * 4, max(tp // hkv, 1)]
 
 
+def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
+    """int8 and KIVI int4 pools sharded over kv heads (tp 2; tp 4 repeats llama's 2 kv heads):
+    the greedy tokens of one device, with every pool-shaped array split and the KIVI
+    bookkeeping replicated."""
+    r = run_worker("kv_parity", tiny["llama"], "--tp", 1, 2, 4, "--kv", "int8", "int4",
+                   devices=4)
+    for kv in ("int8", "int4"):
+        assert len(r[f"{kv}_tp1"]) == 8
+        assert r[f"{kv}_tp2"] == r[f"{kv}_tp4"] == r[f"{kv}_tp1"], kv
+    # 11 blocks of 8 tokens, 1 kv head per device, head_dim 16 (int4: 8 bytes, G = 16)
+    assert r["int8_tp2_shards"] == {".data": [11, 8, 1, 16], ".scale": [11, 8, 1, 1]}
+    assert r["int4_tp4_shards"] == {
+        ".data": [11, 8, 1, 8], ".scale": [11, 1, 1, 16], ".zero": [11, 1, 1, 16],
+        ".residual": [3, 8, 1, 16], ".res_slot": [11], ".res_owner": [3], ".res_stamp": [3],
+        ".clock": [], ".sealed": [11]}
+
+
 def test_param_and_cache_shardings_follow_the_rules_and_two_all_reduces_per_layer(tiny):
     r = run_worker("inspect", tiny["llama"], "--tp", 4)
     assert r["mesh"] == {"dp": 1, "tp": 4}

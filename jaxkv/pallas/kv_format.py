@@ -27,11 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec, KVFormat
+
 # Pool code dtypes dequantized in-kernel (fp8_e4m3, fp8_e5m2, int8; KIVI int4/int2 are uint8).
-QUANTIZED_CODE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8, jnp.uint8)
+QUANTIZED_CODE_DTYPES = tuple(dict.fromkeys(jnp.dtype(f.storage) for f in KV_FORMATS.values()
+                                            if f.quantized))
 MIN_CHUNK = 16     # Triton's smallest dot dimension
 
 
@@ -79,22 +83,45 @@ def float_layout(head_dim: int) -> KvLayout:
     return KvLayout(head_dim=head_dim, chunks=((0, head_dim, 0, 0),))
 
 
-def kivi_chunk_width(kv_cache_dtype: str, head_dim: int, group_size: int) -> int:
+def check_head_dim(head_dim: int) -> None:
+    """Raises ValueError unless ``head_dim`` is a power of two >= 16 (Triton block shapes)."""
+    if head_dim < MIN_CHUNK or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim} must be a power of two >= {MIN_CHUNK} (Triton "
+                         f"block shapes)")
+
+
+def kivi_chunk_width(fmt: KVFormat, head_dim: int, group_size: int,
+                     residual_full_precision: bool = True) -> int:
     """Channels per head-dim chunk of a packed int4/int2 pool: ``min(G, D * bits / 8)``.
 
     Raises:
-      ValueError: if that is below 16 (Triton's dot minimum), naming head_dim and group_size.
+      ValueError: for the residual-off ablation (``residual_full_precision=False``), and if the
+        width is below 16 (Triton's dot minimum), naming head_dim and group_size.
     """
-    from jaxkv.quant import get_format
-
-    n = get_format(kv_cache_dtype).per_byte
+    if not residual_full_precision:
+        raise ValueError("residual_full_precision=False (the residual-off ablation) is served by "
+                         "attention_impl='reference' only")
+    n = fmt.per_byte
     width = min(group_size, head_dim // n)
     if width < MIN_CHUNK:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with head_dim={head_dim} and "
+        raise ValueError(f"kv_cache_dtype={fmt.name!r} with head_dim={head_dim} and "
                          f"group_size={group_size} gives {width}-channel chunks; the Pallas "
                          f"kernels need >= {MIN_CHUNK} (head_dim >= {MIN_CHUNK * n}, group_size "
                          f">= {MIN_CHUNK}); use attention_impl='reference'")
     return width
+
+
+def check_pallas_support(spec: KVCacheSpec) -> None:
+    """Raises ValueError if the Pallas kernels cannot read the pools of ``spec`` (checked on the
+    spec, before anything is allocated): head_dim must be a power of two >= 16; KIVI pools need
+    head-dim chunks of >= 16 channels and the full-precision residual (``kivi_chunk_width``);
+    no 1-byte array may be of 2-4 GiB (``check_offsets``)."""
+    check_head_dim(spec.head_dim)
+    if spec.format.kivi:
+        kivi_chunk_width(spec.format, spec.head_dim, spec.group_size,
+                         spec.residual_full_precision)
+    arrays = [a for axis in spec.axes for a in spec.block_arrays(axis).values()]
+    check_offsets([jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in arrays])
 
 
 def check_offsets(operands) -> None:
@@ -139,12 +166,10 @@ def kv_operands(k_pages, v_pages):
         check_offsets(ops)
         return ops, KvLayout(head_dim=d, chunks=((0, d, 0, 0),), scaled=scaled,
                              static_scale=k_pages.static_scale)
-    if not (k_pages.residual_full_precision and v_pages.residual_full_precision):
-        raise ValueError("residual_full_precision=False (the residual-off ablation) is served by "
-                         "attention_impl='reference' only")
     bits = k_pages.format.bits
     n = 8 // bits
-    width = kivi_chunk_width(k_pages.fmt, d, k_pages.group_size)
+    width = kivi_chunk_width(k_pages.format, d, k_pages.group_size,
+                             k_pages.residual_full_precision and v_pages.residual_full_precision)
     chunks = tuple((part * (d // n) + byte0, width, byte0, part)
                    for part in range(n) for byte0 in range(0, d // n, width))
     ops = []

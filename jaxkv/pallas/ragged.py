@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, kv_operands, load_chunk,
-                                    pool_dtype, split_refs)
+from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, check_head_dim,
+                                    kv_operands, load_chunk, pool_dtype, split_refs)
 
 # Finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without inf - inf NaNs.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -150,8 +150,7 @@ def check_kv_inputs(q_shape, q_dtype, k_pages, v_pages, block_tables, seq_lens) 
     num_heads, head_dim = q_shape[-2:]
     if head_dim != k_pages.shape[3]:
         raise ValueError(f"head_dim mismatch: q has {head_dim}, k_pages has {k_pages.shape[3]}")
-    if not is_pow2(head_dim) or head_dim < 16:
-        raise ValueError(f"head_dim={head_dim} must be a power of two >= 16 (Triton block shapes)")
+    check_head_dim(head_dim)
     if num_heads % k_pages.shape[2]:
         raise ValueError(f"num_heads={num_heads} is not a multiple of "
                          f"num_kv_heads={k_pages.shape[2]}")

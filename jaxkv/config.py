@@ -33,10 +33,11 @@ import re
 import types
 import typing
 
+from jaxkv.kv_spec import MODEL_DTYPES
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "pallas")
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -242,7 +243,7 @@ class ModelArgs:
     model: str = option("SmolLM2-135M-Instruct", "store name, .gguf file, HF model directory "
                         "or orbax checkpoint")
     dtype: str = option("auto", "parameter, activation and default KV dtype (auto: bfloat16 on "
-                        "GPU, float32 on CPU)", choices=MODEL_DTYPES)
+                        "GPU, float32 on CPU)", choices=("auto", *MODEL_DTYPES))
     seed: int = option(0, "engine seed of requests without their own")
 
     def __post_init__(self):

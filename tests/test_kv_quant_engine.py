@@ -122,7 +122,7 @@ def test_kivi_engine_with_pallas_kernels_equals_reference(tiny64):
 
 
 def test_bad_kv_residual_blocks_and_kernel_geometry(tiny):
-    with pytest.raises(ValueError, match="kv_residual_blocks=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match="kv_residual_blocks=0 must be >= 1"):
         LLM(tiny, kv_cache_dtype="int4", kv_residual_blocks=0, **ENGINE)
     with pytest.raises(ValueError, match="head_dim=16 and group_size=16 gives 4-channel chunks"):
         LLM(tiny, kv_cache_dtype="int2", attention_impl="pallas", interpret=True, **ENGINE)

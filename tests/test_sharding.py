@@ -44,9 +44,12 @@ def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
     bookkeeping replicated."""
     r = run_worker("kv_parity", tiny["llama"], "--tp", 1, 2, 4, "--kv", "int8", "int4",
                    devices=4)
-    for kv in ("int8", "int4"):
+    for kv, codes in (("int8", "int8"), ("int4", "uint8")):
         assert len(r[f"{kv}_tp1"]) == 8
         assert r[f"{kv}_tp2"] == r[f"{kv}_tp4"] == r[f"{kv}_tp1"], kv
+        # through the engine: TP 2 allocates the pools in the KV format and matches TP 1
+        assert r[f"{kv}_engine_tp2"] == r[f"{kv}_engine_tp1"], kv
+        assert r[f"{kv}_engine_tp2_dtype"] == r[f"{kv}_engine_tp1_dtype"] == codes
     # 11 blocks of 8 tokens, 1 kv head per device, head_dim 16 (int4: 8 bytes, G = 16)
     assert r["int8_tp2_shards"] == {".data": [11, 8, 1, 16], ".scale": [11, 8, 1, 1]}
     assert r["int4_tp4_shards"] == {

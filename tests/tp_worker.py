@@ -79,6 +79,11 @@ def cmd_kv_parity(a) -> dict:
             leaves = jax.tree_util.tree_flatten_with_path(runner.cache.k[0])[0]
             out[f"{kv}_tp{tp}_shards"] = {jax.tree_util.keystr(path) or "pages": list(
                 x.addressable_shards[0].data.shape) for path, x in leaves}
+        for tp in a.tp[:2]:   # the engine end to end: the cache in the KV dtype on every device
+            with LLM(a.model, tensor_parallel_size=tp, kv_cache_dtype=kv, **ENGINE) as llm:
+                out[f"{kv}_engine_tp{tp}"] = greedy(llm, a.tokens)
+                pool = llm.engine.runner.cache.k[0]
+                out[f"{kv}_engine_tp{tp}_dtype"] = str(pool.data.dtype)
     return out
 
 

@@ -190,12 +190,12 @@ class ModelRunner:
                            residual_blocks=cc.kv_residual_blocks,
                            num_residual_slots=kivi_residual_slots(
                                self.sched_config.max_num_seqs, cc.kv_residual_blocks))
-        self._check_kv_support(spec)
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.summary())
         if not self.memory_plan.runs:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
         self.kv_spec = dataclasses.replace(spec, num_blocks=self.memory_plan.num_blocks)
+        self._check_kv_support(self.kv_spec)
         self.cache_config = CacheConfig(
             block_size=cc.block_size, num_blocks=self.memory_plan.num_blocks,
             prefix_caching=cc.prefix_caching,
@@ -214,10 +214,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
 
     def _check_kv_support(self, spec: KVCacheSpec) -> None:
-        """Raises ValueError if the attention implementation cannot read ``spec``'s pools."""
-        if spec.format.quantized and self.mesh is not None:
-            raise ValueError(f"kv_cache_dtype={spec.kv_cache_dtype!r} is not supported with "
-                             f"tensor parallelism yet; use a float KV cache")
+        """Raises ValueError if the attention implementation cannot read ``spec``'s pools
+        (checked with the planned block count, before the weights load)."""
         if self.attention_impl == "pallas":
             from jaxkv.pallas.kv_format import check_pallas_support
 

@@ -55,14 +55,14 @@ class PerplexityResult:
     chunk: int
 
 
-def _sequence_cache(llm, num_blocks: int, kv_cache_dtype: str, cache_options: dict):
+def _sequence_cache(runner, num_blocks: int, kv_cache_dtype: str, cache_options: dict):
     """A cache for one sequence of ``num_blocks`` blocks (+ the null block) in the model's
     geometry; KIVI pools get one residual window's worth of slots (the ``KVCacheSpec`` default)."""
-    c = llm.model_config
+    c = runner.model_config
     return init_cache(KVCacheSpec(num_layers=c.num_layers, num_blocks=num_blocks + 1,
-                                  block_size=llm.cache_config.block_size,
+                                  block_size=runner.cache_config.block_size,
                                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                  dtype=jnp.dtype(llm.dtype).name, kv_cache_dtype=kv_cache_dtype,
+                                  dtype=jnp.dtype(runner.dtype).name, kv_cache_dtype=kv_cache_dtype,
                                   **cache_options))
 
 
@@ -82,13 +82,14 @@ def _make_chunk_fn(config, attention_impl: str):
     return run
 
 
-def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
+def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
                stride: int | None = None, chunk: int = 256, max_windows: int | None = None,
                **cache_options) -> PerplexityResult:
-    """Perplexity of ``llm``'s model on ``token_ids`` with a KV cache of ``kv_cache_dtype``.
+    """Perplexity of ``runner``'s model on ``token_ids`` with a KV cache of ``kv_cache_dtype``.
 
     Args:
-      llm: a ``jaxkv.LLM`` (its params, config, block size and attention impl are used).
+      runner: the engine's ``ModelRunner`` (``LLM(...).engine.runner``): its params,
+        model config, block size, dtype and attention impl are used.
       token_ids: the text's token ids.
       kv_cache_dtype: a ``jaxkv.kv_spec.KV_FORMATS`` name or alias.
       context: tokens per window (the attention context of the last scored token).
@@ -114,10 +115,10 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
     ids = np.asarray(token_ids, np.int32)
     if len(ids) < context + 1:
         raise ValueError(f"the text has {len(ids)} tokens; context={context} needs more than that")
-    c, bs = llm.model_config, llm.cache_config.block_size
+    c, bs = runner.model_config, runner.cache_config.block_size
     nb = -(-context // bs)
-    cache = _sequence_cache(llm, nb, kv_cache_dtype, cache_options)
-    run = _make_chunk_fn(c, llm.attention_impl)
+    cache = _sequence_cache(runner, nb, kv_cache_dtype, cache_options)
+    run = _make_chunk_fn(c, runner.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
     total, count, windows = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -128,7 +129,7 @@ def perplexity(llm, token_ids, *, kv_cache_dtype: str, context: int = 2048,
         first_scored = 0 if w == 0 else context - stride
         for a in range(0, context, chunk):
             pos = np.arange(a, a + chunk, dtype=np.int32)
-            cache, nll, _ = run(llm.params, cache, jnp.asarray(ids[start + pos]),
+            cache, nll, _ = run(runner.params, cache, jnp.asarray(ids[start + pos]),
                              jnp.asarray(ids[start + pos + 1]), jnp.asarray(pos),
                              jnp.asarray(table[pos // bs] * bs + pos % bs), table,
                              jnp.int32(a + chunk))
@@ -161,7 +162,7 @@ class AgreementResult:
     kv_cache_dtype: str
 
 
-def token_agreement(llm, prompt_ids, reference_ids, *, kv_cache_dtype: str,
+def token_agreement(runner, prompt_ids, reference_ids, *, kv_cache_dtype: str,
                     prefill_chunk: int = 256, **cache_options) -> AgreementResult:
     """Greedy agreement along a fixed path: decode ``reference_ids`` after ``prompt_ids`` one
     token per step (as generation does) and compare each step's argmax with the next reference
@@ -169,7 +170,7 @@ def token_agreement(llm, prompt_ids, reference_ids, *, kv_cache_dtype: str,
     position's context, so the number measures the cache rather than the text's near-ties.
 
     Args:
-      llm: a ``jaxkv.LLM`` (params, config, block size, attention impl).
+      runner: the engine's ``ModelRunner`` (params, config, block size, attention impl).
       prompt_ids: int token ids, prefilled in chunks of ``prefill_chunk``.
       reference_ids: int [N] the reference continuation (e.g. the fp32 cache's greedy tokens).
       kv_cache_dtype: the cache to evaluate.
@@ -185,17 +186,17 @@ def token_agreement(llm, prompt_ids, reference_ids, *, kv_cache_dtype: str,
         raise ValueError(f"prompt_ids ({len(prompt)}) and reference_ids ({len(ref)}) must be "
                          f"non-empty")
     ids = np.concatenate([prompt, ref])
-    c, bs = llm.model_config, llm.cache_config.block_size
+    c, bs = runner.model_config, runner.cache_config.block_size
     nb = -(-len(ids) // bs)
-    cache = _sequence_cache(llm, nb, kv_cache_dtype, cache_options)
-    run = _make_chunk_fn(c, llm.attention_impl)
+    cache = _sequence_cache(runner, nb, kv_cache_dtype, cache_options)
+    run = _make_chunk_fn(c, runner.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
     steps = [(a, min(a + prefill_chunk, len(prompt))) for a in range(0, len(prompt), prefill_chunk)]
     steps += [(p, p + 1) for p in range(len(prompt), len(ids) - 1)]
     argmax = []
     for a, b in steps:
         pos = np.arange(a, b, dtype=np.int32)
-        cache, _, top = run(llm.params, cache, jnp.asarray(ids[pos]),
+        cache, _, top = run(runner.params, cache, jnp.asarray(ids[pos]),
                             jnp.asarray(ids[np.minimum(pos + 1, len(ids) - 1)]), jnp.asarray(pos),
                             jnp.asarray(table[pos // bs] * bs + pos % bs), table, jnp.int32(b))
         if b >= len(prompt):

@@ -122,7 +122,7 @@ def straddling_stops(tokenizer, ids, rng, count):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    from jaxkv.engine import LLM
+    from jaxkv import LLM
     with LLM(str(tiny[0]), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64,
              num_kv_blocks=64, block_size=8, token_buckets=(16, 64), seq_buckets=(8,)) as engine:
         yield engine

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from jaxkv.engine import LLM  # noqa: E402
+from jaxkv import LLM  # noqa: E402
 from jaxkv.eval import perplexity, token_agreement  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
 from tiny_models import austen_text  # noqa: E402
@@ -37,7 +37,7 @@ def test_perplexity_equals_hf_transformers(tiny):
     path, model = tiny
     with LLM(str(path), **ENGINE) as llm:
         ids = llm.tokenizer.encode(austen_text(6_000))[:400]
-        got = perplexity(llm, ids, kv_cache_dtype="fp32", context=96, stride=48, chunk=32)
+        got = perplexity(llm.engine.runner, ids, kv_cache_dtype="fp32", context=96, stride=48, chunk=32)
     want, count = hf_perplexity(model, ids, 96, 48)
     assert got.num_scored == count
     np.testing.assert_allclose(got.perplexity, want, rtol=1e-5)
@@ -50,10 +50,10 @@ def test_token_agreement_of_the_fp32_cache_with_engine_greedy_is_exact(tiny):
         ref = llm.generate([{"prompt_token_ids": prompt}],
                            SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
-        fp32 = token_agreement(llm, prompt, ref, kv_cache_dtype="fp32", prefill_chunk=16)
-        int2 = token_agreement(llm, prompt, ref, kv_cache_dtype="int2", prefill_chunk=16)
+        fp32 = token_agreement(llm.engine.runner, prompt, ref, kv_cache_dtype="fp32", prefill_chunk=16)
+        int2 = token_agreement(llm.engine.runner, prompt, ref, kv_cache_dtype="int2", prefill_chunk=16)
         with pytest.raises(ValueError, match="reference_ids"):
-            token_agreement(llm, prompt, [], kv_cache_dtype="fp32")
+            token_agreement(llm.engine.runner, prompt, [], kv_cache_dtype="fp32")
     assert fp32.agreement == 1.0 and fp32.first_difference == len(ref)
     assert fp32.argmax == tuple(ref)
     assert int2.agreement < 1.0

@@ -49,7 +49,7 @@ def test_smollm2_teacher_forced_agreement_with_fp32_cache():
         ref = llm.generate([{"prompt_token_ids": prompt}],
                            SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
-        got = {kv: token_agreement(llm, prompt, ref, kv_cache_dtype=kv, prefill_chunk=64, **opts)
+        got = {kv: token_agreement(llm.engine.runner, prompt, ref, kv_cache_dtype=kv, prefill_chunk=64, **opts)
                for kv, (_, opts) in TEACHER_FORCED_FLOOR.items()}
     print({kv: r.agreement for kv, r in got.items()})
     for kv, (floor, _) in TEACHER_FORCED_FLOOR.items():

@@ -13,6 +13,16 @@ AUSTEN_DIR = SHARED / "data" / "austen"
 
 
 @pytest.fixture(scope="module")
+def tiny_llm(tiny):
+    """One ``jaxkv.LLM`` on the tiny model with ``tiny_models.TINY_ENGINE`` limits, per module."""
+    from jaxkv import LLM
+    from tiny_models import TINY_ENGINE
+
+    with LLM(str(tiny[0]), **TINY_ENGINE) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(directory, torch model) of a tiny random Llama written by transformers, with a tokenizer."""
     from tiny_models import save_tiny_model, save_tokenizer

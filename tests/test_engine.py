@@ -9,24 +9,17 @@ transformers = pytest.importorskip("transformers")
 
 from jaxkv import LLM  # noqa: E402
 from jaxkv.sampling import SamplingParams  # noqa: E402
-from tiny_models import austen_text  # noqa: E402
+from tiny_models import TINY_ENGINE, austen_prompts  # noqa: E402
 
-ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,
-              block_size=8, token_buckets=(16, 64), seq_buckets=(8,))
+ENGINE = TINY_ENGINE
 
 
 @pytest.fixture(scope="module")
-def llm(tiny):
-    with LLM(str(tiny[0]), **ENGINE) as engine:
-        yield engine
+def llm(tiny_llm):
+    return tiny_llm
 
 
-def prompts(n, seed=0):
-    text = austen_text(30_000)
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(text) - 400, size=n)
-    lens = rng.integers(5, 300, size=n)
-    return [text[s:s + k] for s, k in zip(starts, lens)]
+prompts = austen_prompts
 
 
 def hf_greedy(model, ids, n):

@@ -7,29 +7,23 @@ engine config."""
 import asyncio
 import threading
 
-import numpy as np
 import pytest
 
 from jaxkv import LLM, AsyncLLM, DataParallelLLM, EngineConfig, SamplingParams
 from jaxkv.detokenize import IncrementalDetokenizer
-from tiny_models import austen_text
+from tiny_models import TINY_ENGINE, austen_prompts
 
-ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,
-              block_size=8, token_buckets=(16, 64), seq_buckets=(8,))
+ENGINE = TINY_ENGINE
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny):
-    with LLM(str(tiny[0]), **ENGINE) as engine:
-        yield engine
+def llm(tiny_llm):
+    return tiny_llm
 
 
 def prompts(n, seed=0):
-    text = austen_text(30_000)
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(text) - 200, size=n)
-    return [text[s:s + int(k)] for s, k in zip(starts, rng.integers(5, 150, size=n))]
+    return austen_prompts(n, seed, max_chars=150)
 
 
 def tokens(outs):

@@ -22,8 +22,24 @@ EOS_IDS = [2, 0]
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 
 
+# Engine limits for the tiny model: small buckets (fast compiles) and a pool that holds the batch.
+TINY_ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,
+                   block_size=8, token_buckets=(16, 64), seq_buckets=(8,))
+
+
 def austen_text(n_chars=20_000, book="emma.txt"):
     return (AUSTEN_DIR / book).read_text(encoding="utf-8")[:n_chars]
+
+
+def austen_prompts(n, seed=0, max_chars=300):
+    """``n`` prompts of 5 .. ``max_chars`` characters cut from Emma at random (seeded)."""
+    import numpy as np
+
+    text = austen_text(30_000)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(text) - max_chars - 100, size=n)
+    lens = rng.integers(5, max_chars, size=n)
+    return [text[s:s + k] for s, k in zip(starts, lens)]
 
 
 def train_bpe(text, vocab_size=400):

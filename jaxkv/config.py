@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import math
-import numbers
 import re
 import types
 import typing
 
+from jaxkv.checks import check_number, check_type
 from jaxkv.kv_spec import MODEL_DTYPES
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
@@ -77,55 +76,40 @@ def _base_type(tp):
     return tp, False
 
 
-def _checked(name: str, value, tp):
-    """``value`` as the field's type (ints as int, tuples as tuple), or TypeError naming it."""
+def _checked(name: str, value, tp, meta) -> object:
+    """``value`` as the field's type (ints as int, tuples as tuple), within its bounds."""
     tp, optional = _base_type(tp)
     if value is None and optional:
         return None
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-            return int(value)
-    elif tp is float:
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be finite")
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif typing.get_origin(tp) is tuple:
-        if isinstance(value, (list, tuple)):
-            return tuple(_checked(f"{name}[{i}]", v, typing.get_args(tp)[0])
-                         for i, v in enumerate(value))
-    else:
-        return value
-    kind = getattr(tp, "__name__", str(tp)) + (" or None" if optional else "")
-    raise TypeError(f"{name}={value!r} must be {kind}, not {type(value).__name__}")
+    bounds = dict(low=meta.get("minimum"), high=meta.get("maximum"))
+    if tp in (int, float):
+        return check_number(name, value, tp, **bounds)
+    if tp in (bool, str):
+        return check_type(name, value, (tp,), f"a {tp.__name__}" + (" or None" if optional
+                                                                      else ""))
+    if typing.get_origin(tp) is tuple:
+        check_type(name, value, (list, tuple), "a list or tuple" + (" or None" if optional
+                                                                    else ""))
+        return tuple(check_number(f"{name}[{i}]", v, typing.get_args(tp)[0], **bounds)
+                     for i, v in enumerate(value))
+    return value
 
 
 def check_fields(obj) -> None:
     """Checks (and normalises) every ``option`` field of a frozen dataclass instance.
 
     Raises:
-      TypeError: a value of the wrong type (a bool or float for an int, a str for a number...).
+      TypeError: a value of the wrong type (a bool or float for an int, a str for a number...);
+        a ``jaxkv.checks.ParamTypeError``.
       ValueError: a value out of its range or choices.
     """
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        value = _checked(f.name, getattr(obj, f.name), hints[f.name])
+        value = _checked(f.name, getattr(obj, f.name), hints[f.name], f.metadata)
         object.__setattr__(obj, f.name, value)
-        meta = f.metadata
-        if value is None or not meta:
-            continue
-        if meta["choices"] is not None and value not in meta["choices"]:
-            raise ValueError(f"{f.name}={value!r} is not one of {tuple(meta['choices'])}")
-        if meta["minimum"] is not None and value < meta["minimum"]:
-            raise ValueError(f"{f.name}={value!r} must be >= {meta['minimum']}")
-        if meta["maximum"] is not None and value > meta["maximum"]:
-            raise ValueError(f"{f.name}={value!r} must be <= {meta['maximum']}")
+        choices = f.metadata.get("choices")
+        if value is not None and choices is not None and value not in choices:
+            raise ValueError(f"{f.name}={value!r} is not one of {tuple(choices)}")
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:

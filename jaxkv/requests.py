@@ -20,7 +20,8 @@ from jaxkv import scheduler
 from jaxkv.detokenize import IncrementalDetokenizer
 from jaxkv.model.tokenizer import Tokenizer
 from jaxkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxkv.sampling import SamplingParams, check_number, check_token_ids, check_type
+from jaxkv.checks import check_number, check_token_ids, check_type
+from jaxkv.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 FINISH_ERROR = "error"   # the request failed inside a step (RequestOutput.error says why)

@@ -11,7 +11,8 @@ import pytest
 
 from jaxkv.model.tokenizer import Tokenizer
 from jaxkv.requests import MAX_LOGPROBS, RequestTable
-from jaxkv.sampling import ParamTypeError, SamplingParams
+from jaxkv.checks import ParamTypeError
+from jaxkv.sampling import SamplingParams
 
 VOCAB = 400
 MAX_MODEL_LEN = 64

@@ -35,7 +35,7 @@ from jaxkv.config import EngineConfig
 from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
 from jaxkv.engine.llm import chat_prompts
 from jaxkv.outputs import RequestOutput
-from jaxkv.sampling import check_token_ids
+from jaxkv.checks import check_token_ids
 from jaxkv.server import protocol
 from jaxkv.server.metrics import ServerMetrics
 
@@ -406,7 +406,11 @@ def _prompt_text(server: Server, prompt) -> str:
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server that answers 503 from the first SIGTERM / SIGINT on (uvicorn then stops
     accepting, waits for in-flight requests up to ``timeout_graceful_shutdown`` and runs the
-    app's shutdown, which stops the engine)."""
+    app's shutdown, which stops the engine).
+
+    uvicorn re-raises a captured signal once it has shut down, so the process would die of it
+    (status -15 for SIGTERM); a drained server exits 0 instead, so the captured list is kept
+    empty (a second SIGINT still forces the exit: uvicorn decides that from ``should_exit``)."""
 
     def __init__(self, config: uvicorn.Config, server: Server):
         super().__init__(config)
@@ -415,6 +419,9 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._api.draining = True
         super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,

@@ -153,9 +153,11 @@ class Server:
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.05)
+    """Returns once the client has gone away: the body has been read, so the next ASGI message
+    is the disconnect. (Polling ``request.is_disconnected()`` never sees it behind the
+    ``@app.middleware`` gate, whose wrapped receive cannot answer within a cancelled scope.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(body: dict | str) -> str:

@@ -13,7 +13,9 @@ Two sources, one registry per server (never the process-global one, so several a
   ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
-Every metric carries the ``model_name`` label.
+Every metric carries the ``model_name`` label, and every series exists from the start (at zero,
+``vllm:request_success`` once per finish reason), as vLLM's do, so a dashboard or router sees
+them before the first request finishes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxkv.outputs import RequestOutput
+from jaxkv.requests import FINISH_ERROR
+from jaxkv.scheduler import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -88,6 +92,11 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", **hist)
         self.queue = Histogram("vllm:request_queue_time_seconds",
                                "Arrival to first scheduled.", **hist)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl,
+                       self.e2e, self.queue):
+            metric.labels(model_name)              # the series exist (at zero) from the start
+        for reason in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR):
+            self.success.labels(model_name, reason)
 
     def observe_step(self, previous: RequestOutput | None, out: RequestOutput) -> None:
         """One new output of a request (after ``previous``, its last one seen, if any)."""

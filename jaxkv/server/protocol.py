@@ -4,12 +4,15 @@ Requests are pydantic models in strict mode (an int field takes an int, not ``"3
 with OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``,
 ``cache_salt``); unknown fields are ignored, as OpenAI's servers do. Values are range-checked by
-``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text.
+``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text, except
+for fields the engine knows under another name or not at all (``logprobs``, ``top_logprobs``,
+``max_completion_tokens``), checked here so that the 400 names the field the client sent.
 
 Logprobs: completions use the legacy schema (``tokens``, ``token_logprobs``, ``top_logprobs`` as
-``{token: logprob}``, ``text_offset``); chat uses ``{"content": [{token, logprob, bytes,
-top_logprobs: [{token, logprob, bytes}]}]}``, a list per position, so two tokens that decode to the
-same text (byte-fallback pieces of one character) stay apart, each with its exact ``bytes``.
+``{token: logprob}``, keeping the best logprob where two tokens share a text, ``text_offset``);
+chat uses ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``, a
+list per position, so two tokens that decode to the same text (byte-fallback pieces of one
+character) stay apart, each with its exact ``bytes``.
 """
 
 from __future__ import annotations
@@ -125,7 +128,8 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: a conversation rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    # checked here, so its 400 names it (the engine's text would say max_tokens)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -215,9 +219,16 @@ class LogprobFormatter:
             offsets.append(offset)
             offset += len(t)
         return {"tokens": tokens, "token_logprobs": [e[t] for t, e in zip(token_ids, entries)],
-                "top_logprobs": [{self._text(i): v for i, v in self._top(e, t)}
-                                 for t, e in zip(token_ids, entries)],
+                "top_logprobs": [self._top_by_text(e, t) for t, e in zip(token_ids, entries)],
                 "text_offset": offsets}
+
+    def _top_by_text(self, entry: dict[int, float], chosen: int) -> dict[str, float]:
+        """The legacy top-N keyed by text: tokens that decode to the same text (byte-fallback
+        pieces, shown as U+FFFD) share one key, which keeps the best of their logprobs."""
+        top: dict[str, float] = {}
+        for token_id, logprob in self._top(entry, chosen):
+            top.setdefault(self._text(token_id), logprob)
+        return top
 
 
 def completion_body(request_id: str, model: str, outputs: list[RequestOutput],

@@ -20,8 +20,20 @@ Example: block_size 4; sequence A computes a prefill chunk of 5 tokens (position
     block_tables    [S, M]  A: 7 2 0 0 ...      logical block j of sequence s -> physical block
                             B: 4 9 1 0 ...      (0 = null block padding)
                             pad: 0 0 0 0 ...
-    logits_indices  [S]     4  5  0  0          last token of each sampling sequence, else 0
+    logits_indices  [S, 1]  4  5  0  0          last token of each sampling sequence, else 0
     sample_mask     [S]     T  T  F  F
+    num_drafts      [S]     0  0  0  0
+
+Speculative decoding (jaxkv/scheduler.py, multi-token steps): a decode carrying ``k`` draft
+tokens has ``1 + k`` query tokens and ``1 + k`` logits rows, so ``logits_indices`` is ``[S, W]``
+with ``W = 1 + max_drafts`` as soon as one sequence of the plan has drafts (``W = 1`` otherwise:
+two compiled widths, not one per draft count). If B above carried drafts 77 78 (positions 10,
+11, slots 6, 7), with ``max_drafts = 3``::
+
+    token axis          A A A A A  B  77 78  (T = 8)
+    logits_indices [S, 4]   A: 4 0 0 0       row (s, j) = the token whose next token is
+                            B: 5 6 7 0       predicted: B's last token, then each draft
+    num_drafts     [S]      0 2 0 0          draft j of s is token_ids[logits_indices[s, j + 1]]
 
 The physical pool this indexes is described in jaxkv/cache.py; block 0 is the null block
 (jaxkv/block_manager.py), so padding never indexes outside the pool.
@@ -51,9 +63,11 @@ class StepInput:
       query_start_loc: cumulative query lengths; padding sequences repeat the last value.
       seq_lens: kv length of each sequence including this step's tokens, padding 0.
       block_tables: physical block of each logical block, padding 0 (the null block).
-      logits_indices: index into the token axis of the last token of each sampling sequence,
-        0 for rows that do not sample.
-      sample_mask: which rows of ``logits_indices`` are real samples.
+      logits_indices: row ``(s, j)`` indexes the token axis at sequence ``s``'s last known token
+        (``j = 0``) or its ``j``-th draft token (``1 <= j <= num_drafts[s]``); 0 elsewhere and
+        for sequences that do not sample.
+      sample_mask: which sequences sample (rows ``(s, 0 .. num_drafts[s])`` are real).
+      num_drafts: draft tokens of each sequence (the last ones of its query tokens), padding 0.
       num_tokens: unpadded token count (host metadata; the arrays alone define the step).
       num_seqs: unpadded sequence count (host metadata).
     """
@@ -64,8 +78,9 @@ class StepInput:
     query_start_loc: np.ndarray  # int32 [S + 1]
     seq_lens: np.ndarray         # int32 [S]
     block_tables: np.ndarray     # int32 [S, max_blocks_per_seq]
-    logits_indices: np.ndarray   # int32 [S]
+    logits_indices: np.ndarray   # int32 [S, W]
     sample_mask: np.ndarray      # bool  [S]
+    num_drafts: np.ndarray       # int32 [S]
     num_tokens: int
     num_seqs: int
 
@@ -82,14 +97,20 @@ def _bucket(buckets: tuple[int, ...], n: int, name: str, count_name: str) -> int
     raise ValueError(f"plan has {count_name}={n}, more than {name}[-1]={buckets[-1]}")
 
 
-def build(plan: StepPlan, cache_config: CacheConfig,
-          scheduler_config: SchedulerConfig) -> StepInput:
+def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
+          max_drafts: int = 0) -> StepInput:
     """Flatten ``plan`` into padded device arrays (layout in the module docstring).
+
+    Args:
+      max_drafts: the most draft tokens a sequence may carry (the engine's
+        ``num_speculative_tokens``, 0 without speculation); ``logits_indices`` is
+        ``[S, 1 + max_drafts]`` when the plan has drafts, else ``[S, 1]``.
 
     Raises:
       ValueError: the plan exceeds the largest bucket, or a sequence's block table does not
         cover its tokens, exceeds ``max_blocks_per_seq`` or names a block outside
-        ``[1, num_blocks)``.
+        ``[1, num_blocks)``, or it carries more than ``max_drafts`` drafts (or drafts without
+        sampling).
     """
     bs = cache_config.block_size
     m = max_blocks_per_seq(cache_config, scheduler_config)
@@ -114,6 +135,11 @@ def build(plan: StepPlan, cache_config: CacheConfig,
         if table and not (1 <= min(table) and max(table) < cache_config.num_blocks):
             raise ValueError(f"seq {seq.request_id!r}: block_table {table} has ids outside "
                              f"[1, num_blocks={cache_config.num_blocks})")
+        if seq.num_drafts and not (seq.sample and seq.num_drafts < len(seq.token_ids)
+                                   and seq.num_drafts <= max_drafts):
+            raise ValueError(f"seq {seq.request_id!r}: num_drafts={seq.num_drafts} needs a "
+                             f"sampling seq with more tokens and at most "
+                             f"max_drafts={max_drafts}")
         block_tables[i, :len(table)] = table
 
     query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)  # [S + 1]
@@ -135,8 +161,12 @@ def build(plan: StepPlan, cache_config: CacheConfig,
 
     sample_mask = np.zeros(s_pad, bool)  # [S]
     sample_mask[:num_seqs] = [s.sample for s in seqs]
-    logits_indices = np.zeros(s_pad, np.int32)  # [S]
-    logits_indices[:num_seqs] = np.where(sample_mask[:num_seqs],
-                                         query_start_loc[1:num_seqs + 1] - 1, 0)
+    num_drafts = np.zeros(s_pad, np.int32)  # [S]
+    num_drafts[:num_seqs] = [s.num_drafts for s in seqs]
+    width = 1 + max_drafts if num_drafts.any() else 1
+    last = query_start_loc[1:] - 1 - num_drafts                           # [S] last known token
+    j = np.arange(width, dtype=np.int32)                                  # [W]
+    real = sample_mask[:, None] & (j[None, :] <= num_drafts[:, None])     # [S, W]
+    logits_indices = np.where(real, last[:, None] + j[None, :], 0).astype(np.int32)  # [S, W]
     return StepInput(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                     logits_indices, sample_mask, num_tokens, num_seqs)
+                     logits_indices, sample_mask, num_drafts, num_tokens, num_seqs)

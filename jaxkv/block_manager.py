@@ -246,6 +246,31 @@ class BlockManager:
             self._tables[request_id] = table
         return table
 
+    def truncate(self, request_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+        """Shrink ``request_id``'s table to the ``blocks_for(num_tokens)`` blocks that hold its
+        first ``num_tokens`` (>= 1) tokens; returns the table. A no-op when it is no longer.
+
+        Speculative decoding rewinds with it: the blocks only rejected draft tokens needed
+        (fresh from ``append_slots``, unshared, uncached) go back to the *head* of the free
+        queue in reverse table order, so the queue is again as it was before they were taken.
+
+        Raises:
+          ValueError: ``num_tokens < 1``, or a dropped block is registered in the prefix cache.
+        """
+        table = self.block_table(request_id)
+        keep = self.blocks_for(num_tokens)
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 1")
+        if self.num_registered(request_id) > keep:
+            raise ValueError(f"request_id={request_id!r}: truncating to {keep} blocks would drop "
+                             f"{self.num_registered(request_id) - keep} registered blocks")
+        for block in reversed(table[keep:]):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._push_head(block)
+        self._tables[request_id] = table[:keep]
+        return self._tables[request_id]
+
     def free(self, request_id: Hashable, partial_tokens: Sequence[int] = ()) -> None:
         """Drop ``request_id``'s table; blocks whose ref count reaches 0 join the free queue in
         reverse table order (tail blocks are reused first): at the tail when cached, else at the

@@ -2,8 +2,8 @@
 
     state = init_state(cache_config)
     state = add_request(state, request, scheduler_config)
-    state, plan = schedule(state, scheduler_config)        # plan -> batch.build -> device step
-    state = update(state, plan, sampled_tokens)            # append tokens, detect finished
+    state, plan = schedule(state, scheduler_config, drafts)  # plan -> batch.build -> device step
+    state = update(state, plan, accepted_tokens)           # append tokens, detect finished
 
 Purity. The ``BlockManager`` is a *value* inside the state. A function that changes block ownership
 (``schedule``, ``update``, ``abort``) first copies it (``BlockManager.copy``: three int32
@@ -30,6 +30,21 @@ One step of ``schedule``:
   2. If nobody was preempted, waiting requests are admitted in queue order, each with a prefill
      chunk ``min(remaining, budget)``, while the budget, ``max_num_seqs`` running requests and the
      free blocks allow; admission stops at the first request that does not fit (no overtaking).
+  3. Draft tokens (speculative decoding, jaxkv/speculative.py): a running decode offered drafts
+     in ``schedule(..., drafts)`` carries as many of them as the budget and the free blocks
+     *left by steps 1 and 2* allow, and at most ``max_tokens - generated - 1`` (so even a fully
+     accepted run stays within ``max_tokens``). Drafts never preempt nor delay a prefill chunk.
+
+Multi-token steps. A decode with ``k`` drafts is scheduled as ``1 + k`` query tokens (its last
+token, then the drafts) and samples ``1 + k`` rows: row ``j`` predicts the token after draft ``j``.
+``schedule`` advances its counter past the drafts (``RequestState.num_draft_tokens`` says by how
+much it is beyond ``num_tokens``); ``update`` takes the tokens the step accepted (1 to ``1 + k``:
+the accepted drafts and the bonus or correction token), checks the stop rules on each in order
+(tokens after the one that stops are dropped), and rewinds the counter over the rejected drafts,
+to ``num_tokens - 1``, as vLLM does: their K/V slots are simply overwritten later. It also gives
+back the blocks only rejected drafts needed (``BlockManager.truncate``, in reverse plan order, so
+the free queue is as if they had never been taken), so tables and prefix-cache registration only
+ever reflect verified tokens.
 
 Prefix caching and forks (jaxkv/prefix_cache.py, jaxkv/block_manager.py). At admission a request
 takes the longest cached prefix of its first ``num_tokens - 1`` tokens (the last token is always
@@ -66,7 +81,7 @@ import bisect
 import dataclasses
 import types
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from jaxkv.block_manager import BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
@@ -145,6 +160,8 @@ class RequestState:
       finish_reason: None while live, else ``"stop"``, ``"length"`` or ``"abort"``.
       num_cached_tokens: tokens taken from the prefix cache or a fork at the first admission.
       num_skipped: times a later request was admitted before this waiting one (``lpm``).
+      num_draft_tokens: draft tokens planned by the last ``schedule`` and not yet verified by
+        ``update``; ``num_computed_tokens`` counts them, so it may exceed ``num_tokens`` by this.
     """
 
     request: Request
@@ -154,6 +171,7 @@ class RequestState:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     num_skipped: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -198,13 +216,16 @@ class ScheduledSeq:
 
     Attributes:
       request_id: whose tokens these are.
-      token_ids: tokens to compute this step (>= 1).
+      token_ids: tokens to compute this step (>= 1), draft tokens last.
       start_pos: position of ``token_ids[0]`` in the sequence (= tokens already computed).
       sample: whether a token is sampled after the last one (the chunk reaches the known end).
       block_table: the request's physical blocks; they cover every position up to
         ``start_pos + len(token_ids) - 1``.
       num_cached_tokens: at an admission, the tokens ``[0, start_pos)`` taken from the prefix
         cache or a fork (0 otherwise).
+      num_drafts: the last ``num_drafts`` of ``token_ids`` are proposed draft tokens, not yet
+        part of the request (only on a decode: then ``sample`` is true and the step samples
+        ``1 + num_drafts`` rows for this sequence).
     """
 
     request_id: Hashable
@@ -213,6 +234,7 @@ class ScheduledSeq:
     sample: bool
     block_table: tuple[int, ...]
     num_cached_tokens: int = 0
+    num_drafts: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +262,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
 
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens the step verifies."""
+        return sum(s.num_drafts for s in self.seqs)
+
 
 def init_state(cache_config: CacheConfig) -> SchedulerState:
     """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks."""
@@ -258,7 +285,7 @@ def _key(rs: RequestState, policy: str) -> tuple:
 
 def _free(bm: BlockManager, rs: RequestState) -> None:
     """Free ``rs``'s blocks, offering its computed partial last block to the prefix cache."""
-    computed = rs.num_computed_tokens
+    computed = rs.num_computed_tokens - rs.num_draft_tokens
     tail = computed % bm.block_size
     bm.free(rs.request.request_id, rs.token_ids(computed - tail, computed) if tail else ())
 
@@ -306,9 +333,15 @@ def add_request(state: SchedulerState, request: Request,
                                waiting=tuple(waiting), num_added=state.num_added + 1)
 
 
-def schedule(state: SchedulerState,
-             config: SchedulerConfig) -> tuple[SchedulerState, StepPlan]:
-    """Plan one step (see the module docstring); returns the new state and the plan."""
+def schedule(state: SchedulerState, config: SchedulerConfig,
+             drafts: Mapping[Hashable, Sequence[int]] = types.MappingProxyType({})
+             ) -> tuple[SchedulerState, StepPlan]:
+    """Plan one step (see the module docstring); returns the new state and the plan.
+
+    Args:
+      drafts: proposed draft tokens by request id; a running decode takes what fits of its
+        own (step 3 of the module docstring), every other entry is ignored.
+    """
     bm = state.block_manager.copy()
     requests = dict(state.requests)
     waiting = list(state.waiting)
@@ -316,6 +349,7 @@ def schedule(state: SchedulerState,
     budget = config.max_num_batched_tokens
     scheduled: list[tuple[Hashable, int]] = []  # (request id, new tokens)
     preempted: list[Hashable] = []
+    decodes: set[Hashable] = set()               # running requests scheduled one last token
 
     def remaining(request_id):
         rs = requests[request_id]
@@ -327,7 +361,8 @@ def schedule(state: SchedulerState,
 
     def preempt(request_id):
         _free(bm, requests[request_id])
-        requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0)
+        requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0,
+                                                   num_draft_tokens=0)
         running.remove(request_id)
         _insert(waiting, request_id, requests, config.policy)
         preempted.append(request_id)
@@ -361,6 +396,8 @@ def schedule(state: SchedulerState,
             copy_ops.append(op)
         bm.append_slots(request_id, new_total)
         scheduled.append((request_id, n))
+        if left == 1:
+            decodes.add(request_id)
         budget -= n
 
     # 2. admit waiting requests with a prefill chunk, unless this step had to preempt.
@@ -426,31 +463,57 @@ def schedule(state: SchedulerState,
                 requests[i] = dataclasses.replace(requests[i],
                                                   num_skipped=requests[i].num_skipped + 1)
 
+    # 3. decodes take their drafts from what is left (the decode token's slot is already there)
+    taken: dict[Hashable, tuple[int, ...]] = {}
+    for request_id in (i for i, _ in scheduled if i in decodes and drafts.get(i)):
+        rs = requests[request_id]
+        end = rs.num_tokens   # slots for positions < end exist; drafts go at end, end + 1, ...
+        room = (len(bm.block_table(request_id)) + bm.num_free_blocks) * bm.block_size - end
+        k = min(len(drafts[request_id]), budget, room,
+                rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
+        if k > 0:
+            bm.append_slots(request_id, end + k)
+            taken[request_id] = tuple(int(t) for t in drafts[request_id][:k])
+            budget -= k
+
     seqs = []
     for request_id, n in scheduled:
         rs = requests[request_id]
         start = rs.num_computed_tokens
-        seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n), start,
+        draft = taken.get(request_id, ())
+        seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n) + draft, start,
                                  start + n == rs.num_tokens, bm.block_table(request_id),
-                                 cached.get(request_id, 0)))
-        requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n)
+                                 cached.get(request_id, 0), len(draft)))
+        requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n + len(draft),
+                                                   num_draft_tokens=len(draft))
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
                     num_lookup, sum(cached.values()))
     return SchedulerState(bm, types.MappingProxyType(requests), tuple(waiting), tuple(running),
                           types.MappingProxyType({}), state.num_added), plan
 
 
-def _stop_reason(rs: RequestState) -> str | None:
-    """Why ``rs`` stops after its last output token, or None."""
-    stop = rs.request.stop
-    n = len(rs.output_token_ids)
-    token = rs.output_token_ids[-1]
+def _stop_reason(stop: StopSpec, token: int, n: int) -> str | None:
+    """Why a request stops after generating ``token`` as its ``n``-th output token, or None."""
     if n >= stop.min_tokens and (token in stop.stop_token_ids or (
             not stop.ignore_eos and token in stop.eos_token_ids)):
         return FINISH_STOP
     if n >= stop.max_tokens:
         return FINISH_LENGTH
     return None
+
+
+def accepted_tokens(rs: RequestState, tokens: Iterable[int]) -> tuple[int, ...]:
+    """The tokens ``rs`` appends of a step's ``tokens``, in order: all of them, or those up to
+    and including the first one that finishes it (a stop or eos token once ``min_tokens`` exist,
+    the ``max_tokens``-th token); the rest are dropped. ``update`` appends exactly these, and
+    the engine hands the same ones to its detokenizer."""
+    out: list[int] = []
+    n = len(rs.output_token_ids)
+    for token in tokens:
+        out.append(int(token))
+        if _stop_reason(rs.request.stop, out[-1], n + len(out)) is not None:
+            break
+    return tuple(out)
 
 
 def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
@@ -470,45 +533,71 @@ def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
         finished=types.MappingProxyType(finished))
 
 
-def update(state: SchedulerState, plan: StepPlan, sampled_tokens: Sequence[int],
+def update(state: SchedulerState, plan: StepPlan,
+           sampled_tokens: Sequence[int | Sequence[int]],
            finished_ids: frozenset[Hashable] = frozenset()) -> SchedulerState:
-    """Append the step's sampled tokens and finish the requests that stop.
+    """Append the step's accepted tokens and finish the requests that stop.
 
     Args:
       state: the state ``schedule`` returned with ``plan`` (or a later one: sequences whose
         request is no longer live, e.g. aborted meanwhile, are skipped).
       plan: the step's plan.
-      sampled_tokens: int [>= len(plan.seqs)]; row ``i`` is the token sampled for
-        ``plan.seqs[i]`` (read only where ``sample`` is true; padding rows beyond are ignored).
+      sampled_tokens: ``[>= len(plan.seqs)]``; row ``i`` is read only where
+        ``plan.seqs[i].sample`` is true: the token sampled for it (an int), or its accepted
+        tokens in order (a sequence of 1 to ``1 + num_drafts`` ints: the drafts the step
+        accepted, then its bonus or correction token). Each is checked against the stop rules
+        in order (``accepted_tokens``); padding rows beyond ``len(plan.seqs)`` are ignored.
       finished_ids: live requests the engine declares finished (e.g. a stop string matched);
         they finish with reason ``"stop"`` after this step's tokens are appended (one that also
         stopped on a token this step keeps that reason).
+
+    A sequence that verified drafts has its counter rewound to the verified tokens
+    (``num_tokens - 1``) and its blocks beyond them given back; the prefix cache registers the
+    full blocks below the verified tokens only.
     """
     if len(sampled_tokens) < len(plan.seqs):
         raise ValueError(f"sampled_tokens has {len(sampled_tokens)} rows, "
                          f"the plan has {len(plan.seqs)} seqs")
     requests = dict(state.requests)
     bm = state.block_manager
-    filled = [seq for seq in plan.seqs if bm.prefix_cache is not None
-              and seq.request_id in requests and seq.request_id in bm
-              and (seq.start_pos + len(seq.token_ids)) // bm.block_size
-              > bm.num_registered(seq.request_id)]
-    if filled:   # cache the blocks this step filled (copying the manager only then)
-        bm = bm.copy()
-        for seq in filled:
-            _register(bm, requests[seq.request_id], seq.start_pos + len(seq.token_ids))
-        state = dataclasses.replace(state, block_manager=bm)
     reasons: dict[Hashable, str] = {}
+    computed: dict[Hashable, int] = {}   # request id -> its verified computed tokens
     for row, seq in enumerate(plan.seqs):
-        if not seq.sample or seq.request_id not in requests:
+        if seq.request_id not in requests:
             continue
         rs = requests[seq.request_id]
-        rs = dataclasses.replace(
-            rs, output_token_ids=rs.output_token_ids + (int(sampled_tokens[row]),))
+        computed[seq.request_id] = seq.start_pos + len(seq.token_ids) - seq.num_drafts
+        if not seq.sample:
+            continue
+        row_tokens = sampled_tokens[row]
+        row_tokens = tuple(row_tokens) if isinstance(row_tokens, Iterable) else (row_tokens,)
+        if not 1 <= len(row_tokens) <= 1 + seq.num_drafts:
+            raise ValueError(f"sampled_tokens[{row}] has {len(row_tokens)} tokens; seq "
+                             f"{seq.request_id!r} takes 1 to 1 + num_drafts = "
+                             f"{1 + seq.num_drafts}")
+        tokens = accepted_tokens(rs, row_tokens)
+        rs = dataclasses.replace(rs, output_token_ids=rs.output_token_ids + tokens)
+        if seq.num_drafts:   # rewind over the rejected drafts
+            computed[seq.request_id] += len(tokens) - 1
+            rs = dataclasses.replace(rs, num_computed_tokens=computed[seq.request_id],
+                                     num_draft_tokens=0)
         requests[seq.request_id] = rs
-        reason = _stop_reason(rs)
+        reason = _stop_reason(rs.request.stop, tokens[-1], len(rs.output_token_ids))
         if reason is not None:
             reasons[seq.request_id] = reason
+    bs = bm.block_size
+    register = [i for i, n in computed.items() if bm.prefix_cache is not None and i in bm
+                and n // bs > bm.num_registered(i)]
+    truncate = [s.request_id for s in reversed(plan.seqs) if s.num_drafts
+                and s.request_id in computed and s.request_id in bm
+                and bm.blocks_for(computed[s.request_id]) < len(bm.block_table(s.request_id))]
+    if register or truncate:   # copy the manager only then
+        bm = bm.copy()
+        for request_id in register:   # cache the blocks this step filled and verified
+            _register(bm, requests[request_id], computed[request_id])
+        for request_id in truncate:   # reverse plan order: the free queue as before the drafts
+            bm.truncate(request_id, computed[request_id])
+        state = dataclasses.replace(state, block_manager=bm)
     for request_id in finished_ids:
         if request_id not in requests:
             raise ValueError(f"finished_ids names request_id={request_id!r}, "
@@ -572,7 +661,7 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
     Checks: waiting and running partition the live requests; both are sorted by the policy key;
     exactly the running requests own block tables, each exactly ``cdiv(num_computed_tokens,
     block_size)`` blocks long; waiting requests have computed nothing; at most
-    ``max_num_seqs`` run; running counters stay within ``[1, num_tokens]``.
+    ``max_num_seqs`` run; running counters stay within ``[1, num_tokens + num_draft_tokens]``.
     """
     bm = state.block_manager
     bm.check_invariants()
@@ -588,13 +677,15 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
         keys = [_key(state.requests[i], config.policy) for i in queue]
         _check(keys == sorted(keys), "queue not in policy order")
     for request_id in state.waiting:
-        _check(state.requests[request_id].num_computed_tokens == 0,
+        _check(state.requests[request_id].num_computed_tokens == 0
+               and state.requests[request_id].num_draft_tokens == 0,
                f"waiting request {request_id!r} has computed tokens")
     for request_id in state.running:
         rs = state.requests[request_id]
-        _check(1 <= rs.num_computed_tokens <= rs.num_tokens,
+        _check(1 <= rs.num_computed_tokens <= rs.num_tokens + rs.num_draft_tokens,
                f"request {request_id!r}: num_computed_tokens={rs.num_computed_tokens} "
-               f"not in [1, {rs.num_tokens}]")
+               f"not in [1, num_tokens + num_draft_tokens = "
+               f"{rs.num_tokens + rs.num_draft_tokens}]")
         _check(len(bm.block_table(request_id)) == bm.blocks_for(rs.num_computed_tokens),
                f"request {request_id!r}: block table length != cdiv(num_computed_tokens, "
                f"block_size)")

@@ -41,7 +41,7 @@ class DeviceStepInput:
     query_start_loc: jax.Array  # [S + 1]
     seq_lens: jax.Array        # [S]
     block_tables: jax.Array    # [S, max_blocks_per_seq]
-    logits_indices: jax.Array  # [S]
+    logits_indices: jax.Array  # [S, 1]
 
     @classmethod
     def from_host(cls, step_input: StepInput) -> "DeviceStepInput":
@@ -75,7 +75,7 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                query_start_loc=inputs.query_start_loc,
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
         logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
-                                config=config, logits_indices=inputs.logits_indices,
+                                config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
                                 attention=attention)
         if mesh is not None:

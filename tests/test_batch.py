@@ -25,12 +25,35 @@ def test_docstring_example_exactly():
     np.testing.assert_array_equal(x.seq_lens, [5, 10, 0, 0])
     np.testing.assert_array_equal(x.block_tables, [[7, 2, 0, 0], [4, 9, 1, 0],
                                                    [0, 0, 0, 0], [0, 0, 0, 0]])
-    np.testing.assert_array_equal(x.logits_indices, [4, 5, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices, [[4], [5], [0], [0]])
     np.testing.assert_array_equal(x.sample_mask, [True, True, False, False])
+    np.testing.assert_array_equal(x.num_drafts, [0, 0, 0, 0])
     for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                 "block_tables", "logits_indices"):
+                 "block_tables", "logits_indices", "num_drafts"):
         assert getattr(x, name).dtype == np.int32, name
     assert x.sample_mask.dtype == np.bool_
+
+
+def test_draft_rows_docstring_example():
+    plan = StepPlan((S("A", (11, 12, 13, 14, 15), 0, True, (7, 2)),
+                     S("B", (21, 77, 78), 9, True, (4, 9, 1), num_drafts=2)))
+    x = batch.build(plan, CC, SC, max_drafts=3)
+    np.testing.assert_array_equal(x.token_ids, [11, 12, 13, 14, 15, 21, 77, 78])
+    np.testing.assert_array_equal(x.positions[5:], [9, 10, 11])
+    np.testing.assert_array_equal(x.slot_mapping[5:], [5, 6, 7])
+    np.testing.assert_array_equal(x.seq_lens, [5, 12, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices, [[4, 0, 0, 0], [5, 6, 7, 0],
+                                                     [0, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(x.num_drafts, [0, 2, 0, 0])
+    assert x.logits_indices.dtype == x.num_drafts.dtype == np.int32
+    # without drafts the width stays 1, whatever max_drafts
+    x = batch.build(StepPlan(plan.seqs[:1]), CC, SC, max_drafts=3)
+    assert x.logits_indices.shape == (4, 1)
+    for seq, max_drafts in [(plan.seqs[1], 1),
+                            (S("B", (21, 77), 9, False, (4, 9, 1), num_drafts=1), 3),
+                            (S("B", (77,), 9, True, (4, 9, 1), num_drafts=1), 3)]:
+        with pytest.raises(ValueError, match="num_drafts="):
+            batch.build(StepPlan((seq,)), CC, SC, max_drafts=max_drafts)
 
 
 def test_non_sampling_chunk_and_bucket_growth():
@@ -47,7 +70,7 @@ def test_non_sampling_chunk_and_bucket_growth():
     np.testing.assert_array_equal(x.slot_mapping[9:], 0)
     np.testing.assert_array_equal(x.query_start_loc, [0, 5, 6, 7, 8, 9, 9, 9, 9])
     np.testing.assert_array_equal(x.seq_lens, [8, 5, 6, 7, 8, 0, 0, 0])
-    np.testing.assert_array_equal(x.logits_indices, [0, 5, 6, 7, 8, 0, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices[:, 0], [0, 5, 6, 7, 8, 0, 0, 0])
     np.testing.assert_array_equal(x.sample_mask, [False, True, True, True, True] + [False] * 3)
 
 
@@ -96,7 +119,7 @@ def test_scheduler_plan_round_trip():
     np.testing.assert_array_equal(x.positions[:4], [4, 4, 5, 6])
     np.testing.assert_array_equal(x.slot_mapping[:4], [5 * 2, 6 * 2, 6 * 2 + 1, 7 * 2])
     np.testing.assert_array_equal(x.seq_lens, [5, 7, 0, 0])
-    np.testing.assert_array_equal(x.logits_indices, [0, 3, 0, 0])
+    np.testing.assert_array_equal(x.logits_indices, [[0], [3], [0], [0]])
 
 
 def test_default_buckets_and_validation():

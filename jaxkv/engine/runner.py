@@ -296,7 +296,7 @@ class ModelRunner:
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
-            logits_indices=np.zeros(s, np.int32))
+            logits_indices=np.zeros((s, 1), np.int32))
         sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
                                                prompt_token_ids=[], output_token_ids=[], pad_to=s)
         return self._to_device((inputs, sampling, step_rng(self._seed, 0)))

@@ -1,0 +1,252 @@
+"""Speculative decoding: multi-token scheduler steps (rewind, truncation, stop rules inside an
+accepted run, prefix-cache registration of verified tokens only), checked against a
+non-speculative run of the same oracle model after every step."""
+
+import random
+
+import pytest
+
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.scheduler import (Request, StopSpec, accepted_tokens, add_request, check_invariants,
+                             init_state, schedule, update)
+
+VOCAB = 40
+
+
+def oracle(history):
+    """A deterministic 'greedy model' over token histories: the next token."""
+    return hash(tuple(history[-3:])) % VOCAB
+
+
+def configs(*, num_blocks=64, block_size=4, budget=32, prefix_caching="hash", max_num_seqs=8):
+    return (CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                        prefix_caching=prefix_caching),
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                            max_model_len=64))
+
+
+def req(rid, prompt, max_tokens=12, **stop):
+    return Request(request_id=rid, prompt_token_ids=tuple(prompt),
+                   stop=StopSpec(max_tokens=max_tokens, **stop))
+
+
+def verify(state, plan):
+    """What the device step returns under the oracle: per seq, the target token after each of
+    its known token and drafts, cut after the first draft that differs from its target."""
+    out = []
+    for seq in plan.seqs:
+        if not seq.sample:
+            out.append(0)
+            continue
+        rs = state.requests[seq.request_id]
+        history = list(rs.token_ids(0, rs.num_tokens))
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts:]
+        tokens = []
+        for j in range(seq.num_drafts + 1):
+            tokens.append(oracle(history + list(drafts[:j])))
+            if j == seq.num_drafts or drafts[j] != tokens[-1]:
+                break
+        out.append(tokens)
+    return out
+
+
+def snapshot(state, request_id):
+    """Per-request state that must not depend on speculation at a given token count."""
+    rs, bm = state.requests[request_id], state.block_manager
+    tokens = rs.token_ids(0, rs.num_tokens)
+    return (rs.num_computed_tokens, len(bm.block_table(request_id)),
+            bm.num_registered(request_id), len(bm.lookup(tokens)[0]))
+
+
+def run(cc, sc, requests, propose=None, check=None):
+    """Steps the requests to the end; ``propose(state) -> drafts``; ``check(state, plan)`` after
+    every step. Returns ({id: output tokens}, {id: finish reason}, final state, (drafts
+    verified, drafts accepted))."""
+    state = init_state(cc)
+    for r in requests:
+        state = add_request(state, r, sc)
+    done, drafted, accepted = {}, 0, 0
+    while state.requests or state.finished:
+        state, plan = schedule(state, sc, propose(state) if propose else {})
+        check_invariants(state, sc)
+        tokens = verify(state, plan)
+        drafted += plan.num_drafts
+        accepted += sum(len(t) - 1 for t, s in zip(tokens, plan.seqs) if s.num_drafts)
+        state = update(state, plan, tokens)
+        check_invariants(state, sc)
+        done.update({i: rs for i, rs in state.finished.items()})
+        if check:
+            check(state, plan)
+    return ({i: rs.output_token_ids for i, rs in done.items()},
+            {i: rs.finish_reason for i, rs in done.items()}, state, (drafted, accepted))
+
+
+def oracle_proposer(k, p_correct, seed):
+    """Drafts for every running decode: the oracle's token with probability ``p_correct``,
+    else a random one (so accepted runs of every length and rejections all happen)."""
+    rng = random.Random(seed)
+
+    def propose(state):
+        drafts = {}
+        for i in state.running:
+            rs = state.requests[i]
+            if rs.num_tokens - rs.num_computed_tokens != 1:
+                continue
+            history, draft = list(rs.token_ids(0, rs.num_tokens)), []
+            for _ in range(rng.randint(0, k)):
+                token = oracle(history + draft)
+                draft.append(token if rng.random() < p_correct else rng.randrange(VOCAB))
+            drafts[i] = draft
+        return drafts
+    return propose
+
+
+def record_run(cc, sc, requests):
+    """The non-speculative run, with every request's snapshot at every token count."""
+    seen = {}
+
+    def check(state, plan):
+        for i in state.running:
+            seen[i, state.requests[i].num_tokens] = snapshot(state, i)
+            seen[i, state.requests[i].num_tokens, "table"] = state.block_manager.block_table(i)
+    return run(cc, sc, requests, check=check), seen
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_drafts_equal_the_non_speculative_run_after_every_step(seed):
+    rng = random.Random(seed)
+    requests = [req(f"r{i}", [rng.randrange(VOCAB) for _ in range(rng.randint(1, 14))],
+                    max_tokens=rng.randint(1, 30), eos_token_ids=(7,) if i % 2 else ())
+                for i in range(rng.randint(1, 5))]
+    cc, sc = configs(budget=rng.choice([8, 16, 32]))
+    (want, want_reasons, ref_state, _), seen = record_run(cc, sc, requests)
+    single = len(requests) == 1
+    checked = []
+
+    def check(state, plan):
+        for i in state.running:
+            key = (i, state.requests[i].num_tokens)
+            assert snapshot(state, i) == seen[key], key
+            if single:   # nothing else allocates: even the physical blocks agree
+                assert state.block_manager.block_table(i) == seen[(*key, "table")]
+            checked.append(key)
+
+    got, reasons, state, (drafted, accepted) = run(cc, sc, requests,
+                                                    oracle_proposer(5, 0.6, seed), check)
+    assert got == want and reasons == want_reasons
+    assert 0 < accepted < drafted or sum(map(len, want.values())) < 8
+    bm, ref = state.block_manager, ref_state.block_manager
+    assert bm.num_free_blocks == ref.num_free_blocks == cc.num_blocks - 1
+    assert bm.num_cached_blocks == ref.num_cached_blocks
+    for r in requests:   # the same contents are cached
+        tokens = r.prompt_token_ids + got[r.request_id]
+        assert len(bm.lookup(tokens)[0]) == len(ref.lookup(tokens)[0])
+    assert checked or all(len(t) <= 1 for t in want.values())
+
+
+def test_tight_pool_with_preemption_loses_nothing():
+    rng = random.Random(11)
+    requests = [req(f"r{i}", [rng.randrange(VOCAB) for _ in range(10)], max_tokens=20)
+                for i in range(6)]
+    cc, sc = configs(num_blocks=20, budget=16)
+    (want, _, _, _), _ = record_run(cc, sc, requests)
+    got, _, state, (drafted, accepted) = run(cc, sc, requests, oracle_proposer(6, 0.7, 3))
+    assert got == want and 0 < accepted < drafted
+    assert state.block_manager.num_free_blocks == cc.num_blocks - 1
+
+
+def test_decode_carries_drafts_and_update_rewinds_over_the_rejected():
+    cc, sc = configs(block_size=4, budget=8, prefix_caching=None)
+    state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=10), sc)
+    state, plan = schedule(state, sc)
+    state = update(state, plan, [10])                       # tokens 1 2 3 10, computed 3
+    state, plan = schedule(state, sc, {"a": (11, 12, 13, 14, 15)})
+    (seq,) = plan.seqs
+    assert (seq.token_ids, seq.start_pos, seq.num_drafts, seq.sample) == (
+        (10, 11, 12, 13, 14, 15), 3, 5, True)
+    assert seq.block_table == (1, 2, 3)                     # positions 0 .. 8
+    rs = state.requests["a"]
+    assert (rs.num_computed_tokens, rs.num_draft_tokens, rs.num_tokens) == (9, 5, 4)
+    check_invariants(state, sc)
+    state = update(state, plan, [(11, 12, 99)])             # 2 drafts accepted, then 99
+    rs = state.requests["a"]
+    assert rs.output_token_ids == (10, 11, 12, 99)
+    assert (rs.num_computed_tokens, rs.num_draft_tokens) == (6, 0)
+    assert state.block_manager.block_table("a") == (1, 2)   # block 3 only held rejected drafts
+    assert state.block_manager.free_block_ids()[0] == 3     # back at the head of the queue
+    check_invariants(state, sc)
+    with pytest.raises(ValueError, match="takes 1 to 1 \\+ num_drafts = 1"):
+        update(*schedule(state, sc), [(1, 2)])
+
+
+def decoding(cc, sc, prompt=(1, 2, 3), max_tokens=8):
+    """A state where request "a" has computed its prompt and decodes its token 10 next."""
+    state = add_request(init_state(cc), req("a", prompt, max_tokens=max_tokens), sc)
+    state, plan = schedule(state, sc)
+    return update(state, plan, [10])
+
+
+def test_drafts_take_only_what_the_step_leaves():
+    # the budget: 1 + 3 tokens
+    cc, sc = configs(budget=4, prefix_caching=None)
+    state, plan = schedule(decoding(cc, sc), sc, {"a": (1, 2, 3, 4, 5)})
+    assert plan.seqs[0].num_drafts == 3 and plan.num_tokens == 4
+    # a prefill chunk admitted in the same step goes first; drafts of a non-decode are ignored
+    state = add_request(decoding(cc, sc), req("b", (5, 6, 7)), sc)
+    state, plan = schedule(state, sc, {"a": (1, 2, 3), "b": (4,)})
+    assert [(s.request_id, s.num_drafts) for s in plan.seqs] == [("a", 0), ("b", 0)]
+    # the free blocks: drafts never preempt; with no block free they fill a's last block
+    cc, sc = configs(num_blocks=3, block_size=4, budget=16, prefix_caching=None)
+    state = add_request(decoding(cc, sc, prompt=(1, 2), max_tokens=6),
+                        req("b", (5, 6, 7, 8), max_tokens=1), sc)
+    state, plan = schedule(state, sc, {"a": (1, 2, 3, 4)})
+    assert [(s.request_id, s.num_drafts) for s in plan.seqs] == [("a", 1), ("b", 0)]
+    assert not plan.preempted_ids and state.block_manager.num_free_blocks == 0
+    # max_tokens: a fully accepted run (drafts + bonus token) ends at max_tokens = 4
+    cc, sc = configs(budget=32, prefix_caching=None)
+    state, plan = schedule(decoding(cc, sc, max_tokens=4), sc, {"a": (1, 2, 3, 4, 5)})
+    assert plan.seqs[0].num_drafts == 2
+
+
+@pytest.mark.parametrize("tokens, stop, want, reason", [
+    ((5, 7, 6), dict(eos_token_ids=(7,)), (5, 7), "stop"),                # eos inside the run
+    ((5, 7, 6), dict(eos_token_ids=(7,), min_tokens=5), (5, 7, 6), None),  # before min_tokens
+    ((5, 7, 6), dict(eos_token_ids=(7,), ignore_eos=True), (5, 7, 6), None),
+    ((5, 6, 8), dict(stop_token_ids=(6,)), (5, 6), "stop"),
+    ((5, 6, 8), dict(max_tokens=4), (5, 6), "length"),   # 2 + 2 = max_tokens: 1 draft fits
+])
+def test_stop_rules_on_each_accepted_token(tokens, stop, want, reason):
+    cc, sc = configs(prefix_caching="radix")
+    state = add_request(init_state(cc), req("a", (1, 2, 3), **{"max_tokens": 12, **stop}), sc)
+    for first in (30, 31):
+        state, plan = schedule(state, sc)
+        state = update(state, plan, [first])
+    rs = state.requests["a"]
+    assert accepted_tokens(rs, tokens) == want
+    state, plan = schedule(state, sc, {"a": tokens[:-1]})
+    n = plan.seqs[0].num_drafts
+    assert n == min(2, stop.get("max_tokens", 12) - 3)
+    state = update(state, plan, [tokens[:n + 1]])
+    check_invariants(state, sc)
+    if reason is None:
+        assert state.requests["a"].output_token_ids == (30, 31) + want
+    else:
+        assert state.finished["a"].output_token_ids == (30, 31) + want
+        assert state.finished["a"].finish_reason == reason
+        assert state.block_manager.num_free_blocks == cc.num_blocks - 1
+
+
+def test_prefix_cache_registers_verified_tokens_only():
+    cc, sc = configs(block_size=4, prefix_caching="hash")
+    state = decoding(cc, sc)                                     # 1 2 3 10, computed 3
+    state, plan = schedule(state, sc, {"a": (11, 12, 13, 14)})   # positions 3 .. 7
+    state = update(state, plan, [(50,)])                         # every draft rejected
+    bm = state.block_manager
+    assert bm.num_registered("a") == 1 and bm.num_cached_blocks == 1   # [1 2 3 10]
+    assert len(bm.lookup((1, 2, 3, 10, 11, 12, 13, 14, 0))[0]) == 1    # not the drafts' block
+    state, plan = schedule(state, sc, {"a": (51, 52, 60, 61)})   # positions 4 .. 8
+    state = update(state, plan, [(51, 52, 60, 70)])              # 3 accepted, then 70
+    bm = state.block_manager
+    assert state.requests["a"].output_token_ids == (10, 50, 51, 52, 60, 70)
+    assert bm.num_registered("a") == 2 and bm.num_cached_blocks == 2   # + [50 51 52 60]
+    assert len(bm.lookup((1, 2, 3, 10, 50, 51, 52, 60, 70))[0]) == 2

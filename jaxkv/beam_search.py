@@ -143,8 +143,9 @@ def _run_group(core, prompts: list[list[int]], params: BeamSearchParams) -> list
                 result = core.run(state, plan, [sampling] * len(plan.seqs))
                 for row, seq in enumerate(plan.seqs):
                     if seq.sample:
-                        top[seq.request_id] = list(zip(result.top_ids[row, :2 * width].tolist(),
-                                                       result.top_vals[row, :2 * width].tolist()))
+                        top[seq.request_id] = list(zip(
+                            result.top_ids[row, 0, :2 * width].tolist(),
+                            result.top_vals[row, 0, :2 * width].tolist()))
                 rest = tuple(s for s in plan.seqs if not s.sample)
                 state = scheduler.update(state, dataclasses.replace(plan, seqs=rest),
                                          [0] * len(rest))

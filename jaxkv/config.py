@@ -9,6 +9,7 @@ engine arguments are listed.
       scheduler SchedulerConfig  step limits, policy, buckets (max_model_len resolved later)
       parallel  ParallelArgs     tensor / data parallel sizes, an explicit mesh
       runtime   RuntimeArgs      attention implementation, warm-up, compilation cache
+      speculative SpeculativeArgs  speculative decoding: proposer, draft length
 
 Every field is declared once, with ``option(default, help, ...)``: its type (from the annotation),
 range and choices are checked by ``check_fields``; ``EngineConfig.from_kwargs`` takes them as the
@@ -37,6 +38,7 @@ from jaxkv.kv_spec import MODEL_DTYPES
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "pallas")
+SPECULATIVE_METHODS = ("ngram",)
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -296,6 +298,32 @@ class RuntimeArgs:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeArgs:
+    """Speculative decoding: the draft proposer and how many tokens it drafts (vLLM's names)."""
+
+    speculative: str | None = option(
+        None, "draft proposer: ngram (prompt lookup in the request's own prompt + output) or "
+        "none", choices=SPECULATIVE_METHODS, parse=lambda s: None if s.lower() == "none" else s)
+    num_speculative_tokens: int = option(4, "most draft tokens a sequence carries per step",
+                                         minimum=1)
+    prompt_lookup_max: int = option(4, "ngram: longest suffix of the tokens looked up",
+                                    minimum=1)
+    prompt_lookup_min: int = option(1, "ngram: shortest suffix of the tokens looked up",
+                                    minimum=1)
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @property
+    def max_drafts(self) -> int:
+        """Draft tokens a sequence may carry: ``num_speculative_tokens``, 0 when off."""
+        return self.num_speculative_tokens if self.speculative else 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Everything a user chooses about an engine, grouped (see the module docstring)."""
 
@@ -304,6 +332,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelArgs = dataclasses.field(default_factory=ParallelArgs)
     runtime: RuntimeArgs = dataclasses.field(default_factory=RuntimeArgs)
+    speculative: SpeculativeArgs = dataclasses.field(default_factory=SpeculativeArgs)
 
     @classmethod
     def groups(cls) -> dict[str, type]:

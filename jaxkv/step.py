@@ -1,10 +1,15 @@
-"""The one jitted engine step: model forward over the paged cache, then sampling.
+"""The one jitted engine step: model forward over the paged cache, sampling, draft verification.
 
-    (params, cache, step_input, sampling_tensors, rng) -> (cache, tokens, logprobs, top_logprobs)
+    (params, cache, step_input, sampling_tensors, rng)
+        -> (cache, tokens, num_accepted, logprobs, top_logprobs)
 
 The cache is donated, so its pools are updated in place. Every input is padded on the host to a
 (T tokens, S sequences) bucket (jaxkv/batch.py), so the step compiles once per bucket and never
 again in steady state; ``num_logprobs`` is the only static argument besides the model config.
+Each sequence has ``W`` logits rows (``W = 1``, or ``1 + num_speculative_tokens`` in a step that
+verifies drafts: a second compiled width): row ``(s, j)`` is sampled like any row (the sampler
+sees ``S x W`` rows, ``s * W + j``), and ``rejection_sampler.num_accepted`` says how many of
+sequence ``s``'s ``W`` tokens it emits.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from jaxkv.cache import PagedKVCache
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import forward
+from jaxkv.rejection_sampler import num_accepted
 from jaxkv.sampling import SamplingTensors, sample
 
 _DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                  "block_tables", "logits_indices")
+                  "block_tables", "logits_indices", "num_drafts")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=list(_DEVICE_FIELDS), meta_fields=[])
@@ -41,7 +47,8 @@ class DeviceStepInput:
     query_start_loc: jax.Array  # [S + 1]
     seq_lens: jax.Array        # [S]
     block_tables: jax.Array    # [S, max_blocks_per_seq]
-    logits_indices: jax.Array  # [S, 1]
+    logits_indices: jax.Array  # [S, W]
+    num_drafts: jax.Array      # [S]
 
     @classmethod
     def from_host(cls, step_input: StepInput) -> "DeviceStepInput":
@@ -62,8 +69,10 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
-      num_logprobs=0) -> (cache, tokens int32 [S], logprobs f32 [S], (top_ids int32 [S, N],
-      top_values f32 [S, N]))``, jitted with the cache donated.
+      num_logprobs=0) -> (cache, tokens int32 [S, W], num_accepted int32 [S], logprobs
+      f32 [S, W], (top_ids int32 [S, W, N], top_values f32 [S, W, N]))``, jitted with the cache
+      donated; ``sampling`` has ``S x W`` rows; sequence ``s`` emits ``tokens[s, :num_accepted[s]]``
+      with those rows' raw logprobs and top logprobs.
     """
 
     attention = paged_attention if mesh is None else sharding.sharded_attention(mesh)
@@ -74,18 +83,23 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         md = AttentionMetadata(slot_mapping=inputs.slot_mapping,
                                query_start_loc=inputs.query_start_loc,
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
+        s, w = inputs.logits_indices.shape
         logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
-                                attention=attention)
+                                attention=attention)                      # [S * W, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
             cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))
         tokens, logprobs, top = sample(logits, sampling, rng, num_logprobs=num_logprobs)
+        tokens, logprobs, top = jax.tree.map(lambda x: x.reshape(s, w, *x.shape[1:]),
+                                             (tokens, logprobs, top))
+        drafts = inputs.token_ids[inputs.logits_indices[:, 1:]]              # [S, W - 1]
+        accepted = num_accepted(tokens, drafts, inputs.num_drafts)
         if mesh is not None:
-            tokens, logprobs, top = jax.lax.with_sharding_constraint(
-                (tokens, logprobs, top), sharding.replicated(mesh))
-        return cache, tokens, logprobs, top
+            tokens, accepted, logprobs, top = jax.lax.with_sharding_constraint(
+                (tokens, accepted, logprobs, top), sharding.replicated(mesh))
+        return cache, tokens, accepted, logprobs, top
 
     return step
 

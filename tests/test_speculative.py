@@ -4,6 +4,7 @@ non-speculative run of the same oracle model after every step."""
 
 import random
 
+import numpy as np
 import pytest
 
 from jaxkv.config import CacheConfig, SchedulerConfig
@@ -250,3 +251,87 @@ def test_prefix_cache_registers_verified_tokens_only():
     assert state.requests["a"].output_token_ids == (10, 50, 51, 52, 60, 70)
     assert bm.num_registered("a") == 2 and bm.num_cached_blocks == 2   # + [50 51 52 60]
     assert len(bm.lookup((1, 2, 3, 10, 50, 51, 52, 60, 70))[0]) == 2
+
+
+# ---------------------------------------------------------------- the rejection sampler
+
+
+def test_num_accepted_equals_a_loop():
+    import jax.numpy as jnp
+
+    from jaxkv.rejection_sampler import num_accepted
+
+    rng = np.random.default_rng(0)
+    targets = rng.integers(0, 3, (64, 5)).astype(np.int32)
+    drafts = rng.integers(0, 3, (64, 4)).astype(np.int32)
+    n_drafts = rng.integers(0, 5, 64).astype(np.int32)
+    want = []
+    for t, d, k in zip(targets, drafts, n_drafts):
+        n = 1
+        while n <= k and d[n - 1] == t[n - 1]:
+            n += 1
+        want.append(n)
+    got = num_accepted(jnp.asarray(targets), jnp.asarray(drafts), jnp.asarray(n_drafts))
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(num_accepted(jnp.zeros((3, 1), jnp.int32),
+                                               jnp.zeros((3, 0), jnp.int32),
+                                               jnp.zeros(3, jnp.int32)), [1, 1, 1])
+
+
+def leviathan_first_tokens(p, draft, rng, n):
+    """Leviathan et al.'s rule, literally, for a point-mass draft q = delta_draft: the first
+    emitted token of ``n`` independent verifications (numpy reference)."""
+    q = np.eye(len(p))[draft]
+    residual = np.maximum(p - q, 0)
+    residual /= residual.sum()
+    accept = rng.random(n) < np.minimum(1, p[draft] / q[draft])
+    return np.where(accept, draft, rng.choice(len(p), n, p=residual))
+
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """2 rows per verification (after the last token, after the draft), 4000 verifications of a
+    fixed distribution (temperature 0.8, top-k 5 over 6 tokens) with a fixed draft: the first
+    emitted token ~ p0, acceptance ~ p0(draft), the correction ~ p0 without the draft, the
+    bonus token ~ p1, and the same as Leviathan's rule computed literally."""
+    import jax
+    from scipy import stats
+
+    from jaxkv.rejection_sampler import num_accepted
+    from jaxkv.sampling import SamplingParams, SamplingTensors, sample
+
+    n, draft = 4000, 2
+    logits = np.array([[1.0, 0.2, 0.9, -0.5, 0.4, -3.0],
+                       [0.1, 1.5, -0.3, 0.8, -1.0, 0.0]], np.float32)
+    params = SamplingParams(temperature=0.8, top_k=5)
+    t = SamplingTensors.from_params([params] * 2 * n, vocab_size=6,
+                                    prompt_token_ids=[(1,)] * 2 * n,
+                                    output_token_ids=[(), (draft,)] * n)
+    tokens, _, _ = sample(np.tile(logits, (n, 1)), t, jax.random.key(3))
+    tokens = np.asarray(tokens).reshape(n, 2)
+    emitted = np.asarray(num_accepted(tokens, np.full((n, 1), draft, np.int32),
+                                      np.ones(n, np.int32)))
+
+    def target(row):   # softmax(l / T) over the top 5
+        z = np.exp(row / 0.8) * (row >= np.sort(row)[-5])
+        return z / z.sum()
+    p0, p1 = target(logits[0].astype(np.float64)), target(logits[1].astype(np.float64))
+
+    def chi2_p(samples, p):
+        keep = p > 0
+        observed = np.bincount(samples, minlength=len(p))
+        assert observed[~keep].sum() == 0
+        return stats.chisquare(observed[keep], p[keep] / p[keep].sum() * len(samples)).pvalue
+
+    first = tokens[:, 0]
+    accepted = emitted == 2
+    np.testing.assert_array_equal(accepted, first == draft)
+    assert chi2_p(first, p0) > 1e-3
+    assert abs(accepted.mean() - p0[draft]) < 4 * np.sqrt(p0[draft] * (1 - p0[draft]) / n)
+    assert chi2_p(first[~accepted], np.where(np.arange(6) == draft, 0, p0)) > 1e-3
+    assert chi2_p(tokens[accepted, 1], p1) > 1e-3
+    reference = leviathan_first_tokens(p0, draft, np.random.default_rng(0), n)
+    table = np.stack([np.bincount(first, minlength=6), np.bincount(reference, minlength=6)])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3

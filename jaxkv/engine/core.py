@@ -220,9 +220,8 @@ class EngineCore:
         self._num_preemptions += len(plan.preempted_ids)
         self._count(plan, state)
         now = time.perf_counter()
-        touched, stop_hits, errors = self._apply(plan, result, t0, now)
-        self._state = scheduler.update(state, plan, result.tokens,
-                                       finished_ids=frozenset(stop_hits))
+        touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
+        self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits))
         for request_id, err in errors.items():
             outputs |= self._fail(request_id, err)
         outputs |= self._collect()
@@ -250,15 +249,20 @@ class EngineCore:
         self._num_computed_tokens += plan.num_tokens
         self._peak_usage = max(self._peak_usage, state.block_manager.usage())
 
-    def _apply(self, plan: scheduler.StepPlan, result: StepOutput, t0: float, now: float):
-        """Hands each sampled row to its request's bookkeeping (text, logprobs, stop strings).
+    def _apply(self, plan: scheduler.StepPlan, state: scheduler.SchedulerState,
+               result: StepOutput, t0: float, now: float):
+        """Hands each sequence's emitted tokens, in order, to its request's bookkeeping (text,
+        logprobs, stop strings), up to the first that stops it (``scheduler.accepted_tokens``,
+        or a stop string).
 
         Returns:
-          (requests that got a token by id, sequence ids whose stop string matched, request ids
-          whose bookkeeping raised -> the error text).
+          (requests that got a token by id, the tokens ``scheduler.update`` appends per row,
+          sequence ids whose stop string matched, request ids whose bookkeeping raised -> the
+          error text).
         """
         samples = self._table.samples
         touched: dict[str, Request] = {}
+        accepted = [result.tokens[row, :n] for row, n in enumerate(result.num_accepted)]
         stop_hits, errors = set(), {}
         for row, seq in enumerate(plan.seqs):
             sample = samples[seq.request_id]
@@ -270,20 +274,26 @@ class EngineCore:
                 self._num_prompt_tokens += len(seq.token_ids)
             if not seq.sample or req.request_id in errors:
                 continue
+            tokens = scheduler.accepted_tokens(state.requests[seq.request_id], accepted[row])
             try:
-                if sample.append(int(result.tokens[row]), float(result.logprobs[row]),
-                                 result.top_ids[row], result.top_vals[row]):
-                    stop_hits.add(seq.request_id)
+                for j, token in enumerate(tokens):
+                    if sample.append(token, float(result.logprobs[row, j]),
+                                     result.top_ids[row, j], result.top_vals[row, j]):
+                        stop_hits.add(seq.request_id)
+                        tokens = tokens[:j + 1]
+                        break
             except Exception as e:   # one request's bookkeeping must not stop the others
                 errors[req.request_id] = f"{type(e).__name__}: {e}"
                 continue
+            accepted[row] = tokens
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             req.metrics.last_token_time = now
-            req.metrics.num_generated_tokens += 1
-            self._num_generated += 1
+            req.metrics.num_generated_tokens += len(tokens)
+            self._num_generated += len(tokens)
             touched[req.request_id] = req
-        return touched, stop_hits - {s for s in stop_hits if samples[s].parent in errors}, errors
+        return (touched, accepted,
+                stop_hits - {s for s in stop_hits if samples[s].parent in errors}, errors)
 
     def _fail(self, request_id: str, error: str) -> dict[str, RequestOutput]:
         """Ends ``request_id`` with ``finish_reason="error"``: its blocks freed, its output

@@ -4,6 +4,8 @@
                                   allocate the cache, build the jitted step
     runner.execute(plan, rows)    copy-on-write block copies, then one step:
                                   StepPlan ─► batch.build ─► step(params, cache, ...) ─► host arrays
+                                  (a sequence with draft tokens gets 1 + k sampled rows and
+                                  its accepted count: jaxkv/rejection_sampler.py)
 
 The runner knows nothing about requests: ``execute`` takes the plan and, per scheduled sequence,
 its sampling parameters and token history, and returns host arrays row by row. ``EngineCore``
@@ -58,16 +60,20 @@ class RowInput:
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """Host arrays of one step; row ``i`` belongs to ``plan.seqs[i]`` (padding rows follow).
+    """Host arrays of one step; row ``i`` belongs to ``plan.seqs[i]`` (padding rows follow), and
+    sequence ``i`` emits ``tokens[i, :num_accepted[i]]`` (one token without drafts).
 
     Attributes:
-      tokens: int32 [S], the sampled tokens.
-      logprobs: float32 [S], their raw log-probabilities.
-      top_ids: int32 [S, N], the top-N token ids (N the logprobs bucket of the step, maybe 0).
-      top_vals: float32 [S, N], their log-probabilities.
+      tokens: int32 [S, W], the sampled tokens: ``[i, j]`` after the sequence's ``j``-th draft
+        (``W = 1`` in a step without drafts).
+      num_accepted: int32 [S], how many of them the sequence emits (1 + its accepted drafts).
+      logprobs: float32 [S, W], their raw log-probabilities.
+      top_ids: int32 [S, W, N], the top-N token ids (N the logprobs bucket of the step, maybe 0).
+      top_vals: float32 [S, W, N], their log-probabilities.
     """
 
     tokens: np.ndarray
+    num_accepted: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_vals: np.ndarray
@@ -138,6 +144,19 @@ def plan_memory(config: EngineConfig, model_config,
     return plan
 
 
+def verify_rows(plan: StepPlan, rows: Sequence[RowInput], width: int) -> list[RowInput]:
+    """The sampler's rows of a step of logits width ``width``: row ``s * width + j`` is
+    ``plan.seqs[s]``'s after its first ``j`` draft tokens, which count as generated tokens there
+    (penalties, ``min_tokens`` and a seeded row's key see them); rows past a sequence's drafts
+    repeat its last one (their samples are never emitted)."""
+    out = []
+    for seq, row in zip(plan.seqs, rows):
+        drafts = tuple(seq.token_ids[len(seq.token_ids) - seq.num_drafts:])
+        out += [dataclasses.replace(row, output_token_ids=(*row.output_token_ids, *drafts[:j]))
+                for j in range(width)]
+    return out
+
+
 class ModelRunner:
     """The model on its devices and the one jitted step over the paged KV cache.
 
@@ -152,6 +171,7 @@ class ModelRunner:
       kv_cache_dtype: the canonical KV format name.
       dtype: the parameter / activation dtype.
       attention_impl: ``"reference"`` or ``"pallas"``.
+      max_drafts: most draft tokens a sequence carries (``num_speculative_tokens``; 0: off).
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.
 
@@ -205,6 +225,7 @@ class ModelRunner:
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed
+        self.max_drafts = config.speculative.max_drafts
         self._step_fn = make_step(sharding.tp_config(model_config, tp),
                                   attention_impl=self.attention_impl,
                                   interpret=rc.interpret, mesh=mesh)
@@ -254,19 +275,22 @@ class ModelRunner:
     def warmup(self, *, progress: bool = True) -> int:
         """Compiles the step for every (T, S) bucket pair with S <= T; returns how many.
 
-        Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20).
+        Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
+        with speculative decoding each pair is compiled at the verify width too.
         Also compiles the copy-on-write block copy for every padded batch size (not counted).
         With the persistent compilation cache on, a later start loads these from disk.
         """
         s = self.sched_config
-        pairs = [(t, n) for t in s.token_buckets for n in s.seq_buckets if n <= t]
+        pairs = [(t, n, w) for t in s.token_buckets for n in s.seq_buckets if n <= t
+                 for w in sorted({1, 1 + self.max_drafts})]
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
         with tqdm(total=len(pairs) + len(copies), desc="Compiling step buckets", unit="shape",
                   disable=not progress) as bar:
-            for t, n in pairs:
-                bar.set_postfix(tokens=t, seqs=n)
+            for t, n, w in pairs:
+                bar.set_postfix(tokens=t, seqs=n, width=w)
                 self.cache, tokens, *_ = self._step_fn(self.params, self.cache,
-                                                       *self._padded_args(t, n), num_logprobs=0)
+                                                       *self._padded_args(t, n, w),
+                                                       num_logprobs=0)
                 tokens.block_until_ready()
                 bar.update(1)
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k
@@ -288,17 +312,18 @@ class ModelRunner:
         """How many step variants have been compiled (a steady state adds none)."""
         return self._step_fn._cache_size()
 
-    def _padded_args(self, t: int, s: int):
-        """(inputs, sampling, rng) of an all-padding step of shape (t, s), on the devices:
-        every slot is the null block's, so it writes nothing that is read."""
+    def _padded_args(self, t: int, s: int, w: int = 1):
+        """(inputs, sampling, rng) of an all-padding step of shape (t, s) and logits width w,
+        on the devices: every slot is the null block's, so it writes nothing that is read."""
         m = batch.max_blocks_per_seq(self.cache_config, self.sched_config)
         inputs = DeviceStepInput(
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
-            logits_indices=np.zeros((s, 1), np.int32))
+            logits_indices=np.zeros((s, w), np.int32), num_drafts=np.zeros(s, np.int32))
         sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
-                                               prompt_token_ids=[], output_token_ids=[], pad_to=s)
+                                               prompt_token_ids=[], output_token_ids=[],
+                                               pad_to=s * w)
         return self._to_device((inputs, sampling, step_rng(self._seed, 0)))
 
     # ------------------------------------------------------------------ the step
@@ -321,17 +346,22 @@ class ModelRunner:
         Returns:
           StepOutput host arrays, row ``i`` for ``plan.seqs[i]``.
         """
-        inputs = batch.build(plan, self.cache_config, self.sched_config)
+        inputs = batch.build(plan, self.cache_config, self.sched_config,
+                             max_drafts=self.max_drafts)
         num_logprobs = next(b for b in _LOGPROB_BUCKETS
                             if b >= max((r.params.logprobs or 0) for r in rows))
-        sampling = self.sampling_tensors(rows, len(inputs.seq_lens))
+        width = inputs.logits_indices.shape[1]
+        sampling = self.sampling_tensors(verify_rows(plan, rows, width) if width > 1 else rows,
+                                         len(inputs.seq_lens) * width)
         self._apply_copies(plan.copy_ops)
         t_device = time.perf_counter()
-        self.cache, tokens, logprobs, (top_ids, top_vals) = self._step_fn(
+        self.cache, *out = self._step_fn(
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,
                 step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs)
-        out = StepOutput(*(self._to_host(x) for x in (tokens, logprobs, top_ids, top_vals)))
+        tokens, accepted, logprobs, (top_ids, top_vals) = out
+        out = StepOutput(*(self._to_host(x)
+                           for x in (tokens, accepted, logprobs, top_ids, top_vals)))
         self.device_time += time.perf_counter() - t_device
         self.num_steps += 1
         return out

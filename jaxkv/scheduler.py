@@ -333,6 +333,13 @@ def add_request(state: SchedulerState, request: Request,
                                waiting=tuple(waiting), num_added=state.num_added + 1)
 
 
+def decoding_ids(state: SchedulerState) -> tuple[Hashable, ...]:
+    """Running requests whose next step computes only their last token (decodes: the ones
+    that can carry draft tokens), most urgent first."""
+    return tuple(i for i in state.running
+                 if state.requests[i].num_tokens - state.requests[i].num_computed_tokens == 1)
+
+
 def schedule(state: SchedulerState, config: SchedulerConfig,
              drafts: Mapping[Hashable, Sequence[int]] = types.MappingProxyType({})
              ) -> tuple[SchedulerState, StepPlan]:

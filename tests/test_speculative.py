@@ -335,3 +335,42 @@ def test_rejection_sampling_keeps_the_target_distribution():
     table = np.stack([np.bincount(first, minlength=6), np.bincount(reference, minlength=6)])
     table = table[:, table.sum(0) > 0]
     assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- the n-gram proposer
+
+
+@pytest.mark.parametrize("tokens, k, n, want", [
+    ((1, 2, 3, 4, 5, 1, 2, 3), 2, (1, 4), (4, 5)),
+    ((1, 2, 3, 4, 5, 1, 2, 3), 9, (1, 4), (4, 5, 1, 2, 3)),        # up to the end
+    ((9, 2, 3, 7, 5, 3, 8, 9, 2, 3), 2, (1, 3), (7, 5)),           # longest before most recent
+    ((9, 2, 3, 7, 5, 3, 8, 9, 2, 3), 2, (1, 1), (8, 9)),           # max_n 1: most recent "3"
+    ((1, 2, 5, 1, 2, 6, 1, 2), 2, (1, 4), (6, 1)),                 # most recent of equals
+    ((1, 2, 5, 3, 2), 2, (2, 4), ()),                              # only a 1-gram matches
+    ((4, 4, 4), 3, (1, 4), (4,)),                                  # overlapping match
+    ((7,), 3, (1, 4), ()),
+    ((1, 2, 3), 3, (1, 4), ()),
+])
+def test_ngram_proposals(tokens, k, n, want):
+    from jaxkv.speculative import NgramProposer
+
+    assert NgramProposer(*n).propose(np.array(tokens, np.int32), k) == want
+
+
+def test_ngram_equals_a_brute_force_lookup():
+    from jaxkv.speculative import NgramProposer
+
+    def brute(a, k, min_n, max_n):
+        for n in range(min(max_n, len(a) - 1), min_n - 1, -1):
+            hits = [i for i in range(len(a) - n) if a[i:i + n] == a[len(a) - n:]]
+            if hits:
+                return tuple(a[hits[-1] + n:hits[-1] + n + k])
+        return ()
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(rng.choice([2, 4, 8])) for _ in range(rng.randint(1, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        k = rng.randint(1, 6)
+        assert NgramProposer(min_n, max_n).propose(np.array(a), k) == brute(a, k, min_n, max_n)

@@ -1,0 +1,158 @@
+"""Speculative decoding on the host: the draft proposers and the engine's seam for them.
+
+    speculator = Speculator.from_args(config.speculative)       # in EngineCore.__init__
+    drafts = speculator.drafts(state)                           # {request id: draft tokens}
+    state, plan = scheduler.schedule(state, sched_config, drafts)
+    result = runner.execute(plan, rows)                         # verifies them (jitted)
+    speculator.record(plan, result.num_accepted)                # stats()
+
+The seam is the one call before ``schedule``. A proposer sees only a request's tokens (prompt +
+output so far) and returns up to ``k`` guesses of what follows; the scheduler alone decides how
+many of them fit the step (the budget and free blocks its own work leaves, ``max_tokens``), the
+jitted step verifies them (jaxkv/rejection_sampler.py) and ``scheduler.update`` keeps the
+accepted ones and rewinds over the rest. So the scheduler stays pure and model-free, proposing
+needs no scheduler internals, and a new proposer is one class here. The alternative seam, the
+scheduler calling the proposer while it plans, would put proposer state (and for a draft model,
+device work) inside the pure scheduler. The cost of this seam: drafts are proposed for every
+running decode, also those the step will not have room for (an n-gram lookup is microseconds).
+
+Proposers:
+
+* ``"ngram"`` (prompt lookup; Saxena 2023, vLLM's ``ngram``): find the longest suffix of the tokens,
+  ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, that also occurs earlier in
+  them; propose the ``k`` tokens that followed its most recent earlier occurrence. Host-side
+  numpy, no model. Its drafts are point masses, which the rejection sampler verifies exactly.
+* A draft model (``speculative="draft"``, a small model with its own paged cache) is not part of
+  this slice: it would be a proposer here with device state, and the rejection sampler would
+  need its draft probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from jaxkv import scheduler
+from jaxkv.config import SpeculativeArgs
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens from a request's tokens alone."""
+
+    def propose(self, token_ids: np.ndarray, num_drafts: int) -> Sequence[int]:
+        """Up to ``num_drafts`` guesses of the tokens after ``token_ids`` (int32 [L], prompt +
+        output so far); empty when it has none."""
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens after the most recent earlier occurrence of the longest
+    matching suffix.
+
+    Args:
+      min_n, max_n: the suffix lengths tried (``1 <= min_n <= max_n``).
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes min_n={min_n}, max_n={max_n} need 1 <= min_n <= max_n")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: np.ndarray, num_drafts: int) -> tuple[int, ...]:
+        """Up to ``num_drafts`` tokens that followed the suffix earlier (see the class).
+
+        Every earlier position ``p`` holding the last token (and followed by at least one token)
+        is a candidate; its match is extended backwards while it equals the suffix, up to
+        ``max_n`` tokens: O(L + candidates x max_n) numpy work.
+        """
+        a = np.asarray(token_ids)
+        length = len(a)
+        ends = np.flatnonzero(a[:-1] == a[-1]) if length > 1 else np.zeros(0, np.int64)
+        if num_drafts < 1 or ends.size == 0:
+            return ()
+        matched = np.ones(ends.size, np.int64)   # [C] suffix tokens matched ending at ends
+        for t in range(1, min(self.max_n, length)):
+            grow = (matched == t) & (ends >= t)
+            grow[grow] = a[ends[grow] - t] == a[length - 1 - t]
+            if not grow.any():
+                break
+            matched += grow
+        best = matched.max()
+        if best < self.min_n:
+            return ()
+        p = ends[np.flatnonzero(matched == best)[-1]]   # the most recent of the longest
+        return tuple(a[p + 1:p + 1 + num_drafts].tolist())
+
+
+class Speculator:
+    """The engine's speculative decoding: proposes drafts before each schedule, counts what the
+    step accepted.
+
+    Args:
+      proposer: a ``Proposer``, or None (speculation off: no drafts).
+      num_speculative_tokens: most drafts proposed per sequence and step.
+
+    Attributes:
+      proposer: as given (a public seam: tests swap in their own).
+      num_speculative_tokens: as given.
+    """
+
+    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int):
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self._proposed = 0   # draft tokens proposed
+        self._drafts = 0     # sequences that verified drafts
+        self._verified = 0   # draft tokens verified (scheduled)
+        self._accepted = 0   # draft tokens accepted
+
+    @classmethod
+    def from_args(cls, args: SpeculativeArgs) -> Speculator:
+        """The speculator of an engine config's ``speculative`` group."""
+        proposer = (NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+                    if args.speculative == "ngram" else None)
+        return cls(proposer, args.num_speculative_tokens)
+
+    def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
+        """Draft tokens for every running decode of ``state`` (``scheduler.schedule``'s
+        ``drafts``); empty when speculation is off."""
+        if self.proposer is None:
+            return {}
+        out = {}
+        for request_id in scheduler.decoding_ids(state):
+            rs = state.requests[request_id]
+            draft = self.proposer.propose(np.asarray(rs.token_ids(0, rs.num_tokens), np.int32),
+                                          self.num_speculative_tokens)
+            if len(draft):
+                out[request_id] = tuple(int(t) for t in draft[:self.num_speculative_tokens])
+                self._proposed += len(out[request_id])
+        return out
+
+    def record(self, plan: scheduler.StepPlan, num_accepted: np.ndarray) -> None:
+        """Counts the verified drafts of a step: ``num_accepted`` int32 [>= len(plan.seqs)],
+        the tokens each sequence emitted (1 + its accepted drafts)."""
+        for seq, n in zip(plan.seqs, num_accepted):
+            if seq.num_drafts:
+                self._drafts += 1
+                self._verified += seq.num_drafts
+                self._accepted += int(n) - 1
+
+    def stats(self) -> dict:
+        """Counters since start (vLLM's ``spec_decode`` names).
+
+        Returns:
+          dict with ``spec_num_proposed_tokens`` (drafts proposed), ``spec_num_draft_tokens``
+          (drafts verified: those the scheduler fit into a step), ``spec_num_drafts`` (sequences
+          that verified drafts, once per step), ``spec_num_accepted_tokens``,
+          ``spec_acceptance_rate`` (accepted / verified) and ``spec_mean_acceptance_length``
+          (tokens emitted per verifying sequence and step: 1 + accepted / drafts).
+        """
+        return {
+            "spec_num_proposed_tokens": self._proposed,
+            "spec_num_draft_tokens": self._verified,
+            "spec_num_drafts": self._drafts,
+            "spec_num_accepted_tokens": self._accepted,
+            "spec_acceptance_rate": self._accepted / self._verified if self._verified else 0.0,
+            "spec_mean_acceptance_length": (1 + self._accepted / self._drafts
+                                            if self._drafts else 0.0),
+        }

@@ -1,6 +1,9 @@
 """Speculative decoding: multi-token scheduler steps (rewind, truncation, stop rules inside an
-accepted run, prefix-cache registration of verified tokens only), checked against a
-non-speculative run of the same oracle model after every step."""
+accepted run, prefix-cache registration of verified tokens only) checked against a
+non-speculative run of an oracle model after every step; the rejection sampler's distribution;
+the n-gram proposer; and the engine on the tiny model: greedy and seeded outputs equal to
+non-speculative decoding with n-gram and random drafts, tables and prefix cache after every
+step, stops inside accepted runs, the stats."""
 
 import random
 
@@ -9,7 +12,7 @@ import pytest
 
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import (Request, StopSpec, accepted_tokens, add_request, check_invariants,
-                             init_state, schedule, update)
+                             decoding_ids, init_state, schedule, update)
 
 VOCAB = 40
 
@@ -107,7 +110,7 @@ def record_run(cc, sc, requests):
     seen = {}
 
     def check(state, plan):
-        for i in state.running:
+        for i in decoding_ids(state):
             seen[i, state.requests[i].num_tokens] = snapshot(state, i)
             seen[i, state.requests[i].num_tokens, "table"] = state.block_manager.block_table(i)
     return run(cc, sc, requests, check=check), seen
@@ -125,7 +128,7 @@ def test_random_drafts_equal_the_non_speculative_run_after_every_step(seed):
     checked = []
 
     def check(state, plan):
-        for i in state.running:
+        for i in decoding_ids(state):
             key = (i, state.requests[i].num_tokens)
             assert snapshot(state, i) == seen[key], key
             if single:   # nothing else allocates: even the physical blocks agree
@@ -374,3 +377,179 @@ def test_ngram_equals_a_brute_force_lookup():
         max_n = rng.randint(min_n, 5)
         k = rng.randint(1, 6)
         assert NgramProposer(min_n, max_n).propose(np.array(a), k) == brute(a, k, min_n, max_n)
+
+
+# ---------------------------------------------------------------- the engine (tiny model)
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny):
+    from jaxkv import LLM
+    from tiny_models import TINY_ENGINE
+
+    with LLM(str(tiny[0]), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=4) as llm:
+        yield llm
+
+
+class OracleProposer:
+    """Drafts from known continuations (prompt -> the tokens non-speculative decoding
+    generates), each replaced by a random token with probability ``p_wrong``."""
+
+    def __init__(self, references, p_wrong, seed=0):
+        self.references = references
+        self.p_wrong = p_wrong
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids, num_drafts):
+        tokens = tuple(token_ids.tolist())
+        for prompt, output in self.references.items():
+            if tokens[:len(prompt)] == prompt:
+                cont = output[len(tokens) - len(prompt):][:self.rng.randint(0, num_drafts)]
+                return [self.rng.randrange(400) if self.rng.random() < self.p_wrong else t
+                        for t in cont]
+        return []
+
+
+def token_lists(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_ngram_greedy_equals_non_speculative_on_repetitive_prompts(tiny_llm, spec_llm):
+    from jaxkv.sampling import SamplingParams
+    from tiny_models import austen_prompts
+
+    passages = austen_prompts(4, seed=5, max_chars=160)
+    prompts = [f"{p} {p} {p[:len(p) // 2]}" for p in passages]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    steps = tiny_llm.stats()["num_steps"]
+    want = token_lists(tiny_llm.generate(prompts, params, use_tqdm=False))
+    steps = tiny_llm.stats()["num_steps"] - steps
+    before = spec_llm.stats()
+    outs = spec_llm.generate(prompts, params, use_tqdm=False)
+    after = spec_llm.stats()
+    assert token_lists(outs) == want
+    # the random tiny model rarely repeats its prompt (SmolLM2 does: bench/speculative.py)
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    verified = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    assert 0 < accepted <= verified
+    assert after["num_steps"] - before["num_steps"] <= steps
+    assert after["kv_blocks_used"] == 0
+    spec_llm.engine.check_invariants()
+
+
+def run_stepwise(llm, prompts, params, check=None):
+    """Adds the prompts (ids "0", "1", ...) and steps the engine to the end, calling
+    ``check(scheduler_state)`` after every step; returns the outputs in order."""
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    ids = [engine.add_request(p, params, request_id=f"s{i}") for i, p in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({k: v for k, v in engine.step().items() if v.finished})
+        engine.check_invariants()
+        if check:
+            check(engine.scheduler_state)
+    return [done[i] for i in ids]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=40, ignore_eos=True),
+    dict(temperature=0.9, top_k=50, seed=11, repetition_penalty=1.3, min_tokens=30,
+         max_tokens=40),
+])
+def test_random_drafts_keep_outputs_tables_and_prefix_cache(tiny_llm, spec_llm, monkeypatch,
+                                                            params):
+    """Drafts right or random: greedy and seeded (penalties, min_tokens) outputs equal the
+    non-speculative run's, and at every token count each decoding request's counter, table
+    length, registered blocks and prefix-cache hits equal that run's."""
+    from jaxkv.sampling import SamplingParams
+    from tiny_models import austen_prompts
+
+    params = SamplingParams(**params)
+    prompts = austen_prompts(5, seed=9, max_chars=40)
+    seen = {}
+
+    def record(state):
+        for i in decoding_ids(state):
+            seen[i, state.requests[i].num_tokens] = snapshot(state, i)
+
+    want = run_stepwise(tiny_llm, prompts, params, record)
+    checked = []
+
+    def check(state):
+        for i in decoding_ids(state):
+            key = (i, state.requests[i].num_tokens)
+            assert snapshot(state, i) == seen[key], key
+            checked.append(key)
+
+    references = {tuple(o.prompt_token_ids): tuple(o.outputs[0].token_ids) for o in want}
+    monkeypatch.setattr(spec_llm.engine.speculator, "proposer", OracleProposer(references, 0.3))
+    before = spec_llm.stats()
+    got = run_stepwise(spec_llm, prompts, params, check)
+    after = spec_llm.stats()
+    assert token_lists(got) == token_lists(want)
+    assert [o.outputs[0].cumulative_logprob for o in got] == pytest.approx(
+        [o.outputs[0].cumulative_logprob for o in want], abs=1e-3)
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    verified = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    assert 0 < accepted < verified and checked
+    a, b = spec_llm.engine.scheduler_state.block_manager, \
+        tiny_llm.engine.scheduler_state.block_manager
+    assert a.num_free_blocks == b.num_free_blocks and a.num_cached_blocks == b.num_cached_blocks
+    for o in want:
+        full = tuple(o.prompt_token_ids) + tuple(o.outputs[0].token_ids)
+        assert len(a.lookup(full)[0]) == len(b.lookup(full)[0])
+
+
+def test_stops_inside_an_accepted_run(tiny_llm, spec_llm, monkeypatch):
+    """Perfect drafts: a stop token, a stop string and max_tokens landing inside a run of
+    accepted drafts end the output exactly where non-speculative decoding ends it."""
+    from jaxkv.sampling import SamplingParams
+    from tiny_models import austen_prompts
+
+    prompts = austen_prompts(3, seed=13, max_chars=60)
+    base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    full = tiny_llm.generate(prompts, base, use_tqdm=False)
+    references = {tuple(o.prompt_token_ids): tuple(o.outputs[0].token_ids) for o in full}
+    monkeypatch.setattr(spec_llm.engine.speculator, "proposer", OracleProposer(references, 0.0))
+    text = full[0].outputs[0].text
+    cases = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                       stop_token_ids=[full[0].outputs[0].token_ids[9]]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                       stop=[text[len(text) // 2:len(text) // 2 + 3]]),
+        SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+    ]
+    for params in cases:
+        want = tiny_llm.generate(prompts, params, use_tqdm=False)
+        got = spec_llm.generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            assert g.outputs[0].text == w.outputs[0].text
+            assert (g.outputs[0].finish_reason, g.outputs[0].stop_reason) == (
+                w.outputs[0].finish_reason, w.outputs[0].stop_reason)
+    assert spec_llm.stats()["kv_blocks_used"] == 0
+    spec_llm.engine.check_invariants()
+
+
+def test_stats_and_cli_flags(spec_llm):
+    import argparse
+
+    from jaxkv.config import EngineConfig
+
+    s = spec_llm.stats()
+    assert s["spec_num_accepted_tokens"] <= s["spec_num_draft_tokens"] <= (
+        s["spec_num_proposed_tokens"])
+    assert s["spec_acceptance_rate"] == pytest.approx(
+        s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"])
+    assert s["spec_mean_acceptance_length"] == pytest.approx(
+        1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"])
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli(parser.parse_args(
+        ["--speculative", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "2"]))
+    assert (config.speculative.speculative, config.speculative.max_drafts,
+            config.speculative.prompt_lookup_min) == ("ngram", 3, 2)
+    assert EngineConfig.from_cli(parser.parse_args([])).speculative.max_drafts == 0
+    with pytest.raises(ValueError, match="prompt_lookup_min=5 must be <= prompt_lookup_max=4"):
+        EngineConfig.from_kwargs(speculative="ngram", prompt_lookup_min=5)

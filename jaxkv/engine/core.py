@@ -7,15 +7,17 @@
 
 One step::
 
-    scheduler.schedule(state) ─► StepPlan ─► runner.execute(plan, rows) ─► tokens, logprobs
+    speculator.drafts(state) ─► scheduler.schedule(state, drafts) ─► StepPlan
+        ─► runner.execute(plan, rows) ─► tokens [S, W], num_accepted [S], logprobs
                                                                                 │
     outputs {request_id: RequestOutput} ◄── RequestTable (text, stops) ◄───────┤
                                             scheduler.update(state, plan, tokens)
 
 The core owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
-it as it was), the ``ModelRunner`` (params, donated cache, jitted step) and the ``RequestTable``
-(per-request host bookkeeping). It is single-threaded: the facades (``LLM`` in
-jaxkv/engine/llm.py, ``AsyncLLM`` in jaxkv/engine/async_llm.py) serialise their calls.
+it as it was), the ``ModelRunner`` (params, donated cache, jitted step), the ``RequestTable``
+(per-request host bookkeeping) and the ``Speculator`` (draft proposals, jaxkv/speculative.py).
+It is single-threaded: the facades (``LLM`` in jaxkv/engine/llm.py, ``AsyncLLM`` in
+jaxkv/engine/async_llm.py) serialise their calls.
 
 Request isolation: every field of a request is validated before it is queued (``add_request``
 raises and queues nothing). A failure during a step that belongs to one request (its sampling
@@ -37,6 +39,7 @@ from jaxkv.engine.runner import ModelRunner, RowInput, StepOutput
 from jaxkv.outputs import RequestOutput
 from jaxkv.requests import Request, RequestTable
 from jaxkv.sampling import SamplingParams
+from jaxkv.speculative import Speculator
 
 logger = logging.getLogger("jaxkv")
 
@@ -53,6 +56,8 @@ class EngineCore:
       tokenizer, model_config, sched_config, cache_config, memory_plan: shortcuts to the
         runner's.
       compilation_cache_dir: where JAX's persistent compilation cache lives (None: off).
+      speculator: proposes draft tokens before each schedule (``speculative=...``; without it
+        its proposer is None and steps carry no drafts).
     """
 
     def __init__(self, config: EngineConfig):
@@ -66,6 +71,7 @@ class EngineCore:
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
         self._state = scheduler.init_state(self.cache_config)
+        self.speculator = Speculator.from_args(config.speculative)
         self._table = RequestTable(self.tokenizer, self.model_config.vocab_size,
                                    self.sched_config.max_model_len)
         self._pending: dict[str, RequestOutput] = {}   # finished outside a step (aborts)
@@ -196,7 +202,8 @@ class EngineCore:
         self._check_open()
         t0 = time.perf_counter()
         outputs = self._pending   # handed out only if this step succeeds
-        state, plan = scheduler.schedule(self._state, self.sched_config)
+        state, plan = scheduler.schedule(self._state, self.sched_config,
+                                         self.speculator.drafts(self._state))
         if not plan.seqs:
             self._state, self._pending = state, {}
             self._num_preemptions += len(plan.preempted_ids)
@@ -219,6 +226,7 @@ class EngineCore:
         self._pending = {}
         self._num_preemptions += len(plan.preempted_ids)
         self._count(plan, state)
+        self.speculator.record(plan, result.num_accepted)
         now = time.perf_counter()
         touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
         self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits))
@@ -383,7 +391,9 @@ class EngineCore:
           ``prefix_cache_hit_rate`` (their ratio), ``num_cached_blocks`` (blocks in the prefix
           cache, in use or free), ``host_time_fraction`` (share of step time spent on the host:
           scheduling, batch building, sampling tensors, detokenization; the rest is the jitted
-          step), ``busy_time_s`` and ``device_time_s``.
+          step), ``busy_time_s`` and ``device_time_s``; and the speculative decoding counters
+          (``spec_*``, ``Speculator.stats``: drafts proposed, verified, accepted, acceptance
+          rate, mean acceptance length).
         """
         bm = self._state.block_manager
         total = self.cache_config.num_usable_blocks
@@ -416,7 +426,7 @@ class EngineCore:
             "host_time_fraction": 1.0 - device / busy if busy else 0.0,
             "busy_time_s": busy,
             "device_time_s": device,
-        }
+        } | self.speculator.stats()
 
     def close(self) -> None:
         """Frees device memory; the engine cannot be used afterwards."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import types
 from collections.abc import Sequence
 
 from jaxkv import scheduler
@@ -166,8 +167,7 @@ class EngineCore:
         for seq_id in self._table.seq_ids(request_id):
             state = scheduler.abort(state, seq_id)
         self._state = state
-        for out in self._table.collect_finished(self._state.finished):
-            self._pending[out.request_id] = out
+        self._pending |= self._collect()
 
     def is_live(self, request_id: str) -> bool:
         """Whether ``request_id`` is queued or running."""
@@ -311,13 +311,18 @@ class EngineCore:
         for seq_id in self._table.seq_ids(request_id):
             if seq_id in state.requests:
                 state = scheduler.abort(state, seq_id)
-        self._state = dataclasses.replace(state, finished={
-            k: v for k, v in state.finished.items() if k not in self._table.seq_ids(request_id)})
+        self._state = dataclasses.replace(state, finished=types.MappingProxyType({
+            k: v for k, v in state.finished.items() if k not in self._table.seq_ids(request_id)}))
         self._num_errors += 1
         return {request_id: self._table.fail(request_id, error)}
 
     def _collect(self) -> dict[str, RequestOutput]:
-        return {o.request_id: o for o in self._table.collect_finished(self._state.finished)}
+        """The final outputs of the sequences the scheduler finished; the scheduler's
+        ``finished`` map is emptied once read, so a request id is free again at once."""
+        outs = {o.request_id: o for o in self._table.collect_finished(self._state.finished)}
+        if self._state.finished:
+            self._state = dataclasses.replace(self._state, finished=types.MappingProxyType({}))
+        return outs
 
     # ------------------------------------------------------------------ drivers (beam search)
 

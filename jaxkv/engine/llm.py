@@ -88,6 +88,10 @@ class LLM:
     def _add(self, requests: list[dict]) -> list[str]:
         """Adds requests to the engine (all or none) and gives each its output queue."""
         with self._lock:
+            for i, r in enumerate(requests):   # a finished request whose output is undelivered
+                if r.get("request_id") is not None and str(r["request_id"]) in self._queues:
+                    raise ValueError(f"requests[{i}]: request_id={r['request_id']!r} is already "
+                                     f"in use (its outputs are not all delivered yet)")
             ids = self.engine.add_requests(requests)
             for rid in ids:
                 self._queues[rid] = deque()

@@ -133,7 +133,7 @@ def cmd_errors(a) -> dict:
             mock.patch.object(checkpoint, "restore_params", side_effect=forbidden):
         for name, kw in cases.items():
             try:
-                LLM(a.model, **ENGINE, **kw)
+                (DataParallelLLM if "data_parallel_size" in kw else LLM)(a.model, **ENGINE, **kw)
                 out[name] = "no error"
             except ValueError as e:
                 out[name] = str(e)

@@ -4,7 +4,7 @@
     drafts = speculator.drafts(state)                           # {request id: draft tokens}
     state, plan = scheduler.schedule(state, sched_config, drafts)
     result = runner.execute(plan, rows)                         # verifies them (jitted)
-    speculator.record(plan, result.num_accepted)                # stats()
+    speculator.record(plan, result.tokens, result.num_accepted) # acceptance, stats()
 
 The seam is the one call before ``schedule``. A proposer sees only a request's tokens (prompt +
 output so far) and returns up to ``k`` guesses of what follows; the scheduler alone decides how
@@ -25,6 +25,22 @@ Proposers:
 * A draft model (``speculative="draft"``, a small model with its own paged cache) is not part of
   this slice: it would be a proposer here with device state, and the rejection sampler would
   need its draft probabilities.
+
+Adaptive draft length (``speculative_adaptive``, on by default). Each request keeps an estimate
+``a`` of the probability that a draft is accepted given the ones before it were, and gets the
+``k`` in ``[0, num_speculative_tokens]`` that maximises Leviathan et al.'s expected tokens per
+step over its relative cost::
+
+    E(k) / (1 + c k),    E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+
+with ``c = speculative_draft_cost`` the cost of verifying one more token as a fraction of a
+decode step (about 0.05 for SmolLM2 at batch 1 on CPU, measured by bench/speculative.py). So
+``k = 0`` exactly when ``a <= c`` (drafting one token does not pay; Leviathan et al.'s
+condition for a gain is ``a > c``). The estimate needs no verification: the proposer is asked every step, and its proposal is
+compared with the tokens the step emitted, verified or not; a comparison counts its positions up to and including
+the first mismatch (trials) and the matches (successes), both decayed by ``_DECAY`` per step
+from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A request whose proposals stopped
+being accepted stops drafting at once, and starts again when its proposals start matching.
 """
 
 from __future__ import annotations
@@ -36,6 +52,10 @@ import numpy as np
 
 from jaxkv import scheduler
 from jaxkv.config import SpeculativeArgs
+
+_DECAY = 0.8            # per step, of a request's acceptance counts
+_PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
+_PRIOR_TRIALS = 2.0
 
 
 class Proposer(Protocol):
@@ -85,22 +105,39 @@ class NgramProposer:
         return tuple(a[p + 1:p + 1 + num_drafts].tolist())
 
 
+def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> int:
+    """The draft length in ``[0, max_drafts]`` that maximises ``E(k) / (1 + draft_cost k)``
+    (see the module docstring), the shortest among equals."""
+    best, best_value, expected = 0, 1.0, 1.0
+    for k in range(1, max_drafts + 1):
+        expected += acceptance ** k
+        if expected / (1 + draft_cost * k) > best_value:
+            best, best_value = k, expected / (1 + draft_cost * k)
+    return best
+
+
 class Speculator:
-    """The engine's speculative decoding: proposes drafts before each schedule, counts what the
-    step accepted.
+    """The engine's speculative decoding: proposes drafts before each schedule, measures and
+    counts what the step accepted.
 
     Args:
       proposer: a ``Proposer``, or None (speculation off: no drafts).
       num_speculative_tokens: most drafts proposed per sequence and step.
+      draft_cost: the adaptive draft length's cost of one more draft token (a fraction of a
+        decode step), or None: always propose ``num_speculative_tokens``.
 
     Attributes:
       proposer: as given (a public seam: tests swap in their own).
-      num_speculative_tokens: as given.
+      num_speculative_tokens, draft_cost: as given.
     """
 
-    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int):
+    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int,
+                 draft_cost: float | None = None):
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
+        self.draft_cost = draft_cost
+        self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
+        self._acceptance: dict[Hashable, tuple[float, float]] = {}   # (accepted, trials)
         self._proposed = 0   # draft tokens proposed
         self._drafts = 0     # sequences that verified drafts
         self._verified = 0   # draft tokens verified (scheduled)
@@ -111,37 +148,69 @@ class Speculator:
         """The speculator of an engine config's ``speculative`` group."""
         proposer = (NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
                     if args.speculative == "ngram" else None)
-        return cls(proposer, args.num_speculative_tokens)
+        return cls(proposer, args.num_speculative_tokens,
+                   args.speculative_draft_cost if args.speculative_adaptive else None)
+
+    def acceptance(self, request_id: Hashable) -> float:
+        """The request's estimated draft acceptance (the prior 1/2 before any measurement)."""
+        accepted, trials = self._acceptance.get(request_id, (_PRIOR_ACCEPTED, _PRIOR_TRIALS))
+        return accepted / trials
 
     def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
-        """Draft tokens for every running decode of ``state`` (``scheduler.schedule``'s
-        ``drafts``); empty when speculation is off."""
+        """Draft tokens for the running decodes of ``state`` (``scheduler.schedule``'s
+        ``drafts``), each as long as its adaptive draft length; empty when speculation is
+        off."""
         if self.proposer is None:
             return {}
-        out = {}
+        self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
+        self._proposals, out = {}, {}
         for request_id in scheduler.decoding_ids(state):
             rs = state.requests[request_id]
-            draft = self.proposer.propose(np.asarray(rs.token_ids(0, rs.num_tokens), np.int32),
-                                          self.num_speculative_tokens)
-            if len(draft):
-                out[request_id] = tuple(int(t) for t in draft[:self.num_speculative_tokens])
-                self._proposed += len(out[request_id])
+            proposal = tuple(int(t) for t in self.proposer.propose(
+                np.asarray(rs.token_ids(0, rs.num_tokens), np.int32),
+                self.num_speculative_tokens)[:self.num_speculative_tokens])
+            self._proposals[request_id] = proposal
+            k = (len(proposal) if self.draft_cost is None else best_num_drafts(
+                self.acceptance(request_id), len(proposal), self.draft_cost))
+            if k:
+                out[request_id] = proposal[:k]
+                self._proposed += k
         return out
 
-    def record(self, plan: scheduler.StepPlan, num_accepted: np.ndarray) -> None:
-        """Counts the verified drafts of a step: ``num_accepted`` int32 [>= len(plan.seqs)],
-        the tokens each sequence emitted (1 + its accepted drafts)."""
-        for seq, n in zip(plan.seqs, num_accepted):
+    def record(self, plan: scheduler.StepPlan, tokens: np.ndarray,
+               num_accepted: np.ndarray) -> None:
+        """Measures and counts a step's drafts.
+
+        Args:
+          plan: the step's plan (scheduled from the state ``drafts`` last saw).
+          tokens: int32 [>= len(plan.seqs), W], the step's sampled tokens.
+          num_accepted: int32 [>= len(plan.seqs)], how many of them each sequence emitted (1 +
+            its accepted drafts).
+        """
+        for row, seq in enumerate(plan.seqs):
+            n = int(num_accepted[row])
             if seq.num_drafts:
                 self._drafts += 1
                 self._verified += seq.num_drafts
-                self._accepted += int(n) - 1
+                self._accepted += n - 1
+            proposal = self._proposals.get(seq.request_id)
+            if seq.sample and proposal:   # how much of the whole proposal the step confirmed
+                emitted = tokens[row, :n].tolist()
+                matched = next((j for j, (p, e) in enumerate(zip(proposal, emitted)) if p != e),
+                               None)
+                trials = min(len(proposal), n) if matched is None else matched + 1
+                accepted, total = self._acceptance.get(seq.request_id,
+                                                       (_PRIOR_ACCEPTED, _PRIOR_TRIALS))
+                self._acceptance[seq.request_id] = (
+                    _DECAY * accepted + (trials if matched is None else matched),
+                    _DECAY * total + trials)
 
     def stats(self) -> dict:
         """Counters since start (vLLM's ``spec_decode`` names).
 
         Returns:
-          dict with ``spec_num_proposed_tokens`` (drafts proposed), ``spec_num_draft_tokens``
+          dict with ``spec_num_proposed_tokens`` (drafts offered to the scheduler, after the
+          adaptive draft length), ``spec_num_draft_tokens``
           (drafts verified: those the scheduler fit into a step), ``spec_num_drafts`` (sequences
           that verified drafts, once per step), ``spec_num_accepted_tokens``,
           ``spec_acceptance_rate`` (accepted / verified) and ``spec_mean_acceptance_length``

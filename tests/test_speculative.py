@@ -22,11 +22,12 @@ def oracle(history):
     return hash(tuple(history[-3:])) % VOCAB
 
 
-def configs(*, num_blocks=64, block_size=4, budget=32, prefix_caching="hash", max_num_seqs=8):
+def configs(*, num_blocks=64, block_size=4, budget=32, prefix_caching="hash", max_num_seqs=8,
+            max_model_len=64):
     return (CacheConfig(block_size=block_size, num_blocks=num_blocks,
                         prefix_caching=prefix_caching),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                            max_model_len=64))
+                            max_model_len=max_model_len))
 
 
 def req(rid, prompt, max_tokens=12, **stop):
@@ -387,7 +388,8 @@ def spec_llm(tiny):
     from jaxkv import LLM
     from tiny_models import TINY_ENGINE
 
-    with LLM(str(tiny[0]), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=4) as llm:
+    with LLM(str(tiny[0]), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=4,
+             speculative_adaptive=False) as llm:
         yield llm
 
 
@@ -553,3 +555,74 @@ def test_stats_and_cli_flags(spec_llm):
     assert EngineConfig.from_cli(parser.parse_args([])).speculative.max_drafts == 0
     with pytest.raises(ValueError, match="prompt_lookup_min=5 must be <= prompt_lookup_max=4"):
         EngineConfig.from_kwargs(speculative="ngram", prompt_lookup_min=5)
+
+
+# ---------------------------------------------------------------- adaptive draft length
+
+
+def test_best_num_drafts():
+    from jaxkv.speculative import best_num_drafts
+
+    assert best_num_drafts(1.0, 8, 0.1) == 8
+    assert best_num_drafts(0.0, 8, 0.1) == 0
+    assert best_num_drafts(0.1, 8, 0.1) == 0            # a <= c: one draft does not pay
+    assert best_num_drafts(0.11, 8, 0.1) >= 1
+    assert best_num_drafts(0.9, 8, 0.0) == 8
+    ks = [best_num_drafts(a / 20, 8, 0.1) for a in range(21)]
+    assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
+    # the chosen k maximises E(k) / (1 + c k)
+    for a in (0.3, 0.6, 0.8):
+        value = [sum(a ** i for i in range(k + 1)) / (1 + 0.1 * k) for k in range(9)]
+        assert best_num_drafts(a, 8, 0.1) == int(np.argmax(value))
+
+
+def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
+    """A proposer that is wrong for a while: the request stops getting drafts (its proposals
+    are still compared with what it emits), then drafts again once they match."""
+    from jaxkv.speculative import Speculator
+
+    class Switching:
+        right = False
+
+        def propose(self, token_ids, num_drafts):
+            history, out = list(token_ids), []
+            for _ in range(num_drafts):
+                out.append(oracle(history + out) if self.right else VOCAB + 1)
+            return out
+
+    proposer = Switching()
+    spec = Speculator(proposer, 4, draft_cost=0.1)
+    cc, sc = configs(max_model_len=256)
+    state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=200), sc)
+    lengths = []
+    for step in range(35):
+        proposer.right = step >= 20
+        state, plan = schedule(state, sc, spec.drafts(state))
+        tokens = verify(state, plan)
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        width = max(map(len, rows))
+        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                    np.array([len(r) for r in rows]))
+        state = update(state, plan, tokens)
+        lengths.append(plan.seqs[0].num_drafts)
+    assert lengths[1] > 0 and lengths[10:20] == [0] * 10     # stopped after a few misses
+    assert spec.acceptance("a") > 0.5 and lengths[-1] == 4   # back to the full length
+    assert spec.stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
+    """On the random tiny model n-gram drafts are almost never right: adaptive k verifies a
+    fraction of the drafts fixed k does, with the same outputs."""
+    from jaxkv.sampling import SamplingParams
+    from tiny_models import austen_prompts
+
+    prompts = austen_prompts(4, seed=21, max_chars=80)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = token_lists(tiny_llm.generate(prompts, params, use_tqdm=False))
+    verified = []
+    for cost in (None, 0.1):
+        monkeypatch.setattr(spec_llm.engine.speculator, "draft_cost", cost)
+        before = spec_llm.stats()["spec_num_draft_tokens"]
+        assert token_lists(spec_llm.generate(prompts, params, use_tqdm=False)) == want
+        verified.append(spec_llm.stats()["spec_num_draft_tokens"] - before)
+    assert verified[1] < verified[0] / 3

@@ -226,7 +226,7 @@ class EngineCore:
         self._pending = {}
         self._num_preemptions += len(plan.preempted_ids)
         self._count(plan, state)
-        self.speculator.record(plan, result.num_accepted)
+        self.speculator.record(plan, result.tokens, result.num_accepted)
         now = time.perf_counter()
         touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
         self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits))

@@ -1,0 +1,147 @@
+"""Speculative decoding with the n-gram proposer on SmolLM2-135M (fp32, CPU), greedy.
+
+Workloads (``--workloads``, default both):
+
+* ``extractive``: "repeat this passage exactly" over an Austen paragraph (Pride and Prejudice),
+  where prompt lookup finds most of the output in the prompt;
+* ``free``: a free story (control): little to look up.
+
+For each workload and batch size (``--batch-sizes``, default 1) there is one engine per variant:
+no speculation, fixed draft lengths k (``--ks``, default 2,4,8) and adaptive k up to
+``--adaptive`` (default 8). Each runs the batch once to compile, then ``--reps`` timed runs, taken
+round robin over the variants so that load drift on a shared machine hits them alike. Reported
+(medians over the runs): output tok/s (generated tokens / wall time of ``chat``), decode tok/s
+(1 / TPOT), speed-up against no speculation, acceptance rate, mean acceptance length (tokens
+emitted per verifying sequence and step), target forwards (steps) per output token, and whether
+the outputs equal those without speculation token for token (else the first difference,
+``[request, token]``).
+
+    python3 bench/speculative.py --out bench/results/speculative.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from jaxkv import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+AUSTEN = ROOT.parent / "shared" / "data" / "austen"
+STORIES = ["a lighthouse keeper who finds a message in a bottle",
+           "a girl who learns to talk to crows", "a clockmaker's last clock",
+           "a dragon that is afraid of the dark"]
+
+
+def passages(n: int, n_chars: int = 700) -> list[str]:
+    """``n`` paragraphs of Pride and Prejudice of about ``n_chars`` characters."""
+    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    paras = [" ".join(p.split()) for p in text.split("\n\n")]
+    paras = [p for p in paras if n_chars // 2 <= len(p) <= n_chars and p[0].isalpha()]
+    return paras[10:10 + n]
+
+
+def conversations(workload: str, n: int) -> list[list[dict]]:
+    if workload == "extractive":
+        return [[{"role": "user", "content": "Repeat the following passage exactly, word for "
+                  f"word:\n\n{p}"}] for p in passages(n)]
+    return [[{"role": "user", "content": f"Write a short story about {STORIES[i % 4]}."}]
+            for i in range(n)]
+
+
+def engine(batch: int, k: int, adaptive: bool, args) -> LLM:
+    """A SmolLM2 engine for batch size ``batch`` drafting up to ``k`` tokens (0: no speculation)."""
+    spec = (dict(speculative="ngram", num_speculative_tokens=k, speculative_adaptive=adaptive)
+            if k else {})
+    return LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch,
+               max_num_batched_tokens=1024, token_buckets=(16, 64, 256, 1024),
+               seq_buckets=(batch,), **spec)
+
+
+def timed_run(llm: LLM, convs, params) -> dict:
+    """One greedy ``chat`` of the whole batch (prefix cache reset first): its wall time, tokens
+    and the engine counters it moved, and the outputs."""
+    llm.reset_prefix_cache()
+    before = llm.stats()
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.stats()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    keys = ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_drafts")
+    return dict(wall_s=wall, tok_per_s=generated / wall, generated=generated,
+                decode_tok_per_s=statistics.mean(1 / o.metrics.tpot for o in outs),
+                outputs=[o.outputs[0].token_ids for o in outs],
+                **{key: after.get(key, 0) - before.get(key, 0) for key in keys})
+
+
+def summary(workload: str, batch: int, variant: tuple[int, bool], runs: list[dict],
+            base: list[dict]) -> dict:
+    """One table row: medians over the timed runs, against the runs without speculation."""
+    k, adaptive = variant
+    med = {key: statistics.median(r[key] for r in runs)
+           for key in ("tok_per_s", "decode_tok_per_s", "wall_s")}
+    r = runs[0]   # greedy: every run emits the same tokens
+    drafted, accepted, drafts = (r["spec_num_draft_tokens"], r["spec_num_accepted_tokens"],
+                                 r["spec_num_drafts"])
+    return dict(
+        workload=workload, batch=batch, k=k, adaptive=adaptive, generated=r["generated"], **med,
+        speedup=med["tok_per_s"] / statistics.median(b["tok_per_s"] for b in base),
+        steps_per_token=r["num_steps"] / r["generated"],
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_acceptance_length=1 + accepted / drafts if drafts else None,
+        tok_per_s_runs=[x["tok_per_s"] for x in runs],
+        outputs_equal=r["outputs"] == base[0]["outputs"],
+        first_difference=next(
+            ([i, j] for i, (a, b) in enumerate(zip(r["outputs"], base[0]["outputs"]))
+             for j, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y), None))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--workloads", default="extractive,free")
+    ap.add_argument("--batch-sizes", default="1")
+    ap.add_argument("--ks", default="2,4,8", help="fixed draft lengths (no speculation is "
+                    "always measured)")
+    ap.add_argument("--adaptive", default="8", help="maximum draft lengths of adaptive rows")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
+    args = ap.parse_args()
+    variants = [(0, False)] + [(int(k), False) for k in args.ks.split(",") if int(k)]
+    variants += [(int(k), True) for k in args.adaptive.split(",") if k]
+    rows, load = [], os.getloadavg()
+    for workload in args.workloads.split(","):
+        for batch in map(int, args.batch_sizes.split(",")):
+            convs = conversations(workload, batch)
+            params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+            engines = {v: engine(batch, *v, args) for v in variants}
+            for llm in engines.values():
+                llm.chat(convs, params, use_tqdm=False)   # compiles every shape used below
+            runs = {v: [] for v in variants}
+            for _ in range(args.reps):   # round robin: load drift hits every variant alike
+                for v, llm in engines.items():
+                    runs[v].append(timed_run(llm, convs, params))
+            for v, llm in engines.items():
+                llm.close()
+                rows.append(summary(workload, batch, v, runs[v], runs[(0, False)]))
+                print(rows[-1], file=sys.stderr)
+    result = {"machine": platform.platform(), "processor": platform.processor(),
+              "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()],
+              "date": time.strftime("%Y-%m-%d %H:%M"), "max_tokens": args.max_tokens,
+              "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@ accepted run, prefix-cache registration of verified tokens only) checked against
 non-speculative run of an oracle model after every step; the rejection sampler's distribution;
 the n-gram proposer; and the engine on the tiny model: greedy and seeded outputs equal to
 non-speculative decoding with n-gram and random drafts, tables and prefix cache after every
-step, stops inside accepted runs, the stats."""
+step, stops inside accepted runs, the stats, the Pallas kernel on verify steps; the adaptive
+draft length."""
 
 import random
 
@@ -93,10 +94,8 @@ def oracle_proposer(k, p_correct, seed):
 
     def propose(state):
         drafts = {}
-        for i in state.running:
+        for i in decoding_ids(state):
             rs = state.requests[i]
-            if rs.num_tokens - rs.num_computed_tokens != 1:
-                continue
             history, draft = list(rs.token_ids(0, rs.num_tokens)), []
             for _ in range(rng.randint(0, k)):
                 token = oracle(history + draft)
@@ -626,3 +625,21 @@ def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkey
         assert token_lists(spec_llm.generate(prompts, params, use_tqdm=False)) == want
         verified.append(spec_llm.stats()["spec_num_draft_tokens"] - before)
     assert verified[1] < verified[0] / 3
+
+
+def test_pallas_kernel_verify_steps_equal_reference(tiny, tiny_llm):
+    """The Pallas ragged kernel (interpret mode) on decodes of 1 + k query tokens: the same
+    greedy tokens as the reference attention without speculation."""
+    from jaxkv import LLM
+    from jaxkv.sampling import SamplingParams
+    from tiny_models import TINY_ENGINE, austen_prompts
+
+    prompts = austen_prompts(2, seed=9, max_chars=40)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = tiny_llm.generate(prompts, params, use_tqdm=False)
+    references = {tuple(o.prompt_token_ids): tuple(o.outputs[0].token_ids) for o in want}
+    with LLM(str(tiny[0]), **TINY_ENGINE, attention_impl="pallas", interpret=True,
+             speculative="ngram", num_speculative_tokens=4, speculative_adaptive=False) as llm:
+        llm.engine.speculator.proposer = OracleProposer(references, 0.3)
+        assert token_lists(llm.generate(prompts, params, use_tqdm=False)) == token_lists(want)
+        assert llm.stats()["spec_num_accepted_tokens"] > 0

@@ -6,7 +6,10 @@ Two sources, one registry per server (never the process-global one, so several a
 * the engine's own counters, read at scrape time from ``EngineCore.stats()`` by a collector:
   gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's) and the counters
-  ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens);
+  ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens),
+  and the speculative-decoding counters ``vllm:spec_decode_num_drafts``,
+  ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` (zero
+  without ``--speculative``);
 * per request, observed when its outputs reach the server (from the engine's timestamps, not
   the server's clock): counters ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
   ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix) and histograms
@@ -59,7 +62,13 @@ class _EngineCollector:
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  s["prefix_cache_queries"]),
                 ("vllm:prefix_cache_hits", "Of those, tokens found cached.",
-                 s["prefix_cache_hits"])):
+                 s["prefix_cache_hits"]),
+                ("vllm:spec_decode_num_drafts", "Speculative: sequences that verified drafts, "
+                 "once per step.", s["spec_num_drafts"]),
+                ("vllm:spec_decode_num_draft_tokens", "Speculative: draft tokens verified.",
+                 s["spec_num_draft_tokens"]),
+                ("vllm:spec_decode_num_accepted_tokens", "Speculative: draft tokens accepted.",
+                 s["spec_num_accepted_tokens"])):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(label, value)
             yield c

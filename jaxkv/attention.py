@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from jaxkv.cache import QuantizedPages, read_pages, residual_window
 
-def _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
+def check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
+    """Raises ValueError unless the inputs have the shapes ``paged_attention_reference`` takes."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -83,6 +84,77 @@ def visible(q_pos: jax.Array, kv_pos: jax.Array, *, sliding_window: int | None,
     return mask
 
 
+def kv_tile_range(q_first, kv_end, *, block_kv: int, sliding_window: int | None,
+                  num_sinks: int):
+    """The kv tiles that rows with positions in ``[q_first, kv_end)`` can see.
+
+    Elementwise: int32 scalars or arrays of one shape (one range per element), or Python ints.
+
+    Returns ``(sink_tiles, window_first, count)`` like ``q_first``: loop step
+    ``v in [0, count)`` visits tile ``tile_index(v, sink_tiles, window_first)``, i.e. the sink
+    tiles ``[0, sink_tiles)`` then the window tiles ``[window_first, cdiv(kv_end, block_kv))``;
+    the two ranges never overlap.
+    """
+    end_tile = jax.lax.div(kv_end + block_kv - 1, block_kv)
+    if sliding_window is None:
+        return 0, 0, end_tile
+    start_tile = jax.lax.div(jnp.maximum(q_first - sliding_window + 1, 0), block_kv)
+    if num_sinks == 0:
+        return 0, start_tile, jnp.maximum(end_tile - start_tile, 0)
+    sink_tiles = jnp.minimum(-(-num_sinks // block_kv), end_tile)
+    window_first = jnp.maximum(start_tile, sink_tiles)
+    return sink_tiles, window_first, sink_tiles + jnp.maximum(end_tile - window_first, 0)
+
+
+def tile_index(v, sink_tiles, window_first):
+    """kv tile visited at loop step ``v`` (see ``kv_tile_range``)."""
+    if isinstance(sink_tiles, int) and sink_tiles == 0:
+        return window_first + v
+    return jnp.where(v < sink_tiles, v, window_first + v - sink_tiles)
+
+
+def cap_logits(s: jax.Array, soft_cap: float | None) -> jax.Array:
+    """``soft_cap * tanh(s / soft_cap)`` (logits unchanged without a cap)."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+
+
+def softmax_init(shape: tuple[int, ...], head_dim: int):
+    """Empty online-softmax state of rows ``shape``: f32 (m -inf, l 0, acc 0 [*shape, head_dim])."""
+    return (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32))
+
+
+def online_softmax_step(carry, s: jax.Array, mask: jax.Array, attend):
+    """One kv chunk of the online softmax (f32 accumulators).
+
+    Args:
+      carry: (m [...], l [...], acc [..., D]) running max, sum and unnormalized output.
+      s: f32 [..., n] the chunk's (scaled, capped) logits.
+      mask: bool broadcastable to ``s``: the positions each row sees.
+      attend: ``p`` f32 [..., n] -> f32 [..., D], the weighted sum of the chunk's values.
+
+    Returns:
+      The updated carry.
+    """
+    m, l, acc = carry
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(m - m_safe)
+    return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + attend(p)
+
+
+def softmax_result(carry) -> tuple[jax.Array, jax.Array]:
+    """(out f32 [..., D], lse f32 [...]) of an online-softmax state: 0 and -inf for rows that
+    saw nothing."""
+    m, l, acc = carry
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)
+    return out, jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+
+
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                               block_tables: jax.Array, seq_lens: jax.Array,
                               query_start_loc: jax.Array, *, sm_scale: float | None = None,
@@ -110,7 +182,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
       ``return_lse`` also lse f32 [T, num_heads] (-inf for padding tokens).
     """
-    _check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_pages.shape
     G = Hq // Hkv
@@ -135,37 +207,23 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
             return read_pages(pages, ids, window)[seq_idx]
         return read_pages(pages, ids[seq_idx])
 
-    def body(c, carry):
-        m, l, acc = carry                                         # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,D]
+    def body(c, carry):                                   # carry: softmax_init((T, Hkv, G), D)
         ids = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)       # [S, chunk]
         k = read_chunk(k_pages, ids, c).reshape(T, chunk * bs, Hkv, D)
         v = read_chunk(v_pages, ids, c).reshape(T, chunk * bs, Hkv, D)
         s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
         kv_pos = c * chunk * bs + jnp.arange(chunk * bs, dtype=jnp.int32)
         mask = visible(q_pos[:, None], kv_pos[None, :], sliding_window=sliding_window,
                        num_sinks=num_sinks) & valid[:, None]      # [T, chunk*bs]
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + p.sum(-1)
-        acc = alpha[..., None] * acc + jnp.einsum("thgn,tnhd->thgd", p, v)
-        return m_new, l, acc
+        return online_softmax_step(carry, cap_logits(s, soft_cap), mask[:, None, None, :],
+                                   lambda p: jnp.einsum("thgn,tnhd->thgd", p, v))
 
-    init = (jnp.full((T, Hkv, G), -jnp.inf, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
-            jnp.zeros((T, Hkv, G, D), jnp.float32))
     # walk only the chunks that hold a live position of some sequence (a data-dependent bound)
     num_live = jnp.minimum((jnp.max(seq_lens) + chunk * bs - 1) // (chunk * bs), num_chunks)
-    m, l, acc = jax.lax.fori_loop(0, num_live, body, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    carry = jax.lax.fori_loop(0, num_live, body, softmax_init((T, Hkv, G), D))
+    out, lse = softmax_result(carry)
     out = out.reshape(T, Hq, D).astype(q.dtype)
-    if not return_lse:
-        return out
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf).reshape(T, Hq)
-    return out, lse
+    return (out, lse.reshape(T, Hq)) if return_lse else out
 
 
 def merge_attention_states(outs: jax.Array, lses: jax.Array) -> tuple[jax.Array, jax.Array]:

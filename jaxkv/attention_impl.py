@@ -1,15 +1,18 @@
-"""The explicit ``impl=`` choice of paged attention: the jnp reference or the Pallas kernels.
+"""The explicit ``impl=`` choice of paged attention: the jnp reference, the grouped XLA path
+(CPU) or the Pallas kernels (GPU).
 
-The one module that sees both sides, so the arrows run one way::
+The one module that sees every implementation, so the arrows run one way::
 
     model / step / sharding ──► attention_impl ──► attention (the spec)
-                                      │                  ▲
-                                      └──► pallas ───────┘  (merge_attention_states)
+                                      │ │                ▲
+                                      │ └──► attention_grouped ──┤  (masks, online softmax)
+                                      └──► pallas ───────┘  (merge_attention_states, kv walk)
 """
 
 from __future__ import annotations
 
 from jaxkv.attention import paged_attention_reference
+from jaxkv.attention_grouped import paged_attention_grouped
 from jaxkv.config import ATTENTION_IMPLS
 
 
@@ -20,7 +23,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
     Args:
       q, k_pages, v_pages, block_tables, seq_lens, query_start_loc: as in
         ``jaxkv.attention.paged_attention_reference``.
-      impl: ``"reference"`` (pure jnp) or ``"pallas"`` (jaxkv.pallas kernels).
+      impl: ``"reference"`` (pure jnp, the specification), ``"grouped"`` (the KV gathered once
+        per sequence, jaxkv.attention_grouped; the fast path on CPU) or ``"pallas"``
+        (jaxkv.pallas kernels, GPU).
       interpret: run the Pallas kernel in interpret mode (CPU).
       **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``.
 
@@ -33,6 +38,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens,
                                          query_start_loc, **options)
+    if impl == "grouped":
+        return paged_attention_grouped(q, k_pages, v_pages, block_tables, seq_lens,
+                                       query_start_loc, **options)
     if impl == "pallas":
         from jaxkv.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
 

@@ -37,7 +37,7 @@ from jaxkv.kv_spec import MODEL_DTYPES
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
-ATTENTION_IMPLS = ("reference", "pallas")
+ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram",)
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -286,7 +286,7 @@ class RuntimeArgs:
     """How the device step runs and compiles."""
 
     attention_impl: str | None = option(None, "attention implementation (default: pallas on "
-                                        "GPU, reference on CPU)", choices=ATTENTION_IMPLS)
+                                        "GPU, grouped on CPU)", choices=ATTENTION_IMPLS)
     interpret: bool = option(False, "run Pallas kernels in interpret mode (CPU)")
     warmup: bool = option(False, "compile every (tokens, sequences) bucket at start")
     compilation_cache: bool = option(True, "use JAX's persistent compilation cache")

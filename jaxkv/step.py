@@ -61,7 +61,7 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
 
     Args:
       config: the model's hyper-parameters.
-      attention_impl: ``"reference"`` or ``"pallas"``.
+      attention_impl: ``"reference"``, ``"grouped"`` or ``"pallas"`` (jaxkv.attention_impl).
       interpret: Pallas interpret mode (CPU runs of the kernels).
       mesh: tensor-parallel engine mesh (jaxkv.sharding): params and cache arrive sharded by
         the logical axis rules, attention runs under ``shard_map`` per kv-head shard, the cache

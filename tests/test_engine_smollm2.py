@@ -1,5 +1,5 @@
 """The engine end to end on the default real model (SmolLM2-135M GGUF): HF parity, and the Pallas
-kernels (interpret mode) against the reference attention."""
+kernels (interpret mode) and the default CPU attention (grouped) against the reference."""
 
 import pytest
 
@@ -37,3 +37,14 @@ def test_smollm2_greedy_tokens_pallas_interpret_equal_reference():
     with LLM(attention_impl="reference", **ENGINE) as llm:
         reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert pallas == reference
+
+
+@pytest.mark.slow
+def test_smollm2_default_cpu_attention_is_grouped_and_gives_the_reference_tokens():
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with LLM(**ENGINE) as llm:
+        assert llm.engine.runner.attention_impl == "grouped"
+        grouped = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(attention_impl="reference", **ENGINE) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert grouped == reference

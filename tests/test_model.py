@@ -57,8 +57,9 @@ def jax_params(model, path):
 
 
 @needs_hf
+@pytest.mark.parametrize("impl", ["reference", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_parity_with_transformers(case, tmp_path):
+def test_greedy_parity_with_transformers(case, impl, tmp_path):
     model, path = hf_model(case, tmp_path)
     config, params = jax_params(model, path)
     if case == "mistral":
@@ -69,7 +70,7 @@ def test_greedy_parity_with_transformers(case, tmp_path):
                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
         full = torch.tensor([prompt + hf])
         hf_logits = model(full).logits[0].numpy()
-    runner = PagedRunner(params, config, block_size=4, max_len=64)
+    runner = PagedRunner(params, config, block_size=4, max_len=64, attention_impl=impl)
     ours, step_logits = runner.greedy(prompt, 32, chunk=7)
     diff = np.abs(step_logits - hf_logits[len(prompt) - 1:-1]).max()
     print(f"{case}: max |logit diff| vs HF over 32 greedy steps = {diff:.3e}")

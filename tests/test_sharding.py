@@ -38,6 +38,15 @@ def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
         assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 16 * 4, max(tp // hkv, 1)]
 
 
+def test_grouped_attention_under_tp_gives_the_reference_tokens(tiny):
+    """The grouped CPU attention under ``shard_map`` (each device its kv-head shard; TP 4
+    repeats llama's 2 kv heads) gives one device's reference tokens."""
+    ref = run_worker("parity", tiny["llama"], "--tp", 1)["tp1"]
+    r = run_worker("parity", tiny["llama"], "--tp", 1, 2, 4, "--attention-impl", "grouped",
+                   devices=4)
+    assert r["tp1"] == r["tp2"] == r["tp4"] == ref
+
+
 def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
     """int8 and KIVI int4 pools sharded over kv heads (tp 2; tp 4 repeats llama's 2 kv heads):
     the greedy tokens of one device, with every pool-shaped array split and the KIVI

@@ -27,6 +27,7 @@ import numpy as np
 from jaxkv import DataParallelLLM, sharding
 from jaxkv.engine import runner as engine
 from jaxkv import LLM
+from jaxkv.config import ATTENTION_IMPLS
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_model_files
@@ -179,7 +180,7 @@ def main() -> None:
     p.add_argument("--dp-tp", type=int, nargs=2, default=None)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--kv", nargs="+", default=["int8"], help="kv_parity: the KV cache dtypes")
-    p.add_argument("--attention-impl", choices=["reference", "pallas"], default="reference",
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS, default="reference",
                    help="parity: pallas runs the kernels in interpret mode under shard_map")
     p.add_argument("--coordinator", default=None)
     p.add_argument("--num-processes", type=int, default=None)

@@ -85,7 +85,8 @@ class Resolved:
 
     Attributes:
       dtype: parameter / activation dtype name (``"auto"``: bfloat16 on GPU, float32 on CPU).
-      attention_impl: ``"pallas"`` on GPU, ``"reference"`` on CPU unless chosen.
+      attention_impl: ``"pallas"`` on GPU, ``"grouped"`` on CPU unless chosen (the
+        reference's results to float rounding, 2-5x faster there: bench/attention_cpu.py).
       kv_cache_dtype: the canonical KV format name.
       kv_group_size: KIVI's value group (default: the largest divisor of head_dim <= 32).
       max_model_len: default ``min(model context, 8192)``.
@@ -106,7 +107,7 @@ def resolve(config: EngineConfig, model_config) -> Resolved:
         dtype = "bfloat16" if on_gpu else "float32"
     return Resolved(
         dtype=dtype,
-        attention_impl=config.runtime.attention_impl or ("pallas" if on_gpu else "reference"),
+        attention_impl=config.runtime.attention_impl or ("pallas" if on_gpu else "grouped"),
         kv_cache_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype),
         kv_group_size=config.cache.kv_group_size or default_group_size(model_config.head_dim),
         max_model_len=(config.scheduler.max_model_len

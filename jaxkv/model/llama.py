@@ -158,7 +158,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       metadata: slots, query starts, kv lengths and block tables of the step.
       config: the model's hyper-parameters (static).
       logits_indices: optional int32 [S]: compute logits only for these token rows.
-      attention_impl: ``"reference"`` or ``"pallas"`` (explicit; see jaxkv.attention_impl).
+      attention_impl: ``"reference"``, ``"grouped"`` or ``"pallas"`` (explicit; see
+        jaxkv.attention_impl).
       interpret: Pallas interpret mode (CPU).
       attention: the paged-attention function (``paged_attention``'s signature); tensor
         parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).

@@ -25,10 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import merge_attention_states
+from jaxkv.attention import kv_tile_range, merge_attention_states
 from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
                                  check_seq_lens, finalize, init_carry, check_tuning, is_concrete,
-                                 kv_tile_range, next_pow2, whole_block)
+                                 next_pow2, whole_block)
 from jaxkv.pallas.kv_format import KvLayout, kv_operands
 
 # Programs that keep an H100/H200 (132 SMs) busy: about two per SM.

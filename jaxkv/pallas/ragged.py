@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxkv.attention import kv_tile_range, tile_index
 from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, check_head_dim,
                                     kv_operands, load_chunk, pool_dtype, split_refs)
 
@@ -194,35 +195,8 @@ def _check_query_start_loc(query_start_loc, seq_lens, num_tokens: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the kv walk (shared with decode.py)
+# the kv walk (shared with decode.py; its tile range, kv_tile_range, is jaxkv.attention's)
 # --------------------------------------------------------------------------------------------
-
-
-def kv_tile_range(q_first, kv_end, *, block_kv: int, sliding_window: int | None,
-                  num_sinks: int):
-    """The kv tiles that rows with positions in ``[q_first, kv_end)`` can see.
-
-    Returns ``(sink_tiles, window_first, count)`` (int32 scalars or Python ints): loop step
-    ``v in [0, count)`` visits tile ``tile_index(v, sink_tiles, window_first)``, i.e. the sink
-    tiles ``[0, sink_tiles)`` then the window tiles ``[window_first, cdiv(kv_end, block_kv))``;
-    the two ranges never overlap.
-    """
-    end_tile = lax.div(kv_end + block_kv - 1, block_kv)
-    if sliding_window is None:
-        return 0, 0, end_tile
-    start_tile = lax.div(jnp.maximum(q_first - sliding_window + 1, 0), block_kv)
-    if num_sinks == 0:
-        return 0, start_tile, jnp.maximum(end_tile - start_tile, 0)
-    sink_tiles = jnp.minimum(-(-num_sinks // block_kv), end_tile)
-    window_first = jnp.maximum(start_tile, sink_tiles)
-    return sink_tiles, window_first, sink_tiles + jnp.maximum(end_tile - window_first, 0)
-
-
-def tile_index(v, sink_tiles, window_first):
-    """kv tile visited at loop step ``v`` (see ``kv_tile_range``)."""
-    if isinstance(sink_tiles, int) and sink_tiles == 0:
-        return window_first + v
-    return jnp.where(v < sink_tiles, v, window_first + v - sink_tiles)
 
 
 def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_start, v_stop,

@@ -1,0 +1,186 @@
+"""Ragged paged attention that reads each sequence's KV once: the fast path on CPU (plain XLA).
+
+Same contract as ``jaxkv.attention.paged_attention_reference`` (the specification; see
+jaxkv/attention.py for the ragged token layout and the masks), computed another way. The
+reference gathers a separate copy of the KV for every query token (``[T, chunk, ...]``, so a
+512-token prefill chunk copies its own KV 512 times per layer); here the KV is gathered per
+*sequence* and every query token of that sequence attends to the one copy. Each valid token is
+computed by exactly one of two paths:
+
+    tokens | s0 s0 s0 s0 s0 | s1 | s2 s2 s2 | pad pad |
+    rows   |             r0 | r1 |       r2 |         |  the LAST query token of each sequence
+    tiles  | t0----- t1-    |    | t2---    |         |  the others, block_q tokens of ONE sequence
+
+* rows: S queries (every decode token, and the last token of each prefill chunk) against their
+  sequence's KV, gathered once per sequence: one kv chunk of all sequences at a time,
+  ``[S, C, Hkv, D]``, with multiply-and-reduce contractions (a matrix-vector product per
+  sequence and kv head, where XLA CPU's batched dot is slow at G rows). The loop runs to the
+  longest sequence's last visible chunk; past its own end a sequence reads the null block (one
+  cached block, no memory traffic) and masks it.
+* tiles: ``block_q`` consecutive tokens of one sequence (a prefill chunk; a chunk with no cached
+  prefix is a dense causal block over its own KV) against that sequence's KV up to the tile's own
+  causal end, as ``[block_q * G, C]`` dots per kv head. A ``fori_loop`` over the non-empty tiles
+  only (a decode-only step runs none), each over its own visible kv chunks.
+
+With a sliding window both paths visit only the sink chunks and the window's chunks
+(``jaxkv.attention.kv_tile_range``). Quantized pools are read with ``jaxkv.cache.read_pages``
+(dequantized per sequence; KIVI blocks inside the reader's residual window from the
+full-precision residual), as the reference reads them. Shapes are static: one compilation per
+(T, S) bucket; the loop bounds are data-dependent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.attention import (cap_logits, check_shapes, kv_tile_range, online_softmax_step,
+                             softmax_init, softmax_result, tile_index, visible)
+from jaxkv.cache import Pages, QuantizedPages, read_pages, window_first
+
+
+def _read(pages: Pages, ids: jax.Array, logical: jax.Array, seq_lens: jax.Array) -> jax.Array:
+    """f32 [..., n, block_size, Hkv, D] blocks ``ids`` (int32 [..., n]) at logical block indices
+    ``logical`` (like ``ids``) of sequences of kv length ``seq_lens`` (int32 [...])."""
+    if not isinstance(pages, QuantizedPages):
+        return read_pages(pages, ids)
+    first = window_first(seq_lens, pages.shape[1], pages.residual_blocks)
+    return read_pages(pages, ids, logical >= first[..., None])
+
+
+# Bytes of K (or V) one step of the row path gathers: a few MiB stay in cache between the gather
+# and the contractions that read it (bigger chunks run slower on a 2-core AVX-512 EPYC).
+_ROW_CHUNK_BYTES = 4 << 20
+
+
+def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: int,
+                      head_dim: int) -> int:
+    """Blocks per kv chunk of the row path: ``chunk`` halved while the f32 K chunk of all
+    ``num_seqs`` rows exceeds ``_ROW_CHUNK_BYTES`` (at least 1)."""
+    rows, row_bytes = chunk, num_seqs * block_size * num_kv_heads * head_dim * 4
+    while rows > 1 and rows * row_bytes > _ROW_CHUNK_BYTES:
+        rows = -(-rows // 2)
+    return rows
+
+
+def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
+                            block_tables: jax.Array, seq_lens: jax.Array,
+                            query_start_loc: jax.Array, *, sm_scale: float | None = None,
+                            sliding_window: int | None = None, num_sinks: int = 0,
+                            soft_cap: float | None = None, kv_chunk_blocks: int | None = None,
+                            block_q: int = 128, return_lse: bool = False):
+    """Ragged paged attention with the KV gathered per sequence (see the module docstring).
+
+    Args:
+      q: [T, num_heads, head_dim] queries of every token of the step (padding after qsl[-1]).
+      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool, an
+        array or a ``jaxkv.cache.QuantizedPages``.
+      block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block).
+      seq_lens: int32 [S] kv length of each sequence including this step's tokens.
+      query_start_loc: int32 [S + 1] cumulative query lengths.
+      sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+      sliding_window: attend to the last ``sliding_window`` positions only (itself included).
+      num_sinks: with a window, the first ``num_sinks`` positions stay visible (attention sinks).
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      kv_chunk_blocks: blocks per kv chunk (static); default covers ~256 positions.
+      block_q: query tokens per tile of the prefill path (static; at most T).
+      return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+
+    Returns:
+      out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
+      ``return_lse`` also lse f32 [T, num_heads] (-inf for padding tokens).
+    """
+    check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    T, Hq, D = q.shape
+    _, bs, Hkv, _ = k_pages.shape
+    S, max_blocks = block_tables.shape
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    chunk = min(kv_chunk_blocks or max(1, 256 // bs), max_blocks)     # blocks per tile chunk
+    row_chunk = chunk if kv_chunk_blocks else _row_chunk_blocks(chunk, S, bs, Hkv, D)
+    # pad the table so every chunk of either path is full; padded entries point at the null block
+    width = -(-max_blocks // math.lcm(chunk, row_chunk)) * math.lcm(chunk, row_chunk)
+    tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))
+    bq = min(block_q, T)
+    mask_opts = dict(sliding_window=sliding_window, num_sinks=num_sinks)
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
+    qg = jnp.pad(q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale,
+                 ((0, bq), (0, 0), (0, 0), (0, 0)))                    # [T + bq, Hkv, G, D]
+
+    # rows: the last query token of every sequence, at kv position seq_len - 1
+    has_q = q_lens > 0                                                 # [S]
+    last = jnp.where(has_q, query_start_loc[1:] - 1, T + bq)           # [S], T + bq: dropped
+    row_q = qg[jnp.minimum(last, T - 1)]                               # [S, Hkv, G, D]
+    row_pos = seq_lens - 1                                             # [S]
+    rc = row_chunk * bs                                                # kv positions per chunk
+    sinks, first, count = kv_tile_range(row_pos, seq_lens, block_kv=rc, **mask_opts)
+    count = jnp.where(has_q, count, 0)                                 # [S] chunks of each row
+
+    def row_step(v, carry):                                            # carry: [S, Hkv, G] rows
+        c = jnp.broadcast_to(tile_index(v, sinks, first), (S,))      # chunk of each row
+        logical = c[:, None] * row_chunk + jnp.arange(row_chunk, dtype=jnp.int32)  # [S, chunk]
+        ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
+        ids = jnp.where((v < count)[:, None], ids, 0)                  # past its end: null block
+        k = _read(k_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
+        vv = _read(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
+        s = jnp.sum(row_q[:, None] * k[:, :, :, None], -1)            # [S, rc, Hkv, G]
+        kv_pos = c[:, None] * rc + jnp.arange(rc, dtype=jnp.int32)     # [S, rc]
+        mask = visible(row_pos[:, None], kv_pos, **mask_opts) & has_q[:, None]
+        return online_softmax_step(
+            carry, cap_logits(s.transpose(0, 2, 3, 1), soft_cap), mask[:, None, None, :],
+            lambda p: jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * vv[:, :, :, None], 1))
+
+    rows = jax.lax.fori_loop(0, jnp.max(count), row_step, softmax_init((S, Hkv, G), D))
+    row_out, row_lse = softmax_result(rows)                            # [S, Hkv, G, D], [S, Hkv, G]
+
+    # tiles: the other tokens of each sequence, block_q at a time
+    body = jnp.maximum(q_lens - 1, 0)                                  # [S] tokens before the last
+    per_seq = (body + bq - 1) // bq                                    # [S] tiles of each sequence
+    tile_end = jnp.cumsum(per_seq)                                     # [S]
+    tile_rows = jnp.arange(bq, dtype=jnp.int32)                        # [bq]
+    C = chunk * bs                                                     # kv positions per chunk
+
+    def tile(i, acc):
+        out, lse = acc                                                 # [T + bq, Hkv, G(, D)]
+        seq = jnp.sum(tile_end <= i)                                   # the tile's sequence
+        local = i - (tile_end[seq] - per_seq[seq])                     # its tile index there
+        tok0 = query_start_loc[seq] + local * bq
+        n_valid = jnp.minimum(bq, body[seq] - local * bq)
+        q_first = seq_lens[seq] - q_lens[seq] + local * bq
+        q_pos = q_first + tile_rows                                    # [bq]
+        row_ok = tile_rows < n_valid                                   # [bq]
+        qt = jax.lax.dynamic_slice_in_dim(qg, tok0, bq)                # [bq, Hkv, G, D]
+        t_sinks, t_first, t_count = kv_tile_range(q_first, q_first + n_valid, block_kv=C,
+                                                  **mask_opts)
+
+        def kv_step(v, carry):                                         # carry: [Hkv, bq, G] rows
+            c = tile_index(v, t_sinks, t_first)
+            logical = c * chunk + jnp.arange(chunk, dtype=jnp.int32)   # [chunk]
+            ids = jax.lax.dynamic_slice_in_dim(tables[seq], c * chunk, chunk)
+            k = _read(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
+            vv = _read(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
+            s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
+            kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)            # [C]
+            mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None]
+            return online_softmax_step(carry, cap_logits(s, soft_cap), mask[None, :, None, :],
+                                       lambda p: jnp.einsum("hqgn,nhd->hqgd", p, vv))
+
+        o, l = softmax_result(jax.lax.fori_loop(0, t_count, kv_step,
+                                                softmax_init((Hkv, bq, G), D)))
+        keep = row_ok[:, None, None]                                   # rows of the next sequence
+        o = jnp.where(keep[..., None], o.transpose(1, 0, 2, 3),
+                      jax.lax.dynamic_slice_in_dim(out, tok0, bq))
+        l = jnp.where(keep, l.transpose(1, 0, 2), jax.lax.dynamic_slice_in_dim(lse, tok0, bq))
+        return (jax.lax.dynamic_update_slice_in_dim(out, o, tok0, 0),
+                jax.lax.dynamic_update_slice_in_dim(lse, l, tok0, 0))
+
+    acc = (jnp.zeros((T + bq, Hkv, G, D), jnp.float32),
+           jnp.full((T + bq, Hkv, G), -jnp.inf, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, tile_end[-1], tile, acc)
+    out = out.at[last].set(row_out, mode="drop")[:T].reshape(T, Hq, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.at[last].set(row_lse, mode="drop")[:T].reshape(T, Hq)

@@ -1,0 +1,209 @@
+"""The grouped attention (jaxkv.attention_grouped) against the reference (jaxkv.attention): random
+ragged batches (decode rows, prefill chunks with and without a cached prefix, padding tokens and
+sequences, permuted block ids) under every mask option and GQA ratio, every quantized pool
+format (KIVI with its residual window, and a stale residual slot), bf16, and one compilation
+per shape."""
+
+import dataclasses
+import functools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import cache as kvcache
+from jaxkv.attention import paged_attention_reference
+from jaxkv.attention_grouped import paged_attention_grouped
+from jaxkv.attention_impl import paged_attention
+from jaxkv.kv_spec import KVCacheSpec
+from jaxkv.metadata import AttentionMetadata
+
+F32 = dict(atol=2e-5, rtol=2e-5)
+OPTIONS = {
+    "plain": {},
+    "window": dict(sliding_window=5),
+    "window-sinks-cap": dict(sliding_window=7, num_sinks=2, soft_cap=30.0),
+    "long-sinks": dict(sliding_window=20, num_sinks=9, sm_scale=0.2),
+}
+
+
+def ragged_layout(rng, T, S, max_blocks, bs):
+    """Random (q_lens, kv_lens) of at most S sequences and T tokens, each a decode row, a
+    prefill chunk after a cached prefix or a whole prompt, kv lengths within the table."""
+    max_kv = max_blocks * bs
+    q_lens, kv_lens = [], []
+    for _ in range(int(rng.integers(1, S + 1))):
+        kind = rng.integers(3)
+        if kind == 0:                                                  # decode row
+            q, kv = 1, int(rng.integers(1, max_kv + 1))
+        elif kind == 1:                                                # chunk after a prefix
+            q = int(rng.integers(2, 31))
+            kv = q + int(rng.integers(1, max(2, max_kv - q + 1)))
+        else:                                                          # whole prompt
+            q = kv = int(rng.integers(2, 41))
+        q, kv = min(q, kv, max_kv), min(kv, max_kv)
+        if sum(q_lens) + q > T:
+            break
+        q_lens.append(q)
+        kv_lens.append(kv)
+    return q_lens, kv_lens
+
+
+def table_batch(rng, q_lens, kv_lens, *, T, S, max_blocks, num_blocks, bs):
+    """int32 block tables [S, max_blocks] (blocks of a random permutation of 1..num_blocks-1,
+    padding 0), seq_lens [S] and query_start_loc [S + 1] (padding sequences have q_len 0)."""
+    perm = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((S, max_blocks), np.int32)
+    used = 0
+    for s, n in enumerate(kv_lens):
+        nb = -(-n // bs)
+        tables[s, :nb] = perm[used:used + nb]
+        used += nb
+    qsl = np.full(S + 1, sum(q_lens), np.int32)
+    qsl[0] = 0
+    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    lens = np.zeros(S, np.int32)
+    lens[:len(kv_lens)] = kv_lens
+    assert sum(q_lens) <= T
+    return jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl)
+
+
+def random_batch(rng, *, Hq, Hkv, D=16, bs=4, T=48, S=6, max_blocks=24, dtype=jnp.float32):
+    """A random ragged batch of fixed shapes over a float pool with every block in use."""
+    q_lens, kv_lens = ragged_layout(rng, T, S, max_blocks, bs)
+    num_blocks = S * max_blocks + 1
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=max_blocks,
+                                    num_blocks=num_blocks, bs=bs)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), dtype)
+
+    return (normal(T, Hq, D), normal(num_blocks, bs, Hkv, D), normal(num_blocks, bs, Hkv, D),
+            tables, lens, qsl)
+
+
+@functools.cache
+def _jitted(fn, options):
+    return jax.jit(partial(fn, return_lse=True, **dict(options)))
+
+
+def jitted(fn, **options):
+    """``fn`` (returning out and lse) jitted with static ``options``, compiled once per shape."""
+    return _jitted(fn, tuple(sorted(options.items())))
+
+
+def assert_matches_reference(args, tol=F32, **opts):
+    """out and lse of the grouped path (jitted, with ``opts``) == the reference's; padding
+    tokens give zeros and -inf."""
+    grouped = {k: v for k, v in opts.items() if k in ("block_q", "kv_chunk_blocks")}
+    spec = {k: v for k, v in opts.items() if k not in grouped}
+    want, want_lse = jitted(paged_attention_reference, **spec)(*args)
+    got, lse = jitted(paged_attention_grouped, **opts)(*args)
+    assert got.dtype == args[0].dtype and got.shape == want.shape
+    n = int(args[5][-1])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    np.testing.assert_allclose(np.asarray(lse[:n]), np.asarray(want_lse[:n]), **tol)
+    assert np.all(np.asarray(got[n:], np.float32) == 0), "padding tokens must produce zeros"
+    assert np.all(np.isneginf(np.asarray(lse[n:])))
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("Hq,Hkv,bs", [(4, 4, 4), (9, 3, 4), (8, 2, 16)])
+def test_grouped_matches_reference_on_random_ragged_batches(Hq, Hkv, bs, options):
+    """Several kv chunks (3 blocks: not a divisor of the table), tiles of 5 tokens (several per
+    chunk, some straddling the next sequence), and the defaults (a tile and a chunk cover a
+    sequence)."""
+    rng = np.random.default_rng(100 * Hq + 10 * bs + list(OPTIONS).index(options))
+    for chunking in (dict(kv_chunk_blocks=3, block_q=5), {}):
+        for _ in range(2):
+            args = random_batch(rng, Hq=Hq, Hkv=Hkv, bs=bs)
+            assert_matches_reference(args, **OPTIONS[options], **chunking)
+
+
+def test_decode_only_prefill_only_and_empty_steps():
+    rng = np.random.default_rng(7)
+    T, S, mb, bs = 16, 8, 24, 4
+    kv = rng.standard_normal((S * mb + 1, bs, 2, 16)).astype(np.float32)
+    pools = (jnp.asarray(kv), jnp.asarray(kv * 0.5))
+    for q_lens, kv_lens in (([1] * 8, [1, 5, 96, 33, 4, 17, 64, 2]),   # decode only, S full
+                            ([16], [16]),                              # one fresh prompt
+                            ([9, 7], [40, 7]),                         # chunk after a prefix
+                            ([], [])):                                 # nothing: all padding
+        tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=mb,
+                                        num_blocks=S * mb + 1, bs=bs)
+        q = jnp.asarray(rng.standard_normal((T, 6, 16)), jnp.float32)
+        assert_matches_reference((q, *pools, tables, lens, qsl), block_q=4)
+
+
+def test_dispatch_and_bf16():
+    rng = np.random.default_rng(3)
+    args = random_batch(rng, Hq=9, Hkv=3, dtype=jnp.bfloat16)
+    got = paged_attention(*args, impl="grouped", sliding_window=9)
+    want = paged_attention(*args, impl="reference", sliding_window=9)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_one_compilation_per_shape():
+    """Different ragged contents of one (T, S, pool) shape reuse one executable."""
+    rng = np.random.default_rng(11)
+    f = jax.jit(partial(paged_attention_grouped, sliding_window=12, num_sinks=1))
+    for _ in range(4):
+        f(*random_batch(rng, Hq=4, Hkv=2))
+    assert f._cache_size() == 1
+
+
+def quantized_step(kv_cache_dtype, rng, *, residual_blocks=1, bs=4, Hkv=2, D=32, T=28, S=5,
+                   max_blocks=12):
+    """A one-layer quantized pool written by prefilling random K/V of each sequence in one step
+    (KIVI: its residual window placed by that step's metadata), and a ragged batch reading it:
+    decode rows, a chunk after a prefix, a whole prompt, and padding."""
+    kv_lens = [19, 5, 16, 33, 12]
+    q_lens = [1, 1, 16, 7, 0]
+    num_blocks = S * max_blocks + 1
+    spec = KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=bs, num_kv_heads=Hkv,
+                       head_dim=D, kv_cache_dtype=kv_cache_dtype, group_size=16,
+                       residual_blocks=residual_blocks,
+                       num_residual_slots=residual_blocks * S + 1)
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=max_blocks,
+                                    num_blocks=num_blocks, bs=bs)
+    tab = np.asarray(tables)
+    slots = np.concatenate([tab[s, np.arange(n) // bs] * bs + np.arange(n) % bs
+                            for s, n in enumerate(kv_lens)]).astype(np.int32)
+    write_qsl = jnp.asarray(np.concatenate([[0], np.cumsum(kv_lens)]), jnp.int32)
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slots), query_start_loc=write_qsl,
+                           seq_lens=lens, block_tables=tables)
+    k = jnp.asarray(rng.standard_normal((len(slots), Hkv, D)), jnp.float32)
+    cache = kvcache.write(kvcache.init_cache(spec), 0, k, k * 0.5 + 0.1, jnp.asarray(slots), md)
+    q = jnp.asarray(rng.standard_normal((T, 3 * Hkv, D)), jnp.float32)
+    return (q, cache.k[0], cache.v[0], tables, lens, qsl)
+
+
+@pytest.mark.parametrize("kv,residual_blocks", [("fp8_e4m3", 1), ("fp8_e5m2", 1), ("int8", 1),
+                                                ("int4", 1), ("int4", 3), ("int2", 3)])
+def test_grouped_matches_reference_on_quantized_pools(kv, residual_blocks):
+    rng = np.random.default_rng(5)
+    args = quantized_step(kv, rng, residual_blocks=residual_blocks)
+    if residual_blocks > 1:      # sealed blocks inside the window are read from the residual
+        assert bool(((args[1].res_slot > 0) & args[1].sealed).any())
+    assert_matches_reference(args)
+    assert_matches_reference(args, kv_chunk_blocks=2, block_q=3, sliding_window=6, num_sinks=1)
+
+
+def test_kivi_stale_residual_slot_is_read_as_codes():
+    """A sealed block outside its reader's window that still holds a residual slot (a finished
+    sequence's window, or another sequence's) is read as codes by both paths."""
+    rng = np.random.default_rng(9)
+    q, k, v, tables, lens, qsl = quantized_step("int4", rng, residual_blocks=2)
+    block = int(tables[3, 0])                          # sealed, far outside seq 3's window
+    slot = int(np.flatnonzero(np.asarray(k.res_owner) == 0)[1])   # a free slot (0 is null)
+    stale = dataclasses.replace(k, res_slot=k.res_slot.at[block].set(slot),
+                                res_owner=k.res_owner.at[slot].set(block),
+                                residual=k.residual.at[slot].set(100.0))
+    args = (q, stale, v, tables, lens, qsl)
+    assert_matches_reference(args, kv_chunk_blocks=2, block_q=4)
+    np.testing.assert_allclose(paged_attention_grouped(*args),
+                               paged_attention_grouped(q, k, v, tables, lens, qsl), **F32)

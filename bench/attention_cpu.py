@@ -14,7 +14,8 @@ Four measurements, in one process, the load average recorded beside each:
 * ``parity``: greedy fp32 SmolLM2 outputs of a few Austen prompts through ``jaxkv.LLM`` with
   each impl, token by token; at a first difference, the fp32 top-2 logprob margin there.
 * ``e2e``: ``jaxkv.LLM`` throughput with each impl on bench/throughput.py's engine settings
-  (fp32, 512 tokens per step, max_model_len 1024), prompts cut from Pride and Prejudice:
+  (fp32, 512 tokens per step, max_model_len 1024; a 2049-block pool), prompts cut from Pride
+  and Prejudice:
   prefill (8 x 512-token prompts, and 64 x 64, one output token), decode (the same prompts
   with 129 output tokens: 128 decode tokens per request over the prefill run's time) and a
   mixed workload (32 requests, prompts 32-512 tokens, outputs 16-128, greedy). Both engines
@@ -59,8 +60,10 @@ MICRO_CASES = {
 }
 COMPILE_BUCKETS = ((16, 8), (64, 64), (512, 8), (512, 64))
 DECODE = 128              # decode tokens per request of the decode workloads
+# bench/throughput.py's engine, with half its pool (the workloads need < 1,300 blocks) so two
+# engines fit beside each other
 ENGINE = dict(dtype="float32", max_model_len=1024, max_num_seqs=256, max_num_batched_tokens=512,
-              num_kv_blocks=4097, seed=0)
+              num_kv_blocks=2049, seed=0)
 
 
 def load() -> list[float]:

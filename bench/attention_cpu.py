@@ -15,10 +15,9 @@ Four measurements, in one process, the load average recorded beside each:
   each impl, token by token; at a first difference, the fp32 top-2 logprob margin there.
 * ``e2e``: ``jaxkv.LLM`` throughput with each impl on bench/throughput.py's engine settings
   (fp32, 512 tokens per step, max_model_len 1024; a 2049-block pool), prompts cut from Pride
-  and Prejudice:
-  prefill (8 x 512-token prompts, and 64 x 64, one output token), decode (the same prompts
-  with 129 output tokens: 128 decode tokens per request over the prefill run's time) and a
-  mixed workload (32 requests, prompts 32-512 tokens, outputs 16-128, greedy). Both engines
+  and Prejudice: prefill (8 x 512-token prompts, and 64 x 64, one output token), decode (the
+  same prompts with 129 output tokens: 128 decode tokens per request over the prefill run's
+  time) and a mixed workload (32 requests, prompts 32-512 tokens, outputs 16-128, greedy). Both engines
   live in the process; each workload runs once per engine to compile its buckets, then
   ``--e2e-repeats`` rounds of one run per engine, the prefix cache reset before each; medians.
 

@@ -171,7 +171,7 @@ class ModelRunner:
       memory_plan: the planner's sizing (``planner.MemoryPlan``).
       kv_cache_dtype: the canonical KV format name.
       dtype: the parameter / activation dtype.
-      attention_impl: ``"reference"`` or ``"pallas"``.
+      attention_impl: one of ``ATTENTION_IMPLS`` (``"grouped"`` on CPU, ``"pallas"`` on GPU by default).
       max_drafts: most draft tokens a sequence carries (``num_speculative_tokens``; 0: off).
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.

@@ -209,9 +209,7 @@ class EngineCore:
             self._num_preemptions += len(plan.preempted_ids)
             return outputs | self._collect()
         samples = self._table.samples
-        rows = [RowInput(samples[s.request_id].params, state.requests[s.request_id]
-                         .request.prompt_token_ids, state.requests[s.request_id].output_token_ids)
-                for s in plan.seqs]
+        rows = _rows(state, plan, [samples[s.request_id].params for s in plan.seqs])
         try:
             result = self.runner.execute(plan, rows)
         except (TypeError, ValueError) as exc:   # before the device: the state stays as it was
@@ -307,12 +305,12 @@ class EngineCore:
         """Ends ``request_id`` with ``finish_reason="error"``: its blocks freed, its output
         carrying ``error``."""
         logger.warning("request %s failed: %s", request_id, error)
-        state = self._state
-        for seq_id in self._table.seq_ids(request_id):
+        state, seq_ids = self._state, self._table.seq_ids(request_id)
+        for seq_id in seq_ids:
             if seq_id in state.requests:
                 state = scheduler.abort(state, seq_id)
         self._state = dataclasses.replace(state, finished=types.MappingProxyType({
-            k: v for k, v in state.finished.items() if k not in self._table.seq_ids(request_id)}))
+            k: v for k, v in state.finished.items() if k not in seq_ids}))
         self._num_errors += 1
         return {request_id: self._table.fail(request_id, error)}
 
@@ -339,9 +337,7 @@ class EngineCore:
         The driver then hands its final state back with ``commit``.
         """
         self._check_open()
-        rows = [RowInput(p, state.requests[s.request_id].request.prompt_token_ids,
-                         state.requests[s.request_id].output_token_ids)
-                for s, p in zip(plan.seqs, params)]
+        rows = _rows(state, plan, params)
         self._count(plan, state)
         return self.runner.execute(plan, rows)
 
@@ -403,6 +399,7 @@ class EngineCore:
         bm = self._state.block_manager
         total = self.cache_config.num_usable_blocks
         busy, device = self._busy_time, self.runner.device_time
+        running = {self._table.samples[s].parent for s in self._state.running}   # request ids
         return {
             "kv_blocks_total": total,
             "kv_blocks_used": total - bm.num_free_blocks,
@@ -412,10 +409,8 @@ class EngineCore:
             "kv_tokens_live": sum(rs.num_computed_tokens for rs in self._state.requests.values()),
             "num_running": len(self._state.running),
             "num_waiting": len(self._state.waiting),
-            "num_requests_running": len({self._table.samples[s].parent
-                                         for s in self._state.running}),
-            "num_requests_waiting": len(self._table.requests) - len(
-                {self._table.samples[s].parent for s in self._state.running}),
+            "num_requests_running": len(running),
+            "num_requests_waiting": len(self._table.requests) - len(running),
             "num_preemptions": self._num_preemptions,
             "num_steps": self.runner.num_steps,
             "num_prompt_tokens": self._num_prompt_tokens,
@@ -438,3 +433,12 @@ class EngineCore:
         if not self._closed:
             self.runner.close()
             self._closed = True
+
+
+def _rows(state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+          params: Sequence[SamplingParams]) -> list[RowInput]:
+    """The runner's per-row inputs of ``plan``: one ``SamplingParams`` per scheduled sequence,
+    with that sequence's prompt and generated tokens from ``state``."""
+    return [RowInput(p, state.requests[s.request_id].request.prompt_token_ids,
+                     state.requests[s.request_id].output_token_ids)
+            for s, p in zip(plan.seqs, params)]

@@ -191,6 +191,18 @@ def wait_idle(http_client, within: float = 5.0) -> dict:
         time.sleep(0.02)
 
 
+def wait_freed(http_client, since: float, what: str, within: float = 1.0) -> dict:
+    """The metrics once no request runs and no KV block is used; fails unless that happens
+    ``within`` seconds of ``since`` (``time.monotonic()``)."""
+    while True:
+        fams = scrape(http_client)
+        if value(fams, "vllm:num_requests_running") == 0 and \
+                value(fams, "vllm:kv_cache_usage_perc") == 0:
+            return fams
+        assert time.monotonic() - since < within, f"the {what} request is still running"
+        time.sleep(0.01)
+
+
 def tokenize_count(http_client, **body) -> int:
     r = http_client.post("/tokenize", json=body)
     assert r.status_code == 200, r.text
@@ -666,13 +678,7 @@ def test_disconnect_aborts_and_frees_kv_within_a_second(http):
     closed = time.monotonic()
     assert value(mid, "vllm:num_requests_running") == 1
     assert value(mid, "vllm:kv_cache_usage_perc") > 0
-    while True:
-        fams = scrape(http)
-        if value(fams, "vllm:num_requests_running") == 0 and \
-                value(fams, "vllm:kv_cache_usage_perc") == 0:
-            break
-        assert time.monotonic() - closed < 1.0, "the disconnected request is still running"
-        time.sleep(0.01)
+    fams = wait_freed(http, closed, "disconnected")
     # aborted, not run to the end
     assert value(fams, "vllm:request_success", "vllm:request_success_total",
                  finished_reason="length") == \
@@ -688,13 +694,7 @@ def test_disconnect_of_a_non_streamed_request_aborts_it(http, server):
     with pytest.raises(httpx.TimeoutException):      # the client gives up and hangs up
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
     gone = time.monotonic()
-    while True:
-        fams = scrape(http)
-        if value(fams, "vllm:num_requests_running") == 0 and \
-                value(fams, "vllm:kv_cache_usage_perc") == 0:
-            break
-        assert time.monotonic() - gone < 1.0, "the abandoned request is still running"
-        time.sleep(0.01)
+    fams = wait_freed(http, gone, "abandoned")
     assert value(fams, "vllm:generation_tokens", "vllm:generation_tokens_total") == \
         value(before, "vllm:generation_tokens", "vllm:generation_tokens_total")
 

@@ -46,32 +46,29 @@ class _EngineCollector:
     def collect(self):
         s = self.stats()
         label = [self.model_name]
-        for name, doc, value in (
-                ("vllm:num_requests_running", "Requests with a sequence in the running batch.",
-                 s["num_requests_running"]),
-                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        for family, name, doc, value in (
+                (gauge, "vllm:num_requests_running",
+                 "Requests with a sequence in the running batch.", s["num_requests_running"]),
+                (gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                  s["num_requests_waiting"]),
-                ("vllm:kv_cache_usage_perc", "Fraction of the KV blocks in use (1 = full).",
-                 s["kv_usage"])):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            yield g
-        for name, doc, value in (
-                ("vllm:num_preemptions", "Sequences preempted (recomputed later).",
+                (gauge, "vllm:kv_cache_usage_perc", "Fraction of the KV blocks in use (1 = full).",
+                 s["kv_usage"]),
+                (counter, "vllm:num_preemptions", "Sequences preempted (recomputed later).",
                  s["num_preemptions"]),
-                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 s["prefix_cache_queries"]),
-                ("vllm:prefix_cache_hits", "Of those, tokens found cached.",
+                (counter, "vllm:prefix_cache_queries",
+                 "Prompt tokens looked up in the prefix cache.", s["prefix_cache_queries"]),
+                (counter, "vllm:prefix_cache_hits", "Of those, tokens found cached.",
                  s["prefix_cache_hits"]),
-                ("vllm:spec_decode_num_drafts", "Speculative: sequences that verified drafts, "
-                 "once per step.", s["spec_num_drafts"]),
-                ("vllm:spec_decode_num_draft_tokens", "Speculative: draft tokens verified.",
-                 s["spec_num_draft_tokens"]),
-                ("vllm:spec_decode_num_accepted_tokens", "Speculative: draft tokens accepted.",
-                 s["spec_num_accepted_tokens"])):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            yield c
+                (counter, "vllm:spec_decode_num_drafts", "Speculative: sequences that verified "
+                 "drafts, once per step.", s["spec_num_drafts"]),
+                (counter, "vllm:spec_decode_num_draft_tokens",
+                 "Speculative: draft tokens verified.", s["spec_num_draft_tokens"]),
+                (counter, "vllm:spec_decode_num_accepted_tokens",
+                 "Speculative: draft tokens accepted.", s["spec_num_accepted_tokens"])):
+            metric = family(name, doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            yield metric
 
 
 class ServerMetrics:

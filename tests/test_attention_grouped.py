@@ -19,6 +19,7 @@ from jaxkv.attention_grouped import paged_attention_grouped
 from jaxkv.attention_impl import paged_attention
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
+from ragged_batches import table_batch
 
 F32 = dict(atol=2e-5, rtol=2e-5)
 OPTIONS = {
@@ -49,25 +50,6 @@ def ragged_layout(rng, T, S, max_blocks, bs):
         q_lens.append(q)
         kv_lens.append(kv)
     return q_lens, kv_lens
-
-
-def table_batch(rng, q_lens, kv_lens, *, T, S, max_blocks, num_blocks, bs):
-    """int32 block tables [S, max_blocks] (blocks of a random permutation of 1..num_blocks-1,
-    padding 0), seq_lens [S] and query_start_loc [S + 1] (padding sequences have q_len 0)."""
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((S, max_blocks), np.int32)
-    used = 0
-    for s, n in enumerate(kv_lens):
-        nb = -(-n // bs)
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
-    qsl = np.full(S + 1, sum(q_lens), np.int32)
-    qsl[0] = 0
-    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    lens = np.zeros(S, np.int32)
-    lens[:len(kv_lens)] = kv_lens
-    assert sum(q_lens) <= T
-    return jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(qsl)
 
 
 def random_batch(rng, *, Hq, Hkv, D=16, bs=4, T=48, S=6, max_blocks=24, dtype=jnp.float32):

@@ -22,6 +22,7 @@ from jaxkv.attention_impl import paged_attention
 from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
                           default_ragged_config, paged_decode_attention, ragged_paged_attention)
 from jaxkv.pallas.ragged import _tile_schedule
+from ragged_batches import table_batch
 
 # jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernels use it on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -40,24 +41,17 @@ def make_batch(rng, q_lens, kv_lens, *, Hq, Hkv, D, bs, dtype=jnp.float32, pad_t
     """A ragged batch whose block tables come from a random permutation of page ids 1.."""
     max_blocks = max(-(-n // bs) for n in kv_lens) + 1
     num_blocks = 1 + sum(-(-n // bs) for n in kv_lens) + 3
-    perm = rng.permutation(np.arange(1, num_blocks))
     S = len(q_lens) + pad_seqs
-    tables = np.zeros((S, max_blocks), np.int32)
-    used = 0
-    for s, n in enumerate(kv_lens):
-        nb = -(-n // bs)
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
     T = sum(q_lens) + pad_tokens
-    qsl = np.concatenate([[0], np.cumsum(q_lens), [sum(q_lens)] * pad_seqs]).astype(np.int32)
-    seq_lens = np.array(list(kv_lens) + [0] * pad_seqs, np.int32)
+    tables, seq_lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=max_blocks,
+                                        num_blocks=num_blocks, bs=bs)
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), dtype)
 
     return dict(q=normal(T, Hq, D), k_pages=normal(num_blocks, bs, Hkv, D),
-                v_pages=normal(num_blocks, bs, Hkv, D), block_tables=jnp.asarray(tables),
-                seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl))
+                v_pages=normal(num_blocks, bs, Hkv, D), block_tables=tables,
+                seq_lens=seq_lens, query_start_loc=qsl)
 
 
 def assert_close(got, want, dtype):

@@ -38,7 +38,7 @@ from jaxkv.kv_spec import MODEL_DTYPES
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -302,8 +302,12 @@ class SpeculativeArgs:
     """Speculative decoding: the draft proposer and how many tokens it drafts (vLLM's names)."""
 
     speculative: str | None = option(
-        None, "draft proposer: ngram (prompt lookup in the request's own prompt + output) or "
-        "none", choices=SPECULATIVE_METHODS, parse=lambda s: None if s.lower() == "none" else s)
+        None, "draft proposer: ngram (prompt lookup in the request's own prompt + output), "
+        "draft (a small model with the same tokenizer: speculative_model) or none",
+        choices=SPECULATIVE_METHODS, parse=lambda s: None if s.lower() == "none" else s)
+    speculative_model: str | None = option(
+        None, "draft: the draft model (store name, .gguf file, HF model directory or orbax "
+        "checkpoint, loaded like model), with the target's vocabulary")
     num_speculative_tokens: int = option(4, "most draft tokens a sequence carries per step",
                                          minimum=1)
     prompt_lookup_max: int = option(4, "ngram: longest suffix of the tokens looked up",
@@ -321,6 +325,9 @@ class SpeculativeArgs:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError('speculative="draft" needs speculative_model (the draft model: '
+                             'a small model with the target\'s tokenizer)')
 
     @property
     def max_drafts(self) -> int:

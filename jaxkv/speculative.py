@@ -22,9 +22,17 @@ Proposers:
   ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, that also occurs earlier in
   them; propose the ``k`` tokens that followed its most recent earlier occurrence. Host-side
   numpy, no model. Its drafts are point masses, which the rejection sampler verifies exactly.
-* A draft model (``speculative="draft"``, a small model with its own paged cache) is not part of
-  this slice: it would be a proposer here with device state, and the rejection sampler would
-  need its draft probabilities.
+* ``"draft"`` (``speculative_model=...``, jaxkv/draft_model.py): a small model with the target's
+  tokenizer, run by the engine's own ``ModelRunner`` over its own paged KV cache; greedy drafts
+  (point masses, verified exactly as the n-gram ones), batched across requests.
+
+Two kinds of proposer fit the seam. A ``Proposer`` (``propose(token_ids, k)``) is per request and
+stateless, like the n-gram lookup. A ``BatchProposer`` (``propose_batch({id: (token_ids, k)})``
+and ``release(id)``) sees every request that wants drafts at once and may keep per-request
+state (the draft model's KV cache); the speculator calls ``release`` for each request it
+proposed for once that request is no longer running (finished, aborted, failed or
+preempted), from ``forget``, which the engine calls after every step and abort, and from
+``drafts``. A plain ``Proposer`` is adapted with a loop.
 
 Adaptive draft length (``speculative_adaptive``, on by default). Each request keeps an estimate
 ``a`` of the probability that a draft is accepted given the ones before it were, and gets the
@@ -34,24 +42,28 @@ step over its relative cost::
     E(k) / (1 + c k),    E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
 
 with ``c = speculative_draft_cost`` the cost of verifying one more token as a fraction of a
-decode step (about 0.05 for SmolLM2 at batch 1 on CPU, measured by bench/speculative.py). So
+decode step (about 0.05 for SmolLM2 at batch 1 on CPU, measured by bench/speculative.py; for a
+draft model add one draft forward's share of a target step). So
 ``k = 0`` exactly when ``a <= c`` (drafting one token does not pay; Leviathan et al.'s
 condition for a gain is ``a > c``). The estimate needs no verification: the proposer is asked every step, and its proposal is
 compared with the tokens the step emitted, verified or not; a comparison counts its positions up to and including
 the first mismatch (trials) and the matches (successes), both decayed by ``_DECAY`` per step
 from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A request whose proposals stopped
 being accepted stops drafting at once, and starts again when its proposals start matching.
+The proposer is asked for ``max(1, k)`` tokens (and no more than ``max_tokens`` leaves room for),
+so a ``k = 0`` request keeps measuring with one proposed token (for the draft model: the
+catch-up forward's, which it computes anyway to keep its cache in sync).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from jaxkv import scheduler
-from jaxkv.config import SpeculativeArgs
+from jaxkv.config import EngineConfig, SpeculativeArgs
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
@@ -64,6 +76,28 @@ class Proposer(Protocol):
     def propose(self, token_ids: np.ndarray, num_drafts: int) -> Sequence[int]:
         """Up to ``num_drafts`` guesses of the tokens after ``token_ids`` (int32 [L], prompt +
         output so far); empty when it has none."""
+
+
+class BatchProposer(Protocol):
+    """Proposes draft tokens for several requests at once, possibly keeping per-request state."""
+
+    def propose_batch(self, requests: Mapping[Hashable, tuple[np.ndarray, int]]
+                      ) -> Mapping[Hashable, Sequence[int]]:
+        """``{request_id: up to k guesses}`` for ``{request_id: (token_ids, k)}`` (int32 [L],
+        prompt + output so far; most urgent first); a request may be missing from the result."""
+
+    def release(self, request_id: Hashable) -> None:
+        """Forgets ``request_id``'s state (it is no longer running)."""
+
+
+def propose_batch(proposer: Proposer | BatchProposer,
+                  requests: Mapping[Hashable, tuple[np.ndarray, int]]
+                  ) -> Mapping[Hashable, Sequence[int]]:
+    """``proposer.propose_batch(requests)``, or a loop over ``proposer.propose`` for a plain
+    ``Proposer``."""
+    if hasattr(proposer, "propose_batch"):
+        return proposer.propose_batch(requests)
+    return {i: proposer.propose(tokens, k) for i, (tokens, k) in requests.items()}
 
 
 class NgramProposer:
@@ -121,7 +155,7 @@ class Speculator:
     counts what the step accepted.
 
     Args:
-      proposer: a ``Proposer``, or None (speculation off: no drafts).
+      proposer: a ``Proposer`` or ``BatchProposer``, or None (speculation off: no drafts).
       num_speculative_tokens: most drafts proposed per sequence and step.
       draft_cost: the adaptive draft length's cost of one more draft token (a fraction of a
         decode step), or None: always propose ``num_speculative_tokens``.
@@ -131,9 +165,10 @@ class Speculator:
       num_speculative_tokens, draft_cost: as given.
     """
 
-    def __init__(self, proposer: Proposer | None, num_speculative_tokens: int,
+    def __init__(self, proposer: Proposer | BatchProposer | None, num_speculative_tokens: int,
                  draft_cost: float | None = None):
         self.proposer = proposer
+        self._held: set[Hashable] = set()   # requests proposed for since their last release
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
@@ -144,10 +179,28 @@ class Speculator:
         self._accepted = 0   # draft tokens accepted
 
     @classmethod
-    def from_args(cls, args: SpeculativeArgs) -> Speculator:
-        """The speculator of an engine config's ``speculative`` group."""
-        proposer = (NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
-                    if args.speculative == "ngram" else None)
+    def from_args(cls, args: SpeculativeArgs, config: EngineConfig | None = None,
+                  target=None) -> Speculator:
+        """The speculator of an engine config's ``speculative`` group.
+
+        Args:
+          config, target: the whole engine config and the engine's ``ModelRunner``, which
+            ``speculative="draft"`` needs (``DraftModelProposer.from_config``).
+
+        Raises:
+          ValueError: naming ``speculative_model`` (missing, or a vocabulary other than the
+            target's), before anything is served.
+        """
+        proposer = None
+        if args.speculative == "ngram":
+            proposer = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+        elif args.speculative == "draft":
+            if config is None or target is None:
+                raise ValueError('speculative="draft" needs the engine config and its target '
+                                 'runner (Speculator.from_args(args, config, target))')
+            from jaxkv.draft_model import DraftModelProposer
+
+            proposer = DraftModelProposer.from_config(config, target)
         return cls(proposer, args.num_speculative_tokens,
                    args.speculative_draft_cost if args.speculative_adaptive else None)
 
@@ -162,20 +215,37 @@ class Speculator:
         off."""
         if self.proposer is None:
             return {}
+        self.forget(state)
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._proposals, out = {}, {}
+        wanted, lengths = {}, {}
         for request_id in scheduler.decoding_ids(state):
             rs = state.requests[request_id]
-            proposal = tuple(int(t) for t in self.proposer.propose(
-                np.asarray(rs.token_ids(0, rs.num_tokens), np.int32),
-                self.num_speculative_tokens)[:self.num_speculative_tokens])
+            room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
+            k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
+                self.acceptance(request_id), self.num_speculative_tokens, self.draft_cost))
+            n = min(max(k, 1), room)   # one at least: a k = 0 request keeps measuring
+            if n > 0:
+                wanted[request_id] = (np.asarray(rs.token_ids(0, rs.num_tokens), np.int32), n)
+                lengths[request_id] = min(k, n)
+        self._held |= wanted.keys()
+        for request_id, proposal in propose_batch(self.proposer, wanted).items():
+            proposal = tuple(int(t) for t in proposal[:wanted[request_id][1]])
             self._proposals[request_id] = proposal
-            k = (len(proposal) if self.draft_cost is None else best_num_drafts(
-                self.acceptance(request_id), len(proposal), self.draft_cost))
+            k = min(lengths[request_id], len(proposal))
             if k:
                 out[request_id] = proposal[:k]
                 self._proposed += k
         return out
+
+    def forget(self, state: scheduler.SchedulerState) -> None:
+        """Releases the proposer's state of the requests proposed for that are no longer
+        running in ``state`` (finished, aborted, failed, preempted)."""
+        gone = {i for i in self._held if i not in state.running}
+        self._held -= gone
+        if hasattr(self.proposer, "release"):
+            for request_id in gone:
+                self.proposer.release(request_id)
 
     def record(self, plan: scheduler.StepPlan, tokens: np.ndarray,
                num_accepted: np.ndarray) -> None:
@@ -224,4 +294,9 @@ class Speculator:
             "spec_acceptance_rate": self._accepted / self._verified if self._verified else 0.0,
             "spec_mean_acceptance_length": (1 + self._accepted / self._drafts
                                             if self._drafts else 0.0),
-        }
+        } | (self.proposer.stats() if hasattr(self.proposer, "stats") else {})
+
+    def close(self) -> None:
+        """Frees the proposer's device memory (a draft model's)."""
+        if hasattr(self.proposer, "close"):
+            self.proposer.close()

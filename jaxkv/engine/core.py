@@ -72,7 +72,11 @@ class EngineCore:
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
         self._state = scheduler.init_state(self.cache_config)
-        self.speculator = Speculator.from_args(config.speculative)
+        try:   # a draft model is checked against the target (vocabulary) and loaded here
+            self.speculator = Speculator.from_args(config.speculative, config, self.runner)
+        except BaseException:
+            self.runner.close()
+            raise
         self._table = RequestTable(self.tokenizer, self.model_config.vocab_size,
                                    self.sched_config.max_model_len)
         self._pending: dict[str, RequestOutput] = {}   # finished outside a step (aborts)
@@ -167,6 +171,7 @@ class EngineCore:
         for seq_id in self._table.seq_ids(request_id):
             state = scheduler.abort(state, seq_id)
         self._state = state
+        self.speculator.forget(state)
         self._pending |= self._collect()
 
     def is_live(self, request_id: str) -> bool:
@@ -230,6 +235,7 @@ class EngineCore:
         self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits))
         for request_id, err in errors.items():
             outputs |= self._fail(request_id, err)
+        self.speculator.forget(self._state)
         outputs |= self._collect()
         for request_id, req in touched.items():
             if request_id not in outputs:
@@ -432,6 +438,7 @@ class EngineCore:
         """Frees device memory; the engine cannot be used afterwards."""
         if not self._closed:
             self.runner.close()
+            self.speculator.close()
             self._closed = True
 
 

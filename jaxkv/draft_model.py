@@ -1,0 +1,260 @@
+"""The draft-model proposer of speculative decoding (``speculative="draft"``): a small model with
+the target's tokenizer, run by the engine's own device machinery over its own paged KV cache.
+
+    proposer = DraftModelProposer.from_config(engine_config, target_runner)
+    drafts = proposer.propose_batch({request_id: (token_ids, k), ...})   # {id: k greedy tokens}
+    proposer.release(request_id)                                        # finished, aborted, preempted
+
+The device side is a second ``jaxkv.engine.runner.ModelRunner`` (the draft's params, donated
+cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
+builds itself, block tables from its own ``BlockManager``. It needs no scheduler: it computes
+whatever the target's scheduler decided the requests are.
+
+Keeping the draft cache in sync. The proposer remembers, per request, the tokens whose K/V its
+cache holds (``cached``). A call with the request's tokens ``t_0 .. t_{L-1}`` (prompt + output so
+far) and a draft length ``k``:
+
+    cached     t_0 ............ t_{n-1} | d_1 .. d_{k-1}        (last call: drafts written too)
+    now        t_0 ............ t_{n-1} | a_1 .. a_m  t'         (accepted drafts, correction)
+    keep       = min(common prefix of cached and now, L - 1)    (the rewind: like the target's
+                                                                 counter, rejected slots are
+                                                                 simply overwritten later)
+    catch-up   positions keep .. L-1 (chunked to max_num_batched_tokens, batched across
+               requests); the logits at t_{L-1} give d_1
+    decode     k - 1 steps of one token per request, batched: d_j at position L - 1 + j gives
+               d_{j+1}
+    cached     := t_0 .. t_{L-1} d_1 .. d_{k-1}                  (L + k - 1 tokens, the table
+                                                                 truncated / grown to fit)
+
+A rejected draft costs nothing to undo, a draft the target accepted is not recomputed (it is in
+the common prefix), and a request preempted or changed in any other way is caught up from the
+longest prefix that still matches. ``release`` frees a request's blocks (``Speculator`` calls it
+for every request that is no longer running: finished, aborted, preempted).
+
+Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
+sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
+seeded outputs equal non-speculative decoding, and sampled outputs keep the target's
+distribution, whatever the draft model (it only changes how many drafts are accepted).
+
+The draft's pool. By default ``num_blocks = target blocks + max_num_seqs x (cdiv(k, block_size) +
+1)`` (the target's pool, which bounds the tokens of its running requests, plus room for every
+sequence's drafts and a partial block), at most ``max_num_seqs x cdiv(max_model_len, block_size) +
+1`` (every sequence at full length), at the draft's own KV bytes per token (a draft with fewer
+layers or heads costs that much less). The draft's cache is in the draft's dtype
+(``kv_cache_dtype="auto"``, whatever the target's format: a small model's KV is small) without
+prefix caching. A request whose catch-up does not fit in the free blocks gets no drafts that
+step (with the default size that happens only when the target shares many prefix blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+
+from jaxkv.block_manager import BlockManager, cdiv
+from jaxkv.config import CacheArgs, EngineConfig, ModelArgs, SpeculativeArgs
+from jaxkv.engine.runner import ModelRunner, RowInput
+from jaxkv.model import checkpoint
+from jaxkv.model.weights import load_config
+from jaxkv.sampling import SamplingParams
+from jaxkv.scheduler import ScheduledSeq, StepPlan
+
+logger = logging.getLogger("jaxkv")
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def default_num_blocks(target_num_blocks: int, max_num_seqs: int, max_model_len: int,
+                       block_size: int, num_drafts: int) -> int:
+    """The draft pool's size in blocks, null block included (see the module docstring)."""
+    full = max_num_seqs * cdiv(max_model_len, block_size) + 1
+    return min(full, target_num_blocks + max_num_seqs * (cdiv(num_drafts, block_size) + 1))
+
+
+def draft_engine_config(config: EngineConfig, target: ModelRunner,
+                        num_blocks: int | None = None) -> EngineConfig:
+    """The engine config the draft's ``ModelRunner`` is built from: the target's (dtype, seed,
+    block size, step limits and buckets with the target's resolved ``max_model_len``, parallel
+    and runtime groups), the ``speculative_model``'s weights, a pool of ``num_blocks`` (default
+    ``default_num_blocks``) in the draft's own dtype, no prefix caching, no speculation."""
+    spec = config.speculative
+    sc = target.sched_config
+    if num_blocks is None:
+        num_blocks = default_num_blocks(target.cache_config.num_blocks, sc.max_num_seqs,
+                                        sc.max_model_len, target.cache_config.block_size,
+                                        spec.num_speculative_tokens)
+    return dataclasses.replace(
+        config, model=ModelArgs(model=spec.speculative_model, dtype=config.model.dtype,
+                                seed=config.model.seed),
+        cache=CacheArgs(block_size=target.cache_config.block_size,
+                        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                        num_gpu_blocks_override=num_blocks, prefix_caching=None),
+        scheduler=sc, speculative=SpeculativeArgs())
+
+
+def _read_config(model: str):
+    return checkpoint.read_config(model) if checkpoint.is_checkpoint(model) else load_config(model)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small model run over its own paged KV cache (see the module
+    docstring).
+
+    Args:
+      runner: the draft's ``ModelRunner`` (its config's scheduler group bounds a draft step:
+        ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens).
+
+    Attributes:
+      runner: as given.
+      block_manager: the draft pool's owner (tables exist exactly for the requests with
+        draft state).
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        cc = runner.cache_config
+        self.block_manager = BlockManager(cc.num_blocks, cc.block_size)
+        self._cached: dict[Hashable, np.ndarray] = {}   # int32 [n]: tokens whose K/V is cached
+        self._num_steps = 0   # draft forwards (catch-up chunks and decodes)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, target: ModelRunner,
+                    num_blocks: int | None = None) -> DraftModelProposer:
+        """The proposer of an engine config with ``speculative="draft"``, for the engine's
+        ``target`` runner; compiles the draft's step buckets when ``config.runtime.warmup``.
+
+        Raises:
+          ValueError: naming ``speculative_model``: it is not given, or its vocabulary (size, or
+            tokenizer) differs from the target's. The vocabulary size is checked before the
+            draft's weights load.
+        """
+        model = config.speculative.speculative_model
+        if not model:
+            raise ValueError('speculative="draft" needs speculative_model (the draft model)')
+        vocab = _read_config(model).vocab_size
+        if vocab != target.model_config.vocab_size:
+            raise ValueError(f"speculative_model={model!r}: its vocab_size={vocab} differs from "
+                             f"the target model's {target.model_config.vocab_size}")
+        runner = ModelRunner(draft_engine_config(config, target, num_blocks))
+        if (runner.tokenizer.backend.get_vocab(with_added_tokens=True)
+                != target.tokenizer.backend.get_vocab(with_added_tokens=True)):
+            runner.close()
+            raise ValueError(f"speculative_model={model!r}: its tokenizer's vocabulary differs "
+                             f"from the target model's")
+        if config.runtime.warmup:
+            runner.warmup()
+        return cls(runner)
+
+    def propose_batch(self, requests: Mapping[Hashable, tuple[np.ndarray, int]]
+                      ) -> dict[Hashable, tuple[int, ...]]:
+        """Greedy drafts for several requests at once.
+
+        Args:
+          requests: ``{request_id: (token_ids, k)}``: int32 [L] prompt + output so far (L >= 1),
+            and the drafts wanted (k >= 1); most urgent first (the order blocks are given in).
+
+        Returns:
+          ``{request_id: k draft tokens}``, for the requests whose draft K/V fits in the pool
+          (the others get none and lose their draft state). ``k`` is cut so that the drafts
+          stay within ``max_model_len``.
+        """
+        max_len = self.runner.sched_config.max_model_len
+        bm = self.block_manager
+        jobs: dict[Hashable, tuple[np.ndarray, int, int]] = {}   # id -> (tokens, keep, k)
+        for request_id, (token_ids, k) in requests.items():
+            tokens = np.asarray(token_ids, np.int32)
+            length = len(tokens)
+            k = min(k, max_len - length + 1)
+            if k < 1 or length < 1:
+                continue
+            cached = self._cached.get(request_id, tokens[:0])
+            m = min(len(cached), length - 1)
+            diff = np.flatnonzero(cached[:m] != tokens[:m])
+            keep = int(diff[0]) if diff.size else m
+            if not self._fit(request_id, keep, length + k - 1):
+                continue
+            jobs[request_id] = (tokens, keep, k)
+        drafts: dict[Hashable, list[int]] = {i: [] for i in jobs}
+        for step in self._catch_up_steps(jobs):   # the first draft from each request's last token
+            for request_id, token in self._run(step).items():
+                drafts[request_id].append(token)
+        for j in range(1, max((k for _, _, k in jobs.values()), default=1)):
+            step = [ScheduledSeq(i, (drafts[i][-1],), len(t) - 1 + j, True, bm.block_table(i))
+                    for i, (t, _, k) in jobs.items() if k > j]
+            for start in range(0, len(step), self.runner.sched_config.max_num_seqs):
+                for request_id, token in self._run(
+                        step[start:start + self.runner.sched_config.max_num_seqs]).items():
+                    drafts[request_id].append(token)
+        for request_id, (tokens, _, k) in jobs.items():
+            self._cached[request_id] = np.concatenate(
+                [tokens, np.asarray(drafts[request_id][:k - 1], np.int32)])
+        return {i: tuple(d) for i, d in drafts.items()}
+
+    def _fit(self, request_id: Hashable, keep: int, total: int) -> bool:
+        """Sizes ``request_id``'s table to hold ``total`` tokens of which the first ``keep`` are
+        cached (dropping the blocks past them first); False (and its state released) when the
+        free blocks do not suffice."""
+        bm = self.block_manager
+        if request_id in bm:
+            if keep >= 1:
+                bm.truncate(request_id, keep)
+            else:
+                bm.free(request_id)
+        if request_id in bm:
+            if bm.can_append_slots(request_id, total):
+                bm.append_slots(request_id, total)
+                return True
+        elif bm.can_allocate(total):
+            bm.allocate(request_id, total)
+            return True
+        self.release(request_id)
+        return False
+
+    def _catch_up_steps(self, jobs: Mapping[Hashable, tuple[np.ndarray, int, int]]
+                        ) -> list[list[ScheduledSeq]]:
+        """The catch-up forwards: every request's tokens ``[keep, L)`` packed, in order, into
+        steps of at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences; a
+        request's last chunk samples (its first draft)."""
+        sc, bm = self.runner.sched_config, self.block_manager
+        steps: list[list[ScheduledSeq]] = [[]]
+        budget = sc.max_num_batched_tokens
+        for request_id, (tokens, keep, _) in jobs.items():
+            pos = keep
+            while pos < len(tokens):
+                if budget == 0 or len(steps[-1]) == sc.max_num_seqs:
+                    steps.append([])
+                    budget = sc.max_num_batched_tokens
+                n = min(len(tokens) - pos, budget)
+                steps[-1].append(ScheduledSeq(request_id, tuple(tokens[pos:pos + n].tolist()),
+                                              pos, pos + n == len(tokens),
+                                              bm.block_table(request_id)))
+                pos += n
+                budget -= n
+        return [s for s in steps if s]
+
+    def _run(self, seqs: Sequence[ScheduledSeq]) -> dict[Hashable, int]:
+        """One draft forward of ``seqs``; the greedy token of each sampling sequence."""
+        out = self.runner.execute(StepPlan(tuple(seqs)), [RowInput(_GREEDY, (), ())] * len(seqs))
+        self._num_steps += 1
+        return {s.request_id: int(out.tokens[row, 0]) for row, s in enumerate(seqs) if s.sample}
+
+    def release(self, request_id: Hashable) -> None:
+        """Frees ``request_id``'s draft blocks and state (a no-op for an unknown id)."""
+        self._cached.pop(request_id, None)
+        if request_id in self.block_manager:
+            self.block_manager.free(request_id)
+
+    def stats(self) -> dict:
+        """``spec_draft_num_steps`` (draft forwards), ``spec_draft_device_time_s`` (their
+        device time), ``spec_draft_blocks_used`` (draft pool blocks held)."""
+        bm = self.block_manager
+        return {"spec_draft_num_steps": self._num_steps,
+                "spec_draft_device_time_s": self.runner.device_time,
+                "spec_draft_blocks_used": bm.num_blocks - 1 - bm.num_free_blocks}
+
+    def close(self) -> None:
+        """Frees the draft's device memory."""
+        self.runner.close()

@@ -6,18 +6,22 @@ this package: a Mosaic GPU (Hopper) kernel would sit next to these files behind 
 
 * ``ragged_paged_attention``: one launch for a ragged step (prefill chunks + decode tokens).
 * ``paged_decode_attention``: one token per sequence, split-K (flash-decoding) + LSE merge.
+* ``sparse_paged_decode_attention``: one token per sequence over selected pages only (Quest).
 """
 
 from jaxkv.pallas.decode import DecodeConfig, default_num_splits, paged_decode_attention
 from jaxkv.pallas.ragged import (RaggedConfig, check_page_ids, default_ragged_config,
                                  ragged_paged_attention)
+from jaxkv.pallas.sparse import SparseConfig, sparse_paged_decode_attention
 
 __all__ = [
     "DecodeConfig",
     "RaggedConfig",
+    "SparseConfig",
     "check_page_ids",
     "default_num_splits",
     "default_ragged_config",
     "paged_decode_attention",
     "ragged_paged_attention",
+    "sparse_paged_decode_attention",
 ]

@@ -1,0 +1,415 @@
+"""Quest-style query-aware sparse paged decode attention: the pure-jnp reference (the spec).
+
+Quest (Tang et al., ICML 2024) keeps the per-channel minimum and maximum of every page's keys.
+A decode query ``q`` can then bound the logit of any key ``k`` of a page from above, channel by
+channel, without reading the page:
+
+    q . k = Σ_c q_c k_c <= Σ_c max(q_c kmin_c, q_c kmax_c)            (kmin_c <= k_c <= kmax_c)
+          =  q . mid + |q| . rad        mid = (kmin + kmax) / 2, rad = (kmax - kmin) / 2
+
+and each step attends only to the pages with the highest bound (plus the attention sinks and the
+recent window). One decode step of one layer:
+
+    KeyBounds kmin/kmax f32 [num_blocks, Hkv, D]  (float, fp8, int8 pools: kept up to date on
+        │                                          write; KIVI int4/int2: the stored per-channel
+        │                                          scale and zero point of each sealed block)
+        ▼ page_scores(q, bounds, block_tables)      f32 [S, Hkv, max_blocks], max over the GQA group
+        ▼ select_pages(scores, seq_lens, ...)       pages int32 [S, Hkv, budget] logical page ids,
+        │                                           ascending; count int32 [S, Hkv] valid entries
+        ▼ sparse_decode_reference(q, ..., pages, count)   attention over exactly those pages
+                                                          (the Pallas kernel: jaxkv/pallas/sparse.py)
+
+Pages are logical (``block_tables[s, page]`` is the physical block), so a selection is per
+(sequence, kv head): the G query heads of a kv head share its pages, and a page's score is the
+*max* of its G heads' bounds, still an upper bound of every logit the group can give one of its
+keys (a sum of bounds would bound nothing). Scores ignore ``sm_scale`` and ``soft_cap``: both
+are monotone, so the ranking is the same.
+
+Maintaining the bounds (float, fp8, int8 pools). Blocks fill in order from offset 0, so a write
+at offset 0 starts a block afresh: ``update_key_bounds`` resets the bounds of every block written
+at offset 0 in the step and widens the others by the new keys. A block copied whole (copy-on-write
+fork, radix partial copy) must copy its bounds too (``copy_key_bounds``). Keys that are written
+and later dropped (rejected speculative drafts, the tail of a radix partial copy) stay inside the
+bounds until the block is rewritten from offset 0: the bounds over-approximate, which keeps every
+score an upper bound, so selection stays safe (only less sharp).
+
+KIVI pools (int4/int2, keys per channel over a block's tokens) need no extra metadata: a sealed
+block's codes ``c in [0, qmax]`` dequantize to ``c * scale + zero``, so ``[zero, qmax * scale +
+zero]`` bounds every channel. Unsealed blocks (no statistics yet) and every block read from the
+full-precision residual lie inside the sequence's residual window, which ``select_pages`` always
+selects (``residual_blocks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import quant
+from jaxkv.attention import (cap_logits, check_shapes, online_softmax_step, softmax_init,
+                             softmax_result)
+from jaxkv.cache import Pages, QuantizedPages, read_pages, take_blocks, window_first
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["kmin", "kmax"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KeyBounds:
+    """Per-block, per-kv-head, per-channel bounds of the keys of one layer's K pool.
+
+    Attributes:
+      kmin: f32 [num_blocks, num_kv_heads, head_dim] the smallest key value of each channel over
+        the block's written tokens (0 for a block never written).
+      kmax: f32 [num_blocks, num_kv_heads, head_dim] the largest.
+    """
+
+    kmin: jax.Array   # [num_blocks, num_kv_heads, head_dim]
+    kmax: jax.Array   # [num_blocks, num_kv_heads, head_dim]
+
+
+def init_key_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> KeyBounds:
+    """Bounds of an empty pool: zeros (a block's first write, at offset 0, replaces them)."""
+    zeros = jnp.zeros((num_blocks, num_kv_heads, head_dim), jnp.float32)
+    return KeyBounds(kmin=zeros, kmax=zeros)
+
+
+def written_keys(k_pages: Pages, slot_mapping: jax.Array) -> jax.Array:
+    """The keys a float, fp8 or int8 pool holds at ``slot_mapping``, as attention reads them.
+
+    Call it after ``jaxkv.cache.write_layer`` so the bounds cover the stored (rounded or
+    dequantized) keys, not the model's: every score then bounds the logits attention computes.
+
+    Args:
+      k_pages: [num_blocks, block_size, Hkv, D] float pool, or an fp8/int8 ``QuantizedPages``.
+      slot_mapping: int32 [T] ``block_id * block_size + offset``.
+
+    Returns:
+      f32 [T, Hkv, D].
+
+    Raises:
+      ValueError: for a KIVI pool (its bounds come from its statistics: ``page_bounds``).
+    """
+    bs = k_pages.shape[1]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    if not isinstance(k_pages, QuantizedPages):
+        return k_pages[blk, off].astype(jnp.float32)
+    if k_pages.format.kivi:
+        raise ValueError(f"{k_pages.fmt} pools need no KeyBounds: pass the pool to page_bounds")
+    scale = None if k_pages.scale is None else k_pages.scale[blk, off]          # [T, Hkv, 1]
+    return quant.dequantize(k_pages.data[blk, off], scale, None, k_pages.format,
+                            static_scale=k_pages.static_scale)
+
+
+def update_key_bounds(bounds: KeyBounds, keys: jax.Array, slot_mapping: jax.Array,
+                      block_size: int) -> KeyBounds:
+    """The bounds after a step wrote ``keys`` at ``slot_mapping`` (in place under donation).
+
+    A block written at offset 0 in this step restarts from this step's keys alone (it was
+    (re)allocated: blocks fill in order from offset 0); every other written block widens its
+    bounds by its new keys. Padding tokens (slots in the null block 0) only touch block 0.
+
+    Args:
+      bounds: the pool's bounds before the step.
+      keys: f32 [T, Hkv, D] the keys as stored (``written_keys``).
+      slot_mapping: int32 [T] ``block_id * block_size + offset`` of each key.
+      block_size: tokens per block (static).
+
+    Returns:
+      The updated ``KeyBounds``.
+    """
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    n = bounds.kmin.shape[0]
+    restart = jnp.zeros(n, bool).at[blk].max(off == 0)[:, None, None]         # [N, 1, 1]
+    keys = keys.astype(jnp.float32)
+    kmin = jnp.where(restart, jnp.inf, bounds.kmin).at[blk].min(keys)
+    kmax = jnp.where(restart, -jnp.inf, bounds.kmax).at[blk].max(keys)
+    return KeyBounds(kmin=kmin, kmax=kmax)
+
+
+def copy_key_bounds(bounds: KeyBounds, src: jax.Array, dst: jax.Array) -> KeyBounds:
+    """Bounds of blocks copied ``src[i] -> dst[i]`` (int32 [M], ``dst`` distinct), beside
+    ``jaxkv.cache.copy_blocks``."""
+    return KeyBounds(kmin=bounds.kmin.at[dst].set(bounds.kmin[src]),
+                     kmax=bounds.kmax.at[dst].set(bounds.kmax[src]))
+
+
+def key_bounds(k_pages: Pages, block_tables: jax.Array, seq_lens: jax.Array) -> KeyBounds:
+    """Bounds from scratch: per block, the min/max over the positions ``< seq_lens[s]`` of every
+    sequence s whose table holds it (the oracle of ``update_key_bounds``).
+
+    Args:
+      k_pages: [num_blocks, block_size, Hkv, D] pool, any format (read by ``read_pages``).
+      block_tables: int32 [S, max_blocks].
+      seq_lens: int32 [S].
+
+    Returns:
+      ``KeyBounds``; blocks holding no live position of any sequence are 0.
+    """
+    n, bs, _, _ = k_pages.shape
+    x = read_pages(k_pages, block_tables)                         # [S, B, bs, Hkv, D]
+    pos = jnp.arange(block_tables.shape[1] * bs, dtype=jnp.int32).reshape(-1, bs)
+    live = (pos[None] < seq_lens[:, None, None])[..., None, None]  # [S, B, bs, 1, 1]
+    lo = jnp.where(live, x, jnp.inf).min(axis=2)                   # [S, B, Hkv, D]
+    hi = jnp.where(live, x, -jnp.inf).max(axis=2)
+    shape = (n, *lo.shape[2:])
+    kmin = jnp.full(shape, jnp.inf).at[block_tables].min(lo)
+    kmax = jnp.full(shape, -jnp.inf).at[block_tables].max(hi)
+    written = jnp.isfinite(kmin)
+    return KeyBounds(kmin=jnp.where(written, kmin, 0.0), kmax=jnp.where(written, kmax, 0.0))
+
+
+def _kivi_bounds(pages: QuantizedPages, scale: jax.Array, zero: jax.Array):
+    """(lo, hi) f32 [..., Hkv, D] of KIVI key statistics ``scale``/``zero`` [..., n, Hkv, C]
+    (per channel: n = 1, C = D; per token: n = block_size, C = D / G), over the block's tokens."""
+    s, z = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    hi = pages.format.qmax * s + z                    # the largest code, dequantized
+    if pages.axis == "token":
+        z = jnp.repeat(z, pages.group_size, axis=-1)
+        hi = jnp.repeat(hi, pages.group_size, axis=-1)
+    return z.min(axis=-3), hi.max(axis=-3)
+
+
+def page_bounds(bounds: KeyBounds | QuantizedPages, block_tables: jax.Array):
+    """The key bounds of each sequence's pages.
+
+    Args:
+      bounds: the ``KeyBounds`` of a float/fp8/int8 pool, or the KIVI (int4/int2) K pool itself
+        (bounds derived from its stored scale and zero point; meaningful for sealed blocks).
+      block_tables: int32 [S, max_blocks].
+
+    Returns:
+      (lo, hi) f32 [S, max_blocks, Hkv, D].
+    """
+    if isinstance(bounds, QuantizedPages):
+        if not bounds.format.kivi:
+            raise ValueError(f"{bounds.fmt} pools keep KeyBounds (update_key_bounds); only KIVI "
+                             f"pools derive them from their statistics")
+        return _kivi_bounds(bounds, take_blocks(bounds.scale, block_tables),
+                            take_blocks(bounds.zero, block_tables))
+    return bounds.kmin[block_tables], bounds.kmax[block_tables]
+
+
+def kivi_key_bounds(k_pages: QuantizedPages) -> KeyBounds:
+    """``KeyBounds`` of every block of a KIVI K pool from its scale/zero (sealed blocks bound
+    their dequantized keys; unsealed ones hold no statistics)."""
+    return KeyBounds(*_kivi_bounds(k_pages, k_pages.scale, k_pages.zero))
+
+
+def page_scores(q: jax.Array, bounds: KeyBounds | QuantizedPages,
+                block_tables: jax.Array) -> jax.Array:
+    """Quest's page criticality, an upper bound of the logits a page's keys can give.
+
+    ``score[s, h, p] = max_g Σ_c max(q_gc kmin_c, q_gc kmax_c)`` over the G query heads g of kv
+    head h, computed as ``q . mid + |q| . rad`` (equal up to rounding; two dots instead of a
+    [.., G, D] elementwise max per page). Raw ``q . k`` units (no ``sm_scale``).
+
+    Args:
+      q: [S, num_heads, head_dim] decode queries, any float dtype.
+      bounds: ``KeyBounds`` or a KIVI K pool (see ``page_bounds``).
+      block_tables: int32 [S, max_blocks].
+
+    Returns:
+      f32 [S, num_kv_heads, max_blocks]; pages past a sequence's end score whatever their
+      (padding) block holds: ``select_pages`` masks them.
+    """
+    lo, hi = page_bounds(bounds, block_tables)                  # [S, P, Hkv, D]
+    S, Hq, D = q.shape
+    Hkv = lo.shape[2]
+    qg = q.astype(jnp.float32).reshape(S, Hkv, Hq // Hkv, D)     # [S, Hkv, G, D]
+    mid, rad = (lo + hi) * 0.5, (hi - lo) * 0.5
+    s = jnp.einsum("shgd,sphd->shgp", qg, mid, precision=_HIGHEST) + \
+        jnp.einsum("shgd,sphd->shgp", jnp.abs(qg), rad, precision=_HIGHEST)
+    return s.max(axis=2)                                        # [S, Hkv, P]
+
+
+def min_budget(block_size: int, *, num_sinks: int = 0, recent: int = 1,
+               residual_blocks: int = 1) -> int:
+    """Pages every selection may have to force: the sink pages plus the larger of the pages the
+    last ``recent`` tokens can span and the KIVI residual window (the smallest valid budget)."""
+    recent_pages = -(-(recent - 1) // block_size) + 1
+    return -(-num_sinks // block_size) + max(recent_pages, residual_blocks)
+
+
+def select_pages(scores: jax.Array, seq_lens: jax.Array, *, block_size: int, budget: int,
+                 num_sinks: int = 0, recent: int = 1, residual_blocks: int = 1):
+    """The pages each (sequence, kv head) attends to: forced pages, then the best-scored ones.
+
+    Forced (always selected): the pages holding the first ``num_sinks`` positions (attention
+    sinks), the pages holding the last ``recent`` positions (the current token included) and the
+    KIVI residual window (logical pages from ``seq_len // block_size - (residual_blocks - 1)``,
+    whose blocks may be unsealed or read from the residual). The other live pages fill the rest
+    of the ``budget`` by descending score, ties to the lower page. Pages at or past
+    ``cdiv(seq_len, block_size)`` are never selected.
+
+    Args:
+      scores: f32 [S, Hkv, max_blocks] (``page_scores``).
+      seq_lens: int32 [S] kv lengths including the current token (0: a padding sequence).
+      block_size: tokens per page.
+      budget: pages per (sequence, kv head) (static), >= ``min_budget(...)``.
+      num_sinks: sink positions (tokens).
+      recent: recent positions (tokens, >= 1: the current token).
+      residual_blocks: the KIVI residual window R of the pool (1 for other formats).
+
+    Returns:
+      (pages int32 [S, Hkv, budget] logical page ids, ascending in the first ``count`` entries,
+      0 after; count int32 [S, Hkv] = min(budget, live pages)).
+
+    Raises:
+      ValueError: for ``recent < 1``, ``num_sinks < 0`` or a budget below ``min_budget``.
+    """
+    if recent < 1 or num_sinks < 0:
+        raise ValueError(f"recent={recent} must be >= 1 and num_sinks={num_sinks} >= 0")
+    need = min_budget(block_size, num_sinks=num_sinks, recent=recent,
+                      residual_blocks=residual_blocks)
+    if budget < need:
+        raise ValueError(f"budget={budget} pages cannot hold the {need} pages that sinks "
+                         f"({num_sinks} tokens), the recent window ({recent} tokens) and the "
+                         f"residual window ({residual_blocks} blocks) may force")
+    S, Hkv, P = scores.shape
+    logical = jnp.arange(P, dtype=jnp.int32)                                     # [P]
+    lens = seq_lens[:, None]                                                     # [S, 1]
+    live = logical < (lens + block_size - 1) // block_size                       # [S, P]
+    first_recent = jnp.maximum(lens - recent, 0) // block_size
+    forced = (logical < -(-num_sinks // block_size)) | (logical >= first_recent) \
+        | (logical >= window_first(lens, block_size, residual_blocks))
+    key = jnp.where((forced & live)[:, None], jnp.inf,
+                    jnp.where(live[:, None], scores, -jnp.inf))                  # [S, Hkv, P]
+    k = min(budget, P)
+    top, idx = jax.lax.top_k(key, k)                # ties: the lower index first
+    picked = top > -jnp.inf                                                      # [S, Hkv, k]
+    count = picked.sum(axis=-1).astype(jnp.int32)
+    idx = jnp.sort(jnp.where(picked, idx, P), axis=-1)                           # picked first
+    pages = jnp.where(jnp.arange(k) < count[..., None], idx, 0).astype(jnp.int32)
+    return jnp.pad(pages, ((0, 0), (0, 0), (0, budget - k))), count
+
+
+def _residual_blocks(pages: Pages) -> int:
+    """The KIVI residual window R of a pool (1 for a pool without a residual)."""
+    if isinstance(pages, QuantizedPages) and pages.residual is not None:
+        return pages.residual_blocks
+    return 1
+
+
+def quest_select(q: jax.Array, k_pages: Pages, block_tables: jax.Array, seq_lens: jax.Array, *,
+                 budget: int, bounds: KeyBounds | None = None, num_sinks: int = 0,
+                 recent: int = 1):
+    """``select_pages(page_scores(...))`` for one layer: the pages a decode step attends to.
+
+    Args:
+      q: [S, num_heads, head_dim] decode queries.
+      k_pages: the layer's K pool (any format; sets block_size and the KIVI residual window).
+      block_tables: int32 [S, max_blocks].
+      seq_lens: int32 [S] kv lengths including the current token.
+      budget: pages per (sequence, kv head) (static).
+      bounds: the pool's ``KeyBounds``; None for a KIVI pool (derived from its statistics).
+      num_sinks, recent: forced sink / recent positions (tokens), see ``select_pages``.
+
+    Returns:
+      (pages int32 [S, Hkv, budget], count int32 [S, Hkv]) as ``select_pages``.
+    """
+    if bounds is None:
+        if not (isinstance(k_pages, QuantizedPages) and k_pages.format.kivi):
+            raise ValueError("bounds=None derives the bounds of a KIVI (int4/int2) K pool; "
+                             "float, fp8 and int8 pools need their KeyBounds")
+        bounds = k_pages
+    return select_pages(page_scores(q, bounds, block_tables), seq_lens,
+                        block_size=k_pages.shape[1], budget=budget, num_sinks=num_sinks,
+                        recent=recent, residual_blocks=_residual_blocks(k_pages))
+
+
+def check_selection(pages, count, num_seqs: int, num_kv_heads: int) -> None:
+    """Raises ValueError unless ``pages`` is int32 [S, Hkv, K] and ``count`` int32 [S, Hkv]."""
+    if pages.ndim != 3 or pages.shape[:2] != (num_seqs, num_kv_heads):
+        raise ValueError(f"pages must be [S, num_kv_heads, K] = [{num_seqs}, {num_kv_heads}, K], "
+                         f"got {pages.shape}")
+    if count.shape != (num_seqs, num_kv_heads):
+        raise ValueError(f"count must be [S, num_kv_heads] = [{num_seqs}, {num_kv_heads}], "
+                         f"got {count.shape}")
+    for name, a in (("pages", pages), ("count", count)):
+        if a.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {a.dtype}")
+
+
+def sparse_decode_reference(q: jax.Array, k_pages: Pages, v_pages: Pages,
+                            block_tables: jax.Array, seq_lens: jax.Array, pages: jax.Array,
+                            count: jax.Array, *, sm_scale: float | None = None,
+                            soft_cap: float | None = None, return_lse: bool = False):
+    """Decode attention over exactly the selected pages of each kv head (the sparse spec).
+
+    The token of sequence s sits at position ``seq_lens[s] - 1``; kv head h's query heads attend
+    to the positions ``< seq_lens[s]`` of logical pages ``pages[s, h, :count[s, h]]``.
+
+    Args:
+      q: [S, num_heads, head_dim] one query token per sequence.
+      k_pages, v_pages: [num_blocks, block_size, Hkv, head_dim] one layer's pools, arrays or
+        ``QuantizedPages`` (read by ``jaxkv.cache.read_pages``; a KIVI page inside the
+        sequence's residual window from the full-precision residual, as the dense reference).
+      block_tables: int32 [S, max_blocks] physical block of each logical page.
+      seq_lens: int32 [S] kv lengths including the current token (0: padding, gives zeros).
+      pages: int32 [S, Hkv, K] logical pages (entries from ``count`` on are ignored).
+      count: int32 [S, Hkv] valid entries of ``pages``.
+      sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+
+    Returns:
+      out [S, num_heads, head_dim] in q's dtype, and with ``return_lse`` lse f32 [S, num_heads]
+      (-inf where nothing was attended).
+    """
+    S = block_tables.shape[0]
+    if q.ndim != 3 or q.shape[0] != S:
+        raise ValueError(f"q must be [S, num_heads, head_dim] with S = {S}, got {q.shape}")
+    check_shapes(q, k_pages, v_pages, block_tables, seq_lens, jnp.arange(S + 1))
+    _, Hq, D = q.shape
+    _, bs, Hkv, _ = k_pages.shape
+    check_selection(pages, count, S, Hkv)
+    K = pages.shape[2]
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    picked = jnp.arange(K) < count[..., None]                                    # [S, Hkv, K]
+    logical = jnp.where(picked, pages, 0)
+    ids = jnp.take_along_axis(block_tables[:, None, :], logical, axis=2)          # [S, Hkv, K]
+    kv_pos = logical[..., None] * bs + jnp.arange(bs, dtype=jnp.int32)           # [S, Hkv, K, bs]
+    mask = picked[..., None] & (kv_pos < seq_lens[:, None, None, None])
+    window = logical >= window_first(seq_lens, bs, _residual_blocks(k_pages))[:, None, None]
+
+    def read(pool):
+        """f32 [S, Hkv, K * bs, D]: kv head h's rows of its own pages."""
+        heads = [read_pages(pool, ids[:, h], window[:, h])[..., h, :] for h in range(Hkv)]
+        return jnp.stack(heads, axis=1).reshape(S, Hkv, K * bs, D)
+
+    k, v = read(k_pages), read(v_pages)
+    qg = q.astype(jnp.float32).reshape(S, Hkv, Hq // Hkv, D) * scale             # [S, Hkv, G, D]
+    s = jnp.einsum("shgd,shnd->shgn", qg, k)                                     # [S, Hkv, G, K*bs]
+    carry = online_softmax_step(softmax_init(qg.shape[:3], D), cap_logits(s, soft_cap),
+                                mask.reshape(S, Hkv, 1, K * bs),
+                                lambda p: jnp.einsum("shgn,shnd->shgd", p, v))
+    out, lse = softmax_result(carry)
+    out = out.reshape(S, Hq, D).astype(q.dtype)
+    return (out, lse.reshape(S, Hq)) if return_lse else out
+
+
+def quest_decode_reference(q: jax.Array, k_pages: Pages, v_pages: Pages,
+                           block_tables: jax.Array, seq_lens: jax.Array, *, budget: int,
+                           bounds: KeyBounds | None = None, num_sinks: int = 0, recent: int = 1,
+                           sm_scale: float | None = None, soft_cap: float | None = None,
+                           return_lse: bool = False):
+    """Quest decode attention: bounds -> page scores -> selection -> sparse attention.
+
+    Args:
+      q, k_pages, v_pages, block_tables, seq_lens, sm_scale, soft_cap, return_lse: as in
+        ``sparse_decode_reference``.
+      budget, bounds, num_sinks, recent: as in ``quest_select``.
+
+    Returns:
+      As ``sparse_decode_reference``; with a budget of at least ``max_blocks`` pages every live
+      page is selected and the result is the dense decode attention.
+    """
+    pages, count = quest_select(q, k_pages, block_tables, seq_lens, budget=budget,
+                                bounds=bounds, num_sinks=num_sinks, recent=recent)
+    return sparse_decode_reference(q, k_pages, v_pages, block_tables, seq_lens, pages, count,
+                                   sm_scale=sm_scale, soft_cap=soft_cap, return_lse=return_lse)

@@ -5,6 +5,8 @@ the target's tokenizer, run by the engine's own device machinery over its own pa
     drafts = proposer.propose_batch({request_id: (token_ids, k), ...})   # {id: k greedy tokens}
     proposer.release(request_id)                                        # finished, aborted, preempted
 
+    write_truncated_draft("SmolLM2-135M-Instruct", "drafts/smollm2-l8", 8)   # a draft to use
+
 The device side is a second ``jaxkv.engine.runner.ModelRunner`` (the draft's params, donated
 cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
 builds itself, block tables from its own ``BlockManager``. It needs no scheduler: it computes
@@ -51,14 +53,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Hashable, Mapping, Sequence
+from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.block_manager import BlockManager, cdiv
 from jaxkv.config import CacheArgs, EngineConfig, ModelArgs, SpeculativeArgs
 from jaxkv.engine.runner import ModelRunner, RowInput
 from jaxkv.model import checkpoint
-from jaxkv.model.weights import load_config
+from jaxkv.model.llama import params_from_hf
+from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.sampling import SamplingParams
 from jaxkv.scheduler import ScheduledSeq, StepPlan
 
@@ -95,6 +100,34 @@ def draft_engine_config(config: EngineConfig, target: ModelRunner,
         scheduler=sc, speculative=SpeculativeArgs())
 
 
+def write_truncated_draft(model: str, path: str, num_layers: int, *,
+                          dtype: str = "float32", overwrite: bool = False) -> Path:
+    """Writes a draft for ``model``: its first ``num_layers`` decoder layers with its embedding,
+    final norm and LM head, as an orbax checkpoint (``jaxkv convert``'s format, with the same
+    tokenizer), loadable as ``speculative_model=path``.
+
+    Args:
+      model: GGUF file, HF directory or store name (read by the engine's loader).
+      path: the checkpoint directory.
+      num_layers: decoder layers kept, ``1 <= num_layers <= the model's``.
+
+    Returns:
+      The checkpoint directory.
+    """
+    loaded = load_model_files(model)
+    if not 1 <= num_layers <= loaded.config.num_layers:
+        raise ValueError(f"num_layers={num_layers} must be in [1, {loaded.config.num_layers}]")
+    dropped = tuple(f"model.layers.{i}." for i in range(num_layers, loaded.config.num_layers))
+    tensors = {k: v for k, v in loaded.tensors.items() if not k.startswith(dropped)}
+    config = dataclasses.replace(loaded.config, num_layers=num_layers)
+    params = params_from_hf(config, tensors, jnp.dtype(dtype), source=loaded.source)
+    checkpoint.save_params(path, params, {"source": loaded.source, "dtype": dtype,
+                                          "truncated_to_layers": num_layers},
+                           config=config, overwrite=overwrite)
+    checkpoint.write_tokenizer(path, loaded.tokenizer)
+    return Path(path)
+
+
 def _read_config(model: str):
     return checkpoint.read_config(model) if checkpoint.is_checkpoint(model) else load_config(model)
 
@@ -111,7 +144,12 @@ class DraftModelProposer:
       runner: as given.
       block_manager: the draft pool's owner (tables exist exactly for the requests with
         draft state).
+      probe_interval: the adaptive draft length asks for a request it gives no drafts (k = 0)
+        once per this many steps only (``Speculator.drafts``): every proposal costs a draft
+        forward.
     """
+
+    probe_interval = 8
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner

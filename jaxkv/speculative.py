@@ -51,8 +51,9 @@ the first mismatch (trials) and the matches (successes), both decayed by ``_DECA
 from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A request whose proposals stopped
 being accepted stops drafting at once, and starts again when its proposals start matching.
 The proposer is asked for ``max(1, k)`` tokens (and no more than ``max_tokens`` leaves room for),
-so a ``k = 0`` request keeps measuring with one proposed token (for the draft model: the
-catch-up forward's, which it computes anyway to keep its cache in sync).
+so a ``k = 0`` request keeps measuring with one proposed token. A proposer whose proposals cost
+a forward pass (the draft model) sets ``probe_interval``: a ``k = 0`` request is then asked for
+its one token only once per that many steps (its draft cache catches up then, in one chunk).
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class Speculator:
                  draft_cost: float | None = None):
         self.proposer = proposer
         self._held: set[Hashable] = set()   # requests proposed for since their last release
+        self._idle: dict[Hashable, int] = {}  # k = 0 steps since a request was last asked
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
@@ -217,6 +219,8 @@ class Speculator:
             return {}
         self.forget(state)
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
+        self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
+        probe_interval = getattr(self.proposer, "probe_interval", 1)
         self._proposals, out = {}, {}
         wanted, lengths = {}, {}
         for request_id in scheduler.decoding_ids(state):
@@ -224,7 +228,12 @@ class Speculator:
             room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
             k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
                 self.acceptance(request_id), self.num_speculative_tokens, self.draft_cost))
-            n = min(max(k, 1), room)   # one at least: a k = 0 request keeps measuring
+            if k == 0:   # asked for one token to keep measuring, once per probe_interval steps
+                self._idle[request_id] = self._idle.get(request_id, 0) + 1
+                if self._idle[request_id] < probe_interval:
+                    continue
+            self._idle[request_id] = 0
+            n = min(max(k, 1), room)
             if n > 0:
                 wanted[request_id] = (np.asarray(rs.token_ids(0, rs.num_tokens), np.int32), n)
                 lengths[request_id] = min(k, n)

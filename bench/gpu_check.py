@@ -19,6 +19,12 @@ Sections:
       zero points + int32 res_slot per page + the residual's null slot), the speedup over the
       bf16 row of the same batch, and issue #6's targets at 32k (>= 1.7x fp8/int8, >= 2.5x int4)
       as pass/fail;
+  (b3) Quest sparse decode (jaxkv.sparse_attention + jaxkv.pallas.sparse) against the dense split-K
+      decode kernel at 8k and 32k context, bf16, GQA 4, token budgets 512 and 2048 (sinks and
+      the recent window included): the selected pages' bytes + the key bounds' bytes actually
+      read, GB/s, speed-up over dense paged_decode_attention, for the kernel alone (selection
+      given) and for the whole step (scores + top pages + kernel), and the kernel vs the sparse
+      reference on the same selection (run after (c), before (d));
   (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
       (pallas ops.gpu.attention.mha with K/V repeated to every head, and
       jax.nn.dot_product_attention);
@@ -27,7 +33,7 @@ Every timing runs the op ``inner`` times inside one jitted loop (each call feeds
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
 per call. Every section is guarded: a failure is recorded in the report, the script goes on.
 Time guards: no bf16 decode measurement starts after 300 s, no quantized one after 360 s, no
-sweep one after 400 s. The speedup targets are reported, not part of the exit status.
+sweep one after 400 s, no sparse one after 420 s. The speedup targets are reported, not part of the exit status.
 """
 
 from __future__ import annotations
@@ -82,6 +88,12 @@ class Settings:
     quant_groups: tuple[int, ...] = (4,)          # GQA groups of the quantized decode rows
     quant_until_s: float = 360.0  # no quantized decode row starts after this (bf16 rows: 300 s)
     target_context: int = 32768   # context at which QUANT_TARGETS are judged
+    sparse_contexts: tuple[int, ...] = ()         # contexts of the Quest sparse decode rows
+    sparse_batches: tuple[int, ...] = (8, 32)
+    sparse_budgets: tuple[int, ...] = (512, 2048)  # tokens attended per (sequence, kv head)
+    sparse_sinks: int = 16        # sink tokens always attended
+    sparse_recent: int = 64       # recent tokens always attended (the current one included)
+    sparse_until_s: float = 420.0  # no sparse decode row starts after this
 
 
 REAL = Settings(
@@ -94,7 +106,7 @@ REAL = Settings(
              kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768)),
     ),
     sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
-    quant_contexts=(8192, 32768))
+    quant_contexts=(8192, 32768), sparse_contexts=(8192, 32768))
 # head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
     interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
@@ -105,7 +117,8 @@ DRY = Settings(
     decode_until_s=math.inf, sweep_until_s=math.inf,
     correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
     sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,), quant_until_s=math.inf,
-    target_context=64)
+    target_context=64, sparse_contexts=(64,), sparse_batches=(2,), sparse_budgets=(32, 48),
+    sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf)
 
 # Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
 QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
@@ -495,6 +508,88 @@ def bench_quant_decode(settings: Settings, clock: Clock, bf16_rows: dict, k, v, 
 
 
 # --------------------------------------------------------------------------------------------
+# (b3) Quest sparse decode
+# --------------------------------------------------------------------------------------------
+
+
+def bench_sparse(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
+    """Quest sparse decode rows: per (context, batch) the dense split-K kernel, then per token
+    budget the pages Quest selects (``quest_select`` over the pool's ``key_bounds``), the sparse
+    kernel vs ``sparse_decode_reference`` on them, and the timings of the kernel alone and of the
+    whole step (scores + selection + kernel). Bytes read: the selected pages' K and V
+    (pages x block_size x head_dim x 2 B x 2, summed over sequences and kv heads) for the kernel,
+    plus the f32 kmin/kmax of every page of every sequence for the whole step."""
+    from jaxkv.pallas import sparse_paged_decode_attention
+    from jaxkv.sparse_attention import key_bounds, quest_select, sparse_decode_reference
+
+    rows = []
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    G, dtype = 4, jnp.bfloat16
+    page_bytes = bs * D * jnp.dtype(dtype).itemsize * 2          # K + V of one page, one head
+    for ctx in settings.sparse_contexts:
+        for B in settings.sparse_batches:
+            if clock.elapsed() > settings.sparse_until_s:
+                return rows
+            k, v, tables, lens = make_paged(jax.random.key(100 + ctx), [ctx] * B, Hkv=Hkv, D=D,
+                                            bs=bs, dtype=dtype)
+            q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
+            bounds = jax.jit(key_bounds)(k, tables, lens)
+            dense_bytes = B * ctx * Hkv * D * 2 * 2
+            bounds_bytes = 2 * tables.size * Hkv * D * 4
+            dense = functools.partial(paged_decode_attention, interpret=settings.interpret)
+            try:
+                dense_s, _, _, _ = time_op(dense, (q, k, v, tables, lens), settings=settings,
+                                           est_s=dense_bytes / 3e12 + 5e-6)
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                rows.append(dict(batch=B, context=ctx, group=G,
+                                 dense_error=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            for budget_tokens in settings.sparse_budgets:
+                if clock.elapsed() > settings.sparse_until_s:
+                    return rows
+                opts = dict(budget=budget_tokens // bs, num_sinks=settings.sparse_sinks,
+                            recent=settings.sparse_recent)
+                row = dict(batch=B, context=ctx, group=G, budget_tokens=budget_tokens,
+                           dense_ms=dense_s * 1e3, dense_bytes=dense_bytes,
+                           dense_gbps=dense_bytes / dense_s / 1e9)
+                try:
+                    pages, count = jax.jit(functools.partial(quest_select, **opts))(
+                        q, k, tables, lens, bounds=bounds)
+                    kernel = functools.partial(sparse_paged_decode_attention,
+                                               interpret=settings.interpret)
+                    got = kernel(q, k, v, tables, lens, pages, count)
+                    want = sparse_decode_reference(q, k, v, tables, lens, pages, count)
+                    kv_read = int(jnp.sum(count)) * page_bytes
+                    row.update(pages_read=int(jnp.sum(count)), kernel_bytes=kv_read,
+                               quest_bytes=kv_read + bounds_bytes, max_err=max_err(got, want),
+                               ok=is_close(got, want, "bfloat16"))
+
+                    def quest(q, k, v, tables, lens, bounds):
+                        sel = quest_select(q, k, tables, lens, bounds=bounds, **opts)
+                        return kernel(q, k, v, tables, lens, *sel)
+
+                    for name, fn, args, nbytes in (
+                            ("kernel", kernel, (q, k, v, tables, lens, pages, count), kv_read),
+                            ("quest", quest, (q, k, v, tables, lens, bounds),
+                             kv_read + bounds_bytes)):
+                        med, lo, hi, _ = time_op(fn, args, settings=settings,
+                                                 est_s=nbytes / 3e12 + 5e-6)
+                        row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
+                                    f"{name}_max_ms": hi * 1e3,
+                                    f"{name}_gbps": nbytes / med / 1e9,
+                                    f"{name}_frac_copy": nbytes / med / 1e9 / copy_gbps,
+                                    f"{name}_speedup": dense_s / med})
+                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(fmt_sparse_row(row), flush=True)
+            del k, v, bounds
+            gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # (c) prefill
 # --------------------------------------------------------------------------------------------
 
@@ -623,6 +718,22 @@ def fmt_quant_row(row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def fmt_sparse_row(row) -> str:
+    """| batch | context | budget | pages read | MB read (kernel / step) | of dense | dense ms |
+    kernel ms | GB/s | speed-up | step ms | GB/s | speed-up | max err | ok |"""
+    head = [str(row["batch"]), str(row["context"]), str(row.get("budget_tokens", "-"))]
+    if "dense_error" in row or "error" in row:
+        return "| " + " | ".join(head + [f"error: {row.get('error', row.get('dense_error'))}"]
+                                 + [""] * 12) + " |"
+    cells = head + [str(row["pages_read"]),
+                    f"{row['kernel_bytes'] / 1e6:.1f} / {row['quest_bytes'] / 1e6:.1f}",
+                    f"{row['quest_bytes'] / row['dense_bytes']:.3f}", f"{row['dense_ms']:.4f}"]
+    for name in ("kernel", "quest"):
+        cells += [f"{row[f'{name}_ms']:.4f}", f"{row[f'{name}_gbps']:.0f}",
+                  f"×{row[f'{name}_speedup']:.2f}"]
+    return "| " + " | ".join(cells + [f"{row['max_err']:.2e}", str(row["ok"])]) + " |"
+
+
 def quant_target_summary(rows) -> list[str]:
     """One line per dtype with a target: at how many batches of the target context it is met."""
     lines = []
@@ -668,6 +779,15 @@ def markdown(report) -> str:
     summary = quant_target_summary(quant)
     if summary:
         lines += [""] + summary
+    lines += ["", "## (b3) Quest sparse decode (bf16, GQA 4; budget = tokens attended per sequence "
+              "and kv head, sinks and recent window included; MB read = the selected pages' K+V "
+              "for the kernel / + the f32 key bounds of every page for the whole step; of dense "
+              "= step bytes / dense bytes; kernel = sparse kernel with the selection given; "
+              "step = page scores + top pages + kernel; speed-up = dense decode ms / ms; max err "
+              "= kernel vs sparse_decode_reference)", "",
+              "| batch | context | budget | pages read | MB read | of dense | dense ms | kernel ms "
+              "| GB/s | speed-up | step ms | GB/s | speed-up | max err | ok |", "|" + "---|" * 15]
+    lines += [fmt_sparse_row(r) for r in report.get("sparse", [])]
     lines += ["", "## (c) prefill (one causal prompt)", "",
               "| kernel | tokens | ms | min–max | TFLOP/s |", "|---|---|---|---|---|"]
     for r in report["prefill"]:
@@ -712,7 +832,7 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
                   head_dim=settings.head_dim, target_context=settings.target_context,
                   correctness=dict(ours=[], peer=[]), decode=[],
-                  prefill=[], sweep=[], errors=[], elapsed_s=0.0)
+                  prefill=[], sparse=[], sweep=[], errors=[], elapsed_s=0.0)
 
     def section(key, fn):
         try:
@@ -734,9 +854,11 @@ def main(argv=None) -> int:
     copy_gbps = report["copy_gbps"] or 1.0
     section("decode", lambda: bench_decode(settings, clock, peer, copy_gbps))
     section("prefill", lambda: bench_prefill(settings))
+    section("sparse", lambda: bench_sparse(settings, clock, copy_gbps))
     section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
     print(markdown(report))
-    ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"]
+    ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"] \
+        and all(r.get("ok", False) for r in report["sparse"])
     return 0 if ok else 1
 
 

@@ -352,7 +352,7 @@ KERNEL_CASES = {
     "fp32-g1-budget3": dict(kv="fp32", hq=2, budget=3, splits=None, config=None),
     "fp32-g4-budget5-2splits-bkv16": dict(kv="fp32", hq=8, budget=5, splits=2,
                                           config=SparseConfig(block_kv=16)),
-    "fp32-g4-full-3splits-bkv32": dict(kv="fp32", hq=8, budget=13, splits=3,
+    "fp32-g4-full-3splits-bkv32": dict(kv="fp32", hq=8, budget=8, splits=3,
                                        config=SparseConfig(block_kv=32, num_stages=2)),
     "bf16-g4-budget4": dict(kv="bf16", hq=8, budget=4, splits=2, config=None),
     "bf16-g1-budget6": dict(kv="bf16", hq=2, budget=6, splits=None, config=None),
@@ -372,8 +372,8 @@ KERNEL_CASES = {
 def test_kernel_matches_sparse_reference(name):
     case = KERNEL_CASES[name]
     dtype = "bfloat16" if case["kv"] == "bf16" else "float32"
-    # 97 tokens: 12 full pages and a tail; 9: a sealed page and a tail; 0: a padding sequence
-    batch, bounds = build(case["kv"], [97, 9, 40, 0], hq=case["hq"], residual_blocks=2,
+    # 59 tokens: 7 full pages and a tail; 9: a sealed page and a tail; 0: a padding sequence
+    batch, bounds = build(case["kv"], [59, 9, 24, 0], hq=case["hq"], residual_blocks=2,
                           seed=sorted(KERNEL_CASES).index(name), dtype=dtype)
     pages, count = quest_select(batch["q"], batch["k_pages"], batch["block_tables"],
                                 batch["seq_lens"], budget=case["budget"], bounds=bounds,

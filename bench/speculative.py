@@ -1,4 +1,4 @@
-"""Speculative decoding with the n-gram proposer on SmolLM2-135M (fp32, CPU), greedy.
+"""Speculative decoding with the n-gram or draft-model proposer on SmolLM2-135M (fp32, CPU), greedy.
 
 Workloads (``--workloads``, default both):
 
@@ -17,11 +17,23 @@ the outputs equal those without speculation token for token (else the first diff
 ``[request, token]``).
 
     python3 bench/speculative.py --out bench/results/speculative.json
+
+The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
+``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K, with
+``--draft-cost``), where NAME is ``self`` (the target as its own draft: every draft accepted,
+the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
+but ``[A, B)``), each written once by ``jaxkv.draft_model.write_truncated_draft`` under
+``--draft-dir``. Greedy outputs are compared with no speculation; at a first difference the
+fp32 top-2 logprob margin of the non-speculative run there is reported.
+
+    python3 bench/speculative.py --proposer draft --batch-sizes 1,4 \
+        --drafts self:4,first8:2,skip12-18:3,skip12-18:a4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -55,10 +67,38 @@ def conversations(workload: str, n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
-def engine(batch: int, k: int, adaptive: bool, args) -> LLM:
-    """A SmolLM2 engine for batch size ``batch`` drafting up to ``k`` tokens (0: no speculation)."""
-    spec = (dict(speculative="ngram", num_speculative_tokens=k, speculative_adaptive=adaptive)
-            if k else {})
+def draft_path(name: str, args) -> str:
+    """The draft model of a ``--drafts`` name, written on first use (see the module docstring)."""
+    from jaxkv.draft_model import write_truncated_draft
+    from jaxkv.model.weights import load_config
+
+    if name == "self":
+        return args.model
+    n = load_config(args.model).num_layers
+    if name.startswith("first"):
+        layers = list(range(int(name[5:])))
+    elif name.startswith("skip"):
+        a, b = map(int, name[4:].split("-"))
+        layers = [i for i in range(n) if not a <= i < b]
+    else:
+        raise SystemExit(f"--drafts: unknown draft {name!r} (self, firstN, skipA-B)")
+    path = Path(args.draft_dir) / f"{Path(args.model).stem}-{name}"
+    if not path.exists():
+        write_truncated_draft(args.model, str(path), layers)
+    return str(path)
+
+
+def engine(batch: int, variant: tuple, args) -> LLM:
+    """A SmolLM2 engine for batch size ``batch`` and a variant ``(proposer, k, adaptive)``
+    (proposer None: no speculation; ``"ngram"``; or a ``--drafts`` name)."""
+    proposer, k, adaptive = variant
+    spec = {}
+    if proposer == "ngram":
+        spec = dict(speculative="ngram", num_speculative_tokens=k, speculative_adaptive=adaptive)
+    elif proposer:
+        spec = dict(speculative="draft", speculative_model=draft_path(proposer, args),
+                    num_speculative_tokens=k, speculative_adaptive=adaptive,
+                    speculative_draft_cost=args.draft_cost)
     return LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch,
                max_num_batched_tokens=1024, token_buckets=(16, 64, 256, 1024),
                seq_buckets=(batch,), **spec)
@@ -74,33 +114,56 @@ def timed_run(llm: LLM, convs, params) -> dict:
     wall = time.perf_counter() - t0
     after = llm.stats()
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    keys = ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_drafts")
+    keys = ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_drafts",
+            "spec_draft_num_steps", "spec_draft_device_time_s", "device_time_s")
     return dict(wall_s=wall, tok_per_s=generated / wall, generated=generated,
                 decode_tok_per_s=statistics.mean(1 / o.metrics.tpot for o in outs),
                 outputs=[o.outputs[0].token_ids for o in outs],
                 **{key: after.get(key, 0) - before.get(key, 0) for key in keys})
 
 
-def summary(workload: str, batch: int, variant: tuple[int, bool], runs: list[dict],
-            base: list[dict]) -> dict:
-    """One table row: medians over the timed runs, against the runs without speculation."""
-    k, adaptive = variant
+def _margin(logprobs: dict[int, float]) -> float | None:
+    """The gap between the two most likely tokens' logprobs at one position."""
+    top = sorted(logprobs.values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else None
+
+
+def top2_margins(llm: LLM, convs, params) -> list[list[float | None]]:
+    """Per request and output token, the fp32 top-2 logprob margin of an (untimed) run."""
+    outs = llm.chat(convs, dataclasses.replace(params, logprobs=2), use_tqdm=False)
+    return [[_margin(lp) for lp in o.outputs[0].logprobs] for o in outs]
+
+
+def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
+            base: list[dict], margins: list[list[float | None]]) -> dict:
+    """One table row: medians over the timed runs, against the runs without speculation
+    (``margins``: its ``top2_margins``)."""
+    proposer, k, adaptive = variant
     med = {key: statistics.median(r[key] for r in runs)
            for key in ("tok_per_s", "decode_tok_per_s", "wall_s")}
     r = runs[0]   # greedy: every run emits the same tokens
     drafted, accepted, drafts = (r["spec_num_draft_tokens"], r["spec_num_accepted_tokens"],
                                  r["spec_num_drafts"])
+    diff = next(([i, j] for i, (a, b) in enumerate(zip(r["outputs"], base[0]["outputs"]))
+                 for j, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y), None)
     return dict(
-        workload=workload, batch=batch, k=k, adaptive=adaptive, generated=r["generated"], **med,
+        workload=workload, batch=batch, proposer=proposer, k=k, adaptive=adaptive,
+        generated=r["generated"], **med,
         speedup=med["tok_per_s"] / statistics.median(b["tok_per_s"] for b in base),
         steps_per_token=r["num_steps"] / r["generated"],
         acceptance_rate=accepted / drafted if drafted else None,
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
+        draft_steps_per_token=r["spec_draft_num_steps"] / r["generated"],
+        draft_device_share=(r["spec_draft_device_time_s"] / r["wall_s"]
+                            if r["spec_draft_device_time_s"] else None),
+        target_step_ms=1e3 * r["device_time_s"] / r["num_steps"],
+        draft_step_ms=(1e3 * r["spec_draft_device_time_s"] / r["spec_draft_num_steps"]
+                       if r["spec_draft_num_steps"] else None),
         tok_per_s_runs=[x["tok_per_s"] for x in runs],
         outputs_equal=r["outputs"] == base[0]["outputs"],
-        first_difference=next(
-            ([i, j] for i, (a, b) in enumerate(zip(r["outputs"], base[0]["outputs"]))
-             for j, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y), None))
+        first_difference=diff,
+        first_difference_top2_margin=(margins[diff[0]][diff[1]] if diff
+                                      and diff[1] < len(margins[diff[0]]) else None))
 
 
 def main():
@@ -111,27 +174,42 @@ def main():
     ap.add_argument("--ks", default="2,4,8", help="fixed draft lengths (no speculation is "
                     "always measured)")
     ap.add_argument("--adaptive", default="8", help="maximum draft lengths of adaptive rows")
+    ap.add_argument("--proposer", default="ngram", choices=("ngram", "draft"))
+    ap.add_argument("--drafts", default="self:4,first8:2,skip12-18:3,skip12-18:a4",
+                    help="draft proposer rows NAME:K or NAME:aK (see the module docstring)")
+    ap.add_argument("--draft-cost", type=float, default=0.9, help="draft rows: "
+                    "speculative_draft_cost of the adaptive ones (a draft forward's share of a "
+                    "target step + the verify cost)")
+    ap.add_argument("--draft-dir", default=str(Path.home() / ".cache" / "jaxkv" / "drafts"))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
     args = ap.parse_args()
-    variants = [(0, False)] + [(int(k), False) for k in args.ks.split(",") if int(k)]
-    variants += [(int(k), True) for k in args.adaptive.split(",") if k]
+    variants = [(None, 0, False)]
+    if args.proposer == "ngram":
+        variants += [("ngram", int(k), False) for k in args.ks.split(",") if int(k)]
+        variants += [("ngram", int(k), True) for k in args.adaptive.split(",") if k]
+    else:
+        for entry in args.drafts.split(","):
+            name, k = entry.split(":")
+            variants.append((name, int(k.lstrip("a")), k.startswith("a")))
     rows, load = [], os.getloadavg()
     for workload in args.workloads.split(","):
         for batch in map(int, args.batch_sizes.split(",")):
             convs = conversations(workload, batch)
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-            engines = {v: engine(batch, *v, args) for v in variants}
+            engines = {v: engine(batch, v, args) for v in variants}
             for llm in engines.values():
                 llm.chat(convs, params, use_tqdm=False)   # compiles every shape used below
             runs = {v: [] for v in variants}
             for _ in range(args.reps):   # round robin: load drift hits every variant alike
                 for v, llm in engines.items():
                     runs[v].append(timed_run(llm, convs, params))
+            margins = top2_margins(engines[(None, 0, False)], convs, params)
             for v, llm in engines.items():
                 llm.close()
-                rows.append(summary(workload, batch, v, runs[v], runs[(0, False)]))
+                rows.append(summary(workload, batch, v, runs[v], runs[(None, 0, False)],
+                                    margins))
                 print(rows[-1], file=sys.stderr)
     result = {"machine": platform.platform(), "processor": platform.processor(),
               "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()],

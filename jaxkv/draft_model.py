@@ -100,30 +100,40 @@ def draft_engine_config(config: EngineConfig, target: ModelRunner,
         scheduler=sc, speculative=SpeculativeArgs())
 
 
-def write_truncated_draft(model: str, path: str, num_layers: int, *,
+def write_truncated_draft(model: str, path: str, layers: int | Sequence[int], *,
                           dtype: str = "float32", overwrite: bool = False) -> Path:
-    """Writes a draft for ``model``: its first ``num_layers`` decoder layers with its embedding,
-    final norm and LM head, as an orbax checkpoint (``jaxkv convert``'s format, with the same
+    """Writes a draft for ``model`` made of some of its decoder layers (with its embedding,
+    final norm and LM head) as an orbax checkpoint (``jaxkv convert``'s format, with the same
     tokenizer), loadable as ``speculative_model=path``.
 
     Args:
       model: GGUF file, HF directory or store name (read by the engine's loader).
       path: the checkpoint directory.
-      num_layers: decoder layers kept, ``1 <= num_layers <= the model's``.
+      layers: the decoder layers kept, in order: an int ``N`` for the first ``N``, or their
+        indices (e.g. the first and last 12 of SmolLM2's 30: a middle block skipped, as in
+        self-speculative decoding).
 
     Returns:
       The checkpoint directory.
     """
     loaded = load_model_files(model)
-    if not 1 <= num_layers <= loaded.config.num_layers:
-        raise ValueError(f"num_layers={num_layers} must be in [1, {loaded.config.num_layers}]")
-    dropped = tuple(f"model.layers.{i}." for i in range(num_layers, loaded.config.num_layers))
-    tensors = {k: v for k, v in loaded.tensors.items() if not k.startswith(dropped)}
-    config = dataclasses.replace(loaded.config, num_layers=num_layers)
+    n = loaded.config.num_layers
+    keep = list(range(layers)) if isinstance(layers, int) else [int(i) for i in layers]
+    if not keep or any(not 0 <= i < n for i in keep) or len(set(keep)) != len(keep):
+        raise ValueError(f"layers={layers!r} must name 1 to {n} distinct layers in [0, {n})")
+    new_index = {f"model.layers.{old}.": f"model.layers.{new}." for new, old in enumerate(keep)}
+    tensors = {}
+    for name, value in loaded.tensors.items():
+        if not name.startswith("model.layers."):
+            tensors[name] = value
+            continue
+        prefix = ".".join(name.split(".")[:3]) + "."
+        if prefix in new_index:
+            tensors[new_index[prefix] + name[len(prefix):]] = value
+    config = dataclasses.replace(loaded.config, num_layers=len(keep))
     params = params_from_hf(config, tensors, jnp.dtype(dtype), source=loaded.source)
     checkpoint.save_params(path, params, {"source": loaded.source, "dtype": dtype,
-                                          "truncated_to_layers": num_layers},
-                           config=config, overwrite=overwrite)
+                                          "layers": keep}, config=config, overwrite=overwrite)
     checkpoint.write_tokenizer(path, loaded.tokenizer)
     return Path(path)
 

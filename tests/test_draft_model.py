@@ -19,7 +19,7 @@ ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_
 @pytest.fixture(scope="module")
 def models(tiny, tmp_path_factory):
     """{name: path}: ``tiny`` (the conftest model, 2 layers), ``other`` (another random model,
-    same tokenizer), ``deep`` (4 layers) and ``cut`` (its first 3 layers, written by
+    same tokenizer), ``deep`` (4 layers) and ``cut`` (its layers 0, 1 and 3, written by
     ``write_truncated_draft``)."""
     from jaxkv.draft_model import write_truncated_draft
     from tiny_models import save_tiny_model, save_tokenizer
@@ -29,7 +29,8 @@ def models(tiny, tmp_path_factory):
         out[name] = tmp_path_factory.mktemp(name)
         save_tokenizer(out[name])
         save_tiny_model(out[name], **kw)
-    out["cut"] = write_truncated_draft(str(out["deep"]), str(tmp_path_factory.mktemp("cut")), 3)
+    out["cut"] = write_truncated_draft(str(out["deep"]), str(tmp_path_factory.mktemp("cut")),
+                                       [0, 1, 3])
     return out
 
 

@@ -1,10 +1,11 @@
 """Speculative decoding on the host: the draft proposers and the engine's seam for them.
 
-    speculator = Speculator.from_args(config.speculative)       # in EngineCore.__init__
+    speculator = Speculator.from_args(config.speculative, config, runner)   # EngineCore.__init__
     drafts = speculator.drafts(state)                           # {request id: draft tokens}
     state, plan = scheduler.schedule(state, sched_config, drafts)
     result = runner.execute(plan, rows)                         # verifies them (jitted)
     speculator.record(plan, result.tokens, result.num_accepted) # acceptance, stats()
+    speculator.forget(state)                                    # after update / abort
 
 The seam is the one call before ``schedule``. A proposer sees only a request's tokens (prompt +
 output so far) and returns up to ``k`` guesses of what follows; the scheduler alone decides how
@@ -14,7 +15,8 @@ accepted ones and rewinds over the rest. So the scheduler stays pure and model-f
 needs no scheduler internals, and a new proposer is one class here. The alternative seam, the
 scheduler calling the proposer while it plans, would put proposer state (and for a draft model,
 device work) inside the pure scheduler. The cost of this seam: drafts are proposed for every
-running decode, also those the step will not have room for (an n-gram lookup is microseconds).
+running decode, also those the step will not have room for (an n-gram lookup is microseconds;
+a draft model's forwards for them are wasted when a step's budget or the free blocks are short).
 
 Proposers:
 

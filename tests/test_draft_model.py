@@ -121,6 +121,30 @@ def test_synced_draft_cache_proposes_what_a_fresh_one_does(models, tiny_llm):
         fresh.close()
 
 
+def test_a_full_draft_pool_gives_no_drafts_to_what_does_not_fit(models, tiny_llm):
+    """Requests whose draft K/V does not fit in the free draft blocks get no drafts (and hold
+    no draft blocks); the ones before them in urgency order keep theirs."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.draft_model import DraftModelProposer
+
+    config = EngineConfig.from_kwargs(model=str(models["tiny"]), **ENGINE, speculative="draft",
+                                      speculative_model=str(models["tiny"]))
+    proposer = DraftModelProposer.from_config(config, tiny_llm.engine.runner, num_blocks=34)
+    bm = proposer.block_manager   # 33 usable blocks of 8 tokens
+    rng = np.random.default_rng(1)
+    a, b, c = (rng.integers(3, 400, size=n).astype(np.int32) for n in (150, 120, 5))
+    try:   # a: 153 tokens in 20 blocks; b would need 16 of the 13 left; c: 1
+        got = proposer.propose_batch({"a": (a, 4), "b": (b, 4), "c": (c, 2)})
+        assert set(got) == {"a", "c"} and len(got["a"]) == 4 and len(got["c"]) == 2
+        assert set(bm.request_ids()) == {"a", "c"} and bm.num_free_blocks == 33 - 20 - 1
+        proposer.release("a")
+        got = proposer.propose_batch({"b": (b, 4)})
+        assert set(got) == {"b"} and len(bm.block_table("b")) == 16
+        bm.check_invariants()
+    finally:
+        proposer.close()
+
+
 def test_own_model_as_draft_accepts_every_draft(tiny_llm, same_llm):
     """Greedy, 6 prompts at once, 60 tokens (block size 8): token-exact, every draft accepted,
     fewer target steps, every draft block given back."""

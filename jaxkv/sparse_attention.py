@@ -17,7 +17,7 @@ recent window). One decode step of one layer:
         ▼ select_pages(scores, seq_lens, ...)       pages int32 [S, Hkv, budget] logical page ids,
         │                                           ascending; count int32 [S, Hkv] valid entries
         ▼ sparse_decode_reference(q, ..., pages, count)   attention over exactly those pages
-                                                          (the Pallas kernel: jaxkv/pallas/sparse.py)
+                                                          (Pallas: jaxkv/pallas/sparse.py)
 
 Pages are logical (``block_tables[s, page]`` is the physical block), so a selection is per
 (sequence, kv head): the G query heads of a kv head share its pages, and a page's score is the
@@ -382,11 +382,12 @@ def sparse_decode_reference(q: jax.Array, k_pages: Pages, v_pages: Pages,
         heads = [read_pages(pool, ids[:, h], window[:, h])[..., h, :] for h in range(Hkv)]
         return jnp.stack(heads, axis=1).reshape(S, Hkv, K * bs, D)
 
-    k, v = read(k_pages), read(v_pages)
+    mask = mask.reshape(S, Hkv, 1, K * bs)                                       # [S, Hkv, 1, K*bs]
+    k = read(k_pages)
+    v = jnp.where(mask[:, :, 0, :, None], read(v_pages), 0.0)    # p = 0 * stale NaN would be NaN
     qg = q.astype(jnp.float32).reshape(S, Hkv, Hq // Hkv, D) * scale             # [S, Hkv, G, D]
     s = jnp.einsum("shgd,shnd->shgn", qg, k)                                     # [S, Hkv, G, K*bs]
-    carry = online_softmax_step(softmax_init(qg.shape[:3], D), cap_logits(s, soft_cap),
-                                mask.reshape(S, Hkv, 1, K * bs),
+    carry = online_softmax_step(softmax_init(qg.shape[:3], D), cap_logits(s, soft_cap), mask,
                                 lambda p: jnp.einsum("shgn,shnd->shgd", p, v))
     out, lse = softmax_result(carry)
     out = out.reshape(S, Hq, D).astype(q.dtype)

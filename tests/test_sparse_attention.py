@@ -35,7 +35,10 @@ HKV, BS = 2, 8
 F32 = dict(atol=2e-5, rtol=2e-5)
 TOL = {"float32": F32, "bfloat16": dict(atol=3e-2, rtol=3e-2)}
 KIVI = ("int4", "int2")
-PAD_TOKENS = 64       # every write step is padded to this many tokens (one compilation)
+# one shape for every built cache (padding sequences of length 0, spare blocks), so each format
+# compiles its writes, reads and references once
+PAD_TOKENS = 64       # tokens per write step
+SEQS, MAX_BLOCKS, NUM_BLOCKS = 4, 14, 64
 
 
 @jax.jit
@@ -56,20 +59,20 @@ def padded_slots(slots):
 
 def build(kv, lens, *, d=64, hq=4, residual_blocks=1, steps=3, seed=0, dtype="float32",
           key_axis="channel"):
-    """One layer of a cache of format ``kv`` holding random K/V of sequences of ``lens`` tokens
-    (block tables from a random permutation of page ids), written the serving way: ``steps``
+    """One layer of a cache of format ``kv`` holding random K/V of sequences of ``lens`` tokens,
+    then padding sequences up to ``SEQS`` (block tables [SEQS, MAX_BLOCKS] from a random
+    permutation of page ids 1..NUM_BLOCKS-1), written the serving way: ``steps``
     chunks per sequence through ``cache.write`` (KIVI: with its residual window), a padding
     token in the null block each step, and the key bounds kept on write.
 
     Returns:
-      dict(q [S, hq, d] in ``dtype``, k_pages, v_pages, block_tables, seq_lens), KeyBounds
+      dict(q [SEQS, hq, d] in ``dtype``, k_pages, v_pages, block_tables, seq_lens), KeyBounds
       (None for KIVI).
     """
     rng = np.random.default_rng(seed)
-    S = len(lens)
-    max_blocks = max(-(-n // BS) for n in lens) + 1
-    num_blocks = 1 + sum(-(-n // BS) for n in lens) + 3
-    tables, seq_lens, _ = table_batch(rng, [1] * S, lens, T=S, S=S, max_blocks=max_blocks,
+    lens = list(lens) + [0] * (SEQS - len(lens))
+    S, num_blocks = SEQS, NUM_BLOCKS
+    tables, seq_lens, _ = table_batch(rng, [1] * S, lens, T=S, S=S, max_blocks=MAX_BLOCKS,
                                       num_blocks=num_blocks, bs=BS)
     spec = KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=BS, num_kv_heads=HKV,
                        head_dim=d, dtype=dtype, kv_cache_dtype=kv, group_size=16,
@@ -299,11 +302,10 @@ def test_select_pages_matches_brute_force(budget, num_sinks, recent, residual_bl
                                         ("int8", 8, dict(sm_scale=0.3)), ("int4", 2, {})])
 def test_full_budget_equals_dense_reference(kv, hq, opts):
     dtype = "bfloat16" if kv == "bf16" else "float32"
-    batch, bounds = build(kv, [45, 9, 24, 0], hq=hq, residual_blocks=2, seed=4, dtype=dtype)
-    P = batch["block_tables"].shape[1]
-    out, lse = quest_decode_reference(**batch, budget=P, bounds=bounds, num_sinks=3, recent=4,
-                                      return_lse=True, **opts)
-    want, want_lse = paged_attention_reference(**batch, query_start_loc=decode_qsl(4),
+    batch, bounds = build(kv, [45, 9, 24], hq=hq, residual_blocks=2, seed=4, dtype=dtype)
+    out, lse = quest_decode_reference(**batch, budget=MAX_BLOCKS, bounds=bounds, num_sinks=3,
+                                      recent=4, return_lse=True, **opts)
+    want, want_lse = paged_attention_reference(**batch, query_start_loc=decode_qsl(SEQS),
                                                return_lse=True, **opts)
     assert out.dtype == want.dtype
     tol = TOL[dtype]
@@ -316,7 +318,7 @@ def test_sparse_reference_is_softmax_over_the_selected_positions():
     batch, bounds = build("fp32", [45, 9, 24], hq=4, seed=5)
     pages, count = quest_select(batch["q"], batch["k_pages"], batch["block_tables"],
                                 batch["seq_lens"], budget=3, bounds=bounds, num_sinks=1)
-    assert np.asarray(count).tolist() == [[3, 3], [2, 2], [3, 3]]
+    assert np.asarray(count).tolist() == [[3, 3], [2, 2], [3, 3], [0, 0]]
     out = np.asarray(sparse_decode_reference(**batch, pages=pages, count=count, soft_cap=4.0))
     q = np.asarray(batch["q"], np.float64)
     k, v = (np.asarray(batch[n], np.float64) for n in ("k_pages", "v_pages"))
@@ -372,8 +374,8 @@ KERNEL_CASES = {
 def test_kernel_matches_sparse_reference(name):
     case = KERNEL_CASES[name]
     dtype = "bfloat16" if case["kv"] == "bf16" else "float32"
-    # 59 tokens: 7 full pages and a tail; 9: a sealed page and a tail; 0: a padding sequence
-    batch, bounds = build(case["kv"], [59, 9, 24, 0], hq=case["hq"], residual_blocks=2,
+    # 59 tokens: 7 full pages and a tail; 9: a sealed page and a tail; then a padding sequence
+    batch, bounds = build(case["kv"], [59, 9, 24], hq=case["hq"], residual_blocks=2,
                           seed=sorted(KERNEL_CASES).index(name), dtype=dtype)
     pages, count = quest_select(batch["q"], batch["k_pages"], batch["block_tables"],
                                 batch["seq_lens"], budget=case["budget"], bounds=bounds,
@@ -392,30 +394,24 @@ def test_kernel_matches_sparse_reference(name):
 
 
 def test_kernel_reads_only_the_selected_pages():
-    """Unselected pages (and the entries past ``count``) may hold anything: NaNs there change
-    nothing."""
-    batch, bounds = build("fp32", [97, 40], hq=4, seed=9)
+    """Pages a kv head did not select (the null block included) and the entries of ``pages``
+    past ``count`` may hold anything: NaNs there change nothing."""
+    batch, bounds = build("fp32", [97, 20], hq=4, seed=9)     # 20 tokens: 3 pages < budget
     pages, count = quest_select(batch["q"], batch["k_pages"], batch["block_tables"],
-                                batch["seq_lens"], budget=4, bounds=bounds, num_sinks=1)
+                                batch["seq_lens"], budget=4, bounds=bounds)
+    assert np.asarray(count).tolist() == [[4, 4], [3, 3], [0, 0], [0, 0]]
     want = sparse_paged_decode_attention(**batch, pages=pages, count=count, interpret=True)
     tables = np.asarray(batch["block_tables"])
-    used = {int(tables[s, j]) for s in range(2) for h in range(HKV)
-            for j in np.asarray(pages)[s, h, :int(count[s, h])]}
-    # a page one kv head selected may be unselected by the other: poison per head
-    k = np.array(batch["k_pages"])
-    v = np.array(batch["v_pages"])
-    for blk in range(k.shape[0]):
+    selected = np.zeros((batch["k_pages"].shape[0], HKV), bool)           # [block, kv head]
+    for s in range(2):
         for h in range(HKV):
-            sel = any(int(tables[s, j]) == blk for s in range(2)
-                      for j in np.asarray(pages)[s, h, :int(count[s, h])])
-            if not sel:
-                k[blk, :, h] = np.nan
-                v[blk, :, h] = np.nan
-    assert len(used) < k.shape[0] - 1
-    pages = jnp.where(jnp.arange(4) < count[..., None], pages, 12)     # entries past count
-    got = sparse_paged_decode_attention(**{**batch, "k_pages": jnp.asarray(k),
-                                           "v_pages": jnp.asarray(v)},
-                                        pages=pages, count=count, interpret=True)
+            selected[tables[s, np.asarray(pages)[s, h, :int(count[s, h])]], h] = True
+    assert not selected[0].any() and (~selected[1:]).sum() >= 4
+    poison = jnp.asarray(~selected)[:, None, :, None]                    # [N, 1, Hkv, 1]
+    k, v = (jnp.where(poison, jnp.nan, batch[n]) for n in ("k_pages", "v_pages"))
+    past = jnp.where(jnp.arange(4) < count[..., None], pages, 12)    # page 12 of sequence 1: null
+    got = sparse_paged_decode_attention(**{**batch, "k_pages": k, "v_pages": v}, pages=past,
+                                        count=count, interpret=True)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

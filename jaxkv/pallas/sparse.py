@@ -21,10 +21,12 @@ the ``count[s, h] * block_size`` positions of its selected pages laid end to end
                   kv position = logical * block_size + offset  (masked unless < seq_len, e < count)
 
 so ``block_kv`` and ``block_size`` are independent, and the pages outside the selection are never
-touched. Each program gathers its page ids from the (whole-array) selection and block table refs,
-as ragged.py does from the block table; every tile is dequantized in registers through
-``kv_format.load_chunk`` (float, fp8/int8, packed KIVI int4/int2 with the residual window), and
-the per-split (output, log-sum-exp) pairs are combined by ``jaxkv.attention.merge_attention_states``.
+touched: the positions of the last tile past the run (e >= count) re-read the last selected page
+(masked), so no load leaves the selection. Each program gathers its page ids from the
+(whole-array) selection and block table refs, as ragged.py does from the block table; every tile
+is dequantized in registers through ``kv_format.load_chunk`` (float, fp8/int8, packed KIVI
+int4/int2 with the residual window), and the per-split (output, log-sum-exp) pairs are combined
+by ``jaxkv.attention.merge_attention_states``.
 
 GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to a
 power of two >= 16), as in decode.py.
@@ -91,6 +93,7 @@ def _sparse_kernel(
     rows = q_ref.shape[0]
     kv_len = lens_ref[seq]
     count = count_ref[seq, head]
+    last = jnp.clip(count - 1, 0, K - 1)                     # the last selected entry
     num_tiles = lax.div(count * block_size + block_kv - 1, block_kv)
     per_split = lax.div(num_tiles + num_splits - 1, num_splits)
     v_start = jnp.minimum(split * per_split, num_tiles)
@@ -104,7 +107,8 @@ def _sparse_kernel(
         m, l, acc = carry
         rank = v * block_kv + offsets                                            # [block_kv]
         entry = lax.div(rank, block_size)
-        logical = jnp.clip(pages_ref[seq, head, jnp.minimum(entry, K - 1)], 0, max_blocks - 1)
+        # the tail of the last tile (entries >= count) re-reads the last selected page, masked
+        logical = jnp.clip(pages_ref[seq, head, jnp.minimum(entry, last)], 0, max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
         slot = lax.rem(rank, block_size)
         seen = (entry < count) & (logical * block_size + slot < kv_len)          # [block_kv]

@@ -38,6 +38,14 @@ block's codes ``c in [0, qmax]`` dequantize to ``c * scale + zero``, so ``[zero,
 zero]`` bounds every channel. Unsealed blocks (no statistics yet) and every block read from the
 full-precision residual lie inside the sequence's residual window, which ``select_pages`` always
 selects (``residual_blocks``).
+
+In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool):
+
+    pool = cache.write_layer(pool, k, slot_mapping, md)                        # every step
+    bounds = update_key_bounds(bounds, written_keys(pool, slot_mapping), slot_mapping, bs)
+    pages, count = quest_select(q, pool, tables, lens, budget=b, bounds=bounds,  # decode rows
+                                num_sinks=n, recent=r)           # KIVI pools: bounds=None
+    out = sparse_decode_reference(q, pool, v_pool, tables, lens, pages, count)  # or the kernel
 """
 
 from __future__ import annotations
@@ -184,6 +192,9 @@ def page_bounds(bounds: KeyBounds | QuantizedPages, block_tables: jax.Array):
 
     Returns:
       (lo, hi) f32 [S, max_blocks, Hkv, D].
+
+    Raises:
+      ValueError: for an fp8/int8 pool (it keeps ``KeyBounds``).
     """
     if isinstance(bounds, QuantizedPages):
         if not bounds.format.kivi:
@@ -192,12 +203,6 @@ def page_bounds(bounds: KeyBounds | QuantizedPages, block_tables: jax.Array):
         return _kivi_bounds(bounds, take_blocks(bounds.scale, block_tables),
                             take_blocks(bounds.zero, block_tables))
     return bounds.kmin[block_tables], bounds.kmax[block_tables]
-
-
-def kivi_key_bounds(k_pages: QuantizedPages) -> KeyBounds:
-    """``KeyBounds`` of every block of a KIVI K pool from its scale/zero (sealed blocks bound
-    their dequantized keys; unsealed ones hold no statistics)."""
-    return KeyBounds(*_kivi_bounds(k_pages, k_pages.scale, k_pages.zero))
 
 
 def page_scores(q: jax.Array, bounds: KeyBounds | QuantizedPages,
@@ -270,7 +275,7 @@ def select_pages(scores: jax.Array, seq_lens: jax.Array, *, block_size: int, bud
         raise ValueError(f"budget={budget} pages cannot hold the {need} pages that sinks "
                          f"({num_sinks} tokens), the recent window ({recent} tokens) and the "
                          f"residual window ({residual_blocks} blocks) may force")
-    S, Hkv, P = scores.shape
+    P = scores.shape[-1]
     logical = jnp.arange(P, dtype=jnp.int32)                                     # [P]
     lens = seq_lens[:, None]                                                     # [S, 1]
     live = logical < (lens + block_size - 1) // block_size                       # [S, P]

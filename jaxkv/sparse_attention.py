@@ -5,7 +5,7 @@ A decode query ``q`` can then bound the logit of any key ``k`` of a page from ab
 channel, without reading the page:
 
     q . k = Σ_c q_c k_c <= Σ_c max(q_c kmin_c, q_c kmax_c)            (kmin_c <= k_c <= kmax_c)
-          =  q . mid + |q| . rad        mid = (kmin + kmax) / 2, rad = (kmax - kmin) / 2
+          =  q+ . kmax + q- . kmin             q+ = max(q, 0), q- = min(q, 0)
 
 and each step attends only to the pages with the highest bound (plus the attention sinks and the
 recent window). One decode step of one layer:
@@ -210,8 +210,8 @@ def page_scores(q: jax.Array, bounds: KeyBounds | QuantizedPages,
     """Quest's page criticality, an upper bound of the logits a page's keys can give.
 
     ``score[s, h, p] = max_g Σ_c max(q_gc kmin_c, q_gc kmax_c)`` over the G query heads g of kv
-    head h, computed as ``q . mid + |q| . rad`` (equal up to rounding; two dots instead of a
-    [.., G, D] elementwise max per page). Raw ``q . k`` units (no ``sm_scale``).
+    head h, computed as ``max(q, 0) . kmax + min(q, 0) . kmin`` (the same products: two dots
+    instead of a [.., G, D] elementwise max per page). Raw ``q . k`` units (no ``sm_scale``).
 
     Args:
       q: [S, num_heads, head_dim] decode queries, any float dtype.
@@ -226,9 +226,8 @@ def page_scores(q: jax.Array, bounds: KeyBounds | QuantizedPages,
     S, Hq, D = q.shape
     Hkv = lo.shape[2]
     qg = q.astype(jnp.float32).reshape(S, Hkv, Hq // Hkv, D)     # [S, Hkv, G, D]
-    mid, rad = (lo + hi) * 0.5, (hi - lo) * 0.5
-    s = jnp.einsum("shgd,sphd->shgp", qg, mid, precision=_HIGHEST) + \
-        jnp.einsum("shgd,sphd->shgp", jnp.abs(qg), rad, precision=_HIGHEST)
+    s = jnp.einsum("shgd,sphd->shgp", jnp.maximum(qg, 0.0), hi, precision=_HIGHEST) + \
+        jnp.einsum("shgd,sphd->shgp", jnp.minimum(qg, 0.0), lo, precision=_HIGHEST)
     return s.max(axis=2)                                        # [S, Hkv, P]
 
 

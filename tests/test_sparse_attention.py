@@ -6,7 +6,8 @@ true logits; selection against a brute-force oracle and a hand-built case (exact
 reference == the dense reference at full budget and == a numpy softmax over the selected
 positions; the Pallas kernel (interpret mode) == the sparse reference on float32, bf16, int8,
 fp8, int4 and int2 pools (GQA 1 and 4, several budgets, splits and tiles, permuted block ids);
-the kernel lowers to CUDA (Triton).
+the kernel reads nothing outside the selection (NaN elsewhere changes nothing) and lowers to
+CUDA (Triton); Quest finds a needle page that sinks + recent window miss.
 """
 
 import functools

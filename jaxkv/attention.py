@@ -50,6 +50,12 @@ def check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
                          f"got {query_start_loc.shape}")
 
 
+def check_sink_queries(q, q_sinks) -> None:
+    """Raises ValueError unless ``q_sinks`` is None or shaped like ``q``."""
+    if q_sinks is not None and q_sinks.shape != q.shape:
+        raise ValueError(f"q_sinks must be shaped like q {q.shape}, got {q_sinks.shape}")
+
+
 def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int):
     """Per-token sequence index, kv position and validity of a ragged batch.
 
@@ -160,7 +166,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               query_start_loc: jax.Array, *, sm_scale: float | None = None,
                               sliding_window: int | None = None, num_sinks: int = 0,
                               soft_cap: float | None = None, kv_chunk_blocks: int | None = None,
-                              return_lse: bool = False):
+                              return_lse: bool = False, q_sinks: jax.Array | None = None):
     """Ragged paged attention, pure jnp (the specification the kernels are tested against).
 
     Args:
@@ -177,12 +183,16 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
       kv_chunk_blocks: blocks per online-softmax step (static); default covers ~256 positions.
       return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+      q_sinks: optional [T, num_heads, head_dim], like q: with a window, the queries that
+        score the first ``num_sinks`` positions (StreamingLLM's positions within the cache: q rotated to its
+        position in the cache, see jaxkv/retention/streaming.py); default q.
 
     Returns:
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
       ``return_lse`` also lse f32 [T, num_heads] (-inf for padding tokens).
     """
     check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    check_sink_queries(q, q_sinks)
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_pages.shape
     G = Hq // Hkv
@@ -196,6 +206,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
     seq_idx, q_pos, valid = token_layout(query_start_loc, seq_lens, T)
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale      # [T, Hkv, G, D]
+    rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
+    if rescore:
+        qsg = q_sinks.astype(jnp.float32).reshape(T, Hkv, G, D) * scale  # [T, Hkv, G, D]
 
     def read_chunk(pages, ids, c):
         """f32 [T, chunk, bs, Hkv, D]: a float pool is gathered per token; a quantized one is
@@ -213,6 +226,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         v = read_chunk(v_pages, ids, c).reshape(T, chunk * bs, Hkv, D)
         s = jnp.einsum("thgd,tnhd->thgn", qg, k)                  # [T, Hkv, G, chunk*bs]
         kv_pos = c * chunk * bs + jnp.arange(chunk * bs, dtype=jnp.int32)
+        if rescore:
+            s = jnp.where(kv_pos < num_sinks, jnp.einsum("thgd,tnhd->thgn", qsg, k), s)
         mask = visible(q_pos[:, None], kv_pos[None, :], sliding_window=sliding_window,
                        num_sinks=num_sinks) & valid[:, None]      # [T, chunk*bs]
         return online_softmax_step(carry, cap_logits(s, soft_cap), mask[:, None, None, :],

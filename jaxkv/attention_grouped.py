@@ -36,8 +36,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import (cap_logits, check_shapes, kv_tile_range, online_softmax_step,
-                             softmax_init, softmax_result, tile_index, visible)
+from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_tile_range,
+                             online_softmax_step, softmax_init, softmax_result, tile_index,
+                             visible)
 from jaxkv.cache import Pages, QuantizedPages, read_pages, window_first
 
 
@@ -70,7 +71,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                             query_start_loc: jax.Array, *, sm_scale: float | None = None,
                             sliding_window: int | None = None, num_sinks: int = 0,
                             soft_cap: float | None = None, kv_chunk_blocks: int | None = None,
-                            block_q: int = 128, return_lse: bool = False):
+                            block_q: int = 128, return_lse: bool = False,
+                            q_sinks: jax.Array | None = None):
     """Ragged paged attention with the KV gathered per sequence (see the module docstring).
 
     Args:
@@ -87,12 +89,16 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
       kv_chunk_blocks: blocks per kv chunk (static); default covers ~256 positions.
       block_q: query tokens per tile of the prefill path (static; at most T).
       return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+      q_sinks: optional [T, num_heads, head_dim]: the queries that score the first
+        ``num_sinks`` positions (StreamingLLM's positions within the cache); default q. Only
+        the sink chunks compute the second set of scores.
 
     Returns:
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
       ``return_lse`` also lse f32 [T, num_heads] (-inf for padding tokens).
     """
     check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+    check_sink_queries(q, q_sinks)
     T, Hq, D = q.shape
     _, bs, Hkv, _ = k_pages.shape
     S, max_blocks = block_tables.shape
@@ -107,13 +113,28 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     mask_opts = dict(sliding_window=sliding_window, num_sinks=num_sinks)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
-    qg = jnp.pad(q.astype(jnp.float32).reshape(T, Hkv, G, D) * scale,
-                 ((0, bq), (0, 0), (0, 0), (0, 0)))                    # [T + bq, Hkv, G, D]
+
+    def grouped(x):                                                    # [T + bq, Hkv, G, D]
+        return jnp.pad(x.astype(jnp.float32).reshape(T, Hkv, G, D) * scale,
+                       ((0, bq), (0, 0), (0, 0), (0, 0)))
+
+    qg = grouped(q)
+    rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
+    qsg = grouped(q_sinks) if rescore else None
+
+    def with_sinks(v, sink_tiles, s, kv_pos, sink_scores, expand):
+        """``s`` with the sink positions scored by the sink queries, on sink tiles only."""
+        if not rescore:
+            return s
+        return jax.lax.cond(v < jnp.max(sink_tiles),
+                            lambda: jnp.where(expand(kv_pos < num_sinks), sink_scores(), s),
+                            lambda: s)
 
     # rows: the last query token of every sequence, at kv position seq_len - 1
     has_q = q_lens > 0                                                 # [S]
     last = jnp.where(has_q, query_start_loc[1:] - 1, T + bq)           # [S], T + bq: dropped
     row_q = qg[jnp.minimum(last, T - 1)]                               # [S, Hkv, G, D]
+    row_qs = qsg[jnp.minimum(last, T - 1)] if rescore else None        # [S, Hkv, G, D]
     row_pos = seq_lens - 1                                             # [S]
     rc = row_chunk * bs                                                # kv positions per chunk
     sinks, first, count = kv_tile_range(row_pos, seq_lens, block_kv=rc, **mask_opts)
@@ -128,6 +149,9 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         vv = _read(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
         s = jnp.sum(row_q[:, None] * k[:, :, :, None], -1)            # [S, rc, Hkv, G]
         kv_pos = c[:, None] * rc + jnp.arange(rc, dtype=jnp.int32)     # [S, rc]
+        s = with_sinks(v, sinks, s, kv_pos,
+                       lambda: jnp.sum(row_qs[:, None] * k[:, :, :, None], -1),
+                       lambda m: m[:, :, None, None])
         mask = visible(row_pos[:, None], kv_pos, **mask_opts) & has_q[:, None]
         return online_softmax_step(
             carry, cap_logits(s.transpose(0, 2, 3, 1), soft_cap), mask[:, None, None, :],
@@ -153,6 +177,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         q_pos = q_first + tile_rows                                    # [bq]
         row_ok = tile_rows < n_valid                                   # [bq]
         qt = jax.lax.dynamic_slice_in_dim(qg, tok0, bq)                # [bq, Hkv, G, D]
+        qst = jax.lax.dynamic_slice_in_dim(qsg, tok0, bq) if rescore else None
         t_sinks, t_first, t_count = kv_tile_range(q_first, q_first + n_valid, block_kv=C,
                                                   **mask_opts)
 
@@ -164,6 +189,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
             vv = _read(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
             kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)            # [C]
+            s = with_sinks(v, t_sinks, s, kv_pos,
+                           lambda: jnp.einsum("qhgd,nhd->hqgn", qst, k), lambda m: m)
             mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None]
             return online_softmax_step(carry, cap_logits(s, soft_cap), mask[None, :, None, :],
                                        lambda p: jnp.einsum("hqgn,nhd->hqgd", p, vv))

@@ -27,7 +27,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
         per sequence, jaxkv.attention_grouped; the fast path on CPU) or ``"pallas"``
         (jaxkv.pallas kernels, GPU).
       interpret: run the Pallas kernel in interpret mode (CPU).
-      **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``.
+      **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``, ``q_sinks``.
 
     Returns:
       [T, num_heads, head_dim] in q's dtype.

@@ -46,7 +46,7 @@ import itertools
 
 import numpy as np
 
-from jaxkv.block_manager import cdiv
+from jaxkv.block_manager import NULL_BLOCK, cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import StepPlan
 
@@ -108,8 +108,9 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
 
     Raises:
       ValueError: the plan exceeds the largest bucket, or a sequence's block table does not
-        cover its tokens, exceeds ``max_blocks_per_seq`` or names a block outside
-        ``[1, num_blocks)``, or it carries more than ``max_drafts`` drafts (or drafts without
+        cover its tokens, exceeds ``max_blocks_per_seq``, names a block outside
+        ``[0, num_blocks)`` or has the null block (an entry a retention policy dropped) where
+        its tokens are written, or it carries more than ``max_drafts`` drafts (or drafts without
         sampling).
     """
     bs = cache_config.block_size
@@ -132,9 +133,12 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
         if not cdiv(end, bs) <= len(table) <= m:
             raise ValueError(f"seq {seq.request_id!r}: block_table has {len(table)} blocks; "
                              f"positions < {end} need {cdiv(end, bs)}, max_blocks_per_seq={m}")
-        if table and not (1 <= min(table) and max(table) < cache_config.num_blocks):
+        if table and not (0 <= min(table) and max(table) < cache_config.num_blocks):
             raise ValueError(f"seq {seq.request_id!r}: block_table {table} has ids outside "
-                             f"[1, num_blocks={cache_config.num_blocks})")
+                             f"[0, num_blocks={cache_config.num_blocks})")
+        if NULL_BLOCK in table[seq.start_pos // bs:cdiv(end, bs)]:
+            raise ValueError(f"seq {seq.request_id!r}: block_table {table} has the null block "
+                             f"where positions [{seq.start_pos}, {end}) are written")
         if seq.num_drafts and not (seq.sample and seq.num_drafts < len(seq.token_ids)
                                    and seq.num_drafts <= max_drafts):
             raise ValueError(f"seq {seq.request_id!r}: num_drafts={seq.num_drafts} needs a "

@@ -4,8 +4,9 @@ It is the single source of truth for who owns which block: a free queue, a refer
 block, and one block table (logical block -> physical block id) per request. The device never
 allocates; it only reads the tables the scheduler copies into each step's plan.
 
-Block 0 is the null block. It is never allocated, never freed and never appears in a block table:
-padding tokens write their K/V into it and padded block-table entries point at it, so every device
+Block 0 is the null block. It is never allocated or freed, and appears in a block table only
+where a retention policy dropped a block (``release_blocks``, jaxkv/retention/): padding tokens
+write their K/V into it and padded or dropped block-table entries point at it, so every device
 index stays inside the pool while nothing real ever reads it. Here it doubles as the sentinel of the
 free queue, a circular doubly linked list threaded through two int32 arrays:
 
@@ -271,6 +272,29 @@ class BlockManager:
         self._tables[request_id] = table[:keep]
         return self._tables[request_id]
 
+    def release_blocks(self, request_id: Hashable, first: int, stop: int) -> int:
+        """Give back logical blocks ``[first, stop)`` of ``request_id`` that a retention policy
+        dropped (jaxkv/retention/): each table entry becomes the null block and the block loses
+        one reference (joining the free queue as ``free`` would put it there once unreferenced;
+        a block another table shares stays theirs). Walks down from ``stop - 1`` to the first
+        entry already dropped, so a call per step costs the newly dropped blocks only. Returns
+        how many were released.
+
+        The table keeps its length: logical block ``j`` still covers positions
+        ``[j * block_size, (j + 1) * block_size)``, and nothing reads a dropped one (the
+        attention masks of the policy never see it)."""
+        table = list(self.block_table(request_id))
+        released = 0
+        for j in range(min(stop, len(table)) - 1, first - 1, -1):
+            if table[j] == NULL_BLOCK:
+                break
+            self._release(table[j])
+            table[j] = NULL_BLOCK
+            released += 1
+        if released:
+            self._tables[request_id] = tuple(table)
+        return released
+
     def free(self, request_id: Hashable, partial_tokens: Sequence[int] = ()) -> None:
         """Drop ``request_id``'s table; blocks whose ref count reaches 0 join the free queue in
         reverse table order (tail blocks are reused first): at the tail when cached, else at the
@@ -282,7 +306,8 @@ class BlockManager:
                 and self._ref[table[-1]] == 1 and table[-1] not in self.prefix_cache):
             self.prefix_cache.insert(chain[-1], tuple(partial_tokens), table[-1])
         for block in reversed(table):
-            self._release(block)
+            if block != NULL_BLOCK:   # dropped by a retention policy
+                self._release(block)
         del self._tables[request_id]
 
     def fork(self, parent_id: Hashable, child_id: Hashable,
@@ -293,7 +318,8 @@ class BlockManager:
         if child_id in self._tables:
             raise ValueError(f"child_id={child_id!r} already has a block table")
         for block in table:
-            self._ref[block] += 1
+            if block != NULL_BLOCK:
+                self._ref[block] += 1
         self._tables[child_id] = table
         if parent_id in self._chains:
             self._chains[child_id] = self._chains[parent_id][:len(table) + 1]
@@ -330,6 +356,8 @@ class BlockManager:
         bs = self.block_size
         first = len(chain) - 1
         for i in range(len(token_ids) // bs):
+            if table[first + i] == NULL_BLOCK:   # dropped before it was registered
+                break
             key = self.prefix_cache.insert(chain[-1], tuple(token_ids[i * bs:(i + 1) * bs]),
                                            table[first + i])
             if key is None:
@@ -406,8 +434,9 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` unless the pool is consistent.
 
-        Checks: every block id in a table lies in ``[1, num_blocks)``; each ref count equals the
-        number of table entries naming that block; the free queue is a well-linked list holding
+        Checks: every block id in a table lies in ``[1, num_blocks)``, or is the null block of
+        an entry a retention policy dropped (never the last); each ref count equals the number
+        of table entries naming that block; the free queue is a well-linked list holding
         exactly the blocks with ref count 0 other than the null block, each once; the null
         block is never free, never referenced; the prefix cache's maps are consistent, and only
         requests with a table have a chain, no longer than their table.
@@ -415,9 +444,12 @@ class BlockManager:
         counts = np.zeros(self.num_blocks, np.int64)  # [num_blocks]
         for request_id, table in self._tables.items():
             ids = np.asarray(table, np.int64)
-            _check(np.all((ids >= 1) & (ids < self.num_blocks)),
-                   f"request {request_id!r}: block ids out of [1, {self.num_blocks}): {table}")
+            _check(np.all((ids >= 0) & (ids < self.num_blocks)),
+                   f"request {request_id!r}: block ids out of [0, {self.num_blocks}): {table}")
+            _check(len(ids) == 0 or ids[-1] != NULL_BLOCK,
+                   f"request {request_id!r}: its last block is the null block: {table}")
             np.add.at(counts, ids, 1)
+        counts[NULL_BLOCK] = 0   # dropped entries (retention) reference no block
         _check(np.array_equal(counts, self._ref), "ref counts differ from table references")
         free = self.free_block_ids()
         _check(len(free) == self._num_free,

@@ -34,11 +34,14 @@ import typing
 
 from jaxkv.checks import check_number, check_type
 from jaxkv.kv_spec import MODEL_DTYPES
+from jaxkv.retention import FullRetention, Retention
+from jaxkv.retention.streaming import POSITIONS
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "draft")
+RETENTION_MODES = ("full", "streaming")
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -145,12 +148,15 @@ class CacheConfig:
         None (off); see jaxkv/prefix_cache.py.
       residual_window_blocks: the KIVI residual window of an int4/int2 cache (0 otherwise);
         prefix hits stop before it (see ``BlockManager``).
+      retention: which blocks of a sequence are kept (jaxkv/retention/); the scheduler gives
+        back the ones no later query sees.
     """
 
     block_size: int = 16
     num_blocks: int
     prefix_caching: str | None = None
     residual_window_blocks: int = 0
+    retention: Retention = FullRetention()
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -262,9 +268,26 @@ class CacheArgs:
                                         "(token granular) or none",
                                         choices=PREFIX_CACHING_MODES,
                                         parse=lambda s: None if s.lower() == "none" else s)
+    kv_retention: str = option("full", "which KV a sequence keeps: full, or streaming "
+                               "(attention sinks + a rolling window; blocks leaving the window "
+                               "are freed, so a sequence may outgrow the model's context)",
+                               choices=RETENTION_MODES)
+    kv_sink_tokens: int = option(4, "streaming: first positions every query attends to "
+                                 "(attention sinks)", minimum=0)
+    kv_window_tokens: int | None = option(None, "streaming: recent positions a query attends "
+                                          "to, itself included", minimum=1)
+    kv_positions: str = option("cache", "streaming: RoPE positions within the cache "
+                               "(StreamingLLM) or the original positions",
+                               choices=POSITIONS)
 
     def __post_init__(self):
         check_fields(self)
+        if self.kv_retention == "streaming" and self.kv_window_tokens is None:
+            raise ValueError("kv_retention='streaming' needs kv_window_tokens (the rolling "
+                             "window, e.g. 1020 with kv_sink_tokens=4 for a 1024-token cache)")
+        if self.kv_retention == "full" and self.kv_window_tokens is not None:
+            raise ValueError(f"kv_window_tokens={self.kv_window_tokens} is used only with "
+                             f"kv_retention='streaming'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

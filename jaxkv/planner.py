@@ -244,6 +244,8 @@ class MemoryPlan:
       kv_head_replication: devices holding each kv head (> 1 when kv heads < devices: repeated).
       kv_residual_bytes: the KIVI full-precision residual pool (int4/int2; ``max_num_seqs + 1``
         slots), else 0.
+      retained_blocks_per_seq: a KV retention policy's bound on the blocks one sequence holds
+        (StreamingLLM: sinks + window + one step), or None (a sequence holds all its blocks).
     """
 
     dtype: str
@@ -270,6 +272,7 @@ class MemoryPlan:
     tensor_parallel_size: int = 1
     kv_head_replication: int = 1
     kv_residual_bytes: int = 0
+    retained_blocks_per_seq: int | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -278,7 +281,10 @@ class MemoryPlan:
 
     @property
     def blocks_per_seq(self) -> int:
-        """Blocks one sequence of ``max_model_len`` tokens needs."""
+        """Blocks one sequence of ``max_model_len`` tokens holds at once (its retention
+        policy's bound when one is given)."""
+        if self.retained_blocks_per_seq is not None:
+            return self.retained_blocks_per_seq
         return -(-self.max_model_len // self.block_size)
 
     def summary(self) -> str:
@@ -315,7 +321,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          max_num_batched_tokens: int = 2048, activation_bytes: int | None = None,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
          tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
-         kv_group_size: int | None = None) -> MemoryPlan:
+         kv_group_size: int | None = None,
+         retained_blocks_per_seq: int | None = None) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -342,6 +349,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
         residual pool holds ``kivi_residual_slots(max_num_seqs, kv_residual_blocks)`` blocks.
       kv_group_size: KIVI value group (channels per bf16 scale and zero, int4/int2); None:
         ``default_group_size(head_dim)``, the largest divisor of head_dim up to 32.
+      retained_blocks_per_seq: the most blocks one sequence holds under a KV retention policy
+        (``jaxkv.retention``); then ``max_model_len`` may exceed the model's context.
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -360,7 +369,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
               tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks,
-              kv_group_size=kv_group_size)
+              kv_group_size=kv_group_size, retained_blocks_per_seq=retained_blocks_per_seq)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
@@ -368,7 +377,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
-          kv_residual_blocks=1, kv_group_size=None) -> MemoryPlan:
+          kv_residual_blocks=1, kv_group_size=None, retained_blocks_per_seq=None) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
@@ -385,9 +394,12 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
             raise ValueError(f"{name}={value} must be >= 1")
     if max_model_len is None:
         max_model_len = config.max_position_embeddings
-    if not 1 <= max_model_len <= config.max_position_embeddings:
+    if retained_blocks_per_seq is None and not 1 <= max_model_len <= config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} must be in [1, the model's "
-                         f"max_position_embeddings={config.max_position_embeddings}]")
+                         f"max_position_embeddings={config.max_position_embeddings}] (beyond "
+                         f"it only with a retention policy, e.g. kv_retention='streaming')")
+    if retained_blocks_per_seq is not None and retained_blocks_per_seq < 1:
+        raise ValueError(f"retained_blocks_per_seq={retained_blocks_per_seq} must be >= 1")
     if activation_bytes is not None and activation_bytes < 0:
         raise ValueError(f"activation_bytes={activation_bytes} must be >= 0")
     if kv_cache_bytes is not None and num_kv_blocks is not None:
@@ -417,7 +429,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         kv_budget = max(budget - weights - activation_bytes - residual, 0)
     num_blocks = kv_budget // per_block
     usable = max(num_blocks - 1, 0)
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = (-(-max_model_len // block_size) if retained_blocks_per_seq is None
+                      else retained_blocks_per_seq)
     in_budget = weights + activation_bytes + residual + num_blocks * per_block <= budget
     runs = in_budget and usable >= blocks_per_seq
     return MemoryPlan(
@@ -431,7 +444,7 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=(),
         tensor_parallel_size=tensor_parallel_size,
         kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1),
-        kv_residual_bytes=residual)
+        kv_residual_bytes=residual, retained_blocks_per_seq=retained_blocks_per_seq)
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:

@@ -21,6 +21,11 @@ when its chunk reaches the end of the known tokens, and ``update`` appends that 
 
 One step of ``schedule``:
 
+  0. Retention (jaxkv/retention/): every running request first gives back the blocks no query
+     from its next position on can see (StreamingLLM's out-of-window blocks), so they are free
+     before anyone allocates; an admitted request does the same after taking a cached prefix.
+     Admission bounds a request by the blocks its policy lets it hold at once
+     (``Retention.max_blocks``), not by its whole length.
   1. Running requests, most urgent first, each gets ``min(remaining, budget)`` tokens, but budget
      is first reserved for every running decode, so prefill chunks only take what decodes leave.
      A request whose new tokens need blocks that are not free preempts the least urgent running
@@ -85,6 +90,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from jaxkv.block_manager import BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.retention import FullRetention, Retention
 
 FINISH_STOP = "stop"      # stop token, eos, or the engine's stop string
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -199,6 +205,8 @@ class SchedulerState:
       running: ids with blocks, most urgent first (policy key order).
       finished: requests finished or aborted since the last ``schedule``, by id.
       num_added: requests added so far (the next ``RequestState.order``).
+      retention: the KV retention policy (jaxkv/retention/): which blocks ``schedule`` gives
+        back before allocating, and how many a request may hold.
     """
 
     block_manager: BlockManager
@@ -208,6 +216,7 @@ class SchedulerState:
     finished: Mapping[Hashable, RequestState] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
     num_added: int = 0
+    retention: Retention = FullRetention()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +282,7 @@ def init_state(cache_config: CacheConfig) -> SchedulerState:
     return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size,
                                        cache_config.prefix_caching,
                                        cache_config.residual_window_blocks),
-                          types.MappingProxyType({}))
+                          types.MappingProxyType({}), retention=cache_config.retention)
 
 
 def _key(rs: RequestState, policy: str) -> tuple:
@@ -298,6 +307,22 @@ def _register(bm: BlockManager, rs: RequestState, computed: int) -> None:
         bm.register(rs.request.request_id, rs.token_ids(first * bs, computed // bs * bs))
 
 
+def _retain(bm: BlockManager, retention: Retention, request_id: Hashable,
+            num_computed: int) -> None:
+    """Give back the blocks of ``request_id`` that no query from position ``num_computed`` on
+    sees under ``retention`` (the null block takes their table entries)."""
+    first, stop = retention.droppable(num_computed, bm.block_size)
+    if stop > first:
+        bm.release_blocks(request_id, first, stop)
+
+
+def _sees_kept(table: Sequence[int], num_computed: int, retention: Retention,
+               block_size: int) -> bool:
+    """Whether every block of ``table`` a query at ``num_computed`` sees is kept (not null)."""
+    first, stop = retention.droppable(num_computed, block_size)
+    return all(b != 0 or first <= j < stop for j, b in enumerate(table))
+
+
 def _insert(queue: list, request_id: Hashable, requests: Mapping, policy: str) -> None:
     """Insert into a key-sorted id list, after equal keys."""
     keys = [_key(requests[i], policy) for i in queue]
@@ -320,10 +345,11 @@ def add_request(state: SchedulerState, request: Request,
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
             f"exceeds max_model_len={config.max_model_len}")
-    if bm.blocks_for(total) > bm.num_blocks - 1:
+    need = state.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size)
+    if need > bm.num_blocks - 1:
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
-            f"tokens need {bm.blocks_for(total)} blocks but the pool has "
+            f"tokens need {need} blocks at once but the pool has "
             f"num_blocks - 1 = {bm.num_blocks - 1} usable blocks")
     requests = dict(state.requests)
     requests[request.request_id] = RequestState(request, state.num_added)
@@ -373,6 +399,10 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
         running.remove(request_id)
         _insert(waiting, request_id, requests, config.policy)
         preempted.append(request_id)
+
+    # 0. retention: blocks no later query of a running request sees go back to the pool first
+    for request_id in running:
+        _retain(bm, state.retention, request_id, requests[request_id].num_computed_tokens)
 
     # 1. running requests, most urgent first; victims are taken from the least urgent end.
     queue = deque(running)
@@ -425,6 +455,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
             break
         rs = requests[request_id]
         parent = rs.request.fork_of
+        hit = None
         if parent in state.requests:
             prs = state.requests[parent]
             p = len(rs.request.prompt_token_ids)
@@ -432,7 +463,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                 continue   # the parent's prompt is not computed yet: wait (others may pass)
             hit, keys, partial = bm.block_table(parent)[:bm.blocks_for(p - 1)], None, None
             num_cached = p - 1
-        else:
+            if not _sees_kept(hit, num_cached, state.retention, bm.block_size):
+                hit = None   # the parent already dropped blocks the fork sees: compute afresh
+        if hit is None:
             hit, keys, partial = bm.lookup(rs.token_ids(0, rs.num_tokens - 1),
                                            rs.request.cache_salt)
             num_cached = len(hit) * bm.block_size + (partial[1] if partial else 0)
@@ -452,6 +485,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                        salt=rs.request.cache_salt)
         if op is not None:
             copy_ops.append(op)
+        _retain(bm, state.retention, request_id, num_cached)   # a long cached prefix
         if bm.prefix_cache is not None or keys is None:
             num_lookup += rs.num_tokens
         cached[request_id] = num_cached
@@ -495,8 +529,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                                    num_draft_tokens=len(draft))
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
                     num_lookup, sum(cached.values()))
-    return SchedulerState(bm, types.MappingProxyType(requests), tuple(waiting), tuple(running),
-                          types.MappingProxyType({}), state.num_added), plan
+    return dataclasses.replace(state, block_manager=bm, requests=types.MappingProxyType(requests),
+                               waiting=tuple(waiting), running=tuple(running),
+                               finished=types.MappingProxyType({})), plan
 
 
 def _stop_reason(stop: StopSpec, token: int, n: int) -> str | None:
@@ -667,7 +702,8 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
 
     Checks: waiting and running partition the live requests; both are sorted by the policy key;
     exactly the running requests own block tables, each exactly ``cdiv(num_computed_tokens,
-    block_size)`` blocks long; waiting requests have computed nothing; at most
+    block_size)`` blocks long, whose dropped (null) entries are all ones the retention policy
+    allows to drop (no block a later query sees is gone); waiting requests have computed nothing; at most
     ``max_num_seqs`` run; running counters stay within ``[1, num_tokens + num_draft_tokens]``.
     """
     bm = state.block_manager
@@ -693,9 +729,16 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
                f"request {request_id!r}: num_computed_tokens={rs.num_computed_tokens} "
                f"not in [1, num_tokens + num_draft_tokens = "
                f"{rs.num_tokens + rs.num_draft_tokens}]")
-        _check(len(bm.block_table(request_id)) == bm.blocks_for(rs.num_computed_tokens),
+        table = bm.block_table(request_id)
+        _check(len(table) == bm.blocks_for(rs.num_computed_tokens),
                f"request {request_id!r}: block table length != cdiv(num_computed_tokens, "
                f"block_size)")
+        first, stop = state.retention.droppable(rs.num_computed_tokens - rs.num_draft_tokens,
+                                                bm.block_size)
+        dropped = [j for j, b in enumerate(table) if b == 0]
+        _check(all(first <= j < stop for j in dropped),
+               f"request {request_id!r}: dropped blocks {dropped} include one a later query "
+               f"sees (droppable: [{first}, {stop}))")
 
 
 def _check(condition, message: str) -> None:

@@ -257,12 +257,19 @@ def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
     q_spec = spec(("heads", "head_dim"), rules=rules)
     q_spec = P(None, *q_spec)                            # [T, heads, head_dim]
 
-    def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, **kw):
+    def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                  q_sinks=None, **kw):
         pool_specs = cache_specs((k_pages, v_pages), rules=rules)
-        fn = jax.shard_map(lambda *a: paged_attention(*a, **kw), mesh=mesh,
-                           in_specs=(q_spec, *pool_specs, P(), P(), P()),
+        extra = () if q_sinks is None else (q_sinks,)   # split over heads like q
+
+        def local(q, k, v, tables, lens, qsl, *qs):
+            return paged_attention(q, k, v, tables, lens, qsl, **kw,
+                                   **({"q_sinks": qs[0]} if qs else {}))
+
+        fn = jax.shard_map(local, mesh=mesh,
+                           in_specs=(q_spec, *pool_specs, P(), P(), P(), *[q_spec] * len(extra)),
                            out_specs=q_spec, check_vma=False)
-        return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc)
+        return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *extra)
 
     return attention
 

@@ -30,6 +30,7 @@ from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import forward
 from jaxkv.rejection_sampler import num_accepted
+from jaxkv.retention import AttentionOptions
 from jaxkv.sampling import SamplingTensors, sample
 
 _DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
@@ -56,7 +57,7 @@ class DeviceStepInput:
 
 
 def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False,
-              mesh: Mesh | None = None):
+              mesh: Mesh | None = None, attention_options: AttentionOptions | None = None):
     """Builds the jitted step for one model.
 
     Args:
@@ -66,6 +67,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
       mesh: tensor-parallel engine mesh (jaxkv.sharding): params and cache arrive sharded by
         the logical axis rules, attention runs under ``shard_map`` per kv-head shard, the cache
         keeps its sharding and every other output is replicated. None: one device.
+      attention_options: the KV retention policy's window, sinks and sink positions
+        (jaxkv/retention/); default the model's own sliding window.
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
@@ -87,7 +90,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
-                                attention=attention)                      # [S * W, V]
+                                attention=attention,
+                                attention_options=attention_options)     # [S * W, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
             cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))

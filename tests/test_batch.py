@@ -74,6 +74,13 @@ def test_non_sampling_chunk_and_bucket_growth():
     np.testing.assert_array_equal(x.sample_mask, [False, True, True, True, True] + [False] * 3)
 
 
+def test_dropped_blocks_before_the_written_positions_are_allowed():
+    # a retention policy dropped logical block 1 (positions 4..7); position 8 is written in 4
+    x = batch.build(StepPlan((S("a", (9,), 8, True, (3, 0, 4)),)), CC, SC)
+    np.testing.assert_array_equal(x.block_tables[0, :3], [3, 0, 4])
+    assert x.slot_mapping[0] == 4 * 4 + 0 and x.positions[0] == 8
+
+
 def test_exact_bucket_fit_and_empty_plan():
     x = batch.build(StepPlan((S("a", tuple(range(8)), 0, True, (3, 1)),)), CC, SC)
     assert x.token_ids.shape == (8,) and x.seq_lens.shape == (4,)
@@ -86,8 +93,10 @@ def test_exact_bucket_fit_and_empty_plan():
 @pytest.mark.parametrize("seq, match", [
     (S("a", (1, 2, 3, 4, 5), 0, True, (3,)), "block_table has 1 blocks; positions < 5 need 2"),
     (S("a", (1,), 0, True, (3, 4, 5, 6, 7)), "max_blocks_per_seq=4"),
-    (S("a", (1,), 0, True, (0,)), "outside \\[1, num_blocks=10\\)"),
-    (S("a", (1,), 0, True, (10,)), "outside \\[1, num_blocks=10\\)"),
+    (S("a", (1,), 0, True, (0,)), "null block where positions \\[0, 1\\) are written"),
+    (S("a", (9,), 8, True, (3, 4, 0)), "null block where positions \\[8, 9\\) are written"),
+    (S("a", (1,), 0, True, (10,)), "outside \\[0, num_blocks=10\\)"),
+    (S("a", (1,), 0, True, (-1,)), "outside \\[0, num_blocks=10\\)"),
     (S("a", (), 0, True, (1,)), "token_ids must be non-empty"),
     (S("a", tuple(range(17)), 0, True, (1, 2, 3, 4, 5)), "num_tokens=17, more than token_buckets"),
 ])

@@ -121,6 +121,10 @@ def test_check_invariants_catches_corruption():
         bad.check_invariants()
     bad = bm.copy()
     bad._tables["b"] = (NULL_BLOCK,)
+    with pytest.raises(AssertionError, match="last block is the null block"):
+        bad.check_invariants()
+    bad = bm.copy()
+    bad._tables["b"] = (6,)
     with pytest.raises(AssertionError, match="out of"):
         bad.check_invariants()
     bad = bm.copy()

@@ -34,6 +34,7 @@ from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.requests import MAX_LOGPROBS
+from jaxkv.retention import from_args
 from jaxkv.sampling import SamplingParams, SamplingTensors
 from jaxkv.scheduler import StepPlan
 from jaxkv.step import DeviceStepInput, make_step, step_rng
@@ -119,13 +120,18 @@ def plan_memory(config: EngineConfig, model_config,
     """The memory plan of an engine config for a model on this backend.
 
     A pool larger than ``max_num_seqs`` full-length sequences can use is capped to that
-    (unless the pool size is given explicitly): ``min(budget, max_num_seqs x max_model_len)``.
+    (unless the pool size is given explicitly): ``min(budget, max_num_seqs x max_model_len)``;
+    under a retention policy a sequence counts the blocks it holds at most (StreamingLLM: sinks
+    + window + one step), and ``max_model_len`` may exceed the model's context.
 
     Args:
       device_memory_bytes: one device's memory (default: the first local device's limit; on
         CPU ``planner.host_memory_budget()``).
     """
     r, cc, s = resolve(config, model_config), config.cache, config.scheduler
+    retention = from_args(cc, model_config.sliding_window)
+    retained = None if retention.name == "full" else retention.max_blocks(
+        r.max_model_len, s.max_num_batched_tokens, cc.block_size)
     if device_memory_bytes is None:
         device_memory_bytes = (planner.host_memory_budget() if jax.default_backend() == "cpu"
                                else jax.local_devices()[0].memory_stats()["bytes_limit"])
@@ -136,7 +142,8 @@ def plan_memory(config: EngineConfig, model_config,
               max_num_batched_tokens=s.max_num_batched_tokens,
               kv_cache_bytes=cc.kv_cache_memory_bytes, num_kv_blocks=cc.num_gpu_blocks_override,
               tensor_parallel_size=config.parallel.tensor_parallel_size,
-              kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size)
+              kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
+              retained_blocks_per_seq=retained)
     plan = planner.plan(model_config, **kw)
     cap = s.max_num_seqs * plan.blocks_per_seq + 1
     explicit = cc.num_gpu_blocks_override is not None or cc.kv_cache_memory_bytes is not None
@@ -173,6 +180,8 @@ class ModelRunner:
       dtype: the parameter / activation dtype.
       attention_impl: one of ``ATTENTION_IMPLS`` (``"grouped"`` on CPU, ``"pallas"`` on GPU by default).
       max_drafts: most draft tokens a sequence carries (``num_speculative_tokens``; 0: off).
+      retention: the KV retention policy (jaxkv/retention/): its attention options are
+        compiled into the step, and the scheduler drops the blocks it no longer needs.
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.
 
@@ -217,10 +226,14 @@ class ModelRunner:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
         self.kv_spec = dataclasses.replace(spec, num_blocks=self.memory_plan.num_blocks)
         self._check_kv_support(self.kv_spec)
+        self.retention = from_args(cc, model_config.sliding_window)
+        self.retention.check_block_size(cc.block_size,
+                                        cc.kv_residual_blocks if spec.format.kivi else 0)
         self.cache_config = CacheConfig(
             block_size=cc.block_size, num_blocks=self.memory_plan.num_blocks,
             prefix_caching=cc.prefix_caching,
-            residual_window_blocks=cc.kv_residual_blocks if spec.format.kivi else 0)
+            residual_window_blocks=cc.kv_residual_blocks if spec.format.kivi else 0,
+            retention=self.retention)
         self.dtype = jnp.dtype(r.dtype)
         self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
         self.cache = init_cache(self.kv_spec, None if mesh is None
@@ -229,7 +242,8 @@ class ModelRunner:
         self.max_drafts = config.speculative.max_drafts
         self._step_fn = make_step(sharding.tp_config(model_config, tp),
                                   attention_impl=self.attention_impl,
-                                  interpret=rc.interpret, mesh=mesh)
+                                  interpret=rc.interpret, mesh=mesh,
+                                  attention_options=self.retention.attention)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
 

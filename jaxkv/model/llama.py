@@ -24,6 +24,7 @@ from jaxkv.attention_impl import paged_attention
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.rope import apply_rope, inv_frequencies
+from jaxkv.retention import AttentionOptions
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
 
@@ -56,19 +57,23 @@ class Attention(nnx.Module):
             self.v_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
         self.bias = c.attention_bias
 
-    def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *, window,
-                 impl, interpret, attention=paged_attention):
+    def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *,
+                 options: AttentionOptions, impl, interpret, attention=paged_attention):
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
         v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
+        if options.sink_position_cap is not None:   # StreamingLLM: sinks seen from the cache
+            kw["q_sinks"] = apply_rope(q, jnp.minimum(positions, options.sink_position_cap),
+                                       inv_freq)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
         v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping, md)
         o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                      impl=impl, interpret=interpret, sliding_window=window)
+                      impl=impl, interpret=interpret, **kw)
         return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool)
 
 
@@ -103,15 +108,17 @@ class Transformer(nnx.Module):
             self.lm_head = _param((c.hidden_size, c.vocab_size), dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
-                 logits_indices, *, impl, interpret, attention=paged_attention):
+                 logits_indices, *, impl, interpret, attention=paged_attention,
+                 options: AttentionOptions | None = None):
         c = self.config
+        options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
         x = self.embed_tokens[...][token_ids]                            # [T, E]
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
             h, (k_pool, v_pool) = layer.self_attn(
                 layer.input_layernorm(x), positions, (cache.k[i], cache.v[i]), md, inv_freq,
-                window=c.sliding_window, impl=impl, interpret=interpret, attention=attention)
+                options=options, impl=impl, interpret=interpret, attention=attention)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ks.append(k_pool)
@@ -146,7 +153,8 @@ def logical_axes(config: ModelConfig) -> dict:
 def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             cache: kvcache.PagedKVCache, metadata: AttentionMetadata, *, config: ModelConfig,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
-            interpret: bool = False, attention=paged_attention
+            interpret: bool = False, attention=paged_attention,
+            attention_options: AttentionOptions | None = None
             ) -> tuple[jax.Array, kvcache.PagedKVCache]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
 
@@ -163,6 +171,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       interpret: Pallas interpret mode (CPU).
       attention: the paged-attention function (``paged_attention``'s signature); tensor
         parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).
+      attention_options: window, sinks and sink positions of a KV retention policy
+        (jaxkv/retention/; static); default the model's own sliding window, no sinks.
 
     Returns:
       (logits float32 [S or T, vocab_size], updated cache).
@@ -173,7 +183,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
-                 interpret=interpret, attention=attention)
+                 interpret=interpret, attention=attention, options=attention_options)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import kv_tile_range, merge_attention_states
+from jaxkv.attention import check_sink_queries, kv_tile_range, merge_attention_states
 from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
                                  check_seq_lens, finalize, init_carry, check_tuning, is_concrete,
                                  next_pow2, whole_block)
@@ -75,11 +75,12 @@ def _decode_kernel(
     q_ref,       # [G_pad, D] the kv-head group of one sequence's token
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    *refs,       # inputs: the kv operands of kv_format.kv_operands; outputs: o f32 [G_pad, D]
-                 #   normalized partial output of this split, lse f32 [G_pad] (-inf if it saw
-                 #   nothing)
+    *refs,       # inputs: [the sink queries [G_pad, D] if rescore] and the kv operands of
+                 #   kv_format.kv_operands; outputs: o f32 [G_pad, D] normalized partial output
+                 #   of this split, lse f32 [G_pad] (-inf if it saw nothing)
     num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
-    num_sinks: int, soft_cap: float | None, layout: KvLayout):
+    num_sinks: int, soft_cap: float | None, layout: KvLayout, rescore: bool):
+    qs_ref, refs = (refs[0], refs[1:]) if rescore else (None, refs)
     *kv_refs, o_ref, lse_ref = refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = q_ref.shape[0]
@@ -92,10 +93,11 @@ def _decode_kernel(
     v_start = jnp.minimum(split * per_split, count)
     v_stop = jnp.minimum(v_start + per_split, count)
     q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
+    qs = None if qs_ref is None else tuple(qs_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)
     carry = attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref,
                          init_carry(rows, layout), v_start, v_stop, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)
+                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout, q_sinks=qs)
     out, lse = finalize(carry)
     for (ch0, width, _, _), o in zip(layout.chunks, out):
         o_ref[:, pl.ds(ch0, width)] = o
@@ -105,23 +107,29 @@ def _decode_kernel(
 @functools.partial(jax.jit, static_argnames=(
     "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config",
     "layout"))
-def _decode_call(q, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
+def _decode_call(q, q_sinks, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
                  sliding_window, num_sinks, soft_cap, interpret, config, layout):
     S, Hq, D = q.shape
     Hkv = kv_ops[0].shape[2]
     G = Hq // Hkv
     G_pad = max(16, next_pow2(G))
-    q4 = jnp.pad(q.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+
+    def groups(x):                                                   # [S, Hkv, G_pad, D]
+        return jnp.pad(x.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+
+    q4 = groups(q)
+    extra = () if q_sinks is None else (groups(q_sinks),)
+    q_spec = pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))
 
     kernel = functools.partial(
         _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
         sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        layout=layout)
+        layout=layout, rescore=bool(extra))
     outs, lses = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
-        in_specs=[pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))]
-        + [whole_block(a.shape) for a in (block_tables, seq_lens, *kv_ops)],
+        in_specs=[q_spec] + [whole_block(a.shape) for a in (block_tables, seq_lens)]
+        + [q_spec] * len(extra) + [whole_block(a.shape) for a in kv_ops],
         out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
                    pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
@@ -130,7 +138,7 @@ def _decode_call(q, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(q4, block_tables, seq_lens, *kv_ops)
+    )(q4, block_tables, seq_lens, *extra, *kv_ops)
 
     outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
     if num_splits == 1:
@@ -145,7 +153,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            num_splits: int | None = None, sm_scale: float | None = None,
                            sliding_window: int | None = None, num_sinks: int = 0,
                            soft_cap: float | None = None, return_lse: bool = False,
-                           interpret: bool = False, config: DecodeConfig | None = None):
+                           interpret: bool = False, config: DecodeConfig | None = None,
+                           q_sinks: jax.Array | None = None):
     """One decode token per sequence over a paged KV cache, split-K across programs.
 
     Equals ``jaxkv.attention.paged_attention_reference`` with ``query_start_loc = arange(S + 1)``:
@@ -168,6 +177,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       return_lse: also return the log-sum-exp of the (scaled, capped) logits.
       interpret: run in Pallas interpret mode (CPU).
       config: kv tile size and Triton launch parameters; default ``DecodeConfig()``.
+      q_sinks: optional, like q: with a window, the queries that score the first
+        ``num_sinks`` positions (StreamingLLM's positions within the cache); default q.
 
     Returns:
       out [S, num_heads, head_dim] in q's dtype, and with ``return_lse`` also lse float32
@@ -183,6 +194,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kv_ops, layout = kv_operands(k_pages, v_pages)
     check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
     check_options(sm_scale, sliding_window, num_sinks, soft_cap)
+    check_sink_queries(q, q_sinks)
     config = config or DecodeConfig()
     S, _, D = q.shape
     _, block_size, Hkv, _ = k_pages.shape
@@ -194,8 +206,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if is_concrete(block_tables, seq_lens):
         check_page_ids(block_tables, k_pages.shape[0])
         check_seq_lens(seq_lens, block_tables.shape[1], block_size)
+    rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
     out, lse = _decode_call(
-        q, kv_ops, block_tables, seq_lens, num_splits=num_splits, layout=layout,
+        q, q_sinks if rescore else None, kv_ops, block_tables, seq_lens, num_splits=num_splits,
+        layout=layout,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import kv_tile_range, tile_index
+from jaxkv.attention import check_sink_queries, kv_tile_range, tile_index
 from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, check_head_dim,
                                     kv_operands, load_chunk, pool_dtype, split_refs)
 
@@ -202,11 +202,14 @@ def _check_query_start_loc(query_start_loc, seq_lens, num_tokens: int) -> None:
 def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_start, v_stop,
                  sink_tiles, window_first, *, block_kv: int, sm_scale: float,
                  sliding_window: int | None, num_sinks: int, soft_cap: float | None,
-                 layout: KvLayout):
+                 layout: KvLayout, q_sinks=None):
     """Online softmax of q rows over loop steps ``[v_start, v_stop)`` of the kv walk.
 
     Args:
       q: tuple of [rows, width] queries (kernel dtype), one per head-dim chunk of ``layout``.
+      q_sinks: None, or like q: the queries that score positions ``< num_sinks`` (StreamingLLM's
+        positions within the cache); the steps inside the sink tiles ``[0, sink_tiles)`` then
+        compute both scores, the others only q's.
       q_pos: int32 [rows] kv position of each row's token.
       seq, head: int32 scalars, the sequence (block-table row) and the kv head.
       kv_len: int32 scalar, the sequence's kv length (places the KIVI residual window).
@@ -229,21 +232,26 @@ def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_star
     dtype = q[0].dtype
     first_window = lax.div(kv_len, block_size) - (layout.residual_blocks - 1)
 
-    def body(v, carry):
+    def scores(queries, keys):
+        s = None
+        for qc, k in zip(queries, keys):
+            part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+            s = part if s is None else s + part
+        return s * sm_scale                                                       # [rows, bkv]
+
+    def body(v, carry, rescore: bool):
         m, l, acc = carry
         kv_pos = tile_index(v, sink_tiles, window_first) * block_kv + offsets     # [block_kv]
         logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
         slot = lax.rem(kv_pos, block_size)
         in_window = logical >= first_window                                      # [block_kv]
-        s = None
-        for qc, chunk in zip(q, layout.chunks):
-            k = load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype,
-                           in_window)                                           # [bkv, w]
-            part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            s = part if s is None else s + part
-        s = s * sm_scale                                                          # [rows, bkv]
+        keys = [load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype, in_window)
+                for chunk in layout.chunks]                                      # [bkv, w] each
+        s = scores(q, keys)
+        if rescore:
+            s = jnp.where(kv_pos[None, :] < num_sinks, scores(q_sinks, keys), s)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         seen = kv_pos[None, :] <= q_pos[:, None]                                  # [rows, block_kv]
@@ -266,7 +274,11 @@ def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_star
             for a, chunk in zip(acc, layout.chunks))
         return m_new, l, acc
 
-    return lax.fori_loop(v_start, v_stop, body, carry)
+    if q_sinks is None or sliding_window is None or not num_sinks:
+        return lax.fori_loop(v_start, v_stop, functools.partial(body, rescore=False), carry)
+    split = jnp.clip(sink_tiles, v_start, v_stop)      # the sink steps come first in the walk
+    carry = lax.fori_loop(v_start, split, functools.partial(body, rescore=True), carry)
+    return lax.fori_loop(split, v_stop, functools.partial(body, rescore=False), carry)
 
 
 def init_carry(rows: int, layout: KvLayout):
@@ -296,11 +308,13 @@ def _ragged_kernel(
     q_ref,       # [Hkv, T_pad * G_pad, D]
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    *refs,       # inputs: the kv operands of kv_format.kv_operands; outputs:
-                 #   o [Hkv, T_pad * G_pad, D], lse f32 [Hkv, T_pad * G_pad]
+    *refs,       # inputs: [the sink queries, like q_ref, if rescore] and the kv operands of
+                 #   kv_format.kv_operands; outputs: o [Hkv, T_pad * G_pad, D],
+                 #   lse f32 [Hkv, T_pad * G_pad]
     block_q: int, group_pad: int, block_kv: int, sm_scale: float,
     sliding_window: int | None, num_sinks: int, soft_cap: float | None,
-    layout: KvLayout):
+    layout: KvLayout, rescore: bool):
+    qs_ref, refs = (refs[0], refs[1:]) if rescore else (None, refs)
     *kv_refs, o_ref, lse_ref = refs
     tile, head = pl.program_id(0), pl.program_id(1)
     seq, tok0 = tiles_ref[tile, 0], tiles_ref[tile, 1]
@@ -309,6 +323,8 @@ def _ragged_kernel(
     row_ids = pl.ds(tok0 * group_pad, rows)
 
     q = tuple(q_ref[head, row_ids, pl.ds(c[0], c[1])] for c in layout.chunks)  # [rows, w] each
+    qs = None if qs_ref is None else tuple(qs_ref[head, row_ids, pl.ds(c[0], c[1])]
+                                           for c in layout.chunks)
     row_tok = lax.div(jnp.arange(rows, dtype=jnp.int32), group_pad)              # [rows]
     q_pos = q_first + row_tok                                                    # [rows]
     sink_tiles, window_first, count = kv_tile_range(
@@ -317,7 +333,7 @@ def _ragged_kernel(
     carry = attend_tiles(q, q_pos, seq, lens_ref[seq], head, kv_refs, tables_ref,
                          init_carry(rows, layout), 0, count, sink_tiles, window_first,
                          block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout)
+                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout, q_sinks=qs)
     out, lse = finalize(carry)
 
     # rows past the tile's tokens belong to the next sequence's tiles: never write them
@@ -362,7 +378,7 @@ def _tile_schedule(query_start_loc, seq_lens, num_tiles: int, block_q: int):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config", "layout"))
-def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale,
+def _ragged_call(q, q_sinks, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale,
                  sliding_window, num_sinks, soft_cap, interpret, config, layout):
     T, Hq, D = q.shape
     Hkv = kv_ops[0].shape[2]
@@ -372,20 +388,24 @@ def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale
     T_pad = T + block_q        # a tile starting at any token < T reads block_q tokens in bounds
     num_tiles = max(1, min(T, -(-T // block_q) + seq_lens.shape[0]))
 
-    # q_rows[h, t * G_pad + g] = q[t, h * G + g]   ->  [Hkv, T_pad * G_pad, D]
-    q_rows = jnp.pad(q.reshape(T, Hkv, G, D), ((0, T_pad - T), (0, 0), (0, G_pad - G), (0, 0)))
-    q_rows = q_rows.transpose(1, 0, 2, 3).reshape(Hkv, T_pad * G_pad, D)
+
+    def rows_of(x):   # rows[h, t * G_pad + g] = x[t, h * G + g]   ->  [Hkv, T_pad * G_pad, D]
+        x = jnp.pad(x.reshape(T, Hkv, G, D), ((0, T_pad - T), (0, 0), (0, G_pad - G), (0, 0)))
+        return x.transpose(1, 0, 2, 3).reshape(Hkv, T_pad * G_pad, D)
+
+    q_rows = rows_of(q)
+    extra = () if q_sinks is None else (rows_of(q_sinks),)
     tiles = _tile_schedule(query_start_loc, seq_lens, num_tiles, block_q)
 
     kernel = functools.partial(
         _ragged_kernel, block_q=block_q, group_pad=G_pad, block_kv=config.block_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        layout=layout)
+        layout=layout, rescore=bool(extra))
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),
         in_specs=[whole_block(a.shape)
-                  for a in (tiles, q_rows, block_tables, seq_lens, *kv_ops)],
+                  for a in (tiles, q_rows, block_tables, seq_lens, *extra, *kv_ops)],
         out_specs=[whole_block((Hkv, T_pad * G_pad, D)), whole_block((Hkv, T_pad * G_pad))],
         out_shape=[jax.ShapeDtypeStruct((Hkv, T_pad * G_pad, D), q.dtype),
                    jax.ShapeDtypeStruct((Hkv, T_pad * G_pad), jnp.float32)],
@@ -393,7 +413,7 @@ def _ragged_call(q, kv_ops, block_tables, seq_lens, query_start_loc, *, sm_scale
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_ragged_paged_attention",
-    )(tiles, q_rows, block_tables, seq_lens, *kv_ops)
+    )(tiles, q_rows, block_tables, seq_lens, *extra, *kv_ops)
 
     # tokens no tile wrote (padding after qsl[-1]) hold garbage: zero them, as the spec says
     valid = jnp.arange(T) < query_start_loc[-1]                                  # [T]
@@ -409,7 +429,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            query_start_loc: jax.Array, *, sm_scale: float | None = None,
                            sliding_window: int | None = None, num_sinks: int = 0,
                            soft_cap: float | None = None, return_lse: bool = False,
-                           interpret: bool = False, config: RaggedConfig | None = None):
+                           interpret: bool = False, config: RaggedConfig | None = None,
+                           q_sinks: jax.Array | None = None):
     """Ragged paged attention (prefill chunks and decode tokens in one launch), Pallas on GPU.
 
     Same semantics as ``jaxkv.attention.paged_attention_reference``: token t of sequence s sits at
@@ -433,6 +454,8 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       return_lse: also return the log-sum-exp of the (scaled, capped) logits.
       interpret: run in Pallas interpret mode (CPU).
       config: block sizes and Triton launch parameters; default ``default_ragged_config``.
+      q_sinks: optional, like q: with a window, the queries that score the first
+        ``num_sinks`` positions (StreamingLLM's positions within the cache); default q.
 
     Returns:
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
@@ -453,6 +476,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     if query_start_loc.dtype != jnp.int32:
         raise ValueError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
     check_options(sm_scale, sliding_window, num_sinks, soft_cap)
+    check_sink_queries(q, q_sinks)
     T, Hq, D = q.shape
     G_pad = next_pow2(Hq // k_pages.shape[2])
     config = config or default_ragged_config(T, block_tables.shape[0], Hq // k_pages.shape[2], D)
@@ -464,8 +488,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         check_page_ids(block_tables, k_pages.shape[0])
         check_seq_lens(seq_lens, block_tables.shape[1], k_pages.shape[1])
         _check_query_start_loc(query_start_loc, seq_lens, T)
+    rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
     out, lse = _ragged_call(
-        q, kv_ops, block_tables, seq_lens, query_start_loc, layout=layout,
+        q, q_sinks if rescore else None, kv_ops, block_tables, seq_lens, query_start_loc,
+        layout=layout,
         sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)

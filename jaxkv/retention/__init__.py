@@ -1,0 +1,48 @@
+"""KV retention: which KV blocks of a sequence the engine keeps (the seam of every policy).
+
+A policy answers two questions the pure scheduler asks (jaxkv/scheduler.py), and fixes how the
+attention reads what is kept:
+
+* ``droppable(num_computed, block_size)``: before the scheduler allocates for a request whose
+  next query token sits at position ``num_computed``, the logical blocks ``[first, stop)`` that
+  no query from there on can see. The scheduler gives them back (``BlockManager.release_blocks``:
+  the table entry becomes the null block 0, as in vLLM's sliding-window manager; a block another
+  table shares only loses a reference) so the pool holds only what attention can still read.
+* ``max_blocks(num_tokens, max_step_tokens, block_size)``: the most blocks a request of
+  ``num_tokens`` tokens ever holds at once, for admission (a request that could never fit is
+  refused, as without retention).
+* ``attention``: the ``AttentionOptions`` the model runs with (window, sinks, and the positions
+  the sinks are scored at), so masks and dropped blocks agree by construction.
+
+One module per policy: ``full.py`` (keep everything) and ``streaming.py`` (StreamingLLM: attention
+sinks + a rolling window). ``from_args`` builds the policy of a ``jaxkv.config.CacheArgs``.
+"""
+
+from __future__ import annotations
+
+from jaxkv.retention.full import AttentionOptions, FullRetention, Retention
+from jaxkv.retention.streaming import StreamingRetention
+
+__all__ = ["AttentionOptions", "FullRetention", "Retention", "StreamingRetention", "from_args"]
+
+
+def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:
+    """The retention policy of a ``jaxkv.config.CacheArgs`` (``kv_retention`` and its fields).
+
+    Args:
+      cache_args: the engine's cache arguments.
+      model_sliding_window: the model's own sliding window (None for full attention).
+
+    Raises:
+      ValueError: naming the field, when ``streaming`` lacks ``kv_window_tokens`` or the model
+        already has a sliding window of its own.
+    """
+    if cache_args.kv_retention == "full":
+        return FullRetention(sliding_window=model_sliding_window)
+    if model_sliding_window is not None:
+        raise ValueError(f"kv_retention={cache_args.kv_retention!r}: the model already attends "
+                         f"through its own sliding_window={model_sliding_window}; use "
+                         f"kv_retention='full'")
+    return StreamingRetention(sink_tokens=cache_args.kv_sink_tokens,
+                              window_tokens=cache_args.kv_window_tokens,
+                              positions=cache_args.kv_positions)

@@ -1,0 +1,60 @@
+"""Full retention (the default): every block of a sequence stays until the sequence ends."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """How the model's attention reads the kept KV (static: part of the compiled step).
+
+    Attributes:
+      sliding_window: attend to the last ``sliding_window`` positions (itself included), or
+        None for full causal attention.
+      num_sinks: with a window, the first ``num_sinks`` positions stay visible.
+      sink_position_cap: None, or StreamingLLM's positions within the cache: a query at position
+        ``p`` scores the sinks as if it sat at ``min(p, sink_position_cap)`` (= sinks + window -
+        1), the position it holds in the cache ``[sinks | window]``. Keys keep their original
+        rotation: RoPE scores depend only on the distance of query and key, and a window key's
+        distance to the query is the same in both numberings, so only the sinks' scores change
+        (jaxkv/retention/streaming.py).
+    """
+
+    sliding_window: int | None = None
+    num_sinks: int = 0
+    sink_position_cap: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """The policy interface (see jaxkv/retention/__init__.py); keeps everything."""
+
+    name = "full"
+
+    @property
+    def attention(self) -> AttentionOptions:
+        return AttentionOptions()
+
+    def droppable(self, num_computed: int, block_size: int) -> tuple[int, int]:
+        """Logical blocks ``[first, stop)`` no query at position ``>= num_computed`` sees."""
+        return 0, 0
+
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once, when a step computes at
+        most ``max_step_tokens`` of its tokens."""
+        return -(-num_tokens // block_size)
+
+    def check_block_size(self, block_size: int, residual_blocks: int) -> None:
+        """Raises ValueError when the policy cannot work with this pool geometry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FullRetention(Retention):
+    """Every block is kept. The model's own sliding window (if any) still masks attention."""
+
+    sliding_window: int | None = None
+
+    @property
+    def attention(self) -> AttentionOptions:
+        return AttentionOptions(sliding_window=self.sliding_window)

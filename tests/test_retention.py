@@ -1,0 +1,268 @@
+"""KV retention (jaxkv/retention/): StreamingLLM's sinks + window with out-of-window blocks given
+back, checked with exact block ids through the pure scheduler, composed with prefix caching,
+forks, preemption and speculative rewinds; a hypothesis state machine of random add / step /
+abort sequences under streaming retention that must lose nothing."""
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from jaxkv import batch
+from jaxkv.block_manager import NULL_BLOCK
+from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
+from jaxkv.retention import FullRetention, StreamingRetention, from_args
+from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
+                             schedule, update)
+
+
+def configs(*, block_size=4, num_blocks=12, budget=8, sinks=2, window=6, max_model_len=400,
+            prefix_caching=None, max_num_seqs=8):
+    cc = CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                     retention=StreamingRetention(sink_tokens=sinks, window_tokens=window))
+    return cc, SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                               max_model_len=max_model_len)
+
+
+def req(rid, prompt, max_tokens=4, **kw):
+    return Request(request_id=rid, prompt_token_ids=tuple(prompt),
+                   stop=StopSpec(max_tokens=max_tokens, ignore_eos=True), **kw)
+
+
+def step(state, sc, cc, tokens=None, drafts=None):
+    """schedule + batch.build + update with invariants checked; returns (state, plan)."""
+    state, plan = schedule(state, sc, drafts or {})
+    check_invariants(state, sc)
+    batch.build(plan, cc, sc, max_drafts=8)   # the plan is a valid device step
+    state = update(state, plan, tokens or [7] * len(plan.seqs))
+    check_invariants(state, sc)
+    return state, plan
+
+
+def visible_positions(q_pos, sinks, window):
+    """Positions a query at ``q_pos`` attends to: the sinks and the window (brute force)."""
+    return {p for p in range(q_pos + 1) if p < sinks or q_pos - p < window}
+
+
+# ---- the policy ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sinks, window, bs", [(2, 6, 4), (4, 20, 16), (0, 5, 4), (9, 3, 4),
+                                               (1, 1, 1)])
+def test_droppable_blocks_are_exactly_the_blocks_no_later_query_sees(sinks, window, bs):
+    policy = StreamingRetention(sink_tokens=sinks, window_tokens=window)
+    for start in range(0, 80):
+        first, stop = policy.droppable(start, bs)
+        later = set().union(*(visible_positions(q, sinks, window)
+                              for q in range(start, start + 60)))
+        for j in range(start // bs + 1):
+            block = set(range(j * bs, (j + 1) * bs))
+            assert (first <= j < stop) == (not block & later), (start, j)
+
+
+def test_max_blocks_bounds_what_a_sequence_holds():
+    policy = StreamingRetention(sink_tokens=3, window_tokens=10)
+    bs, step_tokens = 4, 5
+    for start in range(0, 100):
+        for n in range(1, step_tokens + 1):
+            first, stop = policy.droppable(start, bs)
+            held = -(-(start + n) // bs) - (stop - first)
+            assert held <= policy.max_blocks(10**6, step_tokens, bs)
+    assert policy.max_blocks(7, step_tokens, bs) == 2   # never more than the sequence's blocks
+    assert FullRetention().max_blocks(17, 8, 4) == 5
+
+
+def test_attention_options():
+    assert StreamingRetention(sink_tokens=4, window_tokens=1020).attention.sink_position_cap == 1023
+    original = StreamingRetention(sink_tokens=4, window_tokens=1020, positions="original")
+    assert original.attention.sink_position_cap is None
+    assert original.attention.sliding_window == 1020 and original.attention.num_sinks == 4
+    assert FullRetention(sliding_window=64).attention.sliding_window == 64
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="kv_window_tokens"):
+        CacheArgs(kv_retention="streaming")
+    with pytest.raises(ValueError, match="kv_window_tokens=8 is used only"):
+        CacheArgs(kv_window_tokens=8)
+    with pytest.raises(ValueError, match="kv_retention"):
+        CacheArgs(kv_retention="h3o")
+    with pytest.raises(ValueError, match="kv_positions"):
+        CacheArgs(kv_retention="streaming", kv_window_tokens=8, kv_positions="absolute")
+    with pytest.raises(ValueError, match="own sliding_window=4096"):
+        from_args(CacheArgs(kv_retention="streaming", kv_window_tokens=8), 4096)
+    with pytest.raises(ValueError, match="kv_window_tokens=8 must cover the KIVI"):
+        StreamingRetention(window_tokens=8).check_block_size(16, 1)
+
+
+# ---- the scheduler drops exactly the out-of-window blocks ----------------------------------
+
+def test_streaming_frees_blocks_as_the_window_slides():
+    # block 4, sinks 2, window 6: block 0 (the sinks) stays; block j goes once the next query
+    # position q has q - 6 + 1 >= 4 (j + 1)
+    cc, sc = configs(num_blocks=8, budget=4)
+    state = init_state(cc)
+    state = add_request(state, req("a", range(10, 22), max_tokens=30), sc)   # 12-token prompt
+    state, plan = step(state, sc, cc)
+    assert plan.seqs[0].block_table == (1,)
+    state, plan = step(state, sc, cc)
+    assert plan.seqs[0].block_table == (1, 2)
+    state, plan = step(state, sc, cc)       # positions 8..11: q 8 sees 3..8, block 0 holds 3
+    assert plan.seqs[0].block_table == (1, 2, 3)
+    tables = []
+    for _ in range(20):                      # decodes at positions 12, 13, ...
+        state, plan = step(state, sc, cc)
+        tables.append((plan.seqs[0].start_pos, plan.seqs[0].block_table))
+    assert tables[0] == (12, (1, 2, 3, 4))     # q 12 sees 7..12: logical 1 (4..7) still seen
+    assert tables[1] == (13, (1, 0, 3, 4))     # q 13 sees 8..13: logical 1 dropped
+    assert tables[2] == (14, (1, 0, 3, 4))
+    assert tables[3] == (15, (1, 0, 3, 4))
+    # a dropped block joins the free queue's tail (no prefix cache), so 16..19 get block 5
+    assert tables[4] == (16, (1, 0, 3, 4, 5))
+    assert tables[5] == (17, (1, 0, 0, 4, 5))  # q 17 sees 12..17: logical 2 (8..11) dropped
+    # the pool never holds more than the sinks, the window and one step's blocks
+    for start, table in tables:
+        held = [b for b in table if b != NULL_BLOCK]
+        assert len(held) <= 4, (start, table)
+        assert len(set(held)) == len(held)
+    assert state.block_manager.num_free_blocks == 7 - len(
+        [b for b in state.block_manager.block_table("a") if b])
+
+
+def test_a_sequence_longer_than_the_pool_runs_to_the_end():
+    # 19 usable blocks of 4 = 76 tokens; the request grows to 300 and the pool stays at 4 blocks
+    cc, sc = configs(num_blocks=20, budget=8)
+    state = add_request(init_state(cc), req("a", range(30), max_tokens=270), sc)
+    peak = 0
+    while "a" not in state.finished:
+        state, _ = step(state, sc, cc)
+        peak = max(peak, 19 - state.block_manager.num_free_blocks)
+    assert len(state.finished["a"].output_token_ids) == 270
+    assert peak <= StreamingRetention(sink_tokens=2, window_tokens=6).max_blocks(300, 8, 4)
+    assert state.block_manager.num_free_blocks == 19
+
+
+def test_admission_bounds_by_retained_blocks_not_length():
+    cc, sc = configs(num_blocks=7, budget=8)          # 6 usable blocks: 1 sink + 5 window/step
+    add_request(init_state(cc), req("a", range(30), max_tokens=300), sc)   # 330 tokens: fine
+    with pytest.raises(ValueError, match="need 6 blocks at once but the pool has num_blocks - 1 = 5"):
+        add_request(init_state(configs(num_blocks=6, budget=8)[0]), req("a", range(30)), sc)
+    cc_full = CacheConfig(block_size=4, num_blocks=7)
+    with pytest.raises(ValueError, match="need 83 blocks at once"):
+        add_request(init_state(cc_full), req("a", range(30), max_tokens=300), sc)
+
+
+def test_shared_prefix_blocks_are_never_dropped_from_under_another_sequence():
+    cc, sc = configs(num_blocks=30, budget=16, prefix_caching="hash")
+    prompt = tuple(range(100, 124))                   # 6 full blocks
+    state = add_request(init_state(cc), req("a", prompt, max_tokens=20), sc)
+    for _ in range(3):
+        state, _ = step(state, sc, cc)
+    a_table = state.block_manager.block_table("a")
+    state = add_request(state, req("b", prompt, max_tokens=20), sc)
+    state, plan = step(state, sc, cc)
+    (b,) = [s for s in plan.seqs if s.request_id == "b"]
+    # b took a's cached prefix; the blocks out of its window were dropped from ITS table only
+    assert b.num_cached_tokens == 20 and b.start_pos == 20
+    bm = state.block_manager
+    b_table = bm.block_table("b")
+    first, stop = cc.retention.droppable(20, 4)
+    assert all(b_table[j] == NULL_BLOCK for j in range(first, stop))
+    for j, block in enumerate(a_table):
+        if block and first <= j < stop:
+            assert bm.ref_count(block) >= (1 if block in bm.block_table("a") else 0)
+    for block in set(bm.block_table("a")) & set(b_table) - {NULL_BLOCK}:
+        assert bm.ref_count(block) == 2
+    while state.requests:
+        state, _ = step(state, sc, cc)
+    assert state.block_manager.num_free_blocks == 29
+
+
+def test_forks_share_the_kept_blocks():
+    cc, sc = configs(num_blocks=30, budget=32)
+    prompt = tuple(range(40))
+    state = add_request(init_state(cc), req("a", prompt, max_tokens=12), sc)
+    state = add_request(state, req("a#1", prompt, max_tokens=12, fork_of="a"), sc)
+    while state.requests:
+        state, plan = step(state, sc, cc)
+        bm = state.block_manager
+        for rid in bm.request_ids():
+            assert bm.block_table(rid)[-1] != NULL_BLOCK
+    assert state.block_manager.num_free_blocks == 29
+
+
+def test_speculative_rewind_under_streaming():
+    cc, sc = configs(num_blocks=12, budget=16)
+    state = add_request(init_state(cc), req("a", range(20), max_tokens=40), sc)
+    while state.requests["a"].num_computed_tokens < 20:
+        state, _ = step(state, sc, cc)
+    for i in range(12):   # 3 drafts a step, alternately all accepted and all rejected
+        state, plan = step(state, sc, cc, tokens=[(1, 2, 3, 4) if i % 2 else (9,)],
+                           drafts={"a": (1, 2, 3)})
+    rs = state.requests["a"]
+    table = state.block_manager.block_table("a")
+    assert len(table) == -(-rs.num_computed_tokens // 4)
+    state = abort(state, "a")
+    assert state.block_manager.num_free_blocks == 11
+
+
+class StreamingMachine(RuleBasedStateMachine):
+    """Random adds, steps and aborts under streaming retention with prefix caching and forks:
+    invariants after every call, every request finishes with exactly its max_tokens."""
+
+    @initialize(window=st.integers(1, 12), sinks=st.integers(0, 6),
+                mode=st.sampled_from([None, "hash", "radix"]))
+    def setup(self, window, sinks, mode):
+        self.cc, self.sc = configs(num_blocks=24, budget=8, sinks=sinks, window=window,
+                                   prefix_caching=mode, max_num_seqs=4)
+        self.state = init_state(self.cc)
+        self.n = 0
+        self.expected = {}
+
+    @rule(prompt_len=st.integers(1, 30), max_tokens=st.integers(1, 40), share=st.booleans(),
+          fork=st.booleans())
+    def add(self, prompt_len, max_tokens, share, fork):
+        prompt = tuple(range(prompt_len)) if share else tuple(range(1000 + self.n, 1000 + self.n
+                                                                    + prompt_len))
+        rid = f"r{self.n}"
+        self.n += 1
+        self.state = add_request(self.state, req(rid, prompt, max_tokens), self.sc)
+        self.expected[rid] = max_tokens
+        if fork:
+            self.state = add_request(self.state, req(rid + "#1", prompt, max_tokens,
+                                                     fork_of=rid), self.sc)
+            self.expected[rid + "#1"] = max_tokens
+
+    @rule()
+    def step(self):
+        self.state, _ = step(self.state, self.sc, self.cc)
+        for rid, rs in self.state.finished.items():
+            if rs.finish_reason != "abort":
+                assert len(rs.output_token_ids) == self.expected.pop(rid)
+
+    @rule(data=st.data())
+    def abort_one(self, data):
+        if self.state.requests:
+            rid = data.draw(st.sampled_from(sorted(self.state.requests)))
+            self.state = abort(self.state, rid)
+            self.expected.pop(rid)
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.state, self.sc)
+
+
+StreamingMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=40,
+                                              deadline=None)
+test_streaming_state_machine = StreamingMachine.TestCase
+
+
+def test_drop_order_keeps_lru():
+    """Dropped cached blocks join the free queue's tail (reused last), uncached ones its head."""
+    cc, sc = configs(num_blocks=16, budget=4, prefix_caching="hash")
+    state = add_request(init_state(cc), req("a", range(12), max_tokens=20), sc)
+    for _ in range(8):
+        state, _ = step(state, sc, cc)
+    free = state.block_manager.free_block_ids()
+    cached = [b for b in free if b in state.block_manager.prefix_cache]
+    assert cached and free[-len(cached):] == tuple(cached)
+    assert np.all(np.diff([free.index(b) for b in cached]) > 0)

@@ -20,7 +20,9 @@ decoding sees. With R = 1 every sealed block is read quantized (stricter than KI
 attends to exact K/V).
 
 ``token_agreement`` decodes a fixed reference continuation one token per step (the generation
-path) and reports how often each step's argmax matches the reference.
+path) and reports how often each step's argmax matches the reference. ``retained_nll`` scores
+every token of one long text through a pool that keeps only what a KV retention policy keeps
+(StreamingLLM's protocol, past the model's context).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _sequence_cache(runner, num_blocks: int, kv_cache_dtype: str, cache_options:
                                   **cache_options))
 
 
-def _make_chunk_fn(config, attention_impl: str):
+def _make_chunk_fn(config, attention_impl: str, attention_options=None):
     @partial(jax.jit, donate_argnums=1)
     def run(params, cache, token_ids, targets, positions, slots, block_table, seq_len):
         t = token_ids.shape[0]
@@ -74,7 +76,8 @@ def _make_chunk_fn(config, attention_impl: str):
                                query_start_loc=jnp.asarray([0, t], jnp.int32),
                                seq_lens=seq_len[None], block_tables=block_table[None])
         logits, cache = forward(params, token_ids, positions, cache, md, config=config,
-                                attention_impl=attention_impl)
+                                attention_impl=attention_impl,
+                                attention_options=attention_options)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]     # [T]
         return cache, nll, jnp.argmax(logits, axis=-1)                       # [T], [T]
@@ -143,6 +146,82 @@ def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
                             num_windows=windows, seconds=time.perf_counter() - t0,
                             kv_cache_dtype=kv_cache_dtype, context=context, stride=stride,
                             chunk=chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetainedNLL:
+    """Per-token negative log-likelihoods of one long text under a KV retention policy.
+
+    Attributes:
+      nll: f64 [N - 1]: ``nll[i]`` = -log p(token i + 1 | the KV the policy kept at token i).
+      peak_blocks: most pool blocks the sequence held at once (the null block not counted).
+      pool_blocks: blocks the pool was allocated with (the policy's bound; null block excluded).
+      seconds: wall time.
+    """
+
+    nll: np.ndarray
+    peak_blocks: int
+    pool_blocks: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.nll.mean()))
+
+
+def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: int = 256,
+                 **cache_options) -> RetainedNLL:
+    """Teacher-forced NLL of every token of one long text fed in ``chunk``-token steps through a
+    pool that holds only what ``retention`` keeps, managed as the scheduler manages it: before
+    each chunk the blocks no query from there on sees go back (``BlockManager.release_blocks``),
+    so the pool is the policy's bound (``Retention.max_blocks``), not the text's length, and the
+    text may run past the model's context. StreamingLLM's perplexity protocol: chunked prefill
+    equals token-by-token decoding here because every query sees its own sinks + window.
+
+    Args:
+      runner: the engine's ``ModelRunner`` (params, config, block size, attention impl).
+      token_ids: int [N] the text.
+      retention: a ``jaxkv.retention`` policy (``FullRetention()``: the dense cache).
+      kv_cache_dtype: the KV format.
+      chunk: tokens per forward.
+      **cache_options: ``KVCacheSpec`` fields, as for ``perplexity``.
+
+    Returns:
+      RetainedNLL.
+    """
+    from jaxkv.block_manager import BlockManager   # the scheduler's block bookkeeping
+
+    ids = np.asarray(token_ids, np.int32)
+    n = len(ids) - 1
+    if n < 1:
+        raise ValueError(f"token_ids has {len(ids)} tokens; at least 2 are needed")
+    c, bs = runner.model_config, runner.cache_config.block_size
+    held = retention.max_blocks(n, chunk, bs)
+    bm = BlockManager(held + 1, bs)
+    cache = _sequence_cache(runner, held, kv_cache_dtype, cache_options)
+    run = _make_chunk_fn(c, runner.attention_impl, retention.attention)
+    width = -(-n // bs)
+    nll, peak = np.empty(n), 0
+    t0 = time.perf_counter()
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        if a == 0:
+            bm.allocate("text", b)
+        else:
+            first, stop = retention.droppable(a, bs)
+            bm.release_blocks("text", first, stop)
+            bm.append_slots("text", b)
+        peak = max(peak, held - bm.num_free_blocks)
+        table = np.zeros(width, np.int32)
+        kept = bm.block_table("text")
+        table[:len(kept)] = kept
+        pos = np.arange(a, b, dtype=np.int32)
+        cache, out, _ = run(runner.params, cache, jnp.asarray(ids[pos]), jnp.asarray(ids[pos + 1]),
+                            jnp.asarray(pos), jnp.asarray(table[pos // bs] * bs + pos % bs),
+                            jnp.asarray(table), jnp.int32(b))
+        nll[a:b] = np.asarray(out, np.float64)
+    return RetainedNLL(nll=nll, peak_blocks=peak, pool_blocks=held,
+                       seconds=time.perf_counter() - t0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -230,3 +230,35 @@ def test_sink_queries_in_every_implementation(impl):
         dec = paged_decode_attention(q[last], k, v, tables[:4], lens[:4], sliding_window=6,
                                      num_sinks=3, q_sinks=qs[last], interpret=True, num_splits=2)
         np.testing.assert_allclose(np.asarray(dec), np.asarray(want)[last], atol=2e-5)
+
+
+# ---- jaxkv.eval.retained_nll: the perplexity protocol of bench/streaming.py -----------------
+
+@pytest.mark.parametrize("positions", ["cache", "original"])
+def test_retained_nll_equals_the_oracle_in_a_bounded_pool(tiny, positions):
+    from jaxkv.eval import retained_nll
+
+    path, model = tiny
+    ids = np.random.default_rng(3).integers(3, 400, size=700)          # past the 512 context
+    policy = StreamingRetention(sink_tokens=SINKS, window_tokens=WINDOW, positions=positions)
+    with LLM(str(path), **STREAM) as engine:
+        res = retained_nll(engine.engine.runner, ids, retention=policy, kv_cache_dtype="fp32",
+                           chunk=32)
+    ref = oracle_logprobs(model, list(ids[:-1]), POSITIONS[positions])
+    np.testing.assert_allclose(res.nll, -ref[np.arange(699), ids[1:]], atol=2e-4, rtol=1e-4)
+    assert res.peak_blocks <= res.pool_blocks == policy.max_blocks(699, 32, 8) < 699 // 8
+
+
+def test_retained_nll_with_full_retention_is_perplexity(tiny):
+    from jaxkv.eval import perplexity, retained_nll
+    from jaxkv.retention import FullRetention
+
+    path, _ = tiny
+    ids = np.random.default_rng(4).integers(3, 400, size=257)
+    with LLM(str(path), **TINY_ENGINE) as engine:
+        runner = engine.engine.runner
+        res = retained_nll(runner, ids, retention=FullRetention(), kv_cache_dtype="fp32",
+                           chunk=64)
+        ppl = perplexity(runner, ids, kv_cache_dtype="fp32", context=256, chunk=64)
+    assert ppl.num_scored == len(res.nll) == 256
+    np.testing.assert_allclose(res.nll.mean(), ppl.nll, rtol=1e-5)

@@ -88,6 +88,32 @@ def draft_path(name: str, args) -> str:
     return str(path)
 
 
+def layer_subset_agreement(hf_dir: str, subsets: list[str], n_tokens: int = 400) -> dict:
+    """Teacher-forced greedy agreement of layer-subset drafts with the full model (HF
+    transformers, fp32, on ``n_tokens`` of Pride and Prejudice): the share of positions where
+    the draft's argmax equals the full model's, an estimate of a greedy draft's acceptance."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")[20000:23000]
+    ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens]
+    layers, n = model.model.layers, model.config.num_hidden_layers
+    out = {}
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits.argmax(-1)
+        for name in subsets:
+            a, b = (0, int(name[5:])) if name.startswith("first") else map(int, name[4:].split("-"))
+            keep = (list(range(b)) if name.startswith("first")
+                    else [i for i in range(n) if not a <= i < b])
+            model.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+            model.config.num_hidden_layers = len(keep)
+            draft = model(ids, use_cache=False).logits.argmax(-1)
+            out[name] = float((draft == full).float().mean())
+    return out
+
+
 def engine(batch: int, variant: tuple, args) -> LLM:
     """A SmolLM2 engine for batch size ``batch`` and a variant ``(proposer, k, adaptive)``
     (proposer None: no speculation; ``"ngram"``; or a ``--drafts`` name)."""
@@ -184,7 +210,16 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
+    ap.add_argument("--agreement", default=None, metavar="HF_DIR", help="instead: the "
+                    "teacher-forced agreement of the --agreement-subsets layer subsets of the HF "
+                    "model in HF_DIR with the full model")
+    ap.add_argument("--agreement-subsets", default="first8,first20,first24,skip20-30,"
+                    "skip10-20,skip12-18")
     args = ap.parse_args()
+    if args.agreement:
+        print(json.dumps(layer_subset_agreement(args.agreement,
+                                                args.agreement_subsets.split(",")), indent=2))
+        return
     variants = [(None, 0, False)]
     if args.proposer == "ngram":
         variants += [("ngram", int(k), False) for k in args.ks.split(",") if int(k)]

@@ -3,9 +3,10 @@ the target's tokenizer, run by the engine's own device machinery over its own pa
 
     proposer = DraftModelProposer.from_config(engine_config, target_runner)
     drafts = proposer.propose_batch({request_id: (token_ids, k), ...})   # {id: k greedy tokens}
-    proposer.release(request_id)                                        # finished, aborted, preempted
+    proposer.release(request_id)                        # finished, aborted, preempted
 
-    write_truncated_draft("SmolLM2-135M-Instruct", "drafts/smollm2-l8", 8)   # a draft to use
+    write_truncated_draft("SmolLM2-135M-Instruct", "drafts/smollm2-skip12-18",
+                          [*range(12), *range(18, 30)])   # a draft: 24 of the 30 layers
 
 The device side is a second ``jaxkv.engine.runner.ModelRunner`` (the draft's params, donated
 cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
@@ -33,6 +34,12 @@ the common prefix), and a request preempted or changed in any other way is caugh
 longest prefix that still matches. ``release`` frees a request's blocks (``Speculator`` calls it
 for every request that is no longer running: finished, aborted, preempted).
 
+Cost. Every draft forward is one engine step of the draft (a jitted call and a host round trip
+for its tokens): ``1 + (k - 1)`` per target step, plus the draft's own prefill of each prompt. On
+SmolLM2-135M (CPU) layer-subset drafts accept too little for their cost (BENCHMARKS.md: 0.6-2%
+for its first 8 layers, 9-26% for the best 24); the machinery's ceiling, the target as its own
+draft, accepts every draft.
+
 Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
 sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
 seeded outputs equal non-speculative decoding, and sampled outputs keep the target's
@@ -51,7 +58,6 @@ step (with the default size that happens only when the target shares many prefix
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 
@@ -66,8 +72,6 @@ from jaxkv.model.llama import params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.sampling import SamplingParams
 from jaxkv.scheduler import ScheduledSeq, StepPlan
-
-logger = logging.getLogger("jaxkv")
 
 _GREEDY = SamplingParams(temperature=0.0)
 

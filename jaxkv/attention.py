@@ -11,7 +11,9 @@ Causality with an offset: the i-th query token of sequence s (0-based within its
 position ``q_pos = seq_lens[s] - q_len[s] + i`` and sees kv positions ``p <= q_pos``; with a sliding
 window W it sees only ``q_pos - p < W`` (W positions, itself included), except that the first
 ``num_sinks`` positions (attention sinks) stay visible. Keys/values of position p of sequence s live
-in block ``block_tables[s, p // block_size]`` at offset ``p % block_size`` (see jaxkv/cache.py).
+in block ``block_tables[s, p // block_size]`` at offset ``p % block_size`` (see jaxkv/cache.py). A
+table entry 0 (the null block) below ``seq_lens[s]`` is a block a KV retention policy dropped
+(jaxkv/retention/): its positions are not seen by any query.
 
 The reference below walks the kv axis in chunks of whole blocks with an online softmax (f32
 accumulators), which is also what the kernels do. Its memory is O(T * chunk) rather than
@@ -174,7 +176,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool, an
         array or a ``jaxkv.cache.QuantizedPages`` (dequantized block by block, see
         ``jaxkv.cache.read_pages``).
-      block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block).
+      block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block:
+        padding past the sequence, or a block a retention policy dropped, never seen).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens.
       query_start_loc: int32 [S + 1] cumulative query lengths.
       sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
@@ -184,8 +187,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
       kv_chunk_blocks: blocks per online-softmax step (static); default covers ~256 positions.
       return_lse: also return the log-sum-exp of the (scaled, capped) logits.
       q_sinks: optional [T, num_heads, head_dim], like q: with a window, the queries that
-        score the first ``num_sinks`` positions (StreamingLLM's positions within the cache: q rotated to its
-        position in the cache, see jaxkv/retention/streaming.py); default q.
+        score the first ``num_sinks`` positions (StreamingLLM's positions within the cache: q
+        rotated to its position in the cache, see jaxkv/retention/streaming.py); default q.
 
     Returns:
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
@@ -228,8 +231,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         kv_pos = c * chunk * bs + jnp.arange(chunk * bs, dtype=jnp.int32)
         if rescore:
             s = jnp.where(kv_pos < num_sinks, jnp.einsum("thgd,tnhd->thgn", qsg, k), s)
+        kept = jnp.repeat(ids != 0, bs, axis=1)[seq_idx]          # [T, chunk*bs] not dropped
         mask = visible(q_pos[:, None], kv_pos[None, :], sliding_window=sliding_window,
-                       num_sinks=num_sinks) & valid[:, None]      # [T, chunk*bs]
+                       num_sinks=num_sinks) & valid[:, None] & kept  # [T, chunk*bs]
         return online_softmax_step(carry, cap_logits(s, soft_cap), mask[:, None, None, :],
                                    lambda p: jnp.einsum("thgn,tnhd->thgd", p, v))
 

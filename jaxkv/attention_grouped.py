@@ -22,6 +22,7 @@ computed by exactly one of two paths:
   causal end, as ``[block_q * G, C]`` dots per kv head. A ``fori_loop`` over the non-empty tiles
   only (a decode-only step runs none), each over its own visible kv chunks.
 
+A null table entry (a block a retention policy dropped) is masked like a position past the end.
 With a sliding window both paths visit only the sink chunks and the window's chunks
 (``jaxkv.attention.kv_tile_range``). Quantized pools are read with ``jaxkv.cache.read_pages``
 (dequantized per sequence; KIVI blocks inside the reader's residual window from the
@@ -152,7 +153,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         s = with_sinks(v, sinks, s, kv_pos,
                        lambda: jnp.sum(row_qs[:, None] * k[:, :, :, None], -1),
                        lambda m: m[:, :, None, None])
-        mask = visible(row_pos[:, None], kv_pos, **mask_opts) & has_q[:, None]
+        kept = jnp.repeat(ids != 0, bs, axis=1)                        # [S, rc] not dropped
+        mask = visible(row_pos[:, None], kv_pos, **mask_opts) & has_q[:, None] & kept
         return online_softmax_step(
             carry, cap_logits(s.transpose(0, 2, 3, 1), soft_cap), mask[:, None, None, :],
             lambda p: jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * vv[:, :, :, None], 1))
@@ -191,7 +193,9 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
             kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)            # [C]
             s = with_sinks(v, t_sinks, s, kv_pos,
                            lambda: jnp.einsum("qhgd,nhd->hqgn", qst, k), lambda m: m)
-            mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None]
+            kept = jnp.repeat(ids != 0, bs)                            # [C] not dropped
+            mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None] \
+                & kept[None, :]
             return online_softmax_step(carry, cap_logits(s, soft_cap), mask[None, :, None, :],
                                        lambda p: jnp.einsum("hqgn,nhd->hqgd", p, vv))
 

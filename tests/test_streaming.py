@@ -262,3 +262,39 @@ def test_retained_nll_with_full_retention_is_perplexity(tiny):
         ppl = perplexity(runner, ids, kv_cache_dtype="fp32", context=256, chunk=64)
     assert ppl.num_scored == len(res.nll) == 256
     np.testing.assert_allclose(res.nll.mean(), ppl.nll, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "grouped", "pallas"])
+def test_dropped_blocks_are_invisible_in_every_implementation(impl):
+    # drops anywhere (not only where a window ends: H2O-style), no window: each query sees its
+    # causal prefix minus the dropped blocks; the null block holds large garbage
+    from jaxkv.attention import token_layout
+    from jaxkv.attention_impl import paged_attention
+    from ragged_batches import table_batch
+
+    rng = np.random.default_rng(7)
+    q_lens, kv_lens = [5, 1, 9, 1], [30, 17, 9, 41]
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=20, S=5, max_blocks=12,
+                                    num_blocks=48, bs=4)
+    tables = np.asarray(tables).copy()
+    for s, (ql, n) in enumerate(zip(q_lens, kv_lens)):
+        for j in range((n - ql) // 4):                   # blocks before the step's own writes
+            if rng.random() < 0.4:
+                tables[s, j] = 0
+    q = jnp.asarray(rng.normal(size=(20, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(48, 4, 2, 16)), jnp.float32).at[0].set(300.0)
+            for _ in range(2))
+    extra = {"pallas": dict(interpret=True), "grouped": dict(block_q=4)}.get(impl, {})
+    out = np.asarray(paged_attention(q, k, v, jnp.asarray(tables), lens, qsl, impl=impl,
+                                     **extra))
+    seq_idx, q_pos, valid = (np.asarray(a) for a in token_layout(qsl, lens, 20))
+    kk, vv = np.asarray(k), np.asarray(v)
+    for t in np.flatnonzero(valid):
+        s, p = seq_idx[t], q_pos[t]
+        keys = [j for j in range(p + 1) if tables[s, j // 4] != 0]
+        blocks = tables[s, [j // 4 for j in keys]]
+        kj, vj = kk[blocks, [j % 4 for j in keys]], vv[blocks, [j % 4 for j in keys]]
+        for h in range(4):
+            sc = kj[:, h // 2] @ np.asarray(q)[t, h] / 4.0
+            w = np.exp(sc - sc.max())
+            np.testing.assert_allclose(out[t, h], (w / w.sum()) @ vj[:, h // 2], atol=2e-5)

@@ -254,7 +254,7 @@ def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_star
             s = jnp.where(kv_pos[None, :] < num_sinks, scores(q_sinks, keys), s)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        seen = kv_pos[None, :] <= q_pos[:, None]                                  # [rows, block_kv]
+        seen = (kv_pos[None, :] <= q_pos[:, None]) & (page[None, :] != 0)        # [rows, block_kv]
         if sliding_window is not None:
             in_window = q_pos[:, None] - kv_pos[None, :] < sliding_window
             if num_sinks:

@@ -6,7 +6,8 @@ uniform in [min, max]) and whose output lengths are uniform in [16, 256]; every 
 exactly its length (``ignore_eos`` here, ``min_new_tokens`` there), so both produce the same
 useful tokens. HF runs static batches of ``--hf-batch-size`` in input order, left-padded, each
 batch generating the longest output of the batch (what a static batch must do); only each
-request's own tokens count as useful output.
+request's own tokens count as useful output. The prefix cache is reset before every repeat, so
+no repeat hits the previous one's prompts (each computes its whole workload).
 
 Also measured, in the same run:
 * KV utilization: live tokens / allocated slots of the paged pool, averaged over steps, against
@@ -146,6 +147,7 @@ def main():
         run_hf(hf, prompts[:2], [4, 4], 2)                         # warm-up
     runs = {"jaxkv": [], "hf": []}
     for r in range(a.repeats):
+        llm.reset_prefix_cache()   # every repeat computes its prompts (no hits on the last one's)
         jx = run_jaxkv(llm, prompts, olens)
         runs["jaxkv"].append(jx)
         print(f"repeat {r}: jaxkv {jx['output_tokens_per_s']:.1f} out tok/s "
@@ -156,6 +158,7 @@ def main():
             agree = np.mean([x == y for x, y in zip(jx["outputs"], h["outputs"])])
             print(f"repeat {r}: HF    {h['output_tokens_per_s']:.1f} out tok/s "
                   f"({h['elapsed_s']:.1f} s); identical outputs {agree:.0%}", flush=True)
+    llm.reset_prefix_cache()
     overhead = host_overhead(llm, llm.tokenizer)
 
     def summary(xs, key):

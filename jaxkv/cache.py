@@ -56,6 +56,11 @@ preempted sequence; the live windows of the step's sequences are re-stamped ever
 is a null slot. With at least ``R * max_num_seqs + 1`` slots every running sequence's window
 fits as long as each running sequence is scheduled in every step (the engine's continuous
 batching does this).
+
+Quest key bounds (``KVCacheSpec.key_bounds``, float/fp8/int8 formats): ``bounds[layer]`` is a
+``KeyBounds`` (per block, kv head and channel, the min/max of the keys as stored), refreshed by
+``refresh_key_bounds`` after every K write and copied by ``copy_blocks`` with the blocks; KIVI
+pools keep none (their per-channel scale/zero bound the keys, jaxkv/sparse_attention.py).
 """
 
 from __future__ import annotations
@@ -139,7 +144,28 @@ class QuantizedPages:
 Pages = jax.Array | QuantizedPages
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["kmin", "kmax"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KeyBounds:
+    """Per-block, per-kv-head, per-channel bounds of the keys of one layer's K pool (Quest).
+
+    Attributes:
+      kmin: f32 [num_blocks, num_kv_heads, head_dim] the smallest key value of each channel over
+        the block's written tokens (0 for a block never written).
+      kmax: f32 [num_blocks, num_kv_heads, head_dim] the largest.
+    """
+
+    kmin: jax.Array   # [num_blocks, num_kv_heads, head_dim]
+    kmax: jax.Array   # [num_blocks, num_kv_heads, head_dim]
+
+
+def init_key_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> KeyBounds:
+    """Bounds of an empty pool: zeros (a block's first write, at offset 0, replaces them)."""
+    zeros = jnp.zeros((num_blocks, num_kv_heads, head_dim), jnp.float32)
+    return KeyBounds(kmin=zeros, kmax=zeros)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "bounds"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """Paged K/V pools of every layer.
@@ -148,10 +174,13 @@ class PagedKVCache:
       k: one pool per layer: an array [num_blocks, block_size, num_kv_heads, head_dim] for a
         float cache, a ``QuantizedPages`` for a quantized one.
       v: same as ``k``.
+      bounds: one ``KeyBounds`` per layer (Quest sparse attention over a float/fp8/int8 pool,
+        ``KVCacheSpec.key_bounds``), or empty.
     """
 
     k: tuple[Pages, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
     v: tuple[Pages, ...]  # L x [num_blocks, block_size, num_kv_heads, head_dim]
+    bounds: tuple[KeyBounds, ...] = ()   # L x KeyBounds [num_blocks, num_kv_heads, head_dim], or ()
 
     @property
     def num_layers(self) -> int:
@@ -200,11 +229,13 @@ CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
 def logical_axes(leaf) -> tuple[str | None, ...]:
     """Logical axis names of one cache array (an array, tracer or ``jax.ShapeDtypeStruct``).
 
-    The pool-shaped (4-D) arrays split over their kv heads (``CACHE_LOGICAL_AXES``); the KIVI
-    bookkeeping (``res_slot``, ``sealed`` [num_blocks], ``res_owner``, ``res_stamp`` [num_res],
+    The pool-shaped (4-D) arrays split over their kv heads (``CACHE_LOGICAL_AXES``), as do
+    Quest's key bounds (3-D: [num_blocks, kv_heads, head_dim]); the KIVI bookkeeping (``res_slot``, ``sealed`` [num_blocks], ``res_owner``, ``res_stamp`` [num_res],
     ``clock`` []) describes whole blocks, shared by all heads, and is replicated.
     """
-    return CACHE_LOGICAL_AXES if leaf.ndim == 4 else (None,) * leaf.ndim
+    if leaf.ndim == 4:
+        return CACHE_LOGICAL_AXES
+    return CACHE_LOGICAL_AXES[1:] if leaf.ndim == 3 else (None,) * leaf.ndim
 
 
 def _zeros_pool(spec: KVCacheSpec, axis: str) -> Pages:
@@ -223,8 +254,12 @@ def _zeros_pool(spec: KVCacheSpec, axis: str) -> Pages:
 
 def _zeros(spec: KVCacheSpec) -> PagedKVCache:
     k_axis, v_axis = spec.axes
+    bounds = spec.bounds_arrays()
     return PagedKVCache(k=tuple(_zeros_pool(spec, k_axis) for _ in range(spec.num_layers)),
-                        v=tuple(_zeros_pool(spec, v_axis) for _ in range(spec.num_layers)))
+                        v=tuple(_zeros_pool(spec, v_axis) for _ in range(spec.num_layers)),
+                        bounds=tuple(KeyBounds(**{n: jnp.zeros(shape, dt)
+                                                  for n, (shape, dt) in bounds.items()})
+                                     for _ in range(spec.num_layers)) if bounds else ())
 
 
 def init_cache(spec: KVCacheSpec, shardings: PagedKVCache | None = None) -> PagedKVCache:
@@ -240,7 +275,8 @@ def init_cache(spec: KVCacheSpec, shardings: PagedKVCache | None = None) -> Page
       PagedKVCache with ``num_layers`` K and V pools of logical shape
       [num_blocks, block_size, num_kv_heads, head_dim]: arrays in the format's storage dtype for
       a float format, ``QuantizedPages`` (the arrays of ``spec.block_arrays`` and
-      ``spec.residual_arrays``) for a quantized one; ``nbytes == spec.nbytes``.
+      ``spec.residual_arrays``) for a quantized one, plus the ``KeyBounds`` of
+      ``spec.bounds_arrays`` per layer; ``nbytes == spec.nbytes``.
     """
     return jax.jit(_zeros, static_argnums=0, out_shardings=shardings)(spec)
 
@@ -479,10 +515,13 @@ def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
           slot_mapping: jax.Array, md: AttentionMetadata | None = None) -> PagedKVCache:
     """Writes one layer's new K and V ([T, num_kv_heads, head_dim]) at ``slot_mapping`` (int32
     [T]); ``md`` as in ``write_layer``."""
-    ks, vs = list(cache.k), list(cache.v)
+    ks, vs, bs = list(cache.k), list(cache.v), list(cache.bounds)
     ks[layer] = write_layer(ks[layer], k, slot_mapping, md)
     vs[layer] = write_layer(vs[layer], v, slot_mapping, md)
-    return PagedKVCache(k=tuple(ks), v=tuple(vs))
+    if bs:
+        bs[layer] = refresh_key_bounds(bs[layer], ks[layer], slot_mapping,
+                                       1 if md is None else md.seq_lens.shape[0])
+    return PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
 
 
 def gather(cache: PagedKVCache, layer: int, block_table: jax.Array,
@@ -538,7 +577,8 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
     """Copies whole blocks ``src[i] -> dst[i]`` in every layer (copy-on-write, forking).
 
     Quantized pools copy codes, scales and zero points; an unsealed KIVI block gets its own
-    residual slot holding a copy of the source's full-precision tokens.
+    residual slot holding a copy of the source's full-precision tokens; Quest's key bounds are
+    copied with their blocks.
 
     Args:
       cache: the cache (donated).
@@ -548,4 +588,102 @@ def copy_blocks(cache: PagedKVCache, src: jax.Array, dst: jax.Array) -> PagedKVC
       The cache with ``dst`` blocks equal to the ``src`` blocks.
     """
     return PagedKVCache(k=tuple(_copy_pool(p, src, dst) for p in cache.k),
-                        v=tuple(_copy_pool(p, src, dst) for p in cache.v))
+                        v=tuple(_copy_pool(p, src, dst) for p in cache.v),
+                        bounds=tuple(copy_key_bounds(b, src, dst) for b in cache.bounds))
+
+
+def written_keys(k_pages: Pages, slot_mapping: jax.Array) -> jax.Array:
+    """The keys a float, fp8 or int8 pool holds at ``slot_mapping``, as attention reads them.
+
+    Call it after ``write_layer`` so the bounds cover the stored (rounded or dequantized) keys,
+    not the model's: every score then bounds the logits attention computes.
+
+    Args:
+      k_pages: [num_blocks, block_size, Hkv, D] float pool, or an fp8/int8 ``QuantizedPages``.
+      slot_mapping: int32 [T] ``block_id * block_size + offset``.
+
+    Returns:
+      f32 [T, Hkv, D].
+
+    Raises:
+      ValueError: for a KIVI pool (its bounds come from its statistics:
+        ``jaxkv.sparse_attention.page_bounds``).
+    """
+    bs = k_pages.shape[1]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    if not isinstance(k_pages, QuantizedPages):
+        return k_pages[blk, off].astype(jnp.float32)
+    if k_pages.format.kivi:
+        raise ValueError(f"{k_pages.fmt} pools need no KeyBounds: pass the pool to page_bounds")
+    scale = None if k_pages.scale is None else k_pages.scale[blk, off]          # [T, Hkv, 1]
+    return quant.dequantize(k_pages.data[blk, off], scale, None, k_pages.format,
+                            static_scale=k_pages.static_scale)
+
+
+def update_key_bounds(bounds: KeyBounds, keys: jax.Array, slot_mapping: jax.Array,
+                      block_size: int) -> KeyBounds:
+    """The bounds after a step wrote ``keys`` at ``slot_mapping`` (in place under donation).
+
+    A block written at offset 0 in this step restarts from this step's keys alone (it was
+    (re)allocated: blocks fill in order from offset 0); every other written block widens its
+    bounds by its new keys. Padding tokens (slots in the null block 0) only touch block 0.
+
+    Args:
+      bounds: the pool's bounds before the step.
+      keys: f32 [T, Hkv, D] the keys as stored (``written_keys``).
+      slot_mapping: int32 [T] ``block_id * block_size + offset`` of each key.
+      block_size: tokens per block (static).
+
+    Returns:
+      The updated ``KeyBounds``.
+    """
+    blk, off = slot_mapping // block_size, slot_mapping % block_size
+    n = bounds.kmin.shape[0]
+    restart = jnp.zeros(n, bool).at[blk].max(off == 0)[:, None, None]         # [N, 1, 1]
+    keys = keys.astype(jnp.float32)
+    kmin = jnp.where(restart, jnp.inf, bounds.kmin).at[blk].min(keys)
+    kmax = jnp.where(restart, -jnp.inf, bounds.kmax).at[blk].max(keys)
+    return KeyBounds(kmin=kmin, kmax=kmax)
+
+
+def refresh_key_bounds(bounds: KeyBounds, k_pages: Pages, slot_mapping: jax.Array,
+                       num_seqs: int) -> KeyBounds:
+    """The exact bounds after a step wrote its keys at ``slot_mapping`` (what the engine uses).
+
+    Blocks fill in order, so after a step a written block holds its owner's keys at offsets
+    ``0 .. b``, ``b`` the highest offset written in the step; whatever lies past ``b`` is stale
+    (the tail of a radix partial copy, rejected drafts being rewritten, a freed block's old
+    tokens). Each written block's bounds are recomputed from the pool over offsets ``<= b``, so
+    they always equal ``jaxkv.sparse_attention.key_bounds`` (no over-approximation, unlike
+    ``update_key_bounds``). A sequence's tokens are contiguous in the step, so the written
+    blocks are the runs of equal block ids in ``slot_mapping``: at most ``T // bs + 2 S + 1``
+    of them (each sequence adds a partial block at either end, padding one run of block 0),
+    and only those blocks are read: about the step's own K bytes again.
+
+    Args:
+      bounds: the pool's bounds before the step.
+      k_pages: the K pool after the step's write (float, fp8 or int8).
+      slot_mapping: int32 [T] slots the step wrote.
+      num_seqs: S, sequences of the step (static).
+
+    Returns:
+      The updated ``KeyBounds``.
+    """
+    bs = k_pages.shape[1]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    t, n = slot_mapping.shape[0], bounds.kmin.shape[0]
+    last = jnp.full(n, -1, jnp.int32).at[blk].max(off)                 # [N] highest offset
+    run = jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])    # [T] a run's first token
+    (first,) = jnp.nonzero(run, size=min(t, t // bs + 2 * num_seqs + 1), fill_value=0)
+    ids = blk[first]                                                   # [M] written blocks
+    x = read_pages(k_pages, ids)                                       # [M, bs, Hkv, D]
+    valid = (jnp.arange(bs) <= last[ids][:, None])[..., None, None]    # [M, bs, 1, 1]
+    return KeyBounds(kmin=bounds.kmin.at[ids].set(jnp.where(valid, x, jnp.inf).min(axis=1)),
+                     kmax=bounds.kmax.at[ids].set(jnp.where(valid, x, -jnp.inf).max(axis=1)))
+
+
+def copy_key_bounds(bounds: KeyBounds, src: jax.Array, dst: jax.Array) -> KeyBounds:
+    """Bounds of blocks copied ``src[i] -> dst[i]`` (int32 [M], ``dst`` distinct), beside
+    ``copy_blocks``."""
+    return KeyBounds(kmin=bounds.kmin.at[dst].set(bounds.kmin[src]),
+                     kmax=bounds.kmax.at[dst].set(bounds.kmax[src]))

@@ -42,6 +42,7 @@ PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "draft")
 RETENTION_MODES = ("full", "streaming")
+SPARSE_ATTENTION_METHODS = ("quest",)
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -272,16 +273,37 @@ class CacheArgs:
                                "(attention sinks + a rolling window; blocks leaving the window "
                                "are freed, so a sequence may outgrow the model's context)",
                                choices=RETENTION_MODES)
-    kv_sink_tokens: int = option(4, "streaming: first positions every query attends to "
-                                 "(attention sinks)", minimum=0)
+    kv_sink_tokens: int = option(4, "streaming and quest: first positions every query "
+                                 "attends to (attention sinks)", minimum=0)
     kv_window_tokens: int | None = option(None, "streaming: recent positions a query attends "
                                           "to, itself included", minimum=1)
     kv_positions: str = option("cache", "streaming: RoPE positions within the cache "
                                "(StreamingLLM) or the original positions",
                                choices=POSITIONS)
+    sparse_attention: str | None = option(
+        None, "query-aware sparse decode attention: quest (each decode token attends to the "
+        "pages whose per-channel key bounds score highest, plus the sinks and the recent "
+        "window; prefill stays dense) or none", choices=SPARSE_ATTENTION_METHODS,
+        parse=lambda s: None if s.lower() == "none" else s)
+    sparse_budget_tokens: int | None = option(
+        None, "quest: KV positions each decode token attends to, in whole blocks (rounded up), "
+        "sinks and recent window included", minimum=1)
+    sparse_recent_tokens: int = option(
+        32, "quest: most recent positions every decode token attends to, itself included",
+        minimum=1)
 
     def __post_init__(self):
         check_fields(self)
+        if self.sparse_attention == "quest" and self.sparse_budget_tokens is None:
+            raise ValueError("sparse_attention='quest' needs sparse_budget_tokens (the KV "
+                             "positions each decode token attends to, e.g. 512)")
+        if self.sparse_attention is None and self.sparse_budget_tokens is not None:
+            raise ValueError(f"sparse_budget_tokens={self.sparse_budget_tokens} is used only "
+                             f"with sparse_attention='quest'")
+        if self.sparse_attention is not None and self.kv_retention != "full":
+            raise ValueError(f"sparse_attention={self.sparse_attention!r} does not compose with "
+                             f"kv_retention={self.kv_retention!r} (its selection and sparse "
+                             f"kernels know no window); use kv_retention='full'")
         if self.kv_retention == "streaming" and self.kv_window_tokens is None:
             raise ValueError("kv_retention='streaming' needs kv_window_tokens (the rolling "
                              "window, e.g. 1020 with kv_sink_tokens=4 for a 1024-token cache)")

@@ -32,6 +32,11 @@ D = head_dim, G = group_size, R = num_residual_slots + 1 with slot 0 the null sl
                res_slot [N] int32, sealed [N] bool                       (per block)
                residual [R, bs, H, D] model dtype, res_owner [R], res_stamp [R] int32,
                clock [] int32                                            (the residual pool)
+
+With ``key_bounds`` (Quest sparse attention, jaxkv/sparse_attention.py) a float, fp8 or int8
+cache also keeps, per layer beside its K pool, the per-block per-channel key bounds
+``kmin, kmax [N, H, D] float32`` (``bounds_arrays``); KIVI pools derive them from their stored
+per-channel scale and zero point, so they add nothing.
 """
 
 from __future__ import annotations
@@ -180,6 +185,8 @@ class KVCacheSpec:
         ablation; the storage is the same).
       static_scale: a fixed per-tensor scale instead of per-token scales (formats with
         ``supports_static_scale``: fp8), or None.
+      key_bounds: keep Quest's per-block key bounds beside every K pool (``bounds_arrays``;
+        nothing for KIVI formats, whose scale/zero give the bounds).
 
     Raises:
       ValueError: naming the field, for any value the cache cannot be built with.
@@ -199,6 +206,7 @@ class KVCacheSpec:
     value_axis: str = "token"
     residual_full_precision: bool = True
     static_scale: float | None = None
+    key_bounds: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
@@ -286,12 +294,21 @@ class KVCacheSpec:
                 "res_owner": ((r,), "int32"), "res_stamp": ((r,), "int32"),
                 "clock": ((), "int32")}
 
+    def bounds_arrays(self) -> Arrays:
+        """Quest's key bounds of one layer (``kmin``, ``kmax``): kept with ``key_bounds`` for a
+        float, fp8 or int8 format; empty otherwise (KIVI derives them from its statistics)."""
+        if not self.key_bounds or self.format.kivi:
+            return {}
+        shape = (self.num_blocks, self.num_kv_heads, self.head_dim)
+        return {"kmin": (shape, "float32"), "kmax": (shape, "float32")}
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V (codes, scales, zero points, per-block
-        residual index and sealed flag)."""
-        return self.num_layers * sum(_nbytes(shape[1:], dt) for axis in self.axes
-                                     for shape, dt in self.block_arrays(axis).values())
+        residual index and sealed flag, Quest key bounds)."""
+        arrays = [a for axis in self.axes for a in self.block_arrays(axis).values()]
+        arrays += list(self.bounds_arrays().values())
+        return self.num_layers * sum(_nbytes(shape[1:], dt) for shape, dt in arrays)
 
     @property
     def residual_bytes(self) -> int:

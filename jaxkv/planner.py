@@ -83,7 +83,8 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
 
 def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
                    tensor_parallel_size: int = 1, group_size: int | None = None, *,
-                   dtype: str = "float32", num_residual_slots: int | None = None) -> KVCacheSpec:
+                   dtype: str = "float32", num_residual_slots: int | None = None,
+                   key_bounds: bool = False) -> KVCacheSpec:
     """The ``KVCacheSpec`` of one device's share of the cache, for its per-block and residual
     byte counts: ``max(Hkv, tp) / tp`` kv heads (repeated when fewer than devices) and the
     smallest pool (2 blocks; a block's bytes do not depend on the pool size).
@@ -95,11 +96,12 @@ def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
     return KVCacheSpec(num_layers=config.num_layers, num_blocks=2, block_size=block_size,
                        num_kv_heads=heads, head_dim=config.head_dim, dtype=dtype,
                        kv_cache_dtype=kv_dtype, group_size=group_size,
-                       num_residual_slots=num_residual_slots)
+                       num_residual_slots=num_residual_slots, key_bounds=key_bounds)
 
 
 def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
-                       tensor_parallel_size: int = 1, group_size: int | None = None) -> int:
+                       tensor_parallel_size: int = 1, group_size: int | None = None, *,
+                       key_bounds: bool = False) -> int:
     """Exact KV bytes of one block over all layers (K and V) on one device
     (``KVCacheSpec.block_bytes``).
 
@@ -107,9 +109,11 @@ def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
     keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
     ``bs x (ceil(D bits / 8) + 2 x 2 D / G)`` (per token, G = ``group_size``, default
     ``default_group_size(D)``), plus per layer ``2 x 5`` bytes of residual-slot index and sealed
-    flag (K and V pools).
+    flag (K and V pools). ``key_bounds`` (Quest) adds ``2 x 4 D`` bytes per layer and kv head
+    for a float, fp8 or int8 format (f32 kmin and kmax per channel).
     """
-    spec = device_kv_spec(config, kv_dtype, block_size, tensor_parallel_size, group_size)
+    spec = device_kv_spec(config, kv_dtype, block_size, tensor_parallel_size, group_size,
+                          key_bounds=key_bounds)
     return spec.block_bytes
 
 
@@ -322,7 +326,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
          tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
          kv_group_size: int | None = None,
-         retained_blocks_per_seq: int | None = None) -> MemoryPlan:
+         retained_blocks_per_seq: int | None = None, key_bounds: bool = False) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -351,6 +355,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
         ``default_group_size(head_dim)``, the largest divisor of head_dim up to 32.
       retained_blocks_per_seq: the most blocks one sequence holds under a KV retention policy
         (``jaxkv.retention``); then ``max_model_len`` may exceed the model's context.
+      key_bounds: Quest sparse attention keeps per-block key bounds beside the K pools (counted
+        in every block's bytes; none for KIVI formats).
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -369,7 +375,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               max_num_batched_tokens=max_num_batched_tokens, activation_bytes=activation_bytes,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
               tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks,
-              kv_group_size=kv_group_size, retained_blocks_per_seq=retained_blocks_per_seq)
+              kv_group_size=kv_group_size, retained_blocks_per_seq=retained_blocks_per_seq,
+              key_bounds=key_bounds)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
@@ -377,7 +384,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
 def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype, kv_cache_dtype,
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
-          kv_residual_blocks=1, kv_group_size=None, retained_blocks_per_seq=None) -> MemoryPlan:
+          kv_residual_blocks=1, kv_group_size=None, retained_blocks_per_seq=None,
+          key_bounds=False) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
@@ -416,7 +424,7 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
             config, dtype=dtype, kv_cache_dtype=kv_dtype,
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size,
-                                   kv_group_size)
+                                   kv_group_size, key_bounds=key_bounds)
     per_token = -(-per_block // block_size)
     residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
                                    kivi_residual_slots(max_num_seqs, kv_residual_blocks),

@@ -25,13 +25,16 @@ Pages are logical (``block_tables[s, page]`` is the physical block), so a select
 keys (a sum of bounds would bound nothing). Scores ignore ``sm_scale`` and ``soft_cap``: both
 are monotone, so the ranking is the same.
 
-Maintaining the bounds (float, fp8, int8 pools). Blocks fill in order from offset 0, so a write
-at offset 0 starts a block afresh: ``update_key_bounds`` resets the bounds of every block written
-at offset 0 in the step and widens the others by the new keys. A block copied whole (copy-on-write
-fork, radix partial copy) must copy its bounds too (``copy_key_bounds``). Keys that are written
-and later dropped (rejected speculative drafts, the tail of a radix partial copy) stay inside the
-bounds until the block is rewritten from offset 0: the bounds over-approximate, which keeps every
-score an upper bound, so selection stays safe (only less sharp).
+Maintaining the bounds (float, fp8, int8 pools; ``KeyBounds`` and its upkeep live in
+jaxkv/cache.py, re-exported here, so the cache keeps them beside its pools). Blocks fill in order
+from offset 0. ``update_key_bounds`` is the incremental form: a block written at offset 0 starts
+afresh, the others widen by the new keys; keys written and later dropped (rejected speculative
+drafts, the tail of a radix partial copy) stay inside the bounds until the block is rewritten
+from offset 0, so the bounds over-approximate (every score stays an upper bound: selection is
+safe, only less sharp). ``refresh_key_bounds`` (what the engine runs) is exact: it recomputes
+each written block from the pool over the offsets up to the highest one written in the step,
+so the bounds always equal ``key_bounds`` from scratch. A block copied whole (copy-on-write
+fork, radix partial copy) copies its bounds too (``copy_key_bounds``, in ``copy_blocks``).
 
 KIVI pools (int4/int2, keys per channel over a block's tokens) need no extra metadata: a sealed
 block's codes ``c in [0, qmax]`` dequantize to ``c * scale + zero``, so ``[zero, qmax * scale +
@@ -39,10 +42,11 @@ zero]`` bounds every channel. Unsealed blocks (no statistics yet) and every bloc
 full-precision residual lie inside the sequence's residual window, which ``select_pages`` always
 selects (``residual_blocks``).
 
-In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool):
+In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool;
+jaxkv/model/llama.py ``quest_attention`` runs exactly this for the decode rows of a step):
 
     pool = cache.write_layer(pool, k, slot_mapping, md)                        # every step
-    bounds = update_key_bounds(bounds, written_keys(pool, slot_mapping), slot_mapping, bs)
+    bounds = refresh_key_bounds(bounds, pool, slot_mapping, num_seqs)      # exact bounds
     pages, count = quest_select(q, pool, tables, lens, budget=b, bounds=bounds,  # decode rows
                                 num_sinks=n, recent=r)           # KIVI pools: bounds=None
     out = sparse_decode_reference(q, pool, v_pool, tables, lens, pages, count)  # or the kernel
@@ -52,98 +56,53 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from jaxkv import quant
 from jaxkv.attention import (cap_logits, check_shapes, online_softmax_step, softmax_init,
                              softmax_result)
-from jaxkv.cache import Pages, QuantizedPages, read_pages, take_blocks, window_first
+from jaxkv.cache import (KeyBounds, Pages, QuantizedPages, copy_key_bounds, init_key_bounds,
+                         read_pages, refresh_key_bounds, take_blocks, update_key_bounds,
+                         window_first, written_keys)
+
+__all__ = ["KeyBounds", "init_key_bounds", "written_keys", "update_key_bounds",
+           "refresh_key_bounds", "copy_key_bounds",
+           "key_bounds", "page_bounds", "page_scores", "min_budget", "select_pages",
+           "quest_select", "check_selection", "sparse_decode_reference",
+           "quest_decode_reference", "QuestOptions", "decode_rows"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["kmin", "kmax"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class KeyBounds:
-    """Per-block, per-kv-head, per-channel bounds of the keys of one layer's K pool.
+class QuestOptions:
+    """Quest in the model's attention layer (static: part of the compiled step).
 
     Attributes:
-      kmin: f32 [num_blocks, num_kv_heads, head_dim] the smallest key value of each channel over
-        the block's written tokens (0 for a block never written).
-      kmax: f32 [num_blocks, num_kv_heads, head_dim] the largest.
+      budget: pages each (decode sequence, kv head) attends to, forced pages included
+        (>= ``min_budget``); a budget of ``max_blocks`` pages selects every live page.
+      num_sinks: sink positions every decode token attends to.
+      recent: most recent positions every decode token attends to (itself included, >= 1).
     """
 
-    kmin: jax.Array   # [num_blocks, num_kv_heads, head_dim]
-    kmax: jax.Array   # [num_blocks, num_kv_heads, head_dim]
+    budget: int
+    num_sinks: int = 0
+    recent: int = 1
 
 
-def init_key_bounds(num_blocks: int, num_kv_heads: int, head_dim: int) -> KeyBounds:
-    """Bounds of an empty pool: zeros (a block's first write, at offset 0, replaces them)."""
-    zeros = jnp.zeros((num_blocks, num_kv_heads, head_dim), jnp.float32)
-    return KeyBounds(kmin=zeros, kmax=zeros)
-
-
-def written_keys(k_pages: Pages, slot_mapping: jax.Array) -> jax.Array:
-    """The keys a float, fp8 or int8 pool holds at ``slot_mapping``, as attention reads them.
-
-    Call it after ``jaxkv.cache.write_layer`` so the bounds cover the stored (rounded or
-    dequantized) keys, not the model's: every score then bounds the logits attention computes.
+def decode_rows(query_start_loc: jax.Array, seq_lens: jax.Array):
+    """The decode sequences of a ragged step: those whose query is one token.
 
     Args:
-      k_pages: [num_blocks, block_size, Hkv, D] float pool, or an fp8/int8 ``QuantizedPages``.
-      slot_mapping: int32 [T] ``block_id * block_size + offset``.
+      query_start_loc: int32 [S + 1] cumulative query lengths.
+      seq_lens: int32 [S] kv lengths (0: a padding sequence).
 
     Returns:
-      f32 [T, Hkv, D].
-
-    Raises:
-      ValueError: for a KIVI pool (its bounds come from its statistics: ``page_bounds``).
+      (rows int32 [S]: the token row of each sequence's first query token, is_decode bool [S]).
     """
-    bs = k_pages.shape[1]
-    blk, off = slot_mapping // bs, slot_mapping % bs
-    if not isinstance(k_pages, QuantizedPages):
-        return k_pages[blk, off].astype(jnp.float32)
-    if k_pages.format.kivi:
-        raise ValueError(f"{k_pages.fmt} pools need no KeyBounds: pass the pool to page_bounds")
-    scale = None if k_pages.scale is None else k_pages.scale[blk, off]          # [T, Hkv, 1]
-    return quant.dequantize(k_pages.data[blk, off], scale, None, k_pages.format,
-                            static_scale=k_pages.static_scale)
-
-
-def update_key_bounds(bounds: KeyBounds, keys: jax.Array, slot_mapping: jax.Array,
-                      block_size: int) -> KeyBounds:
-    """The bounds after a step wrote ``keys`` at ``slot_mapping`` (in place under donation).
-
-    A block written at offset 0 in this step restarts from this step's keys alone (it was
-    (re)allocated: blocks fill in order from offset 0); every other written block widens its
-    bounds by its new keys. Padding tokens (slots in the null block 0) only touch block 0.
-
-    Args:
-      bounds: the pool's bounds before the step.
-      keys: f32 [T, Hkv, D] the keys as stored (``written_keys``).
-      slot_mapping: int32 [T] ``block_id * block_size + offset`` of each key.
-      block_size: tokens per block (static).
-
-    Returns:
-      The updated ``KeyBounds``.
-    """
-    blk, off = slot_mapping // block_size, slot_mapping % block_size
-    n = bounds.kmin.shape[0]
-    restart = jnp.zeros(n, bool).at[blk].max(off == 0)[:, None, None]         # [N, 1, 1]
-    keys = keys.astype(jnp.float32)
-    kmin = jnp.where(restart, jnp.inf, bounds.kmin).at[blk].min(keys)
-    kmax = jnp.where(restart, -jnp.inf, bounds.kmax).at[blk].max(keys)
-    return KeyBounds(kmin=kmin, kmax=kmax)
-
-
-def copy_key_bounds(bounds: KeyBounds, src: jax.Array, dst: jax.Array) -> KeyBounds:
-    """Bounds of blocks copied ``src[i] -> dst[i]`` (int32 [M], ``dst`` distinct), beside
-    ``jaxkv.cache.copy_blocks``."""
-    return KeyBounds(kmin=bounds.kmin.at[dst].set(bounds.kmin[src]),
-                     kmax=bounds.kmax.at[dst].set(bounds.kmax[src]))
+    rows = query_start_loc[:-1]
+    return rows, (query_start_loc[1:] - rows == 1) & (seq_lens > 0)
 
 
 def key_bounds(k_pages: Pages, block_tables: jax.Array, seq_lens: jax.Array) -> KeyBounds:

@@ -32,6 +32,7 @@ from jaxkv.model.llama import forward
 from jaxkv.rejection_sampler import num_accepted
 from jaxkv.retention import AttentionOptions
 from jaxkv.sampling import SamplingTensors, sample
+from jaxkv.sparse_attention import QuestOptions
 
 _DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
                   "block_tables", "logits_indices", "num_drafts")
@@ -57,7 +58,8 @@ class DeviceStepInput:
 
 
 def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False,
-              mesh: Mesh | None = None, attention_options: AttentionOptions | None = None):
+              mesh: Mesh | None = None, attention_options: AttentionOptions | None = None,
+              sparse: QuestOptions | None = None):
     """Builds the jitted step for one model.
 
     Args:
@@ -69,6 +71,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         keeps its sharding and every other output is replicated. None: one device.
       attention_options: the KV retention policy's window, sinks and sink positions
         (jaxkv/retention/); default the model's own sliding window.
+      sparse: Quest sparse decode attention (budget in pages, sinks, recent window; static):
+        the step's decode sequences attend only to their selected pages. None: dense.
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
@@ -91,7 +95,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
                                 attention=attention,
-                                attention_options=attention_options)     # [S * W, V]
+                                attention_options=attention_options,
+                                sparse=sparse)                           # [S * W, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
             cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))

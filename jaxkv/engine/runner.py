@@ -37,6 +37,7 @@ from jaxkv.requests import MAX_LOGPROBS
 from jaxkv.retention import from_args
 from jaxkv.sampling import SamplingParams, SamplingTensors
 from jaxkv.scheduler import StepPlan
+from jaxkv.sparse_attention import QuestOptions, min_budget
 from jaxkv.step import DeviceStepInput, make_step, step_rng
 
 logger = logging.getLogger("jaxkv")
@@ -115,6 +116,42 @@ def resolve(config: EngineConfig, model_config) -> Resolved:
                        or min(model_config.max_position_embeddings, 8192)))
 
 
+def quest_options(config: EngineConfig, model_config, max_blocks_per_seq: int,
+                  kivi: bool) -> QuestOptions | None:
+    """The static Quest options of ``config`` (None when ``sparse_attention`` is off): the
+    budget in whole blocks, capped at ``max_blocks_per_seq`` (a sequence's whole table: every
+    live page), with ``kv_sink_tokens`` sinks and ``sparse_recent_tokens`` recent positions.
+
+    Raises:
+      ValueError: naming the field, for a budget below the pages the sinks, the recent window
+        and the KIVI residual window force, under tensor parallelism, or for a model with its
+        own sliding window.
+    """
+    cc = config.cache
+    if cc.sparse_attention is None:
+        return None
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError(f"sparse_attention={cc.sparse_attention!r} runs on one device; "
+                         f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not "
+                         f"supported with it yet")
+    if model_config.sliding_window is not None:
+        raise ValueError(f"sparse_attention={cc.sparse_attention!r}: the model attends through "
+                         f"its own sliding_window={model_config.sliding_window}, which the "
+                         f"sparse selection does not know")
+    bs = cc.block_size
+    need = min_budget(bs, num_sinks=cc.kv_sink_tokens, recent=cc.sparse_recent_tokens,
+                      residual_blocks=cc.kv_residual_blocks if kivi else 1)
+    budget = -(-cc.sparse_budget_tokens // bs)
+    if budget < need:
+        raise ValueError(f"sparse_budget_tokens={cc.sparse_budget_tokens} ({budget} blocks of "
+                         f"{bs}) must cover the {need} blocks that kv_sink_tokens="
+                         f"{cc.kv_sink_tokens}, sparse_recent_tokens={cc.sparse_recent_tokens}"
+                         + (f" and kv_residual_blocks={cc.kv_residual_blocks}" if kivi else "")
+                         + " may force")
+    return QuestOptions(budget=max(need, min(budget, max_blocks_per_seq)),
+                        num_sinks=cc.kv_sink_tokens, recent=cc.sparse_recent_tokens)
+
+
 def plan_memory(config: EngineConfig, model_config,
                 device_memory_bytes: int | None = None) -> planner.MemoryPlan:
     """The memory plan of an engine config for a model on this backend.
@@ -143,7 +180,7 @@ def plan_memory(config: EngineConfig, model_config,
               kv_cache_bytes=cc.kv_cache_memory_bytes, num_kv_blocks=cc.num_gpu_blocks_override,
               tensor_parallel_size=config.parallel.tensor_parallel_size,
               kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
-              retained_blocks_per_seq=retained)
+              retained_blocks_per_seq=retained, key_bounds=cc.sparse_attention is not None)
     plan = planner.plan(model_config, **kw)
     cap = s.max_num_seqs * plan.blocks_per_seq + 1
     explicit = cc.num_gpu_blocks_override is not None or cc.kv_cache_memory_bytes is not None
@@ -182,6 +219,7 @@ class ModelRunner:
       max_drafts: most draft tokens a sequence carries (``num_speculative_tokens``; 0: off).
       retention: the KV retention policy (jaxkv/retention/): its attention options are
         compiled into the step, and the scheduler drops the blocks it no longer needs.
+      sparse: Quest's static options (``quest_options``), or None (dense decode attention).
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.
 
@@ -219,7 +257,8 @@ class ModelRunner:
                            kv_cache_dtype=r.kv_cache_dtype, group_size=r.kv_group_size,
                            residual_blocks=cc.kv_residual_blocks,
                            num_residual_slots=kivi_residual_slots(
-                               self.sched_config.max_num_seqs, cc.kv_residual_blocks))
+                               self.sched_config.max_num_seqs, cc.kv_residual_blocks),
+                           key_bounds=cc.sparse_attention is not None)
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.summary())
         if not self.memory_plan.runs:
@@ -234,6 +273,9 @@ class ModelRunner:
             prefix_caching=cc.prefix_caching,
             residual_window_blocks=cc.kv_residual_blocks if spec.format.kivi else 0,
             retention=self.retention)
+        self.sparse = quest_options(config, model_config,
+                                    batch.max_blocks_per_seq(self.cache_config, self.sched_config),
+                                    spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
         self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
         self.cache = init_cache(self.kv_spec, None if mesh is None
@@ -243,7 +285,8 @@ class ModelRunner:
         self._step_fn = make_step(sharding.tp_config(model_config, tp),
                                   attention_impl=self.attention_impl,
                                   interpret=rc.interpret, mesh=mesh,
-                                  attention_options=self.retention.attention)
+                                  attention_options=self.retention.attention,
+                                  sparse=self.sparse)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
 

@@ -7,6 +7,16 @@ function ``forward(params, ...)``, which merges them into the module graph insid
 One forward serves a ragged batch that mixes prefill chunks and decode tokens: each layer
 projects q/k/v for the step's tokens [T], rotates q/k, writes k/v into the cache at
 ``slot_mapping`` and attends over the paged cache (jaxkv.attention_impl).
+
+With Quest (``sparse=QuestOptions``, jaxkv/sparse_attention.py) the decode sequences of the
+step (query of one token) attend only to their selected pages; the prefill chunks stay dense:
+
+    dense attention   prefill chunks as given; each decode sequence shrunk to kv length 1 over
+                      the null block (its row is overwritten below), so it reads ~nothing
+    quest             q of the decode rows [S] -> quest_select (key bounds: the cache's
+                      KeyBounds, or a KIVI pool's scale/zero) -> sparse decode attention over
+                      the selected pages (the jnp spec on CPU, the Pallas kernel with "pallas")
+    o[row of s] = sparse output of s, for every decode sequence s
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import cache as kvcache
+from jaxkv import sparse_attention as quest
 from jaxkv.attention_impl import paged_attention
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
@@ -44,6 +55,50 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
+def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):
+    """Decode attention over the selected pages: the jnp spec, or the Pallas kernel."""
+    if impl == "pallas":
+        from jaxkv.pallas import sparse_paged_decode_attention  # GPU-only code, imported lazily
+        return sparse_paged_decode_attention(q, k_pool, v_pool, tables, lens, pages, count,
+                                             interpret=interpret)
+    return quest.sparse_decode_reference(q, k_pool, v_pool, tables, lens, pages, count)
+
+
+def quest_attention(q, k_pool, v_pool, bounds, md: AttentionMetadata, *,
+                    sparse: quest.QuestOptions, impl, interpret, attention=paged_attention,
+                    **options):
+    """Ragged attention whose decode sequences attend only to their Quest pages.
+
+    Args:
+      q: [T, Hq, D] rotated queries of the step.
+      k_pool, v_pool: the layer's pools, this step's K/V already written.
+      bounds: the layer's ``KeyBounds`` (updated with this step's keys), or None for a KIVI
+        pool (bounds from its scale/zero).
+      md: the step's metadata.
+      sparse: budget (pages), sinks and recent window (static).
+      impl, interpret, attention, options: the dense attention of the prefill chunks.
+
+    Returns:
+      (o [T, Hq, D], (pages int32 [S, Hkv, budget], count int32 [S, Hkv]) the selection,
+      count 0 for sequences that are not decodes).
+    """
+    T = q.shape[0]
+    rows, is_decode = quest.decode_rows(md.query_start_loc, md.seq_lens)
+    dense_lens = jnp.where(is_decode, 1, md.seq_lens)           # decode rows: null block only
+    dense_tables = jnp.where(is_decode[:, None], 0, md.block_tables)
+    o = attention(q, k_pool, v_pool, dense_tables, dense_lens, md.query_start_loc, impl=impl,
+                  interpret=interpret, **options)
+    q_dec = q[jnp.clip(rows, 0, T - 1)]                                          # [S, Hq, D]
+    lens = jnp.where(is_decode, md.seq_lens, 0)
+    pages, count = quest.quest_select(q_dec, k_pool, md.block_tables, lens,
+                                      budget=sparse.budget, bounds=bounds,
+                                      num_sinks=sparse.num_sinks, recent=sparse.recent)
+    out = _sparse_decode(q_dec, k_pool, v_pool, md.block_tables, lens, pages, count, impl=impl,
+                         interpret=interpret)
+    o = o.at[jnp.where(is_decode, rows, T)].set(out.astype(o.dtype), mode="drop")
+    return o, (pages, count)
+
+
 class Attention(nnx.Module):
     def __init__(self, c: ModelConfig, dtype):
         E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -58,7 +113,10 @@ class Attention(nnx.Module):
         self.bias = c.attention_bias
 
     def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *,
-                 options: AttentionOptions, impl, interpret, attention=paged_attention):
+                 options: AttentionOptions, impl, interpret, attention=paged_attention,
+                 sparse: quest.QuestOptions | None = None):
+        """One layer's attention; ``pools`` = (k_pool, v_pool, KeyBounds or None). Returns
+        (output [T, E], (k_pool, v_pool, bounds))."""
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
         v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
@@ -72,9 +130,17 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
         v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping, md)
-        o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                      impl=impl, interpret=interpret, **kw)
-        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool)
+        bounds = pools[2]
+        if bounds is not None:
+            bounds = kvcache.refresh_key_bounds(bounds, k_pool, md.slot_mapping,
+                                                md.seq_lens.shape[0])
+        if sparse is None:
+            o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                          impl=impl, interpret=interpret, **kw)
+        else:
+            o, _ = quest_attention(q, k_pool, v_pool, bounds, md, sparse=sparse, impl=impl,
+                                   interpret=interpret, attention=attention, **kw)
+        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool, bounds)
 
 
 class MLP(nnx.Module):
@@ -109,26 +175,31 @@ class Transformer(nnx.Module):
 
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
                  logits_indices, *, impl, interpret, attention=paged_attention,
-                 options: AttentionOptions | None = None):
+                 options: AttentionOptions | None = None,
+                 sparse: quest.QuestOptions | None = None):
         c = self.config
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
         x = self.embed_tokens[...][token_ids]                            # [T, E]
-        ks, vs = [], []
+        ks, vs, bs = [], [], []
         for i, layer in enumerate(self.layers):
-            h, (k_pool, v_pool) = layer.self_attn(
-                layer.input_layernorm(x), positions, (cache.k[i], cache.v[i]), md, inv_freq,
-                options=options, impl=impl, interpret=interpret, attention=attention)
+            bounds = cache.bounds[i] if cache.bounds else None
+            h, (k_pool, v_pool, bounds) = layer.self_attn(
+                layer.input_layernorm(x), positions, (cache.k[i], cache.v[i], bounds), md,
+                inv_freq, options=options, impl=impl, interpret=interpret, attention=attention,
+                sparse=sparse)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ks.append(k_pool)
             vs.append(v_pool)
+            if bounds is not None:
+                bs.append(bounds)
         if logits_indices is not None:
             x = x[logits_indices]                                        # [S, E]
         x = self.norm(x)
         head = self.embed_tokens[...].T if c.tie_word_embeddings else self.lm_head[...]
         logits = (x @ head).astype(jnp.float32)                          # [S or T, V]
-        return logits, kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs))
+        return logits, kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
 
 
 @functools.lru_cache(maxsize=16)
@@ -154,7 +225,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             cache: kvcache.PagedKVCache, metadata: AttentionMetadata, *, config: ModelConfig,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
             interpret: bool = False, attention=paged_attention,
-            attention_options: AttentionOptions | None = None
+            attention_options: AttentionOptions | None = None,
+            sparse: quest.QuestOptions | None = None
             ) -> tuple[jax.Array, kvcache.PagedKVCache]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
 
@@ -173,6 +245,9 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
         parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).
       attention_options: window, sinks and sink positions of a KV retention policy
         (jaxkv/retention/; static); default the model's own sliding window, no sinks.
+      sparse: Quest sparse decode attention (static; jaxkv/sparse_attention.py): decode
+        sequences attend only to their selected pages (the cache keeps ``KeyBounds`` for a
+        float/fp8/int8 pool, ``KVCacheSpec.key_bounds``); None: dense attention.
 
     Returns:
       (logits float32 [S or T, vocab_size], updated cache).
@@ -183,7 +258,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
     return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
-                 interpret=interpret, attention=attention, options=attention_options)
+                 interpret=interpret, attention=attention, options=attention_options,
+                 sparse=sparse)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:

@@ -295,7 +295,9 @@ class Speculator:
           (drafts verified: those the scheduler fit into a step), ``spec_num_drafts`` (sequences
           that verified drafts, once per step), ``spec_num_accepted_tokens``,
           ``spec_acceptance_rate`` (accepted / verified) and ``spec_mean_acceptance_length``
-          (tokens emitted per verifying sequence and step: 1 + accepted / drafts).
+          (tokens emitted per verifying sequence and step: 1 + accepted / drafts); and the
+          proposer's own counters when it has ``stats()`` (the draft model's
+          ``spec_draft_num_steps``, ``spec_draft_device_time_s``, ``spec_draft_blocks_used``).
         """
         return {
             "spec_num_proposed_tokens": self._proposed,

@@ -47,6 +47,15 @@ def test_grouped_attention_under_tp_gives_the_reference_tokens(tiny):
     assert r["tp1"] == r["tp2"] == r["tp4"] == ref
 
 
+def test_streaming_retention_under_tp_gives_the_tokens_of_one_device(tiny):
+    """Sinks + window with dropped blocks and sink queries (split over heads under shard_map)
+    at TP 2 and 4 give TP 1's tokens, past the window (prompts ~10 tokens + 40 generated)."""
+    r = run_worker("streaming", tiny["llama"], "--tp", 1, 2, 4, "--attention-impl", "grouped",
+                   "--tokens", 40, devices=4)
+    assert all(len(t) == 40 for t in r["tp1"])
+    assert r["tp2"] == r["tp4"] == r["tp1"]
+
+
 def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
     """int8 and KIVI int4 pools sharded over kv heads (tp 2; tp 4 repeats llama's 2 kv heads):
     the greedy tokens of one device, with every pool-shaped array split and the KIVI

@@ -88,6 +88,18 @@ def cmd_kv_parity(a) -> dict:
     return out
 
 
+def cmd_streaming(a) -> dict:
+    """StreamingLLM retention (sinks 2 + window 12, positions within the cache: the sink queries
+    go through shard_map split over heads like q) at each tp degree."""
+    out = {}
+    for tp in a.tp:
+        with LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
+                 kv_retention="streaming", kv_sink_tokens=2, kv_window_tokens=12,
+                 **ENGINE) as llm:
+            out[f"tp{tp}"] = greedy(llm, a.tokens)
+    return out
+
+
 def cmd_forks(a) -> dict:
     """Seeded n=3 sampling (copy-on-write forks) over prompts sharing a prefix (prefix hits)."""
     prompts = [PROMPTS[0] + " and rich", PROMPTS[0] + " and poor"]
@@ -173,7 +185,7 @@ def cmd_distributed(a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=["parity", "kv_parity", "forks", "inspect", "errors",
-                                       "checkpoint", "distributed"])
+                                       "checkpoint", "distributed", "streaming"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])

@@ -65,7 +65,8 @@ class Sample:
         return self._apply_stop_strings(searched)
 
     def _apply_stop_strings(self, searched: int) -> bool:
-        """Sets the completion's text after new tokens, trimmed before the earliest stop string.
+        """Sets the completion's text after new tokens, trimmed before the earliest stop string
+        (after it with ``include_stop_str_in_output``).
 
         The full text is ``detokenizer.text + detokenizer.pending``; its first ``searched``
         characters (committed before this step) held no stop string, so only what follows them,
@@ -88,7 +89,8 @@ class Sample:
             comp.text = detok.text[:max(0, len(detok.text) - hold)]
             return False
         pos, stop = min(hits)
-        comp.text = detok.text[:start] + tail[:pos]
+        comp.text = detok.text[:start] + tail[:pos + (
+            len(stop) if self.params.include_stop_str_in_output else 0)]
         comp.stop_reason = stop
         return True
 

@@ -99,6 +99,8 @@ class SamplingParams:
         logprob is always computed).
       ignore_eos: keep generating after eos (eos is then neither a stop nor suppressed).
       skip_special_tokens: drop special tokens when detokenizing.
+      include_stop_str_in_output: keep the stop string that ended the text in it (default:
+        the text ends before it).
     """
 
     n: int = 1
@@ -117,6 +119,7 @@ class SamplingParams:
     logprobs: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         """Checks every field (type first, then value) and stores it normalised: Python ints and
@@ -142,7 +145,7 @@ class SamplingParams:
             check_type(f"{head}[{i}]", s, (str,), "a str") for i, s in enumerate(stop)))
         ids = () if self.stop_token_ids is None else self.stop_token_ids
         object.__setattr__(self, "stop_token_ids", tuple(check_token_ids("stop_token_ids", ids)))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             object.__setattr__(self, name, bool(check_type(name, getattr(self, name), BOOLS,
                                                            "a bool")))
 

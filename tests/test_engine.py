@@ -117,6 +117,11 @@ def test_stop_strings_stop_tokens_logprobs(llm):
     assert out.text == base.text[:base.text.index(stop)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == base.token_ids[:len(out.token_ids)]
+    kept = llm.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                          stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+    assert kept.token_ids == out.token_ids and kept.stop_reason == stop
 
 
 def test_streaming_abort_and_chat(llm):

@@ -360,6 +360,14 @@ def test_stop_string_trims_the_text_with_finish_reason_stop(client, form):
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == s
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    full = complete(client, max_tokens=32).choices[0].text
+    s, i = _stop_string(full)
+    choice = complete(client, max_tokens=32, stop=s,
+                      extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert choice.text == full[:i + len(s)] and choice.finish_reason == "stop"
+
+
 def test_stop_token_ids_end_the_completion(client, offline):
     ids = offline_completion(offline, PROMPT, 24).token_ids
     stop_id = ids[6]

@@ -2,7 +2,8 @@
 
 Requests are pydantic models in strict mode (an int field takes an int, not ``"3"`` or ``true``),
 with OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``priority``,
+``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``priority``,
 ``cache_salt``); unknown fields are ignored, as OpenAI's servers do. Values are range-checked by
 ``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text, except
 for fields the engine knows under another name or not at all (``logprobs``, ``top_logprobs``,
@@ -57,6 +58,7 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -80,7 +82,9 @@ class _SamplingRequest(_Strict):
         return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop, stop_token_ids=self.stop_token_ids,
                               ignore_eos=self.ignore_eos, logprobs=logprobs,
-                              skip_special_tokens=self.skip_special_tokens, **given)
+                              skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              **given)
 
     @property
     def include_usage(self) -> bool:

@@ -153,6 +153,25 @@ def test_small_budget_matches_quest_oracle(tiny):
     assert best_dense > 1e-2        # the selection really dropped pages that mattered
 
 
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_pallas_sparse_kernel_in_the_engine(tiny, kv):
+    """impl="pallas" (interpret mode) runs jaxkv.pallas.sparse_paged_decode_attention on the
+    decode rows: the same tokens and logprobs as the jnp spec's grouped engine."""
+    prompts = _prompts(n=2, lo=40, seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    kw = dict(kv_cache_dtype=kv, sparse_attention="quest", sparse_budget_tokens=6 * BS,
+              sparse_recent_tokens=BS)
+    got = {}
+    for impl in ("grouped", "pallas"):
+        with LLM(str(tiny[0]), **TINY_ENGINE, **kw, attention_impl=impl,
+                 interpret=impl == "pallas") as llm:
+            outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        got[impl] = ([o.token_ids for o in outs],
+                     np.array([[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]))
+    assert got["pallas"][0] == got["grouped"][0]
+    np.testing.assert_allclose(got["pallas"][1], got["grouped"][1], atol=1e-4, rtol=0)
+
+
 # ------------------------------------------------------------------ the cache's key bounds
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])

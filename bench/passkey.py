@@ -1,0 +1,170 @@
+"""Passkey retrieval (needle in a haystack) on SmolLM2-135M: full cache, StreamingLLM and Quest,
+accuracy against the KV bytes one decode step reads.
+
+    python bench/passkey.py --out bench/results/passkey.json [--lengths 4096 7680] [--runs full/int4 quest-512/int4 ...]
+
+Each prompt (the protocol of Mohtashami & Jaggi's landmark attention, used by LongLoRA and
+Quest) is an instruction, Jane Austen filler (a different stretch of Pride and Prejudice per
+seed) with one sentence ``The pass key is 71432. Remember it. 71432 is the pass key.`` at a
+relative depth, and the question ``What is the pass key? The pass key is``; exactly
+``--lengths`` tokens, pieces tokenized separately and concatenated as token ids. Greedy, 8 new
+tokens; a prompt counts as retrieved when the first number in the output is the key.
+5 depths x 4 seeds per length.
+
+Configurations (``--configs``, each one engine): ``full`` (dense), ``streaming-B``
+(``kv_retention="streaming"``, 4 sinks + a window of B - 4 positions: the prefill too sees only
+that), ``quest-B`` (``sparse_attention="quest"``, budget B tokens with 4 sinks and 32 recent
+positions forced; prefill dense, every decode token attends to its B-token selection), each in
+fp32 and int4 (KIVI) KV.
+
+KV bytes read per decode step are counted analytically at the prompt's length L, per layer and
+kv head, from the pool's exact array sizes (``KVCacheSpec.block_arrays``: codes, scales, zero
+points), summed over layers and kv heads:
+
+    full       cdiv(L, bs) pages x page bytes (K + V)
+    streaming  the pages holding the 4 sinks and the last B - 4 positions x page bytes
+    quest      min(budget pages, cdiv(L, bs)) x page bytes  +  cdiv(L, bs) x score bytes
+               (score bytes: kmin/kmax f32 per channel, 2 x 4 D, for a float pool; a KIVI
+               pool's per-channel scale and zero point, 2 x 2 D, read for every page to score
+               it, counted again although the selected pages' K bytes already hold them)
+
+and reported against the full cache's bytes in the same KV format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxkv import LLM, SamplingParams
+from jaxkv.kv_spec import KVCacheSpec
+
+AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+SINKS, RECENT, BLOCK = 4, 32, 16
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about the important information there.\n\n")
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def filler_ids(tokenizer, seed: int, n: int) -> list[int]:
+    """``n`` tokens of Pride and Prejudice from a seeded paragraph start on."""
+    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    starts = [m.end() for m in re.finditer(r"\n\n", text)]
+    rng = np.random.default_rng(seed)
+    start = starts[int(rng.integers(0, len(starts) // 2))]
+    ids = tokenizer.encode(text[start:start + 12 * n], add_special_tokens=False)
+    if len(ids) < n:
+        raise ValueError(f"filler of seed {seed} is too short")
+    return ids[:n]
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], str]:
+    """(prompt token ids of exactly ``length`` tokens, the key)."""
+    key = str(np.random.default_rng(1000 + seed).integers(10000, 100000))
+    needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ",
+                              add_special_tokens=False)
+    intro = tokenizer.encode(INTRO)
+    question = tokenizer.encode(QUESTION, add_special_tokens=False)
+    hay = filler_ids(tokenizer, seed, length - len(intro) - len(needle) - len(question))
+    at = int(round(depth * len(hay)))
+    return intro + hay[:at] + needle + hay[at:] + question, key
+
+
+def page_bytes(spec: KVCacheSpec) -> tuple[int, int]:
+    """(K + V bytes of one page of one kv head in one layer, Quest score bytes of one page)."""
+    heads = spec.num_kv_heads
+    total = 0
+    for axis in spec.axes:
+        for shape, dt in spec.block_arrays(axis).values():
+            if len(shape) == 4:       # pool-shaped: codes, scales, zero points
+                total += int(np.prod(shape[1:])) * np.dtype(dt).itemsize // heads
+    d = spec.head_dim
+    score = 2 * 2 * d if spec.format.kivi else 2 * 4 * d
+    return total, score
+
+
+def bytes_read(spec: KVCacheSpec, num_layers: int, kind: str, budget: int, length: int) -> int:
+    """KV bytes one decode step at kv length ``length`` reads (see the module docstring)."""
+    page, score = page_bytes(spec)
+    bs, pages = spec.block_size, -(-length // spec.block_size)
+    if kind == "full":
+        n = pages * page
+    elif kind == "streaming":
+        window = set(range(max(length - (budget - SINKS), 0) // bs, pages))
+        n = len(window | set(range(-(-SINKS // bs)))) * page
+    else:
+        n = min(-(-budget // bs), pages) * page + pages * score
+    return n * num_layers * spec.num_kv_heads
+
+
+def engine_args(name: str, kv: str, max_len: int) -> dict:
+    kind, _, budget = name.partition("-")
+    kw = dict(kv_cache_dtype=kv, max_model_len=max_len, max_num_seqs=4, block_size=BLOCK,
+              prefix_caching=None, kv_sink_tokens=SINKS)
+    if kind == "streaming":
+        kw.update(kv_retention="streaming", kv_window_tokens=int(budget) - SINKS)
+    elif kind == "quest":
+        kw.update(sparse_attention="quest", sparse_budget_tokens=int(budget),
+                  sparse_recent_tokens=RECENT)
+    return kw
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--runs", nargs="+", default=[
+        "full/int4", "quest-512/int4", "full/fp32", "quest-512/fp32", "streaming-512/fp32",
+        "quest-256/int4", "quest-1024/int4", "streaming-512/int4", "quest-256/fp32",
+        "quest-1024/fp32", "streaming-256/fp32", "streaming-1024/fp32"],
+                    help="config/kv pairs, run in this order (results already in --out are "
+                         "kept and skipped)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for length in args.lengths:
+        for run in args.runs:
+            name, kv = run.split("/")
+            tag = f"{length}/{name}/{kv}"
+            if tag in results:
+                continue
+            kw = engine_args(name, kv, length + 16)
+            t0 = time.perf_counter()
+            with LLM(**kw) as llm:
+                cases = [(d, s, *passkey_prompt(llm.tokenizer, length, d, s))
+                         for d in DEPTHS for s in range(args.seeds)]
+                outs = llm.generate([dict(prompt_token_ids=ids) for *_, ids, _ in cases],
+                                    SamplingParams(max_tokens=8, temperature=0.0),
+                                    use_tqdm=False)
+                spec, layers = llm.engine.runner.kv_spec, llm.model_config.num_layers
+            rows = []
+            for (depth, seed, ids, key), out in zip(cases, outs):
+                text = out.outputs[0].text
+                found = re.search(r"\d+", text)
+                rows.append(dict(depth=depth, seed=seed, key=key, text=text,
+                                 ok=bool(found and found.group() == key)))
+            kind, _, budget = name.partition("-")
+            results[tag] = dict(
+                length=length, config=name, kv=kv, rows=rows,
+                accuracy=float(np.mean([r["ok"] for r in rows])),
+                bytes_read=bytes_read(spec, layers, kind, int(budget or 0), length),
+                full_bytes=bytes_read(spec, layers, "full", 0, length),
+                seconds=time.perf_counter() - t0)
+            print(f"{tag}: accuracy {results[tag]['accuracy']:.2f}, "
+                  f"{results[tag]['bytes_read'] / 2**20:.2f} MiB "
+                  f"({results[tag]['bytes_read'] / results[tag]['full_bytes']:.1%}), "
+                  f"{results[tag]['seconds']:.0f} s", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -272,25 +272,23 @@ class BlockManager:
         self._tables[request_id] = table[:keep]
         return self._tables[request_id]
 
-    def release_blocks(self, request_id: Hashable, first: int, stop: int) -> int:
-        """Give back logical blocks ``[first, stop)`` of ``request_id`` that a retention policy
-        dropped (jaxkv/retention/): each table entry becomes the null block and the block loses
-        one reference (joining the free queue as ``free`` would put it there once unreferenced;
-        a block another table shares stays theirs). Walks down from ``stop - 1`` to the first
-        entry already dropped, so a call per step costs the newly dropped blocks only. Returns
-        how many were released.
+    def release_blocks(self, request_id: Hashable, logical: Sequence[int]) -> int:
+        """Give back the logical blocks ``logical`` of ``request_id`` that a retention policy
+        dropped (jaxkv/retention/), in that order: each table entry becomes the null block and
+        the block loses one reference (joining the free queue as ``free`` would put it there
+        once unreferenced; a block another table shares stays theirs). Entries already dropped
+        are skipped. Returns how many were released.
 
         The table keeps its length: logical block ``j`` still covers positions
-        ``[j * block_size, (j + 1) * block_size)``, and nothing reads a dropped one (the
-        attention masks of the policy never see it)."""
+        ``[j * block_size, (j + 1) * block_size)``, and attention never sees a null entry.
+        """
         table = list(self.block_table(request_id))
         released = 0
-        for j in range(min(stop, len(table)) - 1, first - 1, -1):
-            if table[j] == NULL_BLOCK:
-                break
-            self._release(table[j])
-            table[j] = NULL_BLOCK
-            released += 1
+        for j in logical:
+            if table[j] != NULL_BLOCK:
+                self._release(table[j])
+                table[j] = NULL_BLOCK
+                released += 1
         if released:
             self._tables[request_id] = tuple(table)
         return released
@@ -435,7 +433,7 @@ class BlockManager:
         """Raise ``AssertionError`` unless the pool is consistent.
 
         Checks: every block id in a table lies in ``[1, num_blocks)``, or is the null block of
-        an entry a retention policy dropped (never the last); each ref count equals the number
+        an entry a retention policy dropped; each ref count equals the number
         of table entries naming that block; the free queue is a well-linked list holding
         exactly the blocks with ref count 0 other than the null block, each once; the null
         block is never free, never referenced; the prefix cache's maps are consistent, and only
@@ -446,8 +444,6 @@ class BlockManager:
             ids = np.asarray(table, np.int64)
             _check(np.all((ids >= 0) & (ids < self.num_blocks)),
                    f"request {request_id!r}: block ids out of [0, {self.num_blocks}): {table}")
-            _check(len(ids) == 0 or ids[-1] != NULL_BLOCK,
-                   f"request {request_id!r}: its last block is the null block: {table}")
             np.add.at(counts, ids, 1)
         counts[NULL_BLOCK] = 0   # dropped entries (retention) reference no block
         _check(np.array_equal(counts, self._ref), "ref counts differ from table references")

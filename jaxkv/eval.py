@@ -208,8 +208,7 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
         if a == 0:
             bm.allocate("text", b)
         else:
-            first, stop = retention.droppable(a, bs)
-            bm.release_blocks("text", first, stop)
+            bm.release_blocks("text", retention.drops(a, bm.block_table("text"), None, bs))
             bm.append_slots("text", b)
         peak = max(peak, held - bm.num_free_blocks)
         table = np.zeros(width, np.int32)

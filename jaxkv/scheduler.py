@@ -88,6 +88,8 @@ import types
 from collections import deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from jaxkv.block_manager import BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.retention import FullRetention, Retention
@@ -168,6 +170,11 @@ class RequestState:
       num_skipped: times a later request was admitted before this waiting one (``lpm``).
       num_draft_tokens: draft tokens planned by the last ``schedule`` and not yet verified by
         ``update``; ``num_computed_tokens`` counts them, so it may exceed ``num_tokens`` by this.
+      block_scores: f64 [blocks so far] attention mass each logical block received, summed
+        over the steps since admission (policies with ``Retention.observe``; else None).
+      first_drop: with a history-dependent policy (H2O), the position of the next query when
+        the request first dropped a block: only blocks below it are registered in the prefix
+        cache (their KV is a function of the tokens alone).
     """
 
     request: Request
@@ -178,6 +185,8 @@ class RequestState:
     num_cached_tokens: int = 0
     num_skipped: int = 0
     num_draft_tokens: int = 0
+    block_scores: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    first_drop: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -300,27 +309,34 @@ def _free(bm: BlockManager, rs: RequestState) -> None:
 
 
 def _register(bm: BlockManager, rs: RequestState, computed: int) -> None:
-    """Cache ``rs``'s full blocks below position ``computed``, whose K/V is computed."""
+    """Cache ``rs``'s full blocks below position ``computed``, whose K/V is computed (and below
+    its first drop, see ``RequestState.first_drop``)."""
+    if rs.first_drop is not None:
+        computed = min(computed, rs.first_drop)
     bs = bm.block_size
     first = bm.num_registered(rs.request.request_id)
     if computed // bs > first:
         bm.register(rs.request.request_id, rs.token_ids(first * bs, computed // bs * bs))
 
 
-def _retain(bm: BlockManager, retention: Retention, request_id: Hashable,
-            num_computed: int) -> None:
-    """Give back the blocks of ``request_id`` that no query from position ``num_computed`` on
-    sees under ``retention`` (the null block takes their table entries)."""
-    first, stop = retention.droppable(num_computed, bm.block_size)
-    if stop > first:
-        bm.release_blocks(request_id, first, stop)
+def _retain(bm: BlockManager, retention: Retention, rs: RequestState) -> RequestState:
+    """``rs`` after giving back the blocks ``retention`` drops before its next query (at
+    ``num_computed_tokens``; the null block takes their table entries)."""
+    request_id, at = rs.request.request_id, rs.num_computed_tokens
+    drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size)
+    if not drops:
+        return rs
+    bm.release_blocks(request_id, drops)
+    if retention.history_dependent and rs.first_drop is None:
+        return dataclasses.replace(rs, first_drop=at)
+    return rs
 
 
 def _sees_kept(table: Sequence[int], num_computed: int, retention: Retention,
                block_size: int) -> bool:
-    """Whether every block of ``table`` a query at ``num_computed`` sees is kept (not null)."""
-    first, stop = retention.droppable(num_computed, block_size)
-    return all(b != 0 or first <= j < stop for j, b in enumerate(table))
+    """Whether every block of ``table`` a query at ``num_computed`` may still see is kept."""
+    return all(b != 0 or retention.may_drop(num_computed, j, block_size)
+               for j, b in enumerate(table))
 
 
 def _insert(queue: list, request_id: Hashable, requests: Mapping, policy: str) -> None:
@@ -395,14 +411,15 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     def preempt(request_id):
         _free(bm, requests[request_id])
         requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0,
-                                                   num_draft_tokens=0)
+                                                   num_draft_tokens=0, block_scores=None,
+                                                   first_drop=None)
         running.remove(request_id)
         _insert(waiting, request_id, requests, config.policy)
         preempted.append(request_id)
 
     # 0. retention: blocks no later query of a running request sees go back to the pool first
     for request_id in running:
-        _retain(bm, state.retention, request_id, requests[request_id].num_computed_tokens)
+        requests[request_id] = _retain(bm, state.retention, requests[request_id])
 
     # 1. running requests, most urgent first; victims are taken from the least urgent end.
     queue = deque(running)
@@ -485,13 +502,16 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                        salt=rs.request.cache_salt)
         if op is not None:
             copy_ops.append(op)
-        _retain(bm, state.retention, request_id, num_cached)   # a long cached prefix
         if bm.prefix_cache is not None or keys is None:
             num_lookup += rs.num_tokens
         cached[request_id] = num_cached
-        requests[request_id] = dataclasses.replace(
+        inherited = {}
+        if keys is None:   # a fork starts from its parent's drops and scores
+            inherited = dict(first_drop=prs.first_drop, block_scores=None
+                             if prs.block_scores is None else prs.block_scores[:len(hit)].copy())
+        requests[request_id] = _retain(bm, state.retention, dataclasses.replace(
             rs, num_computed_tokens=num_cached,
-            num_cached_tokens=rs.num_cached_tokens or num_cached)
+            num_cached_tokens=rs.num_cached_tokens or num_cached, **inherited))
         waiting.remove(request_id)
         admitted.append(request_id)
         _insert(running, request_id, requests, config.policy)
@@ -532,6 +552,15 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     return dataclasses.replace(state, block_manager=bm, requests=types.MappingProxyType(requests),
                                waiting=tuple(waiting), running=tuple(running),
                                finished=types.MappingProxyType({})), plan
+
+
+def _add_scores(rs: RequestState, mass: np.ndarray, num_blocks: int) -> RequestState:
+    """``rs`` with one step's attention mass of its first ``num_blocks`` blocks added."""
+    scores = np.zeros(num_blocks)
+    if rs.block_scores is not None:
+        scores[:len(rs.block_scores)] = rs.block_scores[:num_blocks]
+    scores += np.asarray(mass[:num_blocks], np.float64)
+    return dataclasses.replace(rs, block_scores=scores)
 
 
 def _stop_reason(stop: StopSpec, token: int, n: int) -> str | None:
@@ -577,7 +606,8 @@ def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
 
 def update(state: SchedulerState, plan: StepPlan,
            sampled_tokens: Sequence[int | Sequence[int]],
-           finished_ids: frozenset[Hashable] = frozenset()) -> SchedulerState:
+           finished_ids: frozenset[Hashable] = frozenset(),
+           block_mass: np.ndarray | None = None) -> SchedulerState:
     """Append the step's accepted tokens and finish the requests that stop.
 
     Args:
@@ -592,6 +622,9 @@ def update(state: SchedulerState, plan: StepPlan,
       finished_ids: live requests the engine declares finished (e.g. a stop string matched);
         they finish with reason ``"stop"`` after this step's tokens are appended (one that also
         stopped on a token this step keeps that reason).
+      block_mass: f32 [>= len(plan.seqs), max_blocks] the step's attention mass per logical
+        block of each sequence (``jaxkv.attention_mass``), added to its ``block_scores``; None
+        when the retention policy needs no scores.
 
     A sequence that verified drafts has its counter rewound to the verified tokens
     (``num_tokens - 1``) and its blocks beyond them given back; the prefix cache registers the
@@ -609,6 +642,9 @@ def update(state: SchedulerState, plan: StepPlan,
             continue
         rs = requests[seq.request_id]
         computed[seq.request_id] = seq.start_pos + len(seq.token_ids) - seq.num_drafts
+        if block_mass is not None:
+            rs = requests[seq.request_id] = _add_scores(rs, block_mass[row],
+                                                        len(seq.block_table))
         if not seq.sample:
             continue
         row_tokens = sampled_tokens[row]
@@ -733,12 +769,10 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
         _check(len(table) == bm.blocks_for(rs.num_computed_tokens),
                f"request {request_id!r}: block table length != cdiv(num_computed_tokens, "
                f"block_size)")
-        first, stop = state.retention.droppable(rs.num_computed_tokens - rs.num_draft_tokens,
-                                                bm.block_size)
+        at = rs.num_computed_tokens - rs.num_draft_tokens
         dropped = [j for j, b in enumerate(table) if b == 0]
-        _check(all(first <= j < stop for j in dropped),
-               f"request {request_id!r}: dropped blocks {dropped} include one a later query "
-               f"sees (droppable: [{first}, {stop}))")
+        _check(all(state.retention.may_drop(at, j, bm.block_size) for j in dropped),
+               f"request {request_id!r}: dropped blocks {dropped} include one its policy keeps")
 
 
 def _check(condition, message: str) -> None:

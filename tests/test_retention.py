@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from jaxkv import batch
 from jaxkv.block_manager import NULL_BLOCK
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
-from jaxkv.retention import FullRetention, StreamingRetention, from_args
+from jaxkv.retention import FullRetention, H2ORetention, StreamingRetention, from_args
 from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
                              schedule, update)
 
@@ -266,3 +266,100 @@ def test_drop_order_keeps_lru():
     cached = [b for b in free if b in state.block_manager.prefix_cache]
     assert cached and free[-len(cached):] == tuple(cached)
     assert np.all(np.diff([free.index(b) for b in cached]) > 0)
+
+
+# ---- H2O: heavy hitters + a recent window in a budget ---------------------------------------
+
+def h2o_configs(*, budget=16, recent=8, sinks=0, num_blocks=40, step_budget=8,
+                prefix_caching=None):
+    cc = CacheConfig(block_size=4, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                     retention=H2ORetention(budget_tokens=budget, recent_tokens=recent,
+                                            sink_tokens=sinks))
+    return cc, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=step_budget,
+                               max_model_len=400)
+
+
+def test_h2o_drops_exactly_the_lowest_scoring_unprotected_blocks():
+    policy = H2ORetention(budget_tokens=32, recent_tokens=16, sink_tokens=4)
+    table = tuple(range(1, 14))                       # 13 blocks of 4: positions 0..51
+    scores = np.array([9, .1, .9, .2, .05, .6, .3, .4, .7, 5, 5, 5, 5])
+    # budget 8 blocks; block 0 is the sink, blocks >= (52 - 16) // 4 = 9 the recent window
+    assert policy.drops(52, table, scores, 4) == (4, 1, 3, 6, 7)
+    assert policy.may_drop(52, 4, 4) and not policy.may_drop(52, 0, 4)
+    assert not policy.may_drop(52, 9, 4)
+    # ties go to the older block; without scores H2O drops the oldest unprotected blocks
+    assert policy.drops(52, table, None, 4) == (1, 2, 3, 4, 5)
+    assert policy.drops(52, table[:8], scores, 4) == ()
+    assert policy.max_blocks(10**6, 8, 4) == 8 + 2 + 2
+
+
+def test_h2o_config_errors():
+    with pytest.raises(ValueError, match="must exceed the recent window"):
+        H2ORetention(budget_tokens=16, recent_tokens=16)
+    with pytest.raises(ValueError, match="kv_budget_tokens=0"):
+        H2ORetention(budget_tokens=0, recent_tokens=0)
+
+
+def test_h2o_keeps_the_heavy_hitters_the_step_reports():
+    cc, sc = h2o_configs(budget=20)                   # 5 blocks: 2 recent (8 tokens) + heavy
+    state = add_request(init_state(cc), req("a", range(40), max_tokens=40), sc)
+    heavy = {1, 4}                                    # logical blocks the attention favours
+    kept_history = []
+    while "a" not in state.finished:
+        state, plan = schedule(state, sc, {})
+        check_invariants(state, sc)
+        width = max(len(s.block_table) for s in plan.seqs)
+        mass = np.full((len(plan.seqs), width), 0.01)
+        for j in heavy & set(range(width)):
+            mass[:, j] = 1.0
+        state = update(state, plan, [7] * len(plan.seqs), block_mass=mass)
+        check_invariants(state, sc)
+        if "a" in state.requests:
+            table = state.block_manager.block_table("a")
+            kept_history.append(table)
+            assert sum(1 for b in table if b) <= cc.retention.max_blocks(80, 8, 4)
+    # once over budget, the sequence kept its heavy hitters and the recent window only
+    final = kept_history[-1]
+    n = len(final)
+    kept = {j for j, b in enumerate(final) if b}
+    recent = set(range((79 - 8) // 4, n))             # blocks of the last 8 positions
+    assert heavy | recent <= kept and len(kept) <= 5
+    assert state.block_manager.num_free_blocks == 39
+
+
+def test_h2o_prefix_cache_registers_only_blocks_before_the_first_drop():
+    cc, sc = h2o_configs(prefix_caching="hash", step_budget=4)
+    prompt = tuple(range(100, 140))                    # 10 blocks
+    state = add_request(init_state(cc), req("a", prompt, max_tokens=12), sc)
+    while "a" not in state.finished:
+        state, _ = step(state, sc, cc)
+        rs = state.requests.get("a")
+        if rs is not None and rs.first_drop is not None:
+            first_drop = rs.first_drop
+            assert state.block_manager.num_registered("a") <= first_drop // 4
+    assert first_drop == 16 + 4                        # the first step over the 16-token budget
+    # a second request with the same prompt hits only blocks computed before that drop
+    state = add_request(state, req("b", prompt, max_tokens=4), sc)
+    state, plan = schedule(state, sc, {})
+    assert plan.seqs[0].num_cached_tokens == first_drop // 4 * 4
+
+
+def test_h2o_forks_and_preemption_keep_invariants():
+    cc, sc = h2o_configs(num_blocks=14, step_budget=16)
+    state = init_state(cc)
+    for i in range(3):
+        state = add_request(state, req(f"r{i}", range(10 * i, 10 * i + 30), max_tokens=30), sc)
+    state = add_request(state, req("r0#1", range(0, 30), max_tokens=30, fork_of="r0"), sc)
+    rng = np.random.default_rng(0)
+    preempted = 0
+    while state.requests:
+        state, plan = schedule(state, sc, {})
+        preempted += len(plan.preempted_ids)
+        check_invariants(state, sc)
+        width = max([len(s.block_table) for s in plan.seqs], default=1)
+        state = update(state, plan, [7] * len(plan.seqs),
+                       block_mass=rng.random((len(plan.seqs), width)))
+        check_invariants(state, sc)
+    assert preempted > 0
+    assert all(len(rs.output_token_ids) == 30 for rs in state.finished.values())
+    assert state.block_manager.num_free_blocks == 13

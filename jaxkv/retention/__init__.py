@@ -3,9 +3,11 @@
 A policy answers two questions the pure scheduler asks (jaxkv/scheduler.py), and fixes how the
 attention reads what is kept:
 
-* ``droppable(num_computed, block_size)``: before the scheduler allocates for a request whose
-  next query token sits at position ``num_computed``, the logical blocks ``[first, stop)`` that
-  no query from there on can see. The scheduler gives them back (``BlockManager.release_blocks``:
+* ``drops(num_computed, table, scores, block_size)``: before the scheduler allocates for a
+  request whose next query token sits at position ``num_computed``, the logical blocks to give
+  back (for a window: those no query from there on can see, ``droppable``; for H2O: the
+  lowest-scoring ones beyond the budget, from the attention mass the step returns, see
+  ``Retention.observe``). The scheduler gives them back (``BlockManager.release_blocks``:
   the table entry becomes the null block 0, as in vLLM's sliding-window manager; a block another
   table shares only loses a reference) so the pool holds only what attention can still read.
 * ``max_blocks(num_tokens, max_step_tokens, block_size)``: the most blocks a request of
@@ -14,16 +16,19 @@ attention reads what is kept:
 * ``attention``: the ``AttentionOptions`` the model runs with (window, sinks, and the positions
   the sinks are scored at), so masks and dropped blocks agree by construction.
 
-One module per policy: ``full.py`` (keep everything) and ``streaming.py`` (StreamingLLM: attention
-sinks + a rolling window). ``from_args`` builds the policy of a ``jaxkv.config.CacheArgs``.
+One module per policy: ``full.py`` (keep everything), ``streaming.py`` (StreamingLLM: attention
+sinks + a rolling window) and ``h2o.py`` (heavy hitters by accumulated attention mass + a recent
+window, in a token budget). ``from_args`` builds the policy of a ``jaxkv.config.CacheArgs``.
 """
 
 from __future__ import annotations
 
 from jaxkv.retention.full import AttentionOptions, FullRetention, Retention
+from jaxkv.retention.h2o import H2ORetention
 from jaxkv.retention.streaming import StreamingRetention
 
-__all__ = ["AttentionOptions", "FullRetention", "Retention", "StreamingRetention", "from_args"]
+__all__ = ["AttentionOptions", "FullRetention", "H2ORetention", "Retention",
+           "StreamingRetention", "from_args"]
 
 
 def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:

@@ -28,9 +28,21 @@ class AttentionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Retention:
-    """The policy interface (see jaxkv/retention/__init__.py); keeps everything."""
+    """The policy interface (see jaxkv/retention/__init__.py); keeps everything.
+
+    Class attributes:
+      name: the ``kv_retention`` value.
+      observe: query tokens per sequence whose attention mass per block the step returns for
+        ``drops`` (0: the policy needs no scores).
+      history_dependent: whether a block's KV depends on what the sequence dropped before it
+        was computed (H2O: yes; a window: no, it is a function of the tokens). The prefix cache
+        then registers only blocks computed before the sequence's first drop, so hits stay
+        exact.
+    """
 
     name = "full"
+    observe = 0
+    history_dependent = False
 
     @property
     def attention(self) -> AttentionOptions:
@@ -39,6 +51,26 @@ class Retention:
     def droppable(self, num_computed: int, block_size: int) -> tuple[int, int]:
         """Logical blocks ``[first, stop)`` no query at position ``>= num_computed`` sees."""
         return 0, 0
+
+    def drops(self, num_computed: int, table, scores, block_size: int) -> tuple[int, ...]:
+        """Logical blocks of ``table`` (kept entries, not the null block) to give back before
+        the step whose first query sits at ``num_computed``. ``scores``: f64 [len(table)], the
+        block's accumulated attention mass (for policies with ``observe``). By default the kept
+        blocks of ``droppable``, found walking down from its end to the first entry already
+        dropped (O(newly dropped) per step)."""
+        first, stop = self.droppable(num_computed, block_size)
+        out = []
+        for j in range(min(stop, len(table)) - 1, first - 1, -1):
+            if table[j] == 0:
+                break
+            out.append(j)
+        return tuple(out)
+
+    def may_drop(self, num_computed: int, logical: int, block_size: int) -> bool:
+        """Whether logical block ``logical`` may be gone when the next query sits at
+        ``num_computed`` (the invariant ``scheduler.check_invariants`` checks)."""
+        first, stop = self.droppable(num_computed, block_size)
+        return first <= logical < stop
 
     def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
         """Most blocks a request of ``num_tokens`` tokens holds at once, when a step computes at

@@ -1,0 +1,95 @@
+"""H2O retention (Zhang et al. 2023, "Heavy-Hitter Oracle"), at block granularity.
+
+A sequence keeps at most ``budget_tokens`` of KV: its sink blocks, the blocks of its most recent
+``recent_tokens`` positions, and, in the rest of the budget, the *heavy hitters*: the blocks
+whose keys have received the most attention so far. H2O's paper splits the budget in half
+(recent window : heavy hitters = 1 : 1), the default here.
+
+Attention mass is accumulated per logical block from every step's attention (the step returns
+``jaxkv.attention_mass.block_attention_mass`` of each sequence's last ``observe`` query tokens,
+summed over layers and heads; ``scheduler.update`` adds it to the request's ``block_scores``).
+Before each step the lowest-scoring unprotected blocks go back until the sequence holds its
+budget (ties: the older block goes first), so memory stays at ``budget + one step``::
+
+    budget 8 blocks, recent 4 blocks, 1 sink block, scores after 13 blocks:
+        logical  0   1   2   3   4   5   6   7   8 | 9  10  11  12
+        score    -  .1  .9  .2  .05 .6  .3  .4  .7 | (recent window)
+        keep     S       H           H       H   H |  R   R   R   R    dropped: 1, 3, 4, 6
+
+Dropping is at block granularity (the paper evicts tokens): a block's score is its tokens'
+summed mass. Unlike a window, what a later block's KV holds depends on what was dropped while
+it was computed (``history_dependent``), so the prefix cache registers only blocks computed
+before the first drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxkv.retention.full import AttentionOptions, Retention
+
+
+@dataclasses.dataclass(frozen=True)
+class H2ORetention(Retention):
+    """Heavy hitters + a recent window in a budget of KV tokens.
+
+    Attributes:
+      budget_tokens: most tokens of KV a sequence keeps (rounded down to whole blocks).
+      sink_tokens: first positions always kept (0 in the paper).
+      recent_tokens: the recent window always kept; default half the budget (the paper's
+        split).
+      observe: query tokens per sequence whose attention the step accumulates (a decode step
+        has one; a prefill chunk contributes its last ``observe``).
+    """
+
+    budget_tokens: int = 512
+    sink_tokens: int = 0
+    recent_tokens: int | None = None
+    observe: int = 32
+    name = "h2o"
+    history_dependent = True
+
+    def __post_init__(self):
+        if self.recent_tokens is None:
+            object.__setattr__(self, "recent_tokens", self.budget_tokens // 2)
+        if self.budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens={self.budget_tokens} must be >= 1")
+        if self.observe < 1:
+            raise ValueError(f"observe={self.observe} must be >= 1")
+        if not 0 <= self.recent_tokens < self.budget_tokens - self.sink_tokens:
+            raise ValueError(f"kv_budget_tokens={self.budget_tokens} must exceed the recent "
+                             f"window {self.recent_tokens} + kv_sink_tokens={self.sink_tokens}")
+
+    @property
+    def attention(self) -> AttentionOptions:
+        return AttentionOptions()
+
+    def _protected(self, num_computed: int, block_size: int) -> tuple[int, int]:
+        """(sink blocks, first block of the recent window) for the query at ``num_computed``."""
+        return (-(-self.sink_tokens // block_size),
+                max(0, num_computed - self.recent_tokens) // block_size)
+
+    def drops(self, num_computed: int, table, scores, block_size: int) -> tuple[int, ...]:
+        """The lowest-scoring kept blocks outside the sinks and the recent window, until the
+        kept blocks fit ``budget_tokens // block_size`` (``scores`` None: all zero)."""
+        sinks, recent = self._protected(num_computed, block_size)
+        kept = [j for j, b in enumerate(table) if b]
+        excess = len(kept) - self.budget_tokens // block_size
+        if excess <= 0:
+            return ()
+        def score(j):
+            return 0.0 if scores is None or j >= len(scores) else float(scores[j])
+        candidates = sorted((j for j in kept if sinks <= j < recent), key=lambda j: (score(j), j))
+        return tuple(candidates[:excess])
+
+    def may_drop(self, num_computed: int, logical: int, block_size: int) -> bool:
+        sinks, recent = self._protected(num_computed, block_size)
+        return sinks <= logical < recent
+
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
+        """The budget's blocks, plus the sink and recent blocks when they outgrow it, plus one
+        step's new blocks."""
+        held = (max(self.budget_tokens // block_size,
+                    -(-self.sink_tokens // block_size) + self.recent_tokens // block_size + 1)
+                + max_step_tokens // block_size + 2)
+        return min(-(-num_tokens // block_size), held)

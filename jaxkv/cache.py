@@ -520,7 +520,7 @@ def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
     vs[layer] = write_layer(vs[layer], v, slot_mapping, md)
     if bs:
         bs[layer] = refresh_key_bounds(bs[layer], ks[layer], slot_mapping,
-                                       1 if md is None else md.seq_lens.shape[0])
+                                       None if md is None else md.seq_lens.shape[0])
     return PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
 
 
@@ -647,7 +647,7 @@ def update_key_bounds(bounds: KeyBounds, keys: jax.Array, slot_mapping: jax.Arra
 
 
 def refresh_key_bounds(bounds: KeyBounds, k_pages: Pages, slot_mapping: jax.Array,
-                       num_seqs: int) -> KeyBounds:
+                       num_seqs: int | None = None) -> KeyBounds:
     """The exact bounds after a step wrote its keys at ``slot_mapping`` (what the engine uses).
 
     Blocks fill in order, so after a step a written block holds its owner's keys at offsets
@@ -664,7 +664,8 @@ def refresh_key_bounds(bounds: KeyBounds, k_pages: Pages, slot_mapping: jax.Arra
       bounds: the pool's bounds before the step.
       k_pages: the K pool after the step's write (float, fp8 or int8).
       slot_mapping: int32 [T] slots the step wrote.
-      num_seqs: S, sequences of the step (static).
+      num_seqs: S, sequences of the step (static; bounds the written blocks), or None: as many
+        written blocks as tokens (no bound assumed).
 
     Returns:
       The updated ``KeyBounds``.
@@ -674,7 +675,8 @@ def refresh_key_bounds(bounds: KeyBounds, k_pages: Pages, slot_mapping: jax.Arra
     t, n = slot_mapping.shape[0], bounds.kmin.shape[0]
     last = jnp.full(n, -1, jnp.int32).at[blk].max(off)                 # [N] highest offset
     run = jnp.concatenate([jnp.ones(1, bool), blk[1:] != blk[:-1]])    # [T] a run's first token
-    (first,) = jnp.nonzero(run, size=min(t, t // bs + 2 * num_seqs + 1), fill_value=0)
+    size = t if num_seqs is None else min(t, t // bs + 2 * num_seqs + 1)
+    (first,) = jnp.nonzero(run, size=size, fill_value=0)
     ids = blk[first]                                                   # [M] written blocks
     x = read_pages(k_pages, ids)                                       # [M, bs, Hkv, D]
     valid = (jnp.arange(bs) <= last[ids][:, None])[..., None, None]    # [M, bs, 1, 1]

@@ -41,7 +41,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "draft")
-RETENTION_MODES = ("full", "streaming")
+RETENTION_MODES = ("full", "streaming", "h2o")
 SPARSE_ATTENTION_METHODS = ("quest",)
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -269,12 +269,15 @@ class CacheArgs:
                                         "(token granular) or none",
                                         choices=PREFIX_CACHING_MODES,
                                         parse=lambda s: None if s.lower() == "none" else s)
-    kv_retention: str = option("full", "which KV a sequence keeps: full, or streaming "
+    kv_retention: str = option("full", "which KV a sequence keeps: full, streaming "
                                "(attention sinks + a rolling window; blocks leaving the window "
-                               "are freed, so a sequence may outgrow the model's context)",
-                               choices=RETENTION_MODES)
-    kv_sink_tokens: int = option(4, "streaming and quest: first positions every query "
+                               "are freed, so a sequence may outgrow the model's context) or "
+                               "h2o (heavy hitters by accumulated attention + a recent window, "
+                               "in kv_budget_tokens)", choices=RETENTION_MODES)
+    kv_sink_tokens: int = option(4, "streaming, h2o and quest: first positions every query "
                                  "attends to (attention sinks)", minimum=0)
+    kv_budget_tokens: int | None = option(None, "h2o: KV tokens a sequence keeps (half recent "
+                                          "window, half heavy hitters)", minimum=1)
     kv_window_tokens: int | None = option(None, "streaming: recent positions a query attends "
                                           "to, itself included", minimum=1)
     kv_positions: str = option("cache", "streaming: RoPE positions within the cache "
@@ -307,9 +310,15 @@ class CacheArgs:
         if self.kv_retention == "streaming" and self.kv_window_tokens is None:
             raise ValueError("kv_retention='streaming' needs kv_window_tokens (the rolling "
                              "window, e.g. 1020 with kv_sink_tokens=4 for a 1024-token cache)")
-        if self.kv_retention == "full" and self.kv_window_tokens is not None:
+        if self.kv_retention != "streaming" and self.kv_window_tokens is not None:
             raise ValueError(f"kv_window_tokens={self.kv_window_tokens} is used only with "
                              f"kv_retention='streaming'")
+        if self.kv_retention == "h2o" and self.kv_budget_tokens is None:
+            raise ValueError("kv_retention='h2o' needs kv_budget_tokens (the KV tokens a "
+                             "sequence keeps, e.g. 20% of its length)")
+        if self.kv_retention != "h2o" and self.kv_budget_tokens is not None:
+            raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} is used only with "
+                             f"kv_retention='h2o'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

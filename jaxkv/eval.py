@@ -75,11 +75,13 @@ def _make_chunk_fn(config, attention_impl: str, attention_options=None):
         md = AttentionMetadata(slot_mapping=slots,
                                query_start_loc=jnp.asarray([0, t], jnp.int32),
                                seq_lens=seq_len[None], block_tables=block_table[None])
-        logits, cache = forward(params, token_ids, positions, cache, md, config=config,
-                                attention_impl=attention_impl,
-                                attention_options=attention_options)
+        logits, cache, *mass = forward(params, token_ids, positions, cache, md, config=config,
+                                       attention_impl=attention_impl,
+                                       attention_options=attention_options)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]     # [T]
+        if mass:   # a retention policy's scores: [max_blocks] attention mass per block
+            return cache, nll, mass[0][0]
         return cache, nll, jnp.argmax(logits, axis=-1)                       # [T], [T]
 
     return run
@@ -173,10 +175,14 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
                  **cache_options) -> RetainedNLL:
     """Teacher-forced NLL of every token of one long text fed in ``chunk``-token steps through a
     pool that holds only what ``retention`` keeps, managed as the scheduler manages it: before
-    each chunk the blocks no query from there on sees go back (``BlockManager.release_blocks``),
-    so the pool is the policy's bound (``Retention.max_blocks``), not the text's length, and the
-    text may run past the model's context. StreamingLLM's perplexity protocol: chunked prefill
-    equals token-by-token decoding here because every query sees its own sinks + window.
+    each chunk the blocks the policy drops go back (``BlockManager.release_blocks``), so the
+    pool is the policy's bound (``Retention.max_blocks``), not the text's length, and the text
+    may run past the model's context. StreamingLLM's perplexity protocol: chunked prefill
+    equals token-by-token decoding here because every query sees its own sinks + window. A
+    policy that scores blocks (H2O, ``Retention.observe``) gets the attention mass of each
+    chunk's last ``observe`` tokens, accumulated as ``scheduler.update`` does; with ``chunk``
+    at most ``observe`` that is every query, as in the paper. There is no prompt phase here:
+    a policy drops from the first chunk on (the engine computes a prompt in full first).
 
     Args:
       runner: the engine's ``ModelRunner`` (params, config, block size, attention impl).
@@ -196,29 +202,33 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     if n < 1:
         raise ValueError(f"token_ids has {len(ids)} tokens; at least 2 are needed")
     c, bs = runner.model_config, runner.cache_config.block_size
-    held = retention.max_blocks(n, chunk, bs)
+    held = retention.max_blocks(n, chunk, bs, 0)   # no prompt phase: drops start at once
     bm = BlockManager(held + 1, bs)
     cache = _sequence_cache(runner, held, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, runner.attention_impl, retention.attention)
     width = -(-n // bs)
     nll, peak = np.empty(n), 0
+    scores = np.zeros(width)
     t0 = time.perf_counter()
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
         if a == 0:
             bm.allocate("text", b)
         else:
-            bm.release_blocks("text", retention.drops(a, bm.block_table("text"), None, bs))
+            bm.release_blocks("text", retention.drops(a, bm.block_table("text"), scores, bs))
             bm.append_slots("text", b)
         peak = max(peak, held - bm.num_free_blocks)
         table = np.zeros(width, np.int32)
         kept = bm.block_table("text")
         table[:len(kept)] = kept
         pos = np.arange(a, b, dtype=np.int32)
-        cache, out, _ = run(runner.params, cache, jnp.asarray(ids[pos]), jnp.asarray(ids[pos + 1]),
-                            jnp.asarray(pos), jnp.asarray(table[pos // bs] * bs + pos % bs),
-                            jnp.asarray(table), jnp.int32(b))
+        cache, out, mass = run(runner.params, cache, jnp.asarray(ids[pos]),
+                               jnp.asarray(ids[pos + 1]), jnp.asarray(pos),
+                               jnp.asarray(table[pos // bs] * bs + pos % bs), jnp.asarray(table),
+                               jnp.int32(b))
         nll[a:b] = np.asarray(out, np.float64)
+        if retention.observe:
+            scores += np.asarray(mass, np.float64)
     return RetainedNLL(nll=nll, peak_blocks=peak, pool_blocks=held,
                        seconds=time.perf_counter() - t0)
 

@@ -323,6 +323,8 @@ def _retain(bm: BlockManager, retention: Retention, rs: RequestState) -> Request
     """``rs`` after giving back the blocks ``retention`` drops before its next query (at
     ``num_computed_tokens``; the null block takes their table entries)."""
     request_id, at = rs.request.request_id, rs.num_computed_tokens
+    if retention.history_dependent and at < len(rs.request.prompt_token_ids):
+        return rs   # the prompt is computed with full attention first
     drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size)
     if not drops:
         return rs
@@ -361,7 +363,8 @@ def add_request(state: SchedulerState, request: Request,
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
             f"exceeds max_model_len={config.max_model_len}")
-    need = state.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size)
+    need = state.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size,
+                                      len(request.prompt_token_ids))
     if need > bm.num_blocks - 1:
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "

@@ -35,13 +35,13 @@ from jaxkv.sampling import SamplingTensors, sample
 from jaxkv.sparse_attention import QuestOptions
 
 _DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                  "block_tables", "logits_indices", "num_drafts")
+                  "block_tables", "logits_indices", "num_drafts", "sample_mask")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=list(_DEVICE_FIELDS), meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DeviceStepInput:
-    """The device arrays of a ``batch.StepInput`` (all int32)."""
+    """The device arrays of a ``batch.StepInput`` (int32; ``sample_mask`` bool)."""
 
     token_ids: jax.Array       # [T]
     positions: jax.Array       # [T]
@@ -51,6 +51,7 @@ class DeviceStepInput:
     block_tables: jax.Array    # [S, max_blocks_per_seq]
     logits_indices: jax.Array  # [S, W]
     num_drafts: jax.Array      # [S]
+    sample_mask: jax.Array     # [S]
 
     @classmethod
     def from_host(cls, step_input: StepInput) -> "DeviceStepInput":
@@ -77,9 +78,11 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
       num_logprobs=0) -> (cache, tokens int32 [S, W], num_accepted int32 [S], logprobs
-      f32 [S, W], (top_ids int32 [S, W, N], top_values f32 [S, W, N]))``, jitted with the cache
-      donated; ``sampling`` has ``S x W`` rows; sequence ``s`` emits ``tokens[s, :num_accepted[s]]``
-      with those rows' raw logprobs and top logprobs.
+      f32 [S, W], (top_ids int32 [S, W, N], top_values f32 [S, W, N]), block_mass)``, jitted
+      with the cache donated; ``sampling`` has ``S x W`` rows; sequence ``s`` emits
+      ``tokens[s, :num_accepted[s]]`` with those rows' raw logprobs and top logprobs;
+      ``block_mass`` is f32 [S, max_blocks] (the attention mass per KV block, when
+      ``attention_options.observe``; jaxkv/attention_mass.py) or None.
     """
 
     attention = paged_attention if mesh is None else sharding.sharded_attention(mesh)
@@ -91,7 +94,7 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                query_start_loc=inputs.query_start_loc,
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
         s, w = inputs.logits_indices.shape
-        logits, cache = forward(params, inputs.token_ids, inputs.positions, cache, md,
+        logits, cache, *mass = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
                                 attention=attention,
@@ -108,7 +111,9 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         if mesh is not None:
             tokens, accepted, logprobs, top = jax.lax.with_sharding_constraint(
                 (tokens, accepted, logprobs, top), sharding.replicated(mesh))
-        return cache, tokens, accepted, logprobs, top
+        # a retention policy's scores (Retention.observe): the sampling queries' mass only
+        block_mass = mass[0] * inputs.sample_mask[:, None] if mass else None
+        return cache, tokens, accepted, logprobs, top, block_mass
 
     return step
 

@@ -290,7 +290,8 @@ def test_h2o_drops_exactly_the_lowest_scoring_unprotected_blocks():
     # ties go to the older block; without scores H2O drops the oldest unprotected blocks
     assert policy.drops(52, table, None, 4) == (1, 2, 3, 4, 5)
     assert policy.drops(52, table[:8], scores, 4) == ()
-    assert policy.max_blocks(10**6, 8, 4) == 8 + 2 + 2
+    assert policy.max_blocks(10**6, 8, 4, 20) == 8 + 2 + 2
+    assert policy.max_blocks(10**6, 8, 4, 100) == 25 + 1     # the prompt is kept whole first
 
 
 def test_h2o_config_errors():
@@ -317,7 +318,7 @@ def test_h2o_keeps_the_heavy_hitters_the_step_reports():
         if "a" in state.requests:
             table = state.block_manager.block_table("a")
             kept_history.append(table)
-            assert sum(1 for b in table if b) <= cc.retention.max_blocks(80, 8, 4)
+            assert sum(1 for b in table if b) <= cc.retention.max_blocks(80, 8, 4, 40)
     # once over budget, the sequence kept its heavy hitters and the recent window only
     final = kept_history[-1]
     n = len(final)
@@ -328,7 +329,7 @@ def test_h2o_keeps_the_heavy_hitters_the_step_reports():
 
 
 def test_h2o_prefix_cache_registers_only_blocks_before_the_first_drop():
-    cc, sc = h2o_configs(prefix_caching="hash", step_budget=4)
+    cc, sc = h2o_configs(prefix_caching="hash", step_budget=4)   # budget 16 tokens
     prompt = tuple(range(100, 140))                    # 10 blocks
     state = add_request(init_state(cc), req("a", prompt, max_tokens=12), sc)
     while "a" not in state.finished:
@@ -337,11 +338,13 @@ def test_h2o_prefix_cache_registers_only_blocks_before_the_first_drop():
         if rs is not None and rs.first_drop is not None:
             first_drop = rs.first_drop
             assert state.block_manager.num_registered("a") <= first_drop // 4
-    assert first_drop == 16 + 4                        # the first step over the 16-token budget
-    # a second request with the same prompt hits only blocks computed before that drop
+    assert first_drop == 40                            # the prompt is computed in full first
+    # a second request with the same prompt hits the prompt's blocks (all but its last token:
+    # 9 full blocks), all computed before the first drop; nothing computed after it
     state = add_request(state, req("b", prompt, max_tokens=4), sc)
     state, plan = schedule(state, sc, {})
-    assert plan.seqs[0].num_cached_tokens == first_drop // 4 * 4
+    assert plan.seqs[0].num_cached_tokens == 36
+    assert state.block_manager.num_cached_blocks == 10
 
 
 def test_h2o_forks_and_preemption_keep_invariants():

@@ -232,7 +232,8 @@ class EngineCore:
         self.speculator.record(plan, result.tokens, result.num_accepted)
         now = time.perf_counter()
         touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
-        self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits))
+        self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits),
+                                       block_mass=result.block_mass)
         for request_id, err in errors.items():
             outputs |= self._fail(request_id, err)
         self.speculator.forget(self._state)

@@ -72,6 +72,8 @@ class StepOutput:
       logprobs: float32 [S, W], their raw log-probabilities.
       top_ids: int32 [S, W, N], the top-N token ids (N the logprobs bucket of the step, maybe 0).
       top_vals: float32 [S, W, N], their log-probabilities.
+      block_mass: float32 [S, max_blocks], the attention mass each KV block got this step
+        (a retention policy's scores, ``Retention.observe``), or None.
     """
 
     tokens: np.ndarray
@@ -79,6 +81,7 @@ class StepOutput:
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_vals: np.ndarray
+    block_mass: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +271,13 @@ class ModelRunner:
         self.retention = from_args(cc, model_config.sliding_window)
         self.retention.check_block_size(cc.block_size,
                                         cc.kv_residual_blocks if spec.format.kivi else 0)
+        if self.retention.observe and tp > 1:
+            raise ValueError(f"kv_retention={cc.kv_retention!r} scores blocks on one device; "
+                             f"tensor_parallel_size={tp} is not supported with it yet")
+        if self.retention.observe and config.speculative.speculative:
+            raise ValueError(f"kv_retention={cc.kv_retention!r} scores blocks by the sampling "
+                             f"queries, which draft tokens would blur; speculative="
+                             f"{config.speculative.speculative!r} is not supported with it")
         self.cache_config = CacheConfig(
             block_size=cc.block_size, num_blocks=self.memory_plan.num_blocks,
             prefix_caching=cc.prefix_caching,
@@ -378,7 +388,8 @@ class ModelRunner:
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
-            logits_indices=np.zeros((s, w), np.int32), num_drafts=np.zeros(s, np.int32))
+            logits_indices=np.zeros((s, w), np.int32), num_drafts=np.zeros(s, np.int32),
+            sample_mask=np.zeros(s, bool))
         sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
                                                prompt_token_ids=[], output_token_ids=[],
                                                pad_to=s * w)
@@ -417,9 +428,10 @@ class ModelRunner:
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,
                 step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs)
-        tokens, accepted, logprobs, (top_ids, top_vals) = out
+        tokens, accepted, logprobs, (top_ids, top_vals), mass = out
         out = StepOutput(*(self._to_host(x)
-                           for x in (tokens, accepted, logprobs, top_ids, top_vals)))
+                           for x in (tokens, accepted, logprobs, top_ids, top_vals)),
+                         block_mass=None if mass is None else self._to_host(mass))
         self.device_time += time.perf_counter() - t_device
         self.num_steps += 1
         return out

@@ -32,6 +32,7 @@ from flax import nnx
 from jaxkv import cache as kvcache
 from jaxkv import sparse_attention as quest
 from jaxkv.attention_impl import paged_attention
+from jaxkv.attention_mass import block_attention_mass
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.rope import apply_rope, inv_frequencies
@@ -116,7 +117,7 @@ class Attention(nnx.Module):
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
                  sparse: quest.QuestOptions | None = None):
         """One layer's attention; ``pools`` = (k_pool, v_pool, KeyBounds or None). Returns
-        (output [T, E], (k_pool, v_pool, bounds))."""
+        (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
         v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
@@ -134,13 +135,20 @@ class Attention(nnx.Module):
         if bounds is not None:
             bounds = kvcache.refresh_key_bounds(bounds, k_pool, md.slot_mapping,
                                                 md.seq_lens.shape[0])
-        if sparse is None:
-            o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                          impl=impl, interpret=interpret, **kw)
-        else:
+        mass = None
+        if sparse is not None:
             o, _ = quest_attention(q, k_pool, v_pool, bounds, md, sparse=sparse, impl=impl,
                                    interpret=interpret, attention=attention, **kw)
-        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool, bounds)
+        elif options.observe:   # H2O's statistic: the mass each block got, from the lse
+            o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens,
+                               md.query_start_loc, impl=impl, interpret=interpret,
+                               return_lse=True, **kw)
+            mass = block_attention_mass(q, k_pool, md.block_tables, md.seq_lens,
+                                        md.query_start_loc, lse, observe=options.observe, **kw)
+        else:
+            o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                          impl=impl, interpret=interpret, **kw)
+        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool, bounds), mass
 
 
 class MLP(nnx.Module):
@@ -182,9 +190,10 @@ class Transformer(nnx.Module):
         inv_freq = inv_frequencies(c)
         x = self.embed_tokens[...][token_ids]                            # [T, E]
         ks, vs, bs = [], [], []
+        mass = 0.0 if options.observe else None                          # [S, max_blocks]
         for i, layer in enumerate(self.layers):
             bounds = cache.bounds[i] if cache.bounds else None
-            h, (k_pool, v_pool, bounds) = layer.self_attn(
+            h, (k_pool, v_pool, bounds), layer_mass = layer.self_attn(
                 layer.input_layernorm(x), positions, (cache.k[i], cache.v[i], bounds), md,
                 inv_freq, options=options, impl=impl, interpret=interpret, attention=attention,
                 sparse=sparse)
@@ -194,12 +203,15 @@ class Transformer(nnx.Module):
             vs.append(v_pool)
             if bounds is not None:
                 bs.append(bounds)
+            if layer_mass is not None:
+                mass = mass + layer_mass
         if logits_indices is not None:
             x = x[logits_indices]                                        # [S, E]
         x = self.norm(x)
         head = self.embed_tokens[...].T if c.tie_word_embeddings else self.lm_head[...]
         logits = (x @ head).astype(jnp.float32)                          # [S or T, V]
-        return logits, kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
+        cache = kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
+        return (logits, cache) if mass is None else (logits, cache, mass)
 
 
 @functools.lru_cache(maxsize=16)
@@ -227,7 +239,8 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             interpret: bool = False, attention=paged_attention,
             attention_options: AttentionOptions | None = None,
             sparse: quest.QuestOptions | None = None
-            ) -> tuple[jax.Array, kvcache.PagedKVCache]:
+            ) -> tuple[jax.Array, kvcache.PagedKVCache] | tuple[jax.Array,
+                                                                kvcache.PagedKVCache, jax.Array]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
 
     Args:
@@ -243,14 +256,17 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       interpret: Pallas interpret mode (CPU).
       attention: the paged-attention function (``paged_attention``'s signature); tensor
         parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).
-      attention_options: window, sinks and sink positions of a KV retention policy
-        (jaxkv/retention/; static); default the model's own sliding window, no sinks.
+      attention_options: window, sinks, sink positions and attention statistics of a KV
+        retention policy (jaxkv/retention/; static); default the model's own sliding window,
+        no sinks, no statistics.
       sparse: Quest sparse decode attention (static; jaxkv/sparse_attention.py): decode
         sequences attend only to their selected pages (the cache keeps ``KeyBounds`` for a
         float/fp8/int8 pool, ``KVCacheSpec.key_bounds``); None: dense attention.
 
     Returns:
-      (logits float32 [S or T, vocab_size], updated cache).
+      (logits float32 [S or T, vocab_size], updated cache), and with
+      ``attention_options.observe`` also the attention mass per KV block f32 [S, max_blocks]
+      (``jaxkv.attention_mass``, summed over layers).
     """
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     graphdef, abstract = _abstract(config, jnp.dtype(dtype).name)

@@ -10,7 +10,7 @@ attention reads what is kept:
   ``Retention.observe``). The scheduler gives them back (``BlockManager.release_blocks``:
   the table entry becomes the null block 0, as in vLLM's sliding-window manager; a block another
   table shares only loses a reference) so the pool holds only what attention can still read.
-* ``max_blocks(num_tokens, max_step_tokens, block_size)``: the most blocks a request of
+* ``max_blocks(num_tokens, max_step_tokens, block_size, prompt_tokens)``: the most blocks a request of
   ``num_tokens`` tokens ever holds at once, for admission (a request that could never fit is
   refused, as without retention).
 * ``attention``: the ``AttentionOptions`` the model runs with (window, sinks, and the positions
@@ -39,8 +39,9 @@ def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:
       model_sliding_window: the model's own sliding window (None for full attention).
 
     Raises:
-      ValueError: naming the field, when ``streaming`` lacks ``kv_window_tokens`` or the model
-        already has a sliding window of its own.
+      ValueError: naming the field, when ``streaming`` lacks ``kv_window_tokens``, the H2O
+        budget cannot hold its sinks and recent window, or the model already has a sliding
+        window of its own.
     """
     if cache_args.kv_retention == "full":
         return FullRetention(sliding_window=model_sliding_window)
@@ -48,6 +49,9 @@ def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:
         raise ValueError(f"kv_retention={cache_args.kv_retention!r}: the model already attends "
                          f"through its own sliding_window={model_sliding_window}; use "
                          f"kv_retention='full'")
+    if cache_args.kv_retention == "h2o":
+        return H2ORetention(budget_tokens=cache_args.kv_budget_tokens,
+                            sink_tokens=cache_args.kv_sink_tokens)
     return StreamingRetention(sink_tokens=cache_args.kv_sink_tokens,
                               window_tokens=cache_args.kv_window_tokens,
                               positions=cache_args.kv_positions)

@@ -19,11 +19,15 @@ class AttentionOptions:
         rotation: RoPE scores depend only on the distance of query and key, and a window key's
         distance to the query is the same in both numberings, so only the sinks' scores change
         (jaxkv/retention/streaming.py).
+      observe: > 0: the step also returns the attention mass per KV block of each sequence's
+        last ``observe`` query tokens, summed over layers and heads (jaxkv/attention_mass.py;
+        H2O's scores).
     """
 
     sliding_window: int | None = None
     num_sinks: int = 0
     sink_position_cap: int | None = None
+    observe: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +39,9 @@ class Retention:
       observe: query tokens per sequence whose attention mass per block the step returns for
         ``drops`` (0: the policy needs no scores).
       history_dependent: whether a block's KV depends on what the sequence dropped before it
-        was computed (H2O: yes; a window: no, it is a function of the tokens). The prefix cache
-        then registers only blocks computed before the sequence's first drop, so hits stay
-        exact.
+        was computed (H2O: yes; a window: no, it is a function of the tokens). Such a policy
+        drops nothing before the prompt is computed, and the prefix cache registers only blocks
+        computed before the sequence's first drop, so hits stay exact.
     """
 
     name = "full"
@@ -72,9 +76,11 @@ class Retention:
         first, stop = self.droppable(num_computed, block_size)
         return first <= logical < stop
 
-    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
-        """Most blocks a request of ``num_tokens`` tokens holds at once, when a step computes at
-        most ``max_step_tokens`` of its tokens."""
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int,
+                   prompt_tokens: int | None = None) -> int:
+        """Most blocks a request of ``num_tokens`` tokens (``prompt_tokens`` of them its
+        prompt; None: as many as ``num_tokens``) holds at once, when a step computes at most
+        ``max_step_tokens`` of its tokens."""
         return -(-num_tokens // block_size)
 
     def check_block_size(self, block_size: int, residual_blocks: int) -> None:

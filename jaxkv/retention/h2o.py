@@ -5,11 +5,15 @@ A sequence keeps at most ``budget_tokens`` of KV: its sink blocks, the blocks of
 whose keys have received the most attention so far. H2O's paper splits the budget in half
 (recent window : heavy hitters = 1 : 1), the default here.
 
-Attention mass is accumulated per logical block from every step's attention (the step returns
-``jaxkv.attention_mass.block_attention_mass`` of each sequence's last ``observe`` query tokens,
-summed over layers and heads; ``scheduler.update`` adds it to the request's ``block_scores``).
-Before each step the lowest-scoring unprotected blocks go back until the sequence holds its
-budget (ties: the older block goes first), so memory stays at ``budget + one step``::
+The prompt is computed with full attention (nothing is dropped before its last token is in the
+cache, as in the paper, where eviction starts with generation). From then on the attention mass
+of every query that samples a token (the prompt's last token, then each generated token) is
+added per logical block (the step returns ``jaxkv.attention_mass.block_attention_mass`` of each
+sampling sequence's last query token, summed over layers and heads; ``scheduler.update`` adds
+it to the request's ``block_scores``). These positions do not depend on how the prompt was
+chunked or batched, so neither do the scores nor the tokens. Before each step the
+lowest-scoring unprotected blocks go back until the sequence holds its budget (ties: the older
+block goes first), so memory stays at ``budget + one step``::
 
     budget 8 blocks, recent 4 blocks, 1 sink block, scores after 13 blocks:
         logical  0   1   2   3   4   5   6   7   8 | 9  10  11  12
@@ -19,7 +23,8 @@ budget (ties: the older block goes first), so memory stays at ``budget + one ste
 Dropping is at block granularity (the paper evicts tokens): a block's score is its tokens'
 summed mass. Unlike a window, what a later block's KV holds depends on what was dropped while
 it was computed (``history_dependent``), so the prefix cache registers only blocks computed
-before the first drop.
+before the first drop (the prompt's; a hit never covers the prompt's last token, whose query
+starts the scores, so hits stay exact). A preempted request is recomputed with fresh scores.
 """
 
 from __future__ import annotations
@@ -38,14 +43,12 @@ class H2ORetention(Retention):
       sink_tokens: first positions always kept (0 in the paper).
       recent_tokens: the recent window always kept; default half the budget (the paper's
         split).
-      observe: query tokens per sequence whose attention the step accumulates (a decode step
-        has one; a prefill chunk contributes its last ``observe``).
     """
 
     budget_tokens: int = 512
     sink_tokens: int = 0
     recent_tokens: int | None = None
-    observe: int = 32
+    observe = 1   # the sampling query of each sequence (see the module docstring)
     name = "h2o"
     history_dependent = True
 
@@ -54,15 +57,13 @@ class H2ORetention(Retention):
             object.__setattr__(self, "recent_tokens", self.budget_tokens // 2)
         if self.budget_tokens < 1:
             raise ValueError(f"kv_budget_tokens={self.budget_tokens} must be >= 1")
-        if self.observe < 1:
-            raise ValueError(f"observe={self.observe} must be >= 1")
         if not 0 <= self.recent_tokens < self.budget_tokens - self.sink_tokens:
             raise ValueError(f"kv_budget_tokens={self.budget_tokens} must exceed the recent "
                              f"window {self.recent_tokens} + kv_sink_tokens={self.sink_tokens}")
 
     @property
     def attention(self) -> AttentionOptions:
-        return AttentionOptions()
+        return AttentionOptions(observe=self.observe)
 
     def _protected(self, num_computed: int, block_size: int) -> tuple[int, int]:
         """(sink blocks, first block of the recent window) for the query at ``num_computed``."""
@@ -86,10 +87,13 @@ class H2ORetention(Retention):
         sinks, recent = self._protected(num_computed, block_size)
         return sinks <= logical < recent
 
-    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
-        """The budget's blocks, plus the sink and recent blocks when they outgrow it, plus one
-        step's new blocks."""
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int,
+                   prompt_tokens: int | None = None) -> int:
+        """The whole prompt (computed before anything is dropped) plus the first decode's
+        block, or the budget's blocks (the sink and recent blocks when they outgrow it) plus
+        one step's new blocks, whichever is more."""
+        prompt = num_tokens if prompt_tokens is None else prompt_tokens
         held = (max(self.budget_tokens // block_size,
                     -(-self.sink_tokens // block_size) + self.recent_tokens // block_size + 1)
                 + max_step_tokens // block_size + 2)
-        return min(-(-num_tokens // block_size), held)
+        return min(-(-num_tokens // block_size), max(held, -(-prompt // block_size) + 1))

@@ -73,7 +73,8 @@ class StreamingRetention(Retention):
         first = -(-self.sink_tokens // block_size)
         return first, max(first, (num_computed - self.window_tokens + 1) // block_size)
 
-    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int,
+                   prompt_tokens: int | None = None) -> int:
         """The sink blocks, plus the blocks spanned by the window before a step and the step's
         tokens (``W - 1 + max_step_tokens`` positions, starting anywhere in a block)."""
         held = (-(-self.sink_tokens // block_size)

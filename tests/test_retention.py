@@ -3,6 +3,8 @@ back, checked with exact block ids through the pure scheduler, composed with pre
 forks, preemption and speculative rewinds; a hypothesis state machine of random add / step /
 abort sequences under streaming retention that must lose nothing."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
@@ -206,14 +208,20 @@ def test_speculative_rewind_under_streaming():
 
 
 class StreamingMachine(RuleBasedStateMachine):
-    """Random adds, steps and aborts under streaming retention with prefix caching and forks:
-    invariants after every call, every request finishes with exactly its max_tokens."""
+    """Random adds, steps and aborts under streaming or H2O retention (random attention mass)
+    with prefix caching and forks: invariants after every call, every request finishes with
+    exactly its max_tokens."""
 
     @initialize(window=st.integers(1, 12), sinks=st.integers(0, 6),
-                mode=st.sampled_from([None, "hash", "radix"]))
-    def setup(self, window, sinks, mode):
+                mode=st.sampled_from([None, "hash", "radix"]), h2o=st.booleans(),
+                seed=st.integers(0, 2**16))
+    def setup(self, window, sinks, mode, h2o, seed):
         self.cc, self.sc = configs(num_blocks=24, budget=8, sinks=sinks, window=window,
                                    prefix_caching=mode, max_num_seqs=4)
+        if h2o:
+            self.cc = dataclasses.replace(self.cc, retention=H2ORetention(
+                budget_tokens=4 * (window + sinks) + 8, sink_tokens=sinks, recent_tokens=window))
+        self.rng = np.random.default_rng(seed) if h2o else None
         self.state = init_state(self.cc)
         self.n = 0
         self.expected = {}
@@ -234,7 +242,14 @@ class StreamingMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        self.state, _ = step(self.state, self.sc, self.cc)
+        if self.rng is None:
+            self.state, _ = step(self.state, self.sc, self.cc)
+        else:
+            self.state, plan = schedule(self.state, self.sc, {})
+            check_invariants(self.state, self.sc)
+            width = max([len(s.block_table) for s in plan.seqs], default=1)
+            self.state = update(self.state, plan, [7] * len(plan.seqs),
+                                block_mass=self.rng.random((len(plan.seqs), width)))
         for rid, rs in self.state.finished.items():
             if rs.finish_reason != "abort":
                 assert len(rs.output_token_ids) == self.expected.pop(rid)

@@ -232,16 +232,7 @@ def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_star
     dtype = q[0].dtype
     first_window = lax.div(kv_len, block_size) - (layout.residual_blocks - 1)
 
-    def scores(queries, keys):
-        s = None
-        for qc, k in zip(queries, keys):
-            part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            s = part if s is None else s + part
-        return s * sm_scale                                                       # [rows, bkv]
-
     def body(v, carry, rescore: bool):
-        m, l, acc = carry
         kv_pos = tile_index(v, sink_tiles, window_first) * block_kv + offsets     # [block_kv]
         logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
         page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
@@ -249,36 +240,60 @@ def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_star
         in_window = logical >= first_window                                      # [block_kv]
         keys = [load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype, in_window)
                 for chunk in layout.chunks]                                      # [bkv, w] each
-        s = scores(q, keys)
+        s = tile_scores(q, keys, sm_scale)
         if rescore:
-            s = jnp.where(kv_pos[None, :] < num_sinks, scores(q_sinks, keys), s)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(kv_pos[None, :] < num_sinks, tile_scores(q_sinks, keys, sm_scale), s)
+        values = [load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype, in_window)
+                  for chunk in layout.chunks]                                    # [bkv, w] each
         seen = (kv_pos[None, :] <= q_pos[:, None]) & (page[None, :] != 0)        # [rows, block_kv]
         if sliding_window is not None:
             in_window = q_pos[:, None] - kv_pos[None, :] < sliding_window
             if num_sinks:
                 in_window = in_window | (kv_pos[None, :] < num_sinks)
             seen = seen & in_window
-        s = jnp.where(seen, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = alpha * l + p.sum(axis=1)
-        p = p.astype(dtype)
-        acc = tuple(
-            alpha[:, None] * a + lax.dot_general(
-                p, load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype,
-                              in_window),
-                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            for a, chunk in zip(acc, layout.chunks))
-        return m_new, l, acc
+        return softmax_tile(carry, s, seen, values, soft_cap=soft_cap)
 
     if q_sinks is None or sliding_window is None or not num_sinks:
         return lax.fori_loop(v_start, v_stop, functools.partial(body, rescore=False), carry)
     split = jnp.clip(sink_tiles, v_start, v_stop)      # the sink steps come first in the walk
     carry = lax.fori_loop(v_start, split, functools.partial(body, rescore=True), carry)
     return lax.fori_loop(split, v_stop, functools.partial(body, rescore=False), carry)
+
+
+def tile_scores(queries, keys, sm_scale: float):
+    """f32 [rows, bkv] scaled logits of query chunks [rows, w] against key chunks [bkv, w]."""
+    s = None
+    for qc, k in zip(queries, keys):
+        part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)
+        s = part if s is None else s + part
+    return s * sm_scale
+
+
+def softmax_tile(carry, s, seen, values, *, soft_cap: float | None):
+    """One kv tile of the online softmax (f32 accumulators) in a kernel.
+
+    Args:
+      carry: (m f32 [rows], l f32 [rows], acc tuple of f32 [rows, w] per chunk).
+      s: f32 [rows, bkv] scaled logits (``tile_scores``); soft-capped here.
+      seen: bool, broadcastable to ``s``: the positions each row sees.
+      values: [bkv, w] per chunk, in the kernel dtype.
+
+    Returns:
+      The updated carry.
+    """
+    m, l, acc = carry
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(seen, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    p_kernel = p.astype(values[0].dtype)
+    acc = tuple(alpha[:, None] * a + lax.dot_general(p_kernel, val, (((1,), (0,)), ((), ())),
+                                                     preferred_element_type=jnp.float32)
+                for a, val in zip(acc, values))
+    return m_new, alpha * l + p.sum(axis=1), acc
 
 
 def init_carry(rows: int, layout: KvLayout):

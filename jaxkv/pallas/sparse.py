@@ -34,7 +34,6 @@ power of two >= 16), as in decode.py.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -46,30 +45,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.attention import merge_attention_states
-from jaxkv.pallas.decode import default_num_splits
+from jaxkv.pallas.decode import DecodeConfig, default_num_splits
 from jaxkv.pallas.kv_format import KvLayout, kv_operands, load_chunk, split_refs
-from jaxkv.pallas.ragged import (MASK_VALUE, check_kv_inputs, check_options, check_page_ids,
-                                 check_seq_lens, check_tuning, finalize, init_carry, is_concrete,
-                                 next_pow2, whole_block)
+from jaxkv.pallas.ragged import (check_kv_inputs, check_options, check_page_ids, check_seq_lens,
+                                 finalize, init_carry, is_concrete, next_pow2, softmax_tile,
+                                 tile_scores, whole_block)
 from jaxkv.sparse_attention import check_selection
 
 
-@dataclasses.dataclass(frozen=True)
-class SparseConfig:
-    """Tuning of the sparse decode kernel (static; one compilation per distinct value).
-
-    Attributes:
-      block_kv: positions of the selected run per kv tile (power of two >= 16).
-      num_warps: Triton warps per program.
-      num_stages: Triton software-pipelining stages of the kv loop.
-    """
-
-    block_kv: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __post_init__(self):
-        check_tuning(self, ("block_kv", "num_warps"))
+# The sparse kernel walks its selected pages in kv tiles tuned by the same fields as the dense
+# decode kernel's (block_kv, num_warps, num_stages).
+SparseConfig = DecodeConfig
 
 
 def _sparse_kernel(
@@ -104,7 +90,6 @@ def _sparse_kernel(
     offsets = jnp.arange(block_kv, dtype=jnp.int32)                             # [block_kv]
 
     def body(v, carry):
-        m, l, acc = carry
         rank = v * block_kv + offsets                                            # [block_kv]
         entry = lax.div(rank, block_size)
         # the tail of the last tile (entries >= count) re-reads the last selected page, masked
@@ -113,29 +98,12 @@ def _sparse_kernel(
         slot = lax.rem(rank, block_size)
         seen = (entry < count) & (logical * block_size + slot < kv_len)          # [block_kv]
         in_window = logical >= first_window
-        s = None
-        for qc, chunk in zip(q, layout.chunks):
-            k = load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype,
-                           in_window)                                           # [bkv, w]
-            part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-            s = part if s is None else s + part
-        s = s * sm_scale                                                          # [rows, bkv]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(seen[None, :], s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(seen[None, :], jnp.exp(s - m_new[:, None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = alpha * l + p.sum(axis=1)
-        p = p.astype(dtype)
-        acc = tuple(
-            alpha[:, None] * a + lax.dot_general(
-                p, load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype,
-                              in_window),
-                (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            for a, chunk in zip(acc, layout.chunks))
-        return m_new, l, acc
+        keys = [load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype, in_window)
+                for chunk in layout.chunks]                                      # [bkv, w] each
+        values = [load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype, in_window)
+                  for chunk in layout.chunks]
+        return softmax_tile(carry, tile_scores(q, keys, sm_scale), seen[None, :], values,
+                            soft_cap=soft_cap)
 
     carry = lax.fori_loop(v_start, v_stop, body, init_carry(rows, layout))
     out, lse = finalize(carry)

@@ -19,6 +19,7 @@ import pytest
 from jaxkv import LLM, SamplingParams
 from jaxkv.config import EngineConfig
 from jaxkv.sparse_attention import key_bounds
+from numpy_llama import attend_heads, llama_logprobs
 from tiny_models import TINY_ENGINE
 
 BS = TINY_ENGINE["block_size"]
@@ -48,15 +49,6 @@ def test_full_budget_equals_dense(tiny, kv):
 
 # ------------------------------------------------------------------ the float64 oracle
 
-def _rope(x, pos, theta, D):
-    """HF rotate-half RoPE of x [..., D] at positions pos (broadcast over x's leading axes)."""
-    inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
-    ang = np.asarray(pos, np.float64)[..., None] * inv
-    cos, sin = np.cos(ang), np.sin(ang)
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
 def _quest_keys(q, k, t, *, budget, sinks, recent):
     """Positions kv head h of query position t attends to under Quest: list over heads of int
     arrays. q [G, D] per head group (rotated), k [t + 1, Hkv, D] (rotated)."""
@@ -85,46 +77,18 @@ def _quest_keys(q, k, t, *, budget, sinks, recent):
 def oracle_logprobs(model, tokens, num_prompt, *, budget=None, sinks=0, recent=1):
     """float64 log-softmax [T, V] of the tiny Llama on ``tokens``; queries at positions
     ``>= num_prompt`` (the decode tokens) attend through Quest when ``budget`` is set."""
-    c = model.config
-    sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
-    H, Hkv = c.num_attention_heads, c.num_key_value_heads
-    D, G = c.hidden_size // H, H // c.num_key_value_heads
-    theta = getattr(c, "rope_theta", 10000.0)
 
-    def rms(x, w):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c.rms_norm_eps) * w
+    def attend(t, q, k, v, rope):
+        qr = rope(q[t], t)                                                 # [H, D]
+        kr = rope(k[:t + 1], np.arange(t + 1)[:, None])                    # [t + 1, Hkv, D]
+        if budget is not None and t >= num_prompt:
+            keys = _quest_keys(qr.reshape(k.shape[1], -1, qr.shape[-1]), kr, t, budget=budget,
+                               sinks=sinks, recent=recent)
+        else:
+            keys = np.arange(t + 1)
+        return attend_heads(qr, kr, v[:t + 1], keys)
 
-    T = len(tokens)
-    pos = np.arange(T)
-    x = sd["model.embed_tokens.weight"][tokens]
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = rms(x, sd[p + "input_layernorm.weight"])
-        q = _rope((h @ sd[p + "self_attn.q_proj.weight"].T).reshape(T, H, D), pos[:, None],
-                  theta, D)
-        k = _rope((h @ sd[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, D), pos[:, None],
-                  theta, D)
-        v = (h @ sd[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, D)
-        out = np.zeros((T, H, D))
-        for t in range(T):
-            qg = q[t].reshape(Hkv, G, D)
-            if budget is not None and t >= num_prompt:
-                keys = _quest_keys(qg, k[:t + 1], t, budget=budget, sinks=sinks, recent=recent)
-            else:
-                keys = [np.arange(t + 1)] * Hkv
-            for hk in range(Hkv):
-                s = qg[hk] @ k[keys[hk], hk].T / np.sqrt(D)                  # [G, n]
-                w = np.exp(s - s.max(-1, keepdims=True))
-                w /= w.sum(-1, keepdims=True)
-                out[t, hk * G:(hk + 1) * G] = w @ v[keys[hk], hk]
-        x = x + out.reshape(T, H * D) @ sd[p + "self_attn.o_proj.weight"].T
-        h = rms(x, sd[p + "post_attention_layernorm.weight"])
-        gate = h @ sd[p + "mlp.gate_proj.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * (h @ sd[p + "mlp.up_proj.weight"].T)) \
-            @ sd[p + "mlp.down_proj.weight"].T
-    logits = rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
-    m = logits.max(-1, keepdims=True)
-    return logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+    return llama_logprobs(model, tokens, attend)
 
 
 def test_small_budget_matches_quest_oracle(tiny):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.retention import StreamingRetention
+from numpy_llama import attend_heads, llama_logprobs
 from tiny_models import TINY_ENGINE
 
 SINKS, WINDOW = 4, 28
@@ -26,52 +27,17 @@ STREAM = dict(TINY_ENGINE, max_model_len=1200, num_kv_blocks=40, kv_retention="s
               kv_sink_tokens=SINKS, kv_window_tokens=WINDOW)
 
 
-def _rope(x, pos, theta, D):
-    """HF rotate-half RoPE of x [..., D] at positions pos (broadcast over x's leading axes)."""
-    inv = 1.0 / theta ** (np.arange(0, D, 2) / D)
-    ang = np.asarray(pos, np.float64)[..., None] * inv                   # [..., D/2]
-    cos, sin = np.cos(ang), np.sin(ang)
-    x1, x2 = x[..., :D // 2], x[..., D // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
 def oracle_logprobs(model, tokens, positions):
     """float64 log-softmax [T, V] of the tiny Llama where query t attends to the keys
     ``visible(t)`` (sinks + window) at the positions ``positions`` gives for them."""
-    c = model.config
-    sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
-    H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
-    theta = getattr(c, "rope_theta", 10000.0)
 
-    def rms(x, w):
-        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + c.rms_norm_eps) * w
+    def attend(t, q, k, v, rope):
+        keys = np.array([j for j in range(t + 1) if j < SINKS or t - j < WINDOW])
+        q_pos, k_pos = positions(t, keys)
+        return attend_heads(rope(q[t], q_pos), rope(k[keys], np.asarray(k_pos)[:, None]),
+                            v[keys], np.arange(len(keys)))
 
-    T = len(tokens)
-    x = sd["model.embed_tokens.weight"][tokens]
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        h = rms(x, sd[p + "input_layernorm.weight"])
-        q = (h @ sd[p + "self_attn.q_proj.weight"].T).reshape(T, H, D)
-        k = (h @ sd[p + "self_attn.k_proj.weight"].T).reshape(T, Hkv, D)
-        v = (h @ sd[p + "self_attn.v_proj.weight"].T).reshape(T, Hkv, D)
-        out = np.zeros((T, H, D))
-        for t in range(T):
-            keys = np.array([j for j in range(t + 1) if j < SINKS or t - j < WINDOW])
-            q_pos, k_pos = positions(t, keys)
-            qr = _rope(q[t], q_pos, theta, D)                            # [H, D]
-            kr = _rope(k[keys], np.asarray(k_pos)[:, None], theta, D)    # [n, Hkv, D]
-            kr, vr = np.repeat(kr, H // Hkv, 1), np.repeat(v[keys], H // Hkv, 1)
-            s = np.einsum("hd,nhd->hn", qr, kr) / np.sqrt(D)
-            w = np.exp(s - s.max(-1, keepdims=True))
-            out[t] = np.einsum("hn,nhd->hd", w / w.sum(-1, keepdims=True), vr)
-        x = x + out.reshape(T, H * D) @ sd[p + "self_attn.o_proj.weight"].T
-        h = rms(x, sd[p + "post_attention_layernorm.weight"])
-        gate = h @ sd[p + "mlp.gate_proj.weight"].T
-        x = x + ((gate / (1 + np.exp(-gate))) * (h @ sd[p + "mlp.up_proj.weight"].T)) \
-            @ sd[p + "mlp.down_proj.weight"].T
-    logits = rms(x, sd["model.norm.weight"]) @ sd["lm_head.weight"].T
-    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
+    return llama_logprobs(model, tokens, attend)
 
 
 POSITIONS = {

@@ -70,6 +70,26 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_
     return max(1, min(want, 1 << (most.bit_length() - 1), 64))
 
 
+def split_k_outputs(num_splits: int, S: int, Hkv: int, G_pad: int, D: int) -> dict:
+    """``out_specs`` / ``out_shape`` of a split-K decode grid (S, Hkv, num_splits): per split
+    a normalized f32 [G_pad, D] output and f32 [G_pad] lse for each (sequence, kv head)."""
+    return dict(
+        out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad), jnp.float32)])
+
+
+def merge_splits(outs, lses, G: int, q):
+    """(out [S, Hq, D] in q's dtype, lse f32 [S, Hq]) of the splits' f32 [N, S, Hkv, G_pad, D]
+    outputs and [N, S, Hkv, G_pad] lses (``merge_attention_states`` over N; padding rows
+    dropped)."""
+    S, Hq, D = q.shape
+    outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
+    out, lse = (outs[0], lses[0]) if outs.shape[0] == 1 else merge_attention_states(outs, lses)
+    return out.reshape(S, Hq, D).astype(q.dtype), lse.reshape(S, Hq)
+
+
 def _decode_kernel(
     # inputs
     q_ref,       # [G_pad, D] the kv-head group of one sequence's token
@@ -130,22 +150,14 @@ def _decode_call(q, q_sinks, kv_ops, block_tables, seq_lens, *, num_splits, sm_s
         grid=(S, Hkv, num_splits),
         in_specs=[q_spec] + [whole_block(a.shape) for a in (block_tables, seq_lens)]
         + [q_spec] * len(extra) + [whole_block(a.shape) for a in kv_ops],
-        out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
-                   pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad), jnp.float32)],
+        **split_k_outputs(num_splits, S, Hkv, G_pad, D),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
     )(q4, block_tables, seq_lens, *extra, *kv_ops)
 
-    outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
-    if num_splits == 1:
-        out, lse = outs[0], lses[0]
-    else:
-        out, lse = merge_attention_states(outs, lses)
-    return out.reshape(S, Hq, D).astype(q.dtype), lse.reshape(S, Hq)
+    return merge_splits(outs, lses, G, q)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -44,8 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import merge_attention_states
-from jaxkv.pallas.decode import DecodeConfig, default_num_splits
+from jaxkv.pallas.decode import DecodeConfig, default_num_splits, merge_splits, split_k_outputs
 from jaxkv.pallas.kv_format import KvLayout, kv_operands, load_chunk, split_refs
 from jaxkv.pallas.ragged import (check_kv_inputs, check_options, check_page_ids, check_seq_lens,
                                  finalize, init_carry, is_concrete, next_pow2, softmax_tile,
@@ -129,22 +128,14 @@ def _sparse_call(q, kv_ops, block_tables, seq_lens, pages, count, *, num_splits,
         grid=(S, Hkv, num_splits),
         in_specs=[pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))]
         + [whole_block(a.shape) for a in (block_tables, seq_lens, pages, count, *kv_ops)],
-        out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
-                   pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
-                   jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad), jnp.float32)],
+        **split_k_outputs(num_splits, S, Hkv, G_pad, D),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_sparse_paged_decode_attention",
     )(q4, block_tables, seq_lens, pages, count, *kv_ops)
 
-    outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
-    if num_splits == 1:
-        out, lse = outs[0], lses[0]
-    else:
-        out, lse = merge_attention_states(outs, lses)
-    return out.reshape(S, Hq, D).astype(q.dtype), lse.reshape(S, Hq)
+    return merge_splits(outs, lses, G, q)
 
 
 def _check_selection(pages, count, num_seqs: int, num_kv_heads: int, max_blocks: int) -> None:

@@ -23,12 +23,15 @@ points), summed over layers and kv heads:
 
     full       cdiv(L, bs) pages x page bytes (K + V)
     streaming  the pages holding the 4 sinks and the last B - 4 positions x page bytes
-    quest      min(budget pages, cdiv(L, bs)) x page bytes  +  cdiv(L, bs) x score bytes
-               (score bytes: kmin/kmax f32 per channel, 2 x 4 D, for a float pool; a KIVI
-               pool's per-channel scale and zero point, 2 x 2 D, read for every page to score
-               it, counted again although the selected pages' K bytes already hold them)
+    quest      cdiv(L, bs) x score bytes  +  min(budget pages, cdiv(L, bs)) x the rest of a
+               page's bytes (score bytes: kmin/kmax f32 per channel, 2 x 4 D, beside a
+               float pool's page; for a KIVI pool its own per-channel K scale and zero point,
+               2 x 2 D, which scoring reads for every page and the selected pages then need
+               no more)
 
-and reported against the full cache's bytes in the same KV format.
+and reported against the full cache's bytes in the same KV format and in fp32 / bf16.
+
+    python bench/passkey.py --out bench/results/passkey.json --table   # the markdown table
 """
 
 from __future__ import annotations
@@ -100,8 +103,34 @@ def bytes_read(spec: KVCacheSpec, num_layers: int, kind: str, budget: int, lengt
         window = set(range(max(length - (budget - SINKS), 0) // bs, pages))
         n = len(window | set(range(-(-SINKS // bs)))) * page
     else:
-        n = min(-(-budget // bs), pages) * page + pages * score
+        rest = page - score if spec.format.kivi else page
+        n = min(-(-budget // bs), pages) * rest + pages * score
     return n * num_layers * spec.num_kv_heads
+
+
+def smollm2_spec(kv: str, quest: bool) -> KVCacheSpec:
+    """SmolLM2-135M's cache geometry (30 layers, 3 kv heads, head_dim 64) in format ``kv``."""
+    return KVCacheSpec(num_layers=30, num_blocks=2, block_size=BLOCK, num_kv_heads=3,
+                       head_dim=64, kv_cache_dtype=kv, key_bounds=quest)
+
+
+def table(results: dict) -> str:
+    """The markdown table of ``results`` (bytes recounted from the geometry)."""
+    lines = ["| length | config | KV | passkey accuracy | vs full, same KV | KV MiB read per "
+             "decode step | vs full, same KV | vs full fp32 | vs full bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for tag, r in results.items():
+        kind, _, budget = r["config"].partition("-")
+        spec = smollm2_spec(r["kv"], kind == "quest")
+        n = bytes_read(spec, 30, kind, int(budget or 0), r["length"])
+        full = bytes_read(smollm2_spec(r["kv"], False), 30, "full", 0, r["length"])
+        f32 = bytes_read(smollm2_spec("fp32", False), 30, "full", 0, r["length"])
+        ref = results.get(f"{r['length']}/full/{r['kv']}")
+        rel = f"{r['accuracy'] / ref['accuracy']:.0%}" if ref and ref["accuracy"] else "-"
+        lines.append(f"| {r['length']} | {r['config']} | {r['kv']} | "
+                     f"{sum(x['ok'] for x in r['rows'])}/{len(r['rows'])} | {rel} | "
+                     f"{n / 2**20:.2f} | {n / full:.1%} | {n / f32:.1%} | {2 * n / f32:.1%} |")
+    return "\n".join(lines)
 
 
 def engine_args(name: str, kv: str, max_len: int) -> dict:
@@ -127,8 +156,12 @@ def main(argv=None) -> int:
                     help="config/kv pairs, run in this order (results already in --out are "
                          "kept and skipped)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--table", action="store_true", help="print the table of --out and exit")
     args = ap.parse_args(argv)
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.table:
+        print(table(results))
+        return 0
     for length in args.lengths:
         for run in args.runs:
             name, kv = run.split("/")

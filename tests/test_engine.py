@@ -92,6 +92,19 @@ def test_compilation_count_is_flat_in_steady_state(tiny):
         assert engine.num_compilations() == compiled
 
 
+def test_generation_with_penalties_does_not_recompile_as_sequences_grow(tiny):
+    with LLM(str(tiny[0]), **ENGINE) as engine:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                repetition_penalty=1.3, frequency_penalty=0.2)
+        engine.generate(prompts(2, seed=1), params, use_tqdm=False)   # compiles the variant
+        compiled = engine.num_compilations()
+        # histories grow from ~10 to ~110 tokens: past the 16, 32 and 64 length buckets
+        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True,
+                              repetition_penalty=1.3, frequency_penalty=0.2)
+        engine.generate(prompts(2, seed=2), long, use_tqdm=False)
+        assert engine.num_compilations() == compiled
+
+
 def test_stop_strings_stop_tokens_logprobs(llm):
     p = prompts(1, seed=4)[0]
     base = llm.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,

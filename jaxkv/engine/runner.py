@@ -398,12 +398,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step
 
     def sampling_tensors(self, rows: Sequence[RowInput], pad_to: int) -> SamplingTensors:
-        """The padded host sampling arrays of ``rows`` (raises ValueError on a row's bad value)."""
+        """The padded host sampling arrays of ``rows`` (raises ValueError on a row's bad value).
+
+        A step with a penalty sends the token history at one fixed width, ``max_model_len``
+        rounded up to a power of two, so a sequence growing past a length bucket never
+        recompiles the step (the price: ``S x width`` int32 per penalised step)."""
         return SamplingTensors.from_params(
             [r.params for r in rows], vocab_size=self.model_config.vocab_size,
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
-            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=pad_to)
+            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=pad_to,
+            history_pad_to=1 << max(4, (self.sched_config.max_model_len - 1).bit_length()))
 
     def execute(self, plan: StepPlan, rows: Sequence[RowInput]) -> StepOutput:
         """Runs ``plan`` on the device: its block copies, then one jitted step.

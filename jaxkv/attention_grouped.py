@@ -40,16 +40,7 @@ import jax.numpy as jnp
 from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_tile_range,
                              online_softmax_step, softmax_init, softmax_result, tile_index,
                              visible)
-from jaxkv.cache import Pages, QuantizedPages, read_pages, window_first
-
-
-def _read(pages: Pages, ids: jax.Array, logical: jax.Array, seq_lens: jax.Array) -> jax.Array:
-    """f32 [..., n, block_size, Hkv, D] blocks ``ids`` (int32 [..., n]) at logical block indices
-    ``logical`` (like ``ids``) of sequences of kv length ``seq_lens`` (int32 [...])."""
-    if not isinstance(pages, QuantizedPages):
-        return read_pages(pages, ids)
-    first = window_first(seq_lens, pages.shape[1], pages.residual_blocks)
-    return read_pages(pages, ids, logical >= first[..., None])
+from jaxkv.cache import Pages, read_sequence_blocks
 
 
 # Bytes of K (or V) one step of the row path gathers: a few MiB stay in cache between the gather
@@ -146,8 +137,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         logical = c[:, None] * row_chunk + jnp.arange(row_chunk, dtype=jnp.int32)  # [S, chunk]
         ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
         ids = jnp.where((v < count)[:, None], ids, 0)                  # past its end: null block
-        k = _read(k_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
-        vv = _read(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
+        k = read_sequence_blocks(k_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
+        vv = read_sequence_blocks(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
         s = jnp.sum(row_q[:, None] * k[:, :, :, None], -1)            # [S, rc, Hkv, G]
         kv_pos = c[:, None] * rc + jnp.arange(rc, dtype=jnp.int32)     # [S, rc]
         s = with_sinks(v, sinks, s, kv_pos,
@@ -187,8 +178,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
             c = tile_index(v, t_sinks, t_first)
             logical = c * chunk + jnp.arange(chunk, dtype=jnp.int32)   # [chunk]
             ids = jax.lax.dynamic_slice_in_dim(tables[seq], c * chunk, chunk)
-            k = _read(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
-            vv = _read(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
+            k = read_sequence_blocks(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
+            vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
             kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)            # [C]
             s = with_sinks(v, t_sinks, s, kv_pos,

@@ -16,7 +16,7 @@ does here too, at the cost of a gather per observed token).
 
 Keys are read per sequence, a chunk of ``kv_chunk_blocks`` blocks at a time, as
 ``jaxkv.attention_grouped`` reads them (quantized pools dequantized by ``read_pages``, KIVI's
-residual window in full precision).
+residual window in full precision, ``jaxkv.cache.read_sequence_blocks``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import cap_logits, check_shapes, kv_tile_range, tile_index, visible
-from jaxkv.cache import Pages, QuantizedPages, read_pages, window_first
+from jaxkv.cache import Pages, read_sequence_blocks
 
 
 def block_attention_mass(q: jax.Array, k_pages: Pages, block_tables: jax.Array,
@@ -94,12 +94,7 @@ def block_attention_mass(q: jax.Array, k_pages: Pages, block_tables: jax.Array,
         ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
         live = (v < count)[:, None]                                       # [S, 1]
         ids = jnp.where(live, ids, 0)
-        if isinstance(k_pages, QuantizedPages):
-            k = read_pages(k_pages, ids,
-                           logical >= window_first(seq_lens, bs, k_pages.residual_blocks)[:, None])
-        else:
-            k = read_pages(k_pages, ids)
-        k = k.reshape(S, C, Hkv, D)
+        k = read_sequence_blocks(k_pages, ids, logical, seq_lens).reshape(S, C, Hkv, D)
         s = jnp.einsum("swhgd,snhd->swhgn", qo, k)                         # [S, w, Hkv, G, C]
         kv_pos = c[:, None] * C + jnp.arange(C, dtype=jnp.int32)           # [S, C]
         if rescore:

@@ -372,6 +372,17 @@ def window_first(seq_lens: jax.Array, block_size: int, residual_blocks: int) -> 
     return seq_lens // block_size - (residual_blocks - 1)
 
 
+def read_sequence_blocks(pages: Pages, ids: jax.Array, logical: jax.Array,
+                         seq_lens: jax.Array) -> jax.Array:
+    """f32 [..., n, block_size, Hkv, D] blocks ``ids`` (int32 [..., n]) at logical block indices
+    ``logical`` (like ``ids``) of sequences of kv length ``seq_lens`` (int32 [...]): a KIVI
+    block reads its residual only inside its sequence's residual window (``read_pages``)."""
+    if not isinstance(pages, QuantizedPages):
+        return read_pages(pages, ids)
+    first = window_first(seq_lens, pages.shape[1], pages.residual_blocks)
+    return read_pages(pages, ids, logical >= first[..., None])
+
+
 def _assign_slots(p: QuantizedPages, blocks: jax.Array, need: jax.Array, touched: jax.Array
                   ) -> tuple[QuantizedPages, jax.Array]:
     """Gives each ``blocks[i]`` with ``need[i]`` a residual slot (distinct blocks assumed).

@@ -46,6 +46,9 @@ from jaxkv import LLM, SamplingParams
 from jaxkv.attention_impl import paged_attention
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ragged_batches import table_batch  # noqa: E402  (the tests' block-table builder)
+
 IMPLS = ("reference", "grouped")
 HQ, HKV, D, BS, MAX_BLOCKS = 9, 3, 64, 16, 128
 # name: (q_lens, kv_lens, T bucket, S bucket)
@@ -73,25 +76,14 @@ def micro_batch(rng, q_lens, kv_lens, num_tokens, num_seqs):
     """One layer's inputs: q [T, 9, 64], pools [N, 16, 3, 64], block tables from a random
     permutation of the pool's blocks (padding sequences and tokens after the real ones)."""
     num_blocks = 2 + sum(-(-n // BS) for n in kv_lens)
-    perm = rng.permutation(np.arange(1, num_blocks))
-    tables = np.zeros((num_seqs, MAX_BLOCKS), np.int32)
-    used = 0
-    for s, n in enumerate(kv_lens):
-        nb = -(-n // BS)
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
-    qsl = np.full(num_seqs + 1, sum(q_lens), np.int32)
-    qsl[0] = 0
-    qsl[1:len(q_lens) + 1] = np.cumsum(q_lens)
-    lens = np.zeros(num_seqs, np.int32)
-    lens[:len(kv_lens)] = kv_lens
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=num_tokens, S=num_seqs,
+                                    max_blocks=MAX_BLOCKS, num_blocks=num_blocks, bs=BS)
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
     return (normal(num_tokens, HQ, D), normal(num_blocks, BS, HKV, D),
-            normal(num_blocks, BS, HKV, D), jnp.asarray(tables), jnp.asarray(lens),
-            jnp.asarray(qsl))
+            normal(num_blocks, BS, HKV, D), tables, lens, qsl)
 
 
 def run_micro(repeats: int) -> dict:

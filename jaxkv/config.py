@@ -42,6 +42,8 @@ PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "draft")
 RETENTION_MODES = ("full", "streaming", "h2o")
+OFFLOAD_POLICIES = ("lru",)
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 SPARSE_ATTENTION_METHODS = ("quest",)
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -294,6 +296,19 @@ class CacheArgs:
     sparse_recent_tokens: int = option(
         32, "quest: most recent positions every decode token attends to, itself included",
         minimum=1)
+    kv_offload_bytes: int | None = option(
+        None, "host KV tier size in bytes (e.g. 8GiB): evicted prefix-cache blocks are demoted "
+        "to it and promoted back on a hit, and preempted sequences may be swapped to it",
+        minimum=1, aliases=("kv_offload_size",), flags=("--kv-offload-size",),
+        parse=parse_bytes)
+    kv_offload_policy: str = option("lru", "host tier eviction order", choices=OFFLOAD_POLICIES)
+    kv_cache_dir: str | None = option(
+        None, "directory of a persistent prefix cache: host-tier blocks are written there "
+        "(content-addressed) and a restarted engine hits them; needs kv_offload_bytes")
+    preemption_mode: str = option(
+        "auto", "how a preempted sequence comes back: recompute, swap (its blocks to the host "
+        "tier and back) or auto (per request, whichever the measured copy bandwidth and "
+        "prefill rate say is faster; recompute without a host tier)", choices=PREEMPTION_MODES)
 
     def __post_init__(self):
         check_fields(self)
@@ -319,6 +334,12 @@ class CacheArgs:
         if self.kv_retention != "h2o" and self.kv_budget_tokens is not None:
             raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} is used only with "
                              f"kv_retention='h2o'")
+        if self.kv_cache_dir is not None and self.kv_offload_bytes is None:
+            raise ValueError(f"kv_cache_dir={self.kv_cache_dir!r} needs kv_offload_bytes (the "
+                             f"host tier the persistent cache is written from)")
+        if self.preemption_mode == "swap" and self.kv_offload_bytes is None:
+            raise ValueError("preemption_mode='swap' needs kv_offload_bytes (the host tier "
+                             "preempted sequences are swapped to)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

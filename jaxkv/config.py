@@ -41,7 +41,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "draft")
-RETENTION_MODES = ("full", "streaming", "h2o")
+RETENTION_MODES = ("full", "streaming", "h2o", "snapkv", "random")
 OFFLOAD_POLICIES = ("lru",)
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 SPARSE_ATTENTION_METHODS = ("quest",)
@@ -275,11 +275,18 @@ class CacheArgs:
                                "(attention sinks + a rolling window; blocks leaving the window "
                                "are freed, so a sequence may outgrow the model's context) or "
                                "h2o (heavy hitters by accumulated attention + a recent window, "
-                               "in kv_budget_tokens)", choices=RETENTION_MODES)
-    kv_sink_tokens: int = option(4, "streaming, h2o and quest: first positions every query "
-                                 "attends to (attention sinks)", minimum=0)
-    kv_budget_tokens: int | None = option(None, "h2o: KV tokens a sequence keeps (half recent "
-                                          "window, half heavy hitters)", minimum=1)
+                               "in kv_budget_tokens), snapkv (the prompt compressed once, at the "
+                               "end of prefill, to kv_budget_tokens by its last "
+                               "kv_observation_tokens' attention) or random (h2o's budget, "
+                               "random victims)", choices=RETENTION_MODES)
+    kv_sink_tokens: int = option(4, "streaming, h2o, snapkv, random and quest: first positions "
+                                 "every query attends to (attention sinks)", minimum=0)
+    kv_budget_tokens: int | None = option(None, "h2o and random: KV tokens a sequence keeps "
+                                          "(half recent window); snapkv: prompt KV tokens kept",
+                                          minimum=1)
+    kv_observation_tokens: int | None = option(None, "snapkv: the prompt's last tokens whose "
+                                               "attention ranks its blocks (and that are "
+                                               "kept); default 32", minimum=1)
     kv_window_tokens: int | None = option(None, "streaming: recent positions a query attends "
                                           "to, itself included", minimum=1)
     kv_positions: str = option("cache", "streaming: RoPE positions within the cache "
@@ -328,12 +335,16 @@ class CacheArgs:
         if self.kv_retention != "streaming" and self.kv_window_tokens is not None:
             raise ValueError(f"kv_window_tokens={self.kv_window_tokens} is used only with "
                              f"kv_retention='streaming'")
-        if self.kv_retention == "h2o" and self.kv_budget_tokens is None:
-            raise ValueError("kv_retention='h2o' needs kv_budget_tokens (the KV tokens a "
-                             "sequence keeps, e.g. 20% of its length)")
-        if self.kv_retention != "h2o" and self.kv_budget_tokens is not None:
+        budgeted = ("h2o", "snapkv", "random")
+        if self.kv_retention in budgeted and self.kv_budget_tokens is None:
+            raise ValueError(f"kv_retention={self.kv_retention!r} needs kv_budget_tokens (the "
+                             f"KV tokens a sequence keeps, e.g. 20% of its length)")
+        if self.kv_retention not in budgeted and self.kv_budget_tokens is not None:
             raise ValueError(f"kv_budget_tokens={self.kv_budget_tokens} is used only with "
-                             f"kv_retention='h2o'")
+                             f"kv_retention in {budgeted}")
+        if self.kv_retention != "snapkv" and self.kv_observation_tokens is not None:
+            raise ValueError(f"kv_observation_tokens={self.kv_observation_tokens} is used only "
+                             f"with kv_retention='snapkv'")
         if self.kv_cache_dir is not None and self.kv_offload_bytes is None:
             raise ValueError(f"kv_cache_dir={self.kv_cache_dir!r} needs kv_offload_bytes (the "
                              f"host tier the persistent cache is written from)")

@@ -172,7 +172,7 @@ class RetainedNLL:
 
 
 def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: int = 256,
-                 **cache_options) -> RetainedNLL:
+                 prompt_tokens: int = 0, **cache_options) -> RetainedNLL:
     """Teacher-forced NLL of every token of one long text fed in ``chunk``-token steps through a
     pool that holds only what ``retention`` keeps, managed as the scheduler manages it: before
     each chunk the blocks the policy drops go back (``BlockManager.release_blocks``), so the
@@ -181,15 +181,19 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     equals token-by-token decoding here because every query sees its own sinks + window. A
     policy that scores blocks (H2O, ``Retention.observe``) gets the attention mass of each
     chunk's last ``observe`` tokens, accumulated as ``scheduler.update`` does; with ``chunk``
-    at most ``observe`` that is every query, as in the paper. There is no prompt phase here:
-    a policy drops from the first chunk on (the engine computes a prompt in full first).
+    at most ``observe`` that is every query, as in the paper. Without ``prompt_tokens`` there is
+    no prompt phase: a policy drops from the first chunk on. With it, the first
+    ``prompt_tokens`` tokens are one forward with nothing dropped and its last ``observe``
+    queries scored (the engine's unchunked prompt; SnapKV's observation window), and drops
+    start after it.
 
     Args:
       runner: the engine's ``ModelRunner`` (params, config, block size, attention impl).
       token_ids: int [N] the text.
       retention: a ``jaxkv.retention`` policy (``FullRetention()``: the dense cache).
       kv_cache_dtype: the KV format.
-      chunk: tokens per forward.
+      chunk: tokens per forward (after the prompt).
+      prompt_tokens: the prompt phase's length (0: none); passed to ``Retention.drops``.
       **cache_options: ``KVCacheSpec`` fields, as for ``perplexity``.
 
     Returns:
@@ -202,7 +206,9 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     if n < 1:
         raise ValueError(f"token_ids has {len(ids)} tokens; at least 2 are needed")
     c, bs = runner.model_config, runner.cache_config.block_size
-    held = retention.max_blocks(n, chunk, bs, 0)   # no prompt phase: drops start at once
+    if not 0 <= prompt_tokens < n:
+        raise ValueError(f"prompt_tokens={prompt_tokens} must be in [0, {n})")
+    held = retention.max_blocks(n, chunk, bs, prompt_tokens)
     bm = BlockManager(held + 1, bs)
     cache = _sequence_cache(runner, held, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, runner.attention_impl, retention.attention)
@@ -210,12 +216,14 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     nll, peak = np.empty(n), 0
     scores = np.zeros(width)
     t0 = time.perf_counter()
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
+    starts = ([0] if prompt_tokens else []) + list(range(prompt_tokens, n, chunk))
+    for i, a in enumerate(starts):
+        b = starts[i + 1] if i + 1 < len(starts) else n
         if a == 0:
             bm.allocate("text", b)
         else:
-            bm.release_blocks("text", retention.drops(a, bm.block_table("text"), scores, bs))
+            bm.release_blocks("text", retention.drops(a, bm.block_table("text"), scores, bs,
+                                                      prompt_tokens=prompt_tokens or None))
             bm.append_slots("text", b)
         peak = max(peak, held - bm.num_free_blocks)
         table = np.zeros(width, np.int32)

@@ -325,7 +325,8 @@ def _retain(bm: BlockManager, retention: Retention, rs: RequestState) -> Request
     request_id, at = rs.request.request_id, rs.num_computed_tokens
     if retention.history_dependent and at < len(rs.request.prompt_token_ids):
         return rs   # the prompt is computed with full attention first
-    drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size)
+    drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size,
+                            prompt_tokens=len(rs.request.prompt_token_ids))
     if not drops:
         return rs
     bm.release_blocks(request_id, drops)
@@ -485,9 +486,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
             num_cached = p - 1
             if not _sees_kept(hit, num_cached, state.retention, bm.block_size):
                 hit = None   # the parent already dropped blocks the fork sees: compute afresh
-        if hit is None:
-            hit, keys, partial = bm.lookup(rs.token_ids(0, rs.num_tokens - 1),
-                                           rs.request.cache_salt)
+        if hit is None:   # the prompt's last observed tokens (SnapKV's window) are computed
+            last = max(0, rs.num_tokens - max(1, state.retention.observe))
+            hit, keys, partial = bm.lookup(rs.token_ids(0, last), rs.request.cache_salt)
             num_cached = len(hit) * bm.block_size + (partial[1] if partial else 0)
         n = min(rs.num_tokens - num_cached, budget)
         if keys is None:   # fork: share the parent's blocks, copy the last one if partial

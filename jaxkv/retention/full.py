@@ -56,12 +56,14 @@ class Retention:
         """Logical blocks ``[first, stop)`` no query at position ``>= num_computed`` sees."""
         return 0, 0
 
-    def drops(self, num_computed: int, table, scores, block_size: int) -> tuple[int, ...]:
+    def drops(self, num_computed: int, table, scores, block_size: int,
+              prompt_tokens: int | None = None) -> tuple[int, ...]:
         """Logical blocks of ``table`` (kept entries, not the null block) to give back before
         the step whose first query sits at ``num_computed``. ``scores``: f64 [len(table)], the
-        block's accumulated attention mass (for policies with ``observe``). By default the kept
-        blocks of ``droppable``, found walking down from its end to the first entry already
-        dropped (O(newly dropped) per step)."""
+        block's accumulated attention mass (for policies with ``observe``). ``prompt_tokens``:
+        the request's prompt length (None: no prompt phase, as in ``jaxkv.eval.retained_nll``
+        without one). By default the kept blocks of ``droppable``, found walking down from its
+        end to the first entry already dropped (O(newly dropped) per step)."""
         first, stop = self.droppable(num_computed, block_size)
         out = []
         for j in range(min(stop, len(table)) - 1, first - 1, -1):

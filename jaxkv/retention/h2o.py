@@ -34,6 +34,25 @@ import dataclasses
 from jaxkv.retention.full import AttentionOptions, Retention
 
 
+def block_score(scores, j: int) -> float:
+    """``scores[j]`` as a float; 0 where ``scores`` is None or shorter than ``j + 1``."""
+    return 0.0 if scores is None or j >= len(scores) else float(scores[j])
+
+
+def evict(candidates, excess: int, key) -> tuple[int, ...]:
+    """The ``excess`` candidate blocks of lowest ``key`` (ties: the older block first), or ()
+    when ``excess <= 0``: the eviction step H2O, SnapKV and random eviction share.
+
+    Args:
+      candidates: logical block ids that may go.
+      excess: how many must go (capped at ``len(candidates)``).
+      key: block id -> sortable rank.
+    """
+    if excess <= 0:
+        return ()
+    return tuple(sorted(candidates, key=lambda j: (key(j), j))[:excess])
+
+
 @dataclasses.dataclass(frozen=True)
 class H2ORetention(Retention):
     """Heavy hitters + a recent window in a budget of KV tokens.
@@ -70,18 +89,19 @@ class H2ORetention(Retention):
         return (-(-self.sink_tokens // block_size),
                 max(0, num_computed - self.recent_tokens) // block_size)
 
-    def drops(self, num_computed: int, table, scores, block_size: int) -> tuple[int, ...]:
+    def drops(self, num_computed: int, table, scores, block_size: int,
+              prompt_tokens: int | None = None) -> tuple[int, ...]:
         """The lowest-scoring kept blocks outside the sinks and the recent window, until the
         kept blocks fit ``budget_tokens // block_size`` (``scores`` None: all zero)."""
         sinks, recent = self._protected(num_computed, block_size)
         kept = [j for j, b in enumerate(table) if b]
-        excess = len(kept) - self.budget_tokens // block_size
-        if excess <= 0:
-            return ()
-        def score(j):
-            return 0.0 if scores is None or j >= len(scores) else float(scores[j])
-        candidates = sorted((j for j in kept if sinks <= j < recent), key=lambda j: (score(j), j))
-        return tuple(candidates[:excess])
+        candidates = [j for j in kept if sinks <= j < recent]
+        return evict(candidates, len(kept) - self.budget_tokens // block_size,
+                     self._eviction_key(num_computed, candidates, scores))
+
+    def _eviction_key(self, num_computed: int, candidates: list[int], scores):
+        """Sort key of a candidate block: the lowest goes first (here its accumulated mass)."""
+        return lambda j: block_score(scores, j)
 
     def may_drop(self, num_computed: int, logical: int, block_size: int) -> bool:
         sinks, recent = self._protected(num_computed, block_size)

@@ -1,0 +1,182 @@
+"""SnapKV retention (Li et al. 2024, "SnapKV: LLM Knows What You Are Looking for Before
+Generation"), at block granularity.
+
+The prompt is computed with full attention and compressed ONCE, when its last token is in the
+cache: the attention of the *observation window* (the prompt's last ``window_tokens = w``
+tokens, the paper's default 32) ranks the earlier blocks; the sequence keeps its sink blocks,
+the window's blocks and the top-ranked blocks in ``budget_tokens`` in all; everything generated
+after that is kept (the paper compresses the prompt's KV only, generation appends). A request
+thus holds ``budget + generated`` tokens at most, not ``prompt + generated``.
+
+Scores. The step returns the attention mass of each sampling sequence's last ``observe = w``
+query tokens per logical block, summed over layers and heads (``jaxkv.attention_mass``); the
+sampling row of the prompt is its last chunk, so at the first decode the request's
+``block_scores`` hold exactly the window's mass on each block (the paper sums the window's
+softmax weights over its queries too, per head; blocks are shared by every head here, so heads
+are summed as well). When the prompt's last chunk is shorter than ``w`` (a chunk boundary within
+``w`` tokens of its end: a prompt longer than ``max_num_batched_tokens``, or a step shared with
+other requests), the window is that chunk's tokens only (fewer queries, still at least one).
+A prefix-cache hit leaves at least ``w`` tokens to compute (the scheduler looks hits up below
+``num_tokens - observe``), so a hit does not shorten the window.
+
+Pooling. The paper max-pools the per-token scores over neighbouring positions (kernel 7) before
+the top-k, so a selected token brings its neighbours along. The step gives one score per
+block; ``pool_blocks`` pools block scores over the neighbouring blocks a token-level kernel of
+``pool_kernel`` tokens reaches from some token of the block (``ceil((kernel // 2) /
+block_size)`` blocks each side: one at block size 16 and kernel 7), by max (default) or by mean
+with zero padding (the paper's ``avg_pool1d``). A block then survives when it or a neighbour
+drew attention; the block itself already keeps every token near a hot one::
+
+    block size 16, budget 6 blocks, 1 sink block, window 32 (prompt of 104 tokens, 7 blocks):
+        logical  0    1    2    3  | 4    5    6   (window: blocks 4..6, from position 72)
+        score    -   .1   .9   .05 |
+        pooled   -   .9   .9   .9  |     (max over j-1..j+1 within the candidates 1..3)
+        keep     S    P    P    -  | W    W    W     dropped: 3 (ties on pooled: by score)
+
+The pooling runs over the candidate blocks only (between the sinks and the window): the sinks
+draw most of the attention of every query and are kept anyway, and the paper too pools the
+prefix without the window.
+
+Selection is by ``(pooled, score)``, ties going to the younger block. Like H2O the policy is
+``history_dependent``: the prefix cache registers only blocks before the first drop (the
+prompt's, computed with full attention), so hits stay exact. A preempted request is recomputed:
+its prompt (and outputs) are prefilled again and compressed from that recompute's scores (when
+the recompute's chunk that passes the prompt's end does not sample, the scores are zero, and the
+most recent prompt blocks are kept). A fork starts from its parent's drops and scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxkv.retention.full import AttentionOptions, Retention
+from jaxkv.retention.h2o import block_score, evict
+
+POOLINGS = ("max", "avg")
+
+
+def pool_blocks(scores: np.ndarray, radius: int, pooling: str = "max") -> np.ndarray:
+    """1-D pooling of block scores over ``radius`` neighbouring blocks each side.
+
+    Args:
+      scores: f64 [n] one score per block.
+      radius: neighbours on each side (0: no pooling).
+      pooling: ``"max"`` (over the blocks that exist) or ``"avg"`` (the sum over the kernel
+        divided by ``2 radius + 1``, missing neighbours counting 0, as ``avg_pool1d`` pads).
+
+    Returns:
+      f64 [n].
+    """
+    scores = np.asarray(scores, np.float64)
+    n = len(scores)
+    if pooling == "max":
+        pad = np.pad(scores, radius, constant_values=-np.inf)
+        return np.max([pad[i:i + n] for i in range(2 * radius + 1)], axis=0) if n else scores
+    pad = np.pad(scores, radius)
+    return np.sum([pad[i:i + n] for i in range(2 * radius + 1)], axis=0) / (2 * radius + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKVRetention(Retention):
+    """Prompt compression by the observation window's attention, once, at the end of prefill.
+
+    Attributes:
+      budget_tokens: most prompt tokens of KV kept (whole blocks: ``budget_tokens //
+        block_size``), sinks and observation window included.
+      sink_tokens: first positions always kept (0 in the paper).
+      window_tokens: w, the observation window: the prompt's last w tokens score the earlier
+        blocks and are kept.
+      pool_kernel: the paper's pooling kernel in tokens (odd, >= 1; 1: no pooling).
+      pooling: ``"max"`` or ``"avg"``.
+    """
+
+    budget_tokens: int = 1024
+    sink_tokens: int = 4
+    window_tokens: int = 32
+    pool_kernel: int = 7
+    pooling: str = "max"
+    name = "snapkv"
+    history_dependent = True
+
+    def __post_init__(self):
+        if self.budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens={self.budget_tokens} must be >= 1")
+        if self.window_tokens < 1:
+            raise ValueError(f"kv_observation_tokens={self.window_tokens} must be >= 1")
+        if self.sink_tokens < 0:
+            raise ValueError(f"kv_sink_tokens={self.sink_tokens} must be >= 0")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel={self.pool_kernel} must be odd and >= 1")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling={self.pooling!r} is not one of {POOLINGS}")
+        if self.budget_tokens <= self.sink_tokens + self.window_tokens:
+            raise ValueError(f"kv_budget_tokens={self.budget_tokens} must exceed "
+                             f"kv_sink_tokens={self.sink_tokens} + kv_observation_tokens="
+                             f"{self.window_tokens}")
+
+    @property
+    def observe(self) -> int:
+        return self.window_tokens
+
+    @property
+    def attention(self) -> AttentionOptions:
+        return AttentionOptions(observe=self.window_tokens)
+
+    def _protected(self, prompt_tokens: int, block_size: int) -> tuple[int, int]:
+        """(sink blocks, first block of the observation window) of a prompt."""
+        return (-(-self.sink_tokens // block_size),
+                max(0, prompt_tokens - self.window_tokens) // block_size)
+
+    def drops(self, num_computed: int, table, scores, block_size: int,
+              prompt_tokens: int | None = None) -> tuple[int, ...]:
+        """The prompt blocks outside the sinks and the observation window with the lowest
+        pooled scores, until the prompt's kept blocks fit ``budget_tokens // block_size``; ()
+        once they do (after the one compression, and for a prompt within the budget).
+
+        Raises:
+          ValueError: ``prompt_tokens`` is None (SnapKV compresses a prompt).
+        """
+        if prompt_tokens is None:
+            raise ValueError("kv_retention='snapkv' compresses a prompt: drops needs "
+                             "prompt_tokens (jaxkv.eval.retained_nll: pass prompt_tokens)")
+        sinks, window = self._protected(prompt_tokens, block_size)
+        prompt_blocks = min(-(-prompt_tokens // block_size), len(table))
+        kept = [j for j in range(prompt_blocks) if table[j]]
+        excess = len(kept) - self.budget_tokens // block_size
+        if excess <= 0:
+            return ()
+        radius = -(-(self.pool_kernel // 2) // block_size)
+        raw = np.array([block_score(scores, j) for j in range(sinks, window)])
+        pooled = pool_blocks(raw, radius, self.pooling)
+        return evict([j for j in kept if sinks <= j < window], excess,
+                     lambda j: (pooled[j - sinks], raw[j - sinks]))
+
+    def may_drop(self, num_computed: int, logical: int, block_size: int) -> bool:
+        """Blocks between the sinks and the window of a prompt that ends at or before
+        ``num_computed`` (the prompt length is not known here: the bound of the longest one)."""
+        sinks, window = self._protected(num_computed, block_size)
+        return sinks <= logical < window
+
+    def max_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int,
+                   prompt_tokens: int | None = None) -> int:
+        """The whole prompt (computed before the compression), or the budget's blocks plus the
+        blocks generation adds after the prompt's last one, whichever is more."""
+        total = -(-num_tokens // block_size)
+        prompt = total if prompt_tokens is None else -(-prompt_tokens // block_size)
+        return min(total, max(prompt, self.budget_tokens // block_size + total - prompt))
+
+    def check_block_size(self, block_size: int, residual_blocks: int) -> None:
+        """The budget must hold the sink blocks and the blocks the window spans (up to
+        ``cdiv(w, block_size) + 1``) plus one more; KIVI's full-precision residual blocks (the
+        last ones) must lie inside the window, so a dropped block never owns a residual slot."""
+        protected = -(-self.sink_tokens // block_size) + -(-self.window_tokens // block_size) + 1
+        if self.budget_tokens // block_size <= protected:
+            raise ValueError(f"kv_budget_tokens={self.budget_tokens} must hold more than the "
+                             f"{protected} blocks of {block_size} tokens the sinks and the "
+                             f"observation window can span")
+        if residual_blocks and self.window_tokens < residual_blocks * block_size:
+            raise ValueError(f"kv_observation_tokens={self.window_tokens} must cover the KIVI "
+                             f"residual window, kv_residual_blocks x block_size = "
+                             f"{residual_blocks * block_size} tokens")

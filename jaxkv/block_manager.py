@@ -93,6 +93,8 @@ class BlockManager:
         self.residual_window_blocks = residual_window_blocks
         # per request: (root key, keys of its leading registered full blocks...)
         self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
+        self.record_evictions = False   # the host tier (jaxkv/offload.py) wants them
+        self._evicted: list[tuple[Hashable, int]] = []
 
     def copy(self) -> BlockManager:
         """An independent copy (the arrays are copied, the immutable tables shared)."""
@@ -107,6 +109,8 @@ class BlockManager:
         new.prefix_cache = None if self.prefix_cache is None else self.prefix_cache.copy()
         new.residual_window_blocks = self.residual_window_blocks
         new._chains = dict(self._chains)
+        new.record_evictions = self.record_evictions
+        new._evicted = list(self._evicted)
         return new
 
     # ---- queries ---------------------------------------------------------------------------
@@ -181,9 +185,24 @@ class BlockManager:
         blocks, keys, partial = lookup(self.prefix_cache, token_ids, salt)
         if not self.residual_window_blocks:
             return blocks, keys, partial
-        # the window after the prompt (len + 1 tokens) starts at this logical block
-        n = max(0, (len(token_ids) + 1) // self.block_size - (self.residual_window_blocks - 1))
+        n = self.max_hit_blocks(len(token_ids))   # the window after the prompt starts there
         return blocks[:n], keys[:n], None
+
+    def max_hit_blocks(self, num_tokens: int) -> int:
+        """Most full blocks a prefix hit of a ``num_tokens``-token lookup may cover: its full
+        blocks, stopping before the residual window (see the class docstring)."""
+        n = num_tokens // self.block_size
+        if self.residual_window_blocks:
+            n = min(n, max(0, (num_tokens + 1) // self.block_size
+                           - (self.residual_window_blocks - 1)))
+        return n
+
+    def take_evictions(self) -> tuple[tuple[Hashable, int], ...]:
+        """The ``(key, block)`` of every full cached block reused since the last call (with
+        ``record_evictions``), oldest first: the block still holds that key's KV until the
+        step that reuses it runs."""
+        out, self._evicted = tuple(self._evicted), []
+        return out
 
     def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
                             partial: tuple[int, int] | None) -> bool:
@@ -233,6 +252,34 @@ class BlockManager:
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
         return self._tables[request_id], copy
+
+    def can_allocate_layout(self, kept: Sequence[bool], num_tokens: int) -> bool:
+        """Whether ``allocate_layout(.., kept, num_tokens)`` fits."""
+        need = sum(kept) + max(0, self.blocks_for(num_tokens) - len(kept))
+        return need <= self._num_free
+
+    def allocate_layout(self, request_id: Hashable, kept: Sequence[bool], num_tokens: int, *,
+                        salt: Hashable = None) -> tuple[int, ...]:
+        """Create the table of a request coming back from the host tier (swap preemption):
+        logical block ``j < len(kept)`` gets a fresh block where ``kept[j]`` (filled by a
+        swap-in before the step), the null block where its retention policy had dropped it,
+        and fresh blocks follow up to ``num_tokens`` tokens. Its blocks are registered in the
+        prefix cache afresh (``register``), under ``salt``."""
+        if request_id in self._tables:
+            raise ValueError(f"request_id={request_id!r} already has a block table")
+        if len(kept) > self.blocks_for(num_tokens):
+            raise ValueError(f"num_tokens={num_tokens} fits in {self.blocks_for(num_tokens)} "
+                             f"blocks but kept has {len(kept)}")
+        if not self.can_allocate_layout(kept, num_tokens):
+            raise ValueError(f"num_tokens={num_tokens} needs more blocks than the "
+                             f"{self._num_free} free ones")
+        fresh = iter(self._take(sum(kept) + self.blocks_for(num_tokens) - len(kept),
+                                "num_tokens", num_tokens))
+        self._tables[request_id] = tuple(next(fresh) if k else NULL_BLOCK for k in kept) \
+            + tuple(fresh)
+        if self.prefix_cache is not None:
+            self._chains[request_id] = (self.prefix_cache.root(salt),)
+        return self._tables[request_id]
 
     def append_slots(self, request_id: Hashable, new_total_tokens: int) -> tuple[int, ...]:
         """Grow ``request_id``'s table to hold ``new_total_tokens`` tokens; returns the table.
@@ -401,6 +448,8 @@ class BlockManager:
         for _ in range(n):
             block = int(self._next[NULL_BLOCK])
             if self.prefix_cache is not None and block in self.prefix_cache:
+                if self.record_evictions and not self.prefix_cache.is_partial(block):
+                    self._evicted.append((self.prefix_cache.key_of_block(block), block))
                 self.prefix_cache.evict(block)
             after = self._next[block]
             self._next[NULL_BLOCK] = after

@@ -153,6 +153,11 @@ class CacheConfig:
         prefix hits stop before it (see ``BlockManager``).
       retention: which blocks of a sequence are kept (jaxkv/retention/); the scheduler gives
         back the ones no later query sees.
+      host_blocks: blocks of the host KV tier (jaxkv/offload.py), 0 without one.
+      preemption_mode: ``"recompute"``, ``"swap"`` (to the host tier, where it has room) or
+        ``"auto"`` (per request, by ``offload.SwapCostModel``).
+      swap_supported: False when a pool's blocks cannot be swapped exactly (KIVI): preemption
+        then always recomputes.
     """
 
     block_size: int = 16
@@ -160,6 +165,9 @@ class CacheConfig:
     prefix_caching: str | None = None
     residual_window_blocks: int = 0
     retention: Retention = FullRetention()
+    host_blocks: int = 0
+    preemption_mode: str = "recompute"
+    swap_supported: bool = True
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -172,6 +180,13 @@ class CacheConfig:
                              f"{PREFIX_CACHING_MODES} or None")
         if self.residual_window_blocks < 0:
             raise ValueError(f"residual_window_blocks={self.residual_window_blocks} must be >= 0")
+        if self.host_blocks < 0:
+            raise ValueError(f"host_blocks={self.host_blocks} must be >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of "
+                             f"{PREEMPTION_MODES}")
+        if self.preemption_mode == "swap" and not self.host_blocks:
+            raise ValueError("preemption_mode='swap' needs a host tier (host_blocks > 0)")
         if self.num_blocks * self.block_size > 2**31 - 1:
             raise ValueError(f"num_blocks * block_size = {self.num_blocks * self.block_size} "
                              f"slots overflow the int32 slot_mapping")

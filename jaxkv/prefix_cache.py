@@ -31,6 +31,7 @@ is its content). Keys are 64-bit Python hashes of (parent key, tokens): a collis
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 
 from jaxkv.config import PREFIX_CACHING_MODES
@@ -68,12 +69,29 @@ class PrefixCache:
         return False
 
     def root(self, salt: Hashable) -> Hashable:
-        """Key of the (virtual) parent of a request's first block."""
-        return hash(("jaxkv-prefix-root", salt))
+        """Key of the (virtual) parent of a request's first block: a 64-bit digest of the
+        salt's ``repr``, the same in every process (the persistent cache, jaxkv/kv_disk.py,
+        finds a restarted engine's blocks by these keys)."""
+        digest = hashlib.blake2b(repr(("jaxkv-prefix-root", salt)).encode(), digest_size=8)
+        return int.from_bytes(digest.digest(), "little", signed=True)
+
+    @staticmethod
+    def key(parent: Hashable, tokens: tuple[int, ...]) -> int:
+        """The key of the block after ``parent`` holding ``tokens`` (CPython's tuple hash of
+        ints: deterministic across processes, unlike a hash of str)."""
+        return hash((parent, tokens))
+
+    def key_of_block(self, block: int) -> Hashable:
+        """The key ``block`` is cached under."""
+        return self._key_of[block]
+
+    def full_blocks(self) -> tuple[tuple[Hashable, int], ...]:
+        """``(key, block)`` of every cached full block."""
+        return tuple((k, b) for b, k in self._key_of.items() if not self.is_partial(b))
 
     def child(self, parent: Hashable, tokens: tuple[int, ...]) -> tuple[int, Hashable] | None:
         """``(block, key)`` of the cached full block after ``parent`` holding ``tokens``."""
-        key = hash((parent, tokens))
+        key = self.key(parent, tokens)
         block = self._block_of.get(key)
         return None if block is None else (block, key)
 
@@ -91,7 +109,7 @@ class PrefixCache:
         """
         if len(tokens) != self.block_size:
             return None
-        key = hash((parent, tokens))
+        key = self.key(parent, tokens)
         if key not in self._block_of and block not in self._key_of:
             self._block_of[key] = block
             self._key_of[block] = key
@@ -142,7 +160,7 @@ class RadixPrefixCache(PrefixCache):
         return best
 
     def insert(self, parent, tokens, block):
-        key = hash((parent, tokens))
+        key = self.key(parent, tokens)
         if key not in self._block_of and block not in self._key_of:
             self._block_of[key] = block
             self._key_of[block] = key
@@ -166,7 +184,7 @@ class RadixPrefixCache(PrefixCache):
         index: dict[Hashable, list[int]] = {}
         for block, tokens in self._tokens.items():
             _check(1 <= len(tokens) <= self.block_size, f"block {block}: bad token count")
-            _check(self._key_of[block] == hash((self._parent[block], tokens)),
+            _check(self._key_of[block] == self.key(self._parent[block], tokens),
                    f"block {block}: key is not the hash of (parent, tokens)")
             index.setdefault(self._parent[block], []).append(block)
         _check({p: sorted(c) for p, c in index.items()}

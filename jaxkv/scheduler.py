@@ -90,8 +90,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxkv.block_manager import BlockManager
+from jaxkv import offload
+from jaxkv.block_manager import NULL_BLOCK, BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.offload import NO_SLOT, HostTier, SwapCostModel
 from jaxkv.retention import FullRetention, Retention
 
 FINISH_STOP = "stop"      # stop token, eos, or the engine's stop string
@@ -175,6 +177,8 @@ class RequestState:
       first_drop: with a history-dependent policy (H2O), the position of the next query when
         the request first dropped a block: only blocks below it are registered in the prefix
         cache (their KV is a function of the tokens alone).
+      swapped_tokens: > 0 while the request waits swapped out (swap preemption): the computed
+        tokens whose blocks the host tier holds (``HostTier.swapped``); it resumes there.
     """
 
     request: Request
@@ -187,6 +191,7 @@ class RequestState:
     num_draft_tokens: int = 0
     block_scores: np.ndarray | None = dataclasses.field(default=None, compare=False)
     first_drop: int | None = None
+    swapped_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -216,6 +221,12 @@ class SchedulerState:
       num_added: requests added so far (the next ``RequestState.order``).
       retention: the KV retention policy (jaxkv/retention/): which blocks ``schedule`` gives
         back before allocating, and how many a request may hold.
+      host: the host KV tier (jaxkv/offload.py): demoted prefix blocks and swapped-out
+        sequences; None without one.
+      preemption_mode: ``"recompute"``, ``"swap"`` or ``"auto"`` (``CacheConfig``).
+      swap_supported: whether the pool's blocks can be swapped exactly (not KIVI).
+      cost: the swap-or-recompute cost model ``"auto"`` decides by; the engine refits it from
+        its measurements (``with_cost_model``).
     """
 
     block_manager: BlockManager
@@ -226,6 +237,10 @@ class SchedulerState:
         default_factory=lambda: types.MappingProxyType({}))
     num_added: int = 0
     retention: Retention = FullRetention()
+    host: HostTier | None = None
+    preemption_mode: str = "recompute"
+    swap_supported: bool = True
+    cost: SwapCostModel | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +281,18 @@ class StepPlan:
       copy_ops: ``(src, dst)`` block copies to apply, all at once, before the step.
       num_lookup_tokens: tokens of the requests admitted this step with a prefix-cache lookup
         or a fork.
-      num_hit_tokens: of those, tokens found in the prefix cache (or shared by a fork).
+      num_hit_tokens: of those, tokens found in the prefix cache (or shared by a fork), on any
+        tier.
+      swap_out: ``(block, slot, key)`` device block -> host slot copies, applied first (``key``:
+        the prefix key of a demoted cached block, None for a swapped sequence's block).
+      disk_loads: ``(slot, row)`` persistent-cache rows (uint8 [block_bytes]) to put in host
+        slots, after the swap-outs.
+      swap_in: ``(slot, block)`` host slot -> device block copies, after the disk loads and
+        before ``copy_ops``.
+      swapped_ids: of ``preempted_ids``, those swapped out (the others recompute).
+      num_host_hit_tokens: of ``num_hit_tokens``, tokens promoted from the host tier (disk
+        included).
+      num_disk_hit_tokens: of those, tokens read from the persistent cache.
     """
 
     seqs: tuple[ScheduledSeq, ...]
@@ -275,6 +301,12 @@ class StepPlan:
     copy_ops: tuple[tuple[int, int], ...] = ()
     num_lookup_tokens: int = 0
     num_hit_tokens: int = 0
+    swap_out: tuple[tuple[int, int, Hashable], ...] = ()
+    disk_loads: tuple[tuple[int, np.ndarray], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
+    swapped_ids: tuple[Hashable, ...] = ()
+    num_host_hit_tokens: int = 0
+    num_disk_hit_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -286,12 +318,24 @@ class StepPlan:
         return sum(s.num_drafts for s in self.seqs)
 
 
-def init_state(cache_config: CacheConfig) -> SchedulerState:
-    """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks."""
-    return SchedulerState(BlockManager(cache_config.num_blocks, cache_config.block_size,
-                                       cache_config.prefix_caching,
-                                       cache_config.residual_window_blocks),
-                          types.MappingProxyType({}), retention=cache_config.retention)
+def init_state(cache_config: CacheConfig, disk=None) -> SchedulerState:
+    """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks (and a
+    host tier of ``cache_config.host_blocks``, with ``disk``, a ``jaxkv.kv_disk.DiskKVStore``,
+    behind it)."""
+    bm = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                      cache_config.prefix_caching, cache_config.residual_window_blocks)
+    host = None
+    if cache_config.host_blocks:
+        host = HostTier(cache_config.host_blocks, disk)
+        bm.record_evictions = bm.prefix_cache is not None
+    return SchedulerState(bm, types.MappingProxyType({}), retention=cache_config.retention,
+                          host=host, preemption_mode=cache_config.preemption_mode,
+                          swap_supported=cache_config.swap_supported)
+
+
+def with_cost_model(state: SchedulerState, cost: SwapCostModel) -> SchedulerState:
+    """``state`` deciding swap or recompute by ``cost`` from now on."""
+    return dataclasses.replace(state, cost=cost)
 
 
 def _key(rs: RequestState, policy: str) -> tuple:
@@ -410,13 +454,28 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
 
     copy_ops: list[tuple[int, int]] = []
     cached: dict[Hashable, int] = {}   # admitted this step: tokens taken from cache / fork
-    num_lookup = 0
+    num_lookup = num_host_hits = num_disk_hits = 0
+    host = None if state.host is None else state.host.copy()
+    if host is not None:
+        host.begin_plan()
+    swap_out: list[tuple[int, int, Hashable]] = []
+    swap_in: list[tuple[int, int]] = []
+    disk_loads: list[tuple[int, np.ndarray]] = []
+    swapped: list[Hashable] = []
 
     def preempt(request_id):
-        _free(bm, requests[request_id])
-        requests[request_id] = dataclasses.replace(requests[request_id], num_computed_tokens=0,
-                                                   num_draft_tokens=0, block_scores=None,
-                                                   first_drop=None)
+        rs = requests[request_id]
+        ops = _swap_out(state, bm, host, rs)
+        _free(bm, rs)
+        if ops is None:   # recompute: start again from the prompt (and the prefix cache)
+            requests[request_id] = dataclasses.replace(rs, num_computed_tokens=0,
+                                                       num_draft_tokens=0, block_scores=None,
+                                                       first_drop=None)
+        else:             # swap: the host tier holds its blocks until it resumes
+            swap_out.extend(ops)
+            swapped.append(request_id)
+            requests[request_id] = dataclasses.replace(rs, num_computed_tokens=0,
+                                                       swapped_tokens=rs.num_computed_tokens)
         running.remove(request_id)
         _insert(waiting, request_id, requests, config.policy)
         preempted.append(request_id)
@@ -475,8 +534,26 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
         if preempted or budget <= 0 or len(running) >= config.max_num_seqs:
             break
         rs = requests[request_id]
+        if rs.swapped_tokens:   # swapped out: its blocks come back from the host tier
+            n = min(rs.num_tokens - rs.swapped_tokens, budget)
+            slots = host.swapped(request_id)
+            kept = [slot != NO_SLOT for slot in slots]
+            if not bm.can_allocate_layout(kept, rs.swapped_tokens + n):
+                break
+            table = bm.allocate_layout(request_id, kept, rs.swapped_tokens + n,
+                                       salt=rs.request.cache_salt)
+            host.swap_in(request_id)
+            swap_in.extend((slot, b) for slot, b in zip(slots, table) if slot != NO_SLOT)
+            requests[request_id] = _retain(bm, state.retention, dataclasses.replace(
+                rs, num_computed_tokens=rs.swapped_tokens, swapped_tokens=0))
+            waiting.remove(request_id)
+            admitted.append(request_id)
+            _insert(running, request_id, requests, config.policy)
+            scheduled.append((request_id, n))
+            budget -= n
+            continue
         parent = rs.request.fork_of
-        hit = None
+        hit, host_hits = None, ()
         if parent in state.requests:
             prs = state.requests[parent]
             p = len(rs.request.prompt_token_ids)
@@ -488,8 +565,11 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                 hit = None   # the parent already dropped blocks the fork sees: compute afresh
         if hit is None:   # the prompt's last observed tokens (SnapKV's window) are computed
             last = max(0, rs.num_tokens - max(1, state.retention.observe))
-            hit, keys, partial = bm.lookup(rs.token_ids(0, last), rs.request.cache_salt)
-            num_cached = len(hit) * bm.block_size + (partial[1] if partial else 0)
+            hit, keys, partial, host_hits = offload.lookup(   # device, then host tier and disk
+                bm, host, rs.token_ids(0, last), rs.request.cache_salt)
+            disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
+            num_cached = ((len(hit) + len(host_hits)) * bm.block_size
+                          + (partial[1] if partial else 0))
         n = min(rs.num_tokens - num_cached, budget)
         if keys is None:   # fork: share the parent's blocks, copy the last one if partial
             need = (bm.blocks_for(num_cached + n) - len(hit)
@@ -502,8 +582,14 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
         else:
             if not bm.can_allocate_cached(num_cached + n, hit, partial):
                 break
-            _, op = bm.allocate_cached(request_id, num_cached + n, hit, keys, partial,
-                                       salt=rs.request.cache_salt)
+            table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)],
+                                           partial, salt=rs.request.cache_salt)
+            if host_hits:   # promoted: fresh blocks filled from the host, cached at once
+                swap_in.extend((slot, table[len(hit) + i])
+                               for i, (slot, _, _) in enumerate(host_hits))
+                bm.register(request_id, sum((tokens for _, tokens, _ in host_hits), ()))
+                num_host_hits += len(host_hits) * bm.block_size
+                num_disk_hits += sum(row is not None for *_, row in host_hits) * bm.block_size
         if op is not None:
             copy_ops.append(op)
         if bm.prefix_cache is not None or keys is None:
@@ -551,11 +637,33 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                  cached.get(request_id, 0), len(draft)))
         requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n + len(draft),
                                                    num_draft_tokens=len(draft))
+    if host is not None:   # cached blocks reused this step: their KV moves to the host tier
+        swap_out.extend(op for key, block in bm.take_evictions()
+                        if (op := host.demote(key, block)) is not None)
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
-                    num_lookup, sum(cached.values()))
+                    num_lookup, sum(cached.values()), tuple(swap_out), tuple(disk_loads),
+                    tuple(swap_in), tuple(swapped), num_host_hits, num_disk_hits)
     return dataclasses.replace(state, block_manager=bm, requests=types.MappingProxyType(requests),
                                waiting=tuple(waiting), running=tuple(running),
-                               finished=types.MappingProxyType({})), plan
+                               finished=types.MappingProxyType({}), host=host), plan
+
+
+def _swap_out(state: SchedulerState, bm: BlockManager, host: HostTier | None,
+              rs: RequestState) -> tuple[tuple[int, int, None], ...] | None:
+    """The swap-outs preempting ``rs`` by swap, or None to recompute it: no host tier or room,
+    a pool that cannot swap, ``preemption_mode="recompute"``, or under ``"auto"`` a cost
+    model that does not estimate copying its kept blocks out and back faster than recomputing
+    its tokens beyond the ones its registered blocks would give back as prefix hits."""
+    if host is None or not state.swap_supported or state.preemption_mode == "recompute":
+        return None
+    request_id = rs.request.request_id
+    table = bm.block_table(request_id)
+    if state.preemption_mode == "auto":
+        uncached = rs.num_computed_tokens - bm.num_registered(request_id) * bm.block_size
+        kept = sum(b != NULL_BLOCK for b in table)
+        if state.cost is None or not state.cost.prefers_swap(kept, uncached):
+            return None
+    return host.swap_out(request_id, table)
 
 
 def _add_scores(rs: RequestState, mass: np.ndarray, num_blocks: int) -> RequestState:
@@ -595,14 +703,18 @@ def _finish(state: SchedulerState, reasons: Mapping[Hashable, str],
             requests: dict[Hashable, RequestState]) -> SchedulerState:
     """A state where the live requests in ``reasons`` are finished with those reasons."""
     bm = state.block_manager.copy()
+    host = state.host
     finished = dict(state.finished)
     for request_id, reason in reasons.items():
         if request_id in bm:
             _free(bm, requests[request_id])
+        elif requests[request_id].swapped_tokens:   # waiting swapped out: its host slots go
+            host = host.copy() if host is state.host else host
+            host.drop(request_id)
         finished[request_id] = dataclasses.replace(requests.pop(request_id),
                                                    finish_reason=reason)
     return dataclasses.replace(
-        state, block_manager=bm, requests=types.MappingProxyType(requests),
+        state, block_manager=bm, requests=types.MappingProxyType(requests), host=host,
         waiting=tuple(i for i in state.waiting if i not in reasons),
         running=tuple(i for i in state.running if i not in reasons),
         finished=types.MappingProxyType(finished))
@@ -763,6 +875,13 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
         _check(state.requests[request_id].num_computed_tokens == 0
                and state.requests[request_id].num_draft_tokens == 0,
                f"waiting request {request_id!r} has computed tokens")
+        swapped = state.host is not None and state.host.swapped(request_id) is not None
+        _check(swapped == (state.requests[request_id].swapped_tokens > 0),
+               f"waiting request {request_id!r}: swapped_tokens and the host tier disagree")
+    if state.host is not None:
+        state.host.check_invariants()
+        _check(all(state.host.swapped(i) is None for i in state.running),
+               "a running request still holds swapped host slots")
     for request_id in state.running:
         rs = state.requests[request_id]
         _check(1 <= rs.num_computed_tokens <= rs.num_tokens + rs.num_draft_tokens,

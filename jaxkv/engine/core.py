@@ -37,6 +37,7 @@ from jaxkv import scheduler
 from jaxkv.compile_cache import enable_compilation_cache
 from jaxkv.config import EngineConfig
 from jaxkv.engine.runner import ModelRunner, RowInput, StepOutput
+from jaxkv.offload import SwapCostModel
 from jaxkv.outputs import RequestOutput
 from jaxkv.requests import Request, RequestTable
 from jaxkv.sampling import SamplingParams
@@ -71,7 +72,10 @@ class EngineCore:
         self.tokenizer, self.model_config = r.tokenizer, r.model_config
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
-        self._state = scheduler.init_state(self.cache_config)
+        self._state = scheduler.init_state(self.cache_config, r.disk)
+        if r.host_pool is not None:
+            self._state = scheduler.with_cost_model(self._state, SwapCostModel(
+                r.host_pool.block_bytes, *r.copy_bandwidth))
         try:   # a draft model is checked against the target (vocabulary) and loaded here
             self.speculator = Speculator.from_args(config.speculative, config, self.runner)
         except BaseException:
@@ -87,6 +91,10 @@ class EngineCore:
         self._num_computed_tokens = 0   # tokens the device computed (no padding)
         self._num_lookup_tokens = 0     # prefix-cache queries, tokens
         self._num_hit_tokens = 0        # of which found cached (or shared by a fork)
+        self._num_host_hit_tokens = 0   # of which promoted from the host tier (disk included)
+        self._num_disk_hit_tokens = 0   # of which read from the persistent cache
+        self._num_swapped = 0           # preemptions by swap
+        self._prefill_rate = None       # tokens/s of the steps that prefill (cost model)
         self._num_errors = 0
         self._busy_time = 0.0           # seconds inside step()
         self._closed = False
@@ -210,11 +218,14 @@ class EngineCore:
         state, plan = scheduler.schedule(self._state, self.sched_config,
                                          self.speculator.drafts(self._state))
         if not plan.seqs:
+            self.runner.transfer(plan)   # e.g. the only running request swapped itself out
             self._state, self._pending = state, {}
             self._num_preemptions += len(plan.preempted_ids)
+            self._num_swapped += len(plan.swapped_ids)
             return outputs | self._collect()
         samples = self._table.samples
         rows = _rows(state, plan, [samples[s.request_id].params for s in plan.seqs])
+        device_before = self.runner.device_time
         try:
             result = self.runner.execute(plan, rows)
         except (TypeError, ValueError) as exc:   # before the device: the state stays as it was
@@ -228,7 +239,9 @@ class EngineCore:
             return outputs
         self._pending = {}
         self._num_preemptions += len(plan.preempted_ids)
+        self._num_swapped += len(plan.swapped_ids)
         self._count(plan, state)
+        state = self._refit_cost(state, plan, device_before)
         self.speculator.record(plan, result.tokens, result.num_accepted)
         now = time.perf_counter()
         touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
@@ -243,6 +256,18 @@ class EngineCore:
                 outputs[request_id] = req.output()
         self._busy_time += time.perf_counter() - t0
         return outputs
+
+    def _refit_cost(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+                    device_before: float) -> scheduler.SchedulerState:
+        """``state`` with the swap-or-recompute model's prefill rate refitted to the step just
+        run (a moving average over steps of at least 64 tokens), when a host tier is on."""
+        if state.cost is None or plan.num_tokens < 64:
+            return state
+        rate = plan.num_tokens / max(self.runner.device_time - device_before, 1e-9)
+        self._prefill_rate = rate if self._prefill_rate is None else (
+            0.7 * self._prefill_rate + 0.3 * rate)
+        return scheduler.with_cost_model(state, dataclasses.replace(
+            state.cost, prefill_tokens_per_s=self._prefill_rate))
 
     def _failing_rows(self, plan: scheduler.StepPlan, rows: Sequence[RowInput]) -> dict[str, str]:
         """Of a step that failed before the device: the requests whose own rows fail alone,
@@ -259,6 +284,8 @@ class EngineCore:
     def _count(self, plan: scheduler.StepPlan, state: scheduler.SchedulerState) -> None:
         self._num_lookup_tokens += plan.num_lookup_tokens
         self._num_hit_tokens += plan.num_hit_tokens
+        self._num_host_hit_tokens += plan.num_host_hit_tokens
+        self._num_disk_hit_tokens += plan.num_disk_hit_tokens
         self._num_computed_tokens += plan.num_tokens
         self._peak_usage = max(self._peak_usage, state.block_manager.usage())
 
@@ -379,7 +406,11 @@ class EngineCore:
         """Forgets every cached prefix (running requests keep their blocks)."""
         bm = self._state.block_manager.copy()
         bm.reset_prefix_cache()
-        self._state = dataclasses.replace(self._state, block_manager=bm)
+        host = self._state.host
+        if host is not None:   # its prefix blocks too (the persistent cache on disk stays)
+            host = host.copy()
+            host.reset_prefix()
+        self._state = dataclasses.replace(self._state, block_manager=bm, host=host)
 
     def stats(self) -> dict:
         """KV usage and throughput counters since start.
@@ -399,7 +430,9 @@ class EngineCore:
           ``prefix_cache_hit_rate`` (their ratio), ``num_cached_blocks`` (blocks in the prefix
           cache, in use or free), ``host_time_fraction`` (share of step time spent on the host:
           scheduling, batch building, sampling tensors, detokenization; the rest is the jitted
-          step), ``busy_time_s`` and ``device_time_s``; and the speculative decoding counters
+          step), ``busy_time_s`` and ``device_time_s``; with a host KV tier
+          (``kv_offload_bytes``) the ``kv_offload_*`` counters (``offload_stats``); and the
+          speculative decoding counters
           (``spec_*``, ``Speculator.stats``: drafts proposed, verified, accepted, acceptance
           rate, mean acceptance length).
         """
@@ -433,11 +466,44 @@ class EngineCore:
             "host_time_fraction": 1.0 - device / busy if busy else 0.0,
             "busy_time_s": busy,
             "device_time_s": device,
-        } | self.speculator.stats()
+        } | self.offload_stats() | self.speculator.stats()
+
+    def offload_stats(self) -> dict:
+        """The host tier's counters ({} without one): ``kv_offload_blocks_total``, ``_prefix``
+        (demoted prefix blocks held), ``_swapped`` (swapped sequences' blocks held),
+        ``prefix_cache_hits_host`` / ``_disk`` (hit tokens by tier; ``prefix_cache_hits``
+        counts every tier), ``num_swap_preemptions`` (of ``num_preemptions``),
+        ``kv_offload_bytes_out`` / ``_in`` (copied so far), the start-up copy bandwidths
+        ``kv_offload_d2h_bytes_per_s`` / ``_h2d_``, the fitted ``prefill_tokens_per_s``, and
+        with ``kv_cache_dir`` the files ``kv_disk_blocks``, ``_written``, ``_loaded`` and
+        ``_refused`` (corrupt or foreign files, logged and recomputed)."""
+        pool, host = self.runner.host_pool, self._state.host
+        if pool is None:
+            return {}
+        out = {
+            "kv_offload_blocks_total": host.num_slots,
+            "kv_offload_blocks_prefix": host.num_prefix_blocks,
+            "kv_offload_blocks_swapped": host.num_swapped_blocks,
+            "prefix_cache_hits_host": self._num_host_hit_tokens,
+            "prefix_cache_hits_disk": self._num_disk_hit_tokens,
+            "num_swap_preemptions": self._num_swapped,
+            "kv_offload_bytes_out": pool.bytes_out,
+            "kv_offload_bytes_in": pool.bytes_in,
+            "kv_offload_d2h_bytes_per_s": self.runner.copy_bandwidth[0],
+            "kv_offload_h2d_bytes_per_s": self.runner.copy_bandwidth[1],
+            "prefill_tokens_per_s": self._prefill_rate,
+        }
+        disk = self.runner.disk
+        if disk is not None:
+            out |= {"kv_disk_blocks": len(disk), "kv_disk_written": disk.num_written,
+                    "kv_disk_loaded": disk.num_loaded, "kv_disk_refused": disk.num_refused}
+        return out
 
     def close(self) -> None:
         """Frees device memory; the engine cannot be used afterwards."""
         if not self._closed:
+            pc = self._state.block_manager.prefix_cache
+            self.runner.flush(() if pc is None else pc.full_blocks())
             self.runner.close()
             self.speculator.close()
             self._closed = True

@@ -2,7 +2,7 @@
 
     ModelRunner(config)           resolve dtype / attention, plan the pool, load the weights,
                                   allocate the cache, build the jitted step
-    runner.execute(plan, rows)    copy-on-write block copies, then one step:
+    runner.execute(plan, rows)    host-tier transfers and copy-on-write block copies, then one step:
                                   StepPlan ─► batch.build ─► step(params, cache, ...) ─► host arrays
                                   (a sequence with draft tokens gets 1 + k sampled rows and
                                   its accepted count: jaxkv/rejection_sampler.py)
@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import batch, planner, sharding
+from jaxkv import batch, kv_disk, planner, sharding
 from jaxkv.cache import copy_blocks, init_cache
+from jaxkv.kv_transfer import HostKVPool
 from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.kv_spec import (KVCacheSpec, default_group_size, kivi_residual_slots,
                             resolve_kv_cache_dtype)
@@ -225,6 +226,11 @@ class ModelRunner:
       sparse: Quest's static options (``quest_options``), or None (dense decode attention).
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.
+      host_pool: the host KV tier's bytes and copies (``kv_offload_bytes``;
+        jaxkv/kv_transfer.py), or None.
+      disk: the persistent prefix cache (``kv_cache_dir``; jaxkv/kv_disk.py), or None.
+      copy_bandwidth: measured (device-to-host, host-to-device) bytes/s of block transfers at
+        start, or None without a host tier.
 
     Raises:
       ValueError: naming the argument that cannot work (checked before weights load where
@@ -299,6 +305,41 @@ class ModelRunner:
                                   sparse=self.sparse)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
+        self.host_pool = self.disk = self.copy_bandwidth = None
+        self._to_disk: list[tuple[int, int]] = []   # (slot, key) landing, then written to disk
+        if cc.kv_offload_bytes:
+            self._init_host_tier(cc, tp)
+
+    def _init_host_tier(self, cc, tp: int) -> None:
+        """The host tier of ``kv_offload_bytes`` (as many whole block units as fit), its copy
+        bandwidth measured, and the persistent cache behind it (``kv_cache_dir``)."""
+        if cc.preemption_mode == "swap" and self.kv_spec.format.kivi:
+            raise ValueError(f"preemption_mode='swap' cannot swap {self.kv_spec.kv_cache_dtype} "
+                             f"(KIVI) pools: their unsealed blocks live in the per-sequence "
+                             f"residual; use preemption_mode='auto' or 'recompute'")
+        probe = HostKVPool(self.cache, 1, self._to_host)
+        slots = cc.kv_offload_bytes // probe.block_bytes
+        if slots < 1:
+            raise ValueError(f"kv_offload_bytes={cc.kv_offload_bytes} holds no block: one "
+                             f"all-layer block is {probe.block_bytes} bytes")
+        self.host_pool = HostKVPool(self.cache, slots, self._to_host)
+        self.cache, d2h, h2d = self.host_pool.measure(self.cache, 64)
+        self.copy_bandwidth = (d2h, h2d)
+        self.cache_config = dataclasses.replace(
+            self.cache_config, host_blocks=slots, preemption_mode=cc.preemption_mode,
+            swap_supported=not self.kv_spec.format.kivi)
+        logger.info("host KV tier: %d blocks of %d bytes (%.2f GiB); copies %.2f GB/s out, "
+                    "%.2f GB/s in", slots, probe.block_bytes, slots * probe.block_bytes / 2**30,
+                    d2h / 1e9, h2d / 1e9)
+        if cc.kv_cache_dir is not None:
+            s = self.kv_spec
+            ns = kv_disk.namespace(
+                model=kv_disk.model_identity(self.model_path), config=repr(self.model_config),
+                kv_cache_dtype=s.kv_cache_dtype, dtype=s.dtype, block_size=s.block_size,
+                num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                group_size=s.group_size, key_bounds=s.key_bounds, tensor_parallel_size=tp,
+                unit=repr(self.host_pool.fields))
+            self.disk = kv_disk.DiskKVStore(cc.kv_cache_dir, ns, self.host_pool.block_bytes)
 
     # ------------------------------------------------------------------ setup
 
@@ -427,6 +468,7 @@ class ModelRunner:
         width = inputs.logits_indices.shape[1]
         sampling = self.sampling_tensors(verify_rows(plan, rows, width) if width > 1 else rows,
                                          len(inputs.seq_lens) * width)
+        self.transfer(plan)
         self._apply_copies(plan.copy_ops)
         t_device = time.perf_counter()
         self.cache, *out = self._step_fn(
@@ -440,6 +482,51 @@ class ModelRunner:
         self.device_time += time.perf_counter() - t_device
         self.num_steps += 1
         return out
+
+    def transfer(self, plan: StepPlan) -> None:
+        """Applies a plan's host-tier transfers (jaxkv/offload.py's order): the previous plan's
+        swap-outs land (and its demoted prefix blocks go to disk), this plan's swap-outs start
+        (asynchronous: they overlap this step), its disk rows fill their host slots, and its
+        swap-ins write their device blocks."""
+        pool = self.host_pool
+        if pool is None:
+            if plan.swap_out or plan.swap_in or plan.disk_loads:
+                raise ValueError("the plan moves KV to a host tier this engine does not have")
+            return
+        pool.finish()
+        if self.disk is not None:
+            for slot, key in self._to_disk:
+                self.disk.store(key, pool.rows[slot])
+        self._to_disk = [(slot, key) for _, slot, key in plan.swap_out if key is not None]
+        pool.swap_out(self.cache, [b for b, _, _ in plan.swap_out],
+                      [slot for _, slot, _ in plan.swap_out])
+        pool.write_rows([slot for slot, _ in plan.disk_loads], [row for _, row in plan.disk_loads])
+        self.cache = pool.swap_in(self.cache, [slot for slot, _ in plan.swap_in],
+                                  [b for _, b in plan.swap_in])
+
+    def flush(self, cached: Sequence[tuple[int, int]] = ()) -> None:
+        """Lands in-flight swap-outs and writes the demoted blocks still pending to disk; with
+        a persistent cache also the ``(key, block)`` device blocks ``cached`` (the device
+        prefix cache at close), in batches through host slot 0 onward."""
+        pool = self.host_pool
+        if pool is None:
+            return
+        pool.finish()
+        if self.disk is None:
+            return
+        for slot, key in self._to_disk:
+            self.disk.store(key, pool.rows[slot])
+        self._to_disk = []
+        todo = [(k, b) for k, b in cached if k not in self.disk]
+        n = pool.rows.shape[0]
+        saved = pool.rows[:min(n, len(todo))].copy()
+        for i in range(0, len(todo), n):
+            batch_ = todo[i:i + n]
+            pool.swap_out(self.cache, [b for _, b in batch_], list(range(len(batch_))))
+            pool.finish()
+            for slot, (key, _) in enumerate(batch_):
+                self.disk.store(key, pool.rows[slot])
+        pool.rows[:len(saved)] = saved
 
     def _apply_copies(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         """Applies a plan's copy-on-write block copies on the device, all at once."""

@@ -1,0 +1,204 @@
+"""Moving whole KV blocks between the device pool and the host tier's rows.
+
+A block's *unit* is everything the pool stores per block, in every layer: the K and V pages
+(codes, scales and zero points of a quantized pool, and its ``sealed`` flag) and Quest's key
+bounds. On the host a unit is one contiguous uint8 row, the fields of every layer back to back::
+
+    HostKVPool.rows  uint8 [num_slots, block_bytes]
+        row = | k[0] page | v[0] page | k[1] page | ... | bounds[0].kmin | ... |
+
+Transfers go in batches, padded to a power of two (block 0, the null block, pads: its content
+is never read), so the two jitted functions compile a handful of times:
+
+* ``swap_out(cache, blocks, slots)``: one jitted gather of the blocks' units (a new array per
+  field: the donated cache is never read by the copy), then ``copy_to_host_async`` on each;
+  the rows are filled by ``finish`` (called before the next transfer or step that needs
+  them), so the copy overlaps the step that follows it.
+* ``swap_in(cache, slots, blocks)``: the rows, cut back into fields, in one ``device_put``,
+  scattered by one jitted, donated update (a KIVI block comes back sealed, read from its codes;
+  swap preemption of KIVI pools is not offered, see ``supports_swap``).
+
+On a GPU the host side would be ``memory_kind="pinned_host"`` buffers; this module keeps plain
+numpy rows (the CPU backend's host memory is the device's), and measures what it gets
+(``measure``: the copy bandwidth the swap-or-recompute choice is fitted to).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cache import KeyBounds, PagedKVCache, QuantizedPages
+
+_UNIT_FIELDS = ("data", "scale", "zero", "sealed")   # the per-block arrays of a QuantizedPages
+
+
+def _pool_units(p, ids: jax.Array) -> list[jax.Array]:
+    if not isinstance(p, QuantizedPages):
+        return [p[ids]]
+    out = [getattr(p, f)[ids] for f in _UNIT_FIELDS if getattr(p, f) is not None]
+    return [a.astype(jnp.uint8) if a.dtype == jnp.bool_ else a for a in out]
+
+
+def block_units(cache: PagedKVCache, ids: jax.Array) -> list[jax.Array]:
+    """The units of blocks ``ids`` (int32 [n]): one array [n, ...] per field, layer order."""
+    out = []
+    for k, v in zip(cache.k, cache.v):
+        out += _pool_units(k, ids) + _pool_units(v, ids)
+    for b in cache.bounds:
+        out += [b.kmin[ids], b.kmax[ids]]
+    return out
+
+
+def _put_pool(p, ids: jax.Array, units: list[jax.Array]):
+    if not isinstance(p, QuantizedPages):
+        return p.at[ids].set(units.pop(0))
+    new = {}
+    for f in _UNIT_FIELDS:
+        a = getattr(p, f)
+        if a is not None:
+            x = units.pop(0)
+            new[f] = a.at[ids].set(x.astype(a.dtype))
+    if p.res_slot is not None:   # read from the codes: no residual slot
+        new["res_slot"] = p.res_slot.at[ids].set(0)
+    return QuantizedPages(**{f: new.get(f, getattr(p, f)) for f in
+                             ("data", "scale", "zero", "residual", "res_slot", "res_owner",
+                              "res_stamp", "clock", "sealed")},
+                          fmt=p.fmt, axis=p.axis, group_size=p.group_size,
+                          residual_full_precision=p.residual_full_precision,
+                          static_scale=p.static_scale, head_dim=p.head_dim,
+                          residual_blocks=p.residual_blocks)
+
+
+def put_block_units(cache: PagedKVCache, ids: jax.Array, units: Sequence[jax.Array]
+                    ) -> PagedKVCache:
+    """The cache with blocks ``ids`` (int32 [n], distinct but for the null block) set to
+    ``units`` (as ``block_units`` returns them)."""
+    units = list(units)
+    k, v = [], []
+    for kp, vp in zip(cache.k, cache.v):
+        k.append(_put_pool(kp, ids, units))
+        v.append(_put_pool(vp, ids, units))
+    bounds = []
+    for b in cache.bounds:
+        kmin, kmax = units.pop(0), units.pop(0)
+        bounds.append(KeyBounds(kmin=b.kmin.at[ids].set(kmin), kmax=b.kmax.at[ids].set(kmax)))
+    return PagedKVCache(k=tuple(k), v=tuple(v), bounds=tuple(bounds))
+
+
+_gather = jax.jit(block_units)
+_scatter = jax.jit(put_block_units, donate_argnums=0)
+
+
+def supports_swap(cache: PagedKVCache) -> bool:
+    """Whether a sequence's blocks can be swapped out and back exactly: not for KIVI pools,
+    whose unsealed blocks live in the per-sequence residual, which a unit does not carry."""
+    return not any(isinstance(p, QuantizedPages) and p.residual is not None for p in cache.k)
+
+
+def _pad(ids: Sequence[int]) -> np.ndarray:
+    n = 1 << (len(ids) - 1).bit_length()
+    out = np.zeros(n, np.int32)   # padding: the null block
+    out[:len(ids)] = ids
+    return out
+
+
+class HostKVPool:
+    """The host tier's bytes (``rows``) and the batched copies between them and the pool.
+
+    Args:
+      cache: the device cache (its structure fixes the unit layout).
+      num_slots: host rows.
+      to_host: device array -> numpy (gathers a sharded array under tensor parallelism).
+    """
+
+    def __init__(self, cache: PagedKVCache, num_slots: int, to_host=np.asarray):
+        shapes = jax.eval_shape(block_units, cache, jax.ShapeDtypeStruct((1,), jnp.int32))
+        self.fields = [(s.shape[1:], np.dtype(s.dtype)) for s in shapes]
+        sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.fields]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.block_bytes = int(self.offsets[-1])
+        self.rows = np.zeros((num_slots, self.block_bytes), np.uint8)
+        self._to_host = to_host
+        self._pending: list[tuple[np.ndarray, list[jax.Array]]] = []
+        self.bytes_out = self.bytes_in = 0   # bytes copied each way so far
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def swap_out(self, cache: PagedKVCache, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """Start copying device ``blocks`` into host ``slots`` (landed by ``finish``)."""
+        if not blocks:
+            return
+        units = _gather(cache, jnp.asarray(_pad(blocks)))
+        for a in units:
+            a.copy_to_host_async()
+        self._pending.append((np.asarray(slots), units))
+        self.bytes_out += len(blocks) * self.block_bytes
+
+    def pending_slots(self) -> set[int]:
+        """Host slots whose copy from the device has not landed yet."""
+        return {int(s) for slots, _ in self._pending for s in slots}
+
+    def finish(self) -> None:
+        """Land every started swap-out in its rows."""
+        for slots, units in self._pending:
+            n = len(slots)
+            for lo, hi, a in zip(self.offsets[:-1], self.offsets[1:], units):
+                host = np.ascontiguousarray(self._to_host(a)[:n])
+                self.rows[slots, lo:hi] = host.reshape(n, -1).view(np.uint8)
+        self._pending = []
+
+    def write_rows(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
+        """Set host ``slots`` to ``rows`` (uint8 [block_bytes] each, e.g. read from disk)."""
+        for slot, row in zip(slots, rows):
+            self.rows[slot] = row
+
+    def swap_in(self, cache: PagedKVCache, slots: Sequence[int], blocks: Sequence[int]
+                ) -> PagedKVCache:
+        """The cache (donated) with device ``blocks`` set from host ``slots`` (a slot whose
+        swap-out is still in flight is landed first)."""
+        if not blocks:
+            return cache
+        if self.pending_slots() & {int(s) for s in slots}:
+            self.finish()
+        ids = _pad(blocks)
+        rows = np.zeros((len(ids), self.block_bytes), np.uint8)
+        rows[:len(slots)] = self.rows[np.asarray(slots)]
+        units = [rows[:, lo:hi].copy().view(dtype).reshape(len(ids), *shape)
+                 for (shape, dtype), lo, hi in zip(self.fields, self.offsets[:-1],
+                                                   self.offsets[1:])]
+        self.bytes_in += len(blocks) * self.block_bytes
+        return _scatter(cache, jnp.asarray(ids), jax.device_put(units))
+
+    def measure(self, cache: PagedKVCache, num_blocks: int, repeats: int = 3
+                ) -> tuple[PagedKVCache, float, float]:
+        """Times synchronous copies of ``num_blocks`` blocks each way, ``repeats`` times after
+        one that compiles, through host slot 0 onward, and writes every block back with its own
+        content (call it on a cache without KIVI residual state, e.g. at start: a KIVI block
+        comes back read from its codes). The host rows and byte counters are left as they were.
+
+        Returns:
+          (the cache, device-to-host bytes/s, host-to-device bytes/s), medians.
+        """
+        n = min(num_blocks, self.rows.shape[0], cache.num_blocks - 1)
+        blocks, slots = list(range(1, n + 1)), list(range(n))
+        saved, counters = self.rows[:n].copy(), (self.bytes_out, self.bytes_in)
+        out, back = [], []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            self.swap_out(cache, blocks, slots)
+            self.finish()
+            t1 = time.perf_counter()
+            cache = jax.block_until_ready(self.swap_in(cache, slots, blocks))
+            out.append(n * self.block_bytes / (t1 - t0))
+            back.append(n * self.block_bytes / (time.perf_counter() - t1))
+        self.rows[:n] = saved
+        self.bytes_out, self.bytes_in = counters
+        return cache, float(np.median(out[1:])), float(np.median(back[1:]))

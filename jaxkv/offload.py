@@ -1,0 +1,313 @@
+"""The host KV tier: which host slots hold which KV blocks (host bookkeeping, no jax).
+
+A second, larger and slower pool of blocks in host memory, with two kinds of tenant:
+
+* **Prefix blocks** (the prefix cache's second tier). When the device pool reuses a cached block
+  (``BlockManager`` records the eviction), the block is *demoted*: its KV is copied to a host
+  slot under the same prefix key (hash of parent key + tokens + salt, jaxkv/prefix_cache.py)
+  instead of being lost. A lookup that runs out of device hits goes on in the host tier
+  (``lookup``): each further full block found there is *promoted*, copied back into a fresh
+  device block that joins the device prefix cache. The host keeps its copy (the tier is
+  inclusive), so a block demoted again costs no copy. Host prefix slots are evicted least
+  recently used first (``kv_offload_policy="lru"``); with a ``DiskKVStore`` (``kv_cache_dir``)
+  a demoted block is also written to disk, and a lookup that misses the host finds it there.
+* **Swapped sequences** (swap preemption). A preempted request's blocks are copied to host slots
+  it owns until it resumes, when they are copied into fresh device blocks. Those slots are never
+  evicted; prefix slots give way to them.
+
+Timing contract with the device (the runner applies a plan's transfers in this order, before the
+step's block copies and the step itself):
+
+    1. swap-outs   device block -> host slot   (reads blocks before anything rewrites them)
+    2. disk loads  file row      -> host slot
+    3. swap-ins    host slot     -> device block
+
+A host slot this plan reads (a swap-in) or writes (a swap-out, a disk load) is *busy*: it is
+neither evicted nor reused by another transfer of the same plan, and a slot given up this plan (a resumed request's) is only freed at
+the next plan (``begin_plan``), so a swap-out never overwrites a slot a swap-in of its own plan
+still has to read.
+
+``HostTier`` is a value the pure scheduler copies (``copy``) and mutates only as its copy,
+like the ``BlockManager``; the bytes live in the runner (jaxkv/kv_transfer.py ``HostKVPool``).
+Swap or recompute is chosen per preempted request by ``SwapCostModel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+NO_SLOT = -1   # a swapped sequence's entry for a block its retention policy had dropped
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapCostModel:
+    """Seconds to bring back a preempted sequence by swapping vs by recomputing it.
+
+    swap: ``blocks x block_bytes / d2h + blocks x block_bytes / h2d`` (out now, in later);
+    recompute: ``uncached tokens / prefill rate``. The engine fits the rates from what it
+    measures (copy bandwidth at start and on every transfer; prefill rate from its steps).
+
+    Attributes:
+      block_bytes: bytes of one all-layer block unit.
+      d2h_bytes_per_s, h2d_bytes_per_s: measured copy bandwidths (None: not yet measured).
+      prefill_tokens_per_s: measured prefill rate (None: not yet measured).
+    """
+
+    block_bytes: int
+    d2h_bytes_per_s: float | None = None
+    h2d_bytes_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+
+    def swap_seconds(self, num_blocks: int) -> float | None:
+        """Estimated seconds to copy ``num_blocks`` out and back in (None: unmeasured)."""
+        if not self.d2h_bytes_per_s or not self.h2d_bytes_per_s:
+            return None
+        size = num_blocks * self.block_bytes
+        return size / self.d2h_bytes_per_s + size / self.h2d_bytes_per_s
+
+    def recompute_seconds(self, num_tokens: int) -> float | None:
+        """Estimated seconds to recompute ``num_tokens`` tokens (None: unmeasured)."""
+        if not self.prefill_tokens_per_s:
+            return None
+        return num_tokens / self.prefill_tokens_per_s
+
+    def prefers_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        """Whether swapping ``num_blocks`` is estimated faster than recomputing ``num_tokens``
+        (False until both rates are measured: recompute is the safe default)."""
+        swap, recompute = self.swap_seconds(num_blocks), self.recompute_seconds(num_tokens)
+        return swap is not None and recompute is not None and swap < recompute
+
+
+class HostTier:
+    """Host slots of the KV offload tier: prefix blocks (LRU) and swapped sequences.
+
+    Args:
+      num_slots: host blocks (all usable; there is no null slot).
+      disk: a ``jaxkv.kv_disk.DiskKVStore`` behind the prefix slots, or None. It is shared by
+        every copy (it is a cache of files, not scheduler state).
+    """
+
+    def __init__(self, num_slots: int, disk=None):
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots} must be >= 1")
+        self.num_slots = num_slots
+        self.disk = disk
+        self._free = list(range(num_slots - 1, -1, -1))      # stack: slot 0 is taken first
+        self._lru: OrderedDict[Hashable, int] = OrderedDict()  # prefix key -> slot, oldest first
+        self._key_of: dict[int, Hashable] = {}                 # prefix slot -> key
+        self._swapped: dict[Hashable, tuple[int, ...]] = {}    # request id -> slot per block
+        self._busy: set[int] = set()        # slots this plan's transfers read or write
+        self._deferred: list[int] = []      # slots given up this plan, free from the next one
+
+    def copy(self) -> HostTier:
+        """An independent copy (the disk store is shared)."""
+        new = object.__new__(HostTier)
+        new.num_slots, new.disk = self.num_slots, self.disk
+        new._free = list(self._free)
+        new._lru = OrderedDict(self._lru)
+        new._key_of = dict(self._key_of)
+        new._swapped = dict(self._swapped)
+        new._busy = set(self._busy)
+        new._deferred = list(self._deferred)
+        return new
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_prefix_blocks(self) -> int:
+        """Host slots holding prefix blocks."""
+        return len(self._lru)
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host slots holding swapped sequences' blocks."""
+        return sum(sum(s != NO_SLOT for s in slots) for slots in self._swapped.values())
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def __contains__(self, key: Hashable) -> bool:
+        """Whether a prefix block with ``key`` is on the host."""
+        return key in self._lru
+
+    def swapped(self, request_id: Hashable) -> tuple[int, ...] | None:
+        """Host slot per logical block of a swapped-out request (``NO_SLOT``: dropped), or None."""
+        return self._swapped.get(request_id)
+
+    def available(self) -> int:
+        """Slots a swap-out could take now: free ones plus prefix slots not busy."""
+        return len(self._free) + sum(s not in self._busy for s in self._lru.values())
+
+    # ---- a plan ----------------------------------------------------------------------------
+
+    def begin_plan(self) -> None:
+        """Start a new plan: the previous plan's transfers have run (its busy slots are read,
+        its given-up slots may be reused)."""
+        self._free.extend(self._deferred)
+        self._deferred = []
+        self._busy = set()
+
+    def _alloc(self) -> int | None:
+        """A slot to write: a free one, else the least recently used prefix slot not busy."""
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._lru.items():
+            if slot not in self._busy:
+                del self._lru[key]
+                del self._key_of[slot]
+                return slot
+        return None
+
+    # ---- prefix blocks ---------------------------------------------------------------------
+
+    def demote(self, key: Hashable, block: int) -> tuple[int, int, Hashable] | None:
+        """A device prefix block ``block`` (cached under ``key``) is being reused: keep its KV.
+
+        Returns the swap-out ``(block, slot, key)`` to apply, or None when the host already holds
+        ``key`` (it becomes the most recently used) or has no slot to give.
+        """
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return None
+        slot = self._alloc()
+        if slot is None:
+            return None
+        self._lru[key] = slot
+        self._key_of[slot] = key
+        self._busy.add(slot)
+        return (block, slot, key)
+
+    def find(self, key: Hashable) -> int | None:
+        """The host slot of prefix block ``key`` (now most recently used and busy), or None."""
+        slot = self._lru.get(key)
+        if slot is not None:
+            self._lru.move_to_end(key)
+            self._busy.add(slot)
+        return slot
+
+    def load(self, key: Hashable):
+        """Prefix block ``key`` from the disk store into a host slot.
+
+        Returns ``(slot, row)`` (the verified uint8 bytes the runner writes into that slot
+        before the swap-ins), or None when the disk has no valid file for ``key`` (a corrupt or
+        foreign file is refused there, logged, and counted) or no slot is free.
+        """
+        if self.disk is None:
+            return None
+        row = self.disk.load(key)
+        if row is None:
+            return None
+        slot = self._alloc()
+        if slot is None:
+            return None
+        self._lru[key] = slot
+        self._key_of[slot] = key
+        self._busy.add(slot)
+        return slot, row
+
+    def reset_prefix(self) -> None:
+        """Forget every host prefix block (swapped sequences stay; the disk is kept)."""
+        for key, slot in self._lru.items():
+            del self._key_of[slot]
+            (self._deferred if slot in self._busy else self._free).append(slot)
+        self._lru = OrderedDict()
+
+    # ---- swapped sequences -----------------------------------------------------------------
+
+    def swap_out(self, request_id: Hashable, table: Sequence[int], null_block: int = 0
+                 ) -> tuple[tuple[int, int, None], ...] | None:
+        """Give ``request_id`` a host slot per kept block of ``table`` (its device blocks).
+
+        Returns the swap-outs ``(block, slot, None)``, or None (nothing changed) when the host
+        cannot hold them all.
+        """
+        if request_id in self._swapped:
+            raise ValueError(f"request_id={request_id!r} is already swapped out")
+        need = sum(b != null_block for b in table)
+        if need > self.available():
+            return None
+        slots, ops = [], []
+        for block in table:
+            if block == null_block:
+                slots.append(NO_SLOT)
+                continue
+            slot = self._alloc()
+            self._busy.add(slot)
+            slots.append(slot)
+            ops.append((block, slot, None))
+        self._swapped[request_id] = tuple(slots)
+        return tuple(ops)
+
+    def swap_in(self, request_id: Hashable) -> tuple[int, ...]:
+        """End ``request_id``'s swap: its slot per logical block (``NO_SLOT``: dropped). The
+        slots are busy this plan (the swap-ins read them) and free from the next one."""
+        slots = self._swapped.pop(request_id)
+        kept = [s for s in slots if s != NO_SLOT]
+        self._busy.update(kept)
+        self._deferred.extend(kept)
+        return slots
+
+    def drop(self, request_id: Hashable) -> None:
+        """Forget a swapped request that will not resume (finished or aborted while waiting)."""
+        slots = self._swapped.pop(request_id, None)
+        if slots is not None:   # free from the next plan on, as a resumed request's
+            self._deferred.extend(s for s in slots if s != NO_SLOT)
+
+    # ---- checking --------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless every slot is exactly one of: free, deferred, a
+        prefix block's, a swapped block's; and the prefix maps are mutually inverse."""
+        owners = list(self._free) + list(self._deferred) + list(self._lru.values())
+        owners += [s for slots in self._swapped.values() for s in slots if s != NO_SLOT]
+        _check(sorted(owners) == list(range(self.num_slots)),
+               "host slots are not partitioned into free / deferred / prefix / swapped")
+        _check(len(self._key_of) == len(self._lru)
+               and all(self._key_of[s] == k for k, s in self._lru.items()),
+               "host prefix maps differ")
+        swapped = {s for slots in self._swapped.values() for s in slots}
+        _check(not self._busy - set(self._lru.values()) - set(self._deferred) - swapped,
+               "a busy slot is free")
+
+
+def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
+    """The longest cached prefix of ``token_ids`` over the device pool, then the host tier.
+
+    The device part is ``BlockManager.lookup``; the host part continues the hash chain from its
+    last block, block by block, in the host tier and then (with a disk store) on disk, up to
+    ``BlockManager.max_hit_blocks``. A radix partial match is kept only when no host block
+    follows it.
+
+    Returns:
+      ``(blocks, keys, partial, host_hits)``: the device blocks, the keys of every hit block
+      (device then host), the radix partial ``(block, k)`` or None, and per host hit
+      ``(slot, tokens, row)``: its host slot, its ``block_size`` tokens, and the bytes to load
+      into the slot first when it came from disk (else None). Host slots found are busy.
+    """
+    blocks, keys, partial = bm.lookup(token_ids, salt)
+    if host is None or bm.prefix_cache is None:
+        return blocks, keys, partial, ()
+    bs, pc = bm.block_size, bm.prefix_cache
+    parent = keys[-1] if keys else pc.root(salt)
+    hits, keys = [], list(keys)
+    for j in range(len(blocks), bm.max_hit_blocks(len(token_ids))):
+        tokens = tuple(token_ids[j * bs:(j + 1) * bs])
+        key = pc.key(parent, tokens)
+        slot, row = host.find(key), None
+        if slot is None:
+            loaded = host.load(key)
+            if loaded is None:
+                break
+            slot, row = loaded
+        hits.append((slot, tokens, row))
+        keys.append(parent := key)
+    return blocks, tuple(keys), None if hits else partial, tuple(hits)
+
+
+def _check(condition, message: str) -> None:
+    """``assert`` that survives ``python -O``."""
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,455 @@
+"""The host KV tier (issue 14): demoted prefix blocks, swap preemption, the persistent cache.
+
+* ``HostTier`` bookkeeping: LRU order, busy slots, deferred frees, swapped sequences.
+* ``kv_transfer``: a block unit out to a host row and back is bit-exact in every format.
+* The pure scheduler: block-manager evictions drive the demotions and a host hit promotes,
+  with exact block ids and host slots; swap preemption's copies out and back name exactly the
+  victim's blocks; a hypothesis state machine over the device + host tiers with the
+  invariants after every step.
+* The engine on the tiny model: outputs with the tier, with swap / recompute / auto
+  preemption, after a restart on the same ``kv_cache_dir``, and with a corrupt file are
+  token-identical to an unconstrained run; salts never cross tiers.
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from jaxkv import LLM, SamplingParams
+from jaxkv.cache import init_cache
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.kv_disk import DiskKVStore, KVCacheFileError, decode, encode, namespace
+from jaxkv.kv_spec import KVCacheSpec
+from jaxkv.kv_transfer import HostKVPool, block_units
+from jaxkv.offload import NO_SLOT, HostTier, SwapCostModel
+from jaxkv.prefix_cache import PrefixCache
+from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
+                             schedule, update, with_cost_model)
+from tiny_models import TINY_ENGINE
+
+# ---------------------------------------------------------------------------- HostTier
+
+
+def test_host_tier_lru_busy_and_deferred_slots():
+    host = HostTier(3)
+    assert [host.demote(k, b) for k, b in (("a", 7), ("b", 8), ("c", 9))] == [
+        (7, 0, "a"), (8, 1, "b"), (9, 2, "c")]
+    assert host.demote("a", 5) is None            # already held: now most recently used
+    host.begin_plan()
+    assert host.find("b") == 1                    # busy this plan
+    assert host.demote("d", 4) == (4, 2, "d")     # evicts "c": "b" is busy, "a" is newer
+    assert "c" not in host and host.find("c") is None
+    assert host.demote("e", 3) == (3, 0, "e")     # then "a"'s slot; never the busy "b"
+    assert host.demote("f", 2) is None            # "d", "e" are written by this plan
+    assert "a" not in host and "b" in host
+    host.check_invariants()
+    host.begin_plan()
+    assert host.demote("g", 1) == (1, 1, "g")     # "b" is evictable again next plan (LRU)
+    host.check_invariants()
+    full = HostTier(1)
+    full.demote("x", 1)
+    full.begin_plan()
+    full.find("x")
+    assert full.demote("y", 2) is None            # the only slot is busy: not demoted
+
+
+def test_host_tier_swapped_slots_are_never_evicted_and_free_only_next_plan():
+    host = HostTier(4)
+    host.demote("p", 1)
+    host.begin_plan()
+    ops = host.swap_out("r", (5, 0, 6))           # a dropped (null) entry needs no slot
+    assert ops == ((5, 1, None), (6, 2, None))
+    assert host.swapped("r") == (1, NO_SLOT, 2)
+    assert host.swap_out("q", (7, 8, 9)) is None  # 1 free + "p" < 3: nothing changes
+    assert host.swapped("q") is None and "p" in host
+    assert host.available() == 2 and host.num_swapped_blocks == 2
+    host.begin_plan()
+    assert host.swap_in("r") == (1, NO_SLOT, 2)
+    assert host.num_free_slots == 1               # slots 1, 2 are read by this plan's swap-ins
+    assert host.demote("x", 3) == (3, 3, "x")
+    assert host.demote("y", 4) == (4, 0, "y")     # "p"'s slot (LRU), not 1 or 2
+    assert host.demote("z", 5) is None            # "x", "y" are written by this plan
+    assert "p" not in host
+    host.check_invariants()
+    host.begin_plan()
+    assert host.num_free_slots == 2
+    host.swap_out("s", (1,))
+    with pytest.raises(ValueError, match="request_id='s' is already swapped out"):
+        host.swap_out("s", (1,))
+
+
+def test_cost_model_prefers_recompute_until_measured():
+    cost = SwapCostModel(block_bytes=1000)
+    assert not cost.prefers_swap(4, 10_000)
+    cost = dataclasses.replace(cost, d2h_bytes_per_s=1e6, h2d_bytes_per_s=1e6,
+                               prefill_tokens_per_s=1000.0)
+    assert cost.swap_seconds(4) == pytest.approx(0.008, rel=1e-9)
+    assert cost.prefers_swap(4, 9) and not cost.prefers_swap(4, 8)
+
+
+# ---------------------------------------------------------------------------- units
+
+
+def _random_cache(spec, seed=0):
+    leaves, tree = jax.tree_util.tree_flatten(init_cache(spec))
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, leaf in enumerate(leaves):
+        k = jax.random.fold_in(key, i)
+        if leaf.dtype == jnp.bool_:
+            out.append(jax.random.bernoulli(k, 0.5, leaf.shape))
+        elif jnp.issubdtype(leaf.dtype, jnp.floating):
+            out.append(jax.random.normal(k, leaf.shape).astype(leaf.dtype))
+        else:
+            out.append(jax.random.randint(k, leaf.shape, 0, 100).astype(leaf.dtype))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@pytest.mark.parametrize("fmt,bounds", [("fp32", False), ("bf16", True), ("fp8_e4m3", False),
+                                        ("int8", True), ("int4", False), ("int2", False)])
+def test_block_units_round_trip_bit_exact(fmt, bounds):
+    kivi = fmt in ("int4", "int2")
+    spec = KVCacheSpec(num_layers=2, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8,
+                       dtype="float32", kv_cache_dtype=fmt, key_bounds=bounds,
+                       num_residual_slots=5)
+    cache = _random_cache(spec)
+    pool = HostKVPool(cache, 6)
+    src, slots, dst = [3, 5, 7], [4, 0, 2], [1, 2, 8]
+    before = [np.asarray(a) for a in block_units(cache, jnp.asarray(src))]
+    untouched = [np.asarray(a) for a in block_units(cache, jnp.asarray([4, 6]))]
+    pool.swap_out(cache, src, slots)
+    pool.finish()
+    cache = pool.swap_in(cache, slots, dst)
+    after = [np.asarray(a) for a in block_units(cache, jnp.asarray(dst))]
+    assert len(before) == len(after) > 0
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(untouched, block_units(cache, jnp.asarray([4, 6]))):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    if kivi:   # swapped-in blocks are read from their codes
+        assert all(int(p.res_slot[b]) == 0 for p in cache.k for b in dst)
+
+
+# ---------------------------------------------------------------------------- scheduler
+
+
+def _configs(num_blocks, host_blocks, *, mode="recompute", prefix="hash", budget=64, seqs=4):
+    return (CacheConfig(block_size=4, num_blocks=num_blocks, prefix_caching=prefix,
+                        host_blocks=host_blocks, preemption_mode=mode),
+            SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=32))
+
+
+def _req(rid, prompt, max_tokens=1, salt=None):
+    return Request(request_id=rid, prompt_token_ids=tuple(prompt), cache_salt=salt,
+                   stop=StopSpec(max_tokens=max_tokens))
+
+
+def _step(state, sc):
+    state, plan = schedule(state, sc)
+    check_invariants(state, sc)
+    state = update(state, plan, [1] * len(plan.seqs))
+    check_invariants(state, sc)
+    return state, plan
+
+
+def _keys(tokens, salt=None, bs=4):
+    pc = PrefixCache(bs)
+    key, out = pc.root(salt), []
+    for i in range(len(tokens) // bs):
+        key = pc.key(key, tuple(tokens[i * bs:(i + 1) * bs]))
+        out.append(key)
+    return out
+
+
+def test_evictions_demote_and_a_host_hit_promotes_with_exact_ids():
+    cc, sc = _configs(num_blocks=9, host_blocks=4)
+    a, b = list(range(100, 113)), list(range(200, 229))
+    ka, kb = _keys(a), _keys(b)
+    state = add_request(init_state(cc), _req("a", a), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].block_table == (1, 2, 3, 4) and not plan.swap_out
+    # free queue now 4 5 6 7 8 3 2 1 (a's cached blocks at the tail, reused last)
+    state = add_request(state, _req("b", b), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].block_table == (4, 5, 6, 7, 8, 3, 2, 1)
+    assert plan.swap_out == ((3, 0, ka[2]), (2, 1, ka[1]), (1, 2, ka[0]))
+    assert plan.num_hit_tokens == 0
+    # free queue 1 2 3 8 7 6 5 4 (b's partial last block 1 first); a again: host hits
+    state = add_request(state, _req("a2", a), sc)
+    state, plan = _step(state, sc)
+    (seq,) = plan.seqs
+    assert seq.block_table == (1, 2, 3, 8) and seq.start_pos == 12
+    assert plan.swap_in == ((2, 1), (1, 2), (0, 3))
+    assert plan.num_hit_tokens == plan.num_host_hit_tokens == 12
+    # reusing b's cached blocks 2, 3, 8: one free host slot; a's slots are busy this plan
+    assert plan.swap_out == ((2, 3, kb[6]),)
+    # the promoted blocks are in the device prefix cache now
+    pc = state.block_manager.prefix_cache
+    assert [pc.key_of_block(blk) for blk in (1, 2, 3)] == ka
+
+
+def test_salts_never_hit_each_others_host_blocks():
+    cc, sc = _configs(num_blocks=9, host_blocks=8)
+    a = list(range(100, 113))
+    state = add_request(init_state(cc), _req("a", a, salt="t1"), sc)
+    state, _ = _step(state, sc)
+    state = add_request(state, _req("b", range(200, 229)), sc)
+    state, plan = _step(state, sc)
+    assert len(plan.swap_out) == 3
+    state = add_request(state, _req("a-other-tenant", a, salt="t2"), sc)
+    state, plan = _step(state, sc)
+    assert plan.num_hit_tokens == 0 and not plan.swap_in
+    state = add_request(state, _req("a-same-tenant", a, salt="t1"), sc)
+    state, plan = _step(state, sc)
+    assert plan.num_host_hit_tokens == 12
+
+
+def test_swap_preemption_moves_exactly_the_victims_blocks():
+    cc, sc = _configs(num_blocks=7, host_blocks=8, mode="swap", prefix=None)
+    state = add_request(init_state(cc), _req("a", range(10, 17), max_tokens=10), sc)
+    state = add_request(state, _req("b", range(20, 27), max_tokens=10), sc)
+    tables, swapped_out = {}, None
+    for _ in range(40):
+        if not state.requests:
+            break
+        before = state
+        state, plan = schedule(state, sc)
+        check_invariants(state, sc)
+        if plan.swapped_ids:
+            (victim,) = plan.swapped_ids
+            table = before.block_manager.block_table(victim)
+            slots = state.host.swapped(victim)
+            assert plan.swap_out == tuple((blk, s, None) for blk, s in zip(table, slots))
+            assert state.requests[victim].swapped_tokens == before.requests[
+                victim].num_computed_tokens
+            swapped_out = (victim, slots, before.requests[victim].num_computed_tokens)
+        if plan.swap_in:
+            victim, slots, computed = swapped_out
+            (seq,) = [s for s in plan.seqs if s.request_id == victim]
+            assert seq.start_pos == computed
+            assert plan.swap_in == tuple(zip(slots, seq.block_table))
+            tables[victim] = seq.block_table
+        state = update(state, plan, [1] * len(plan.seqs))
+        check_invariants(state, sc)
+    assert swapped_out is not None and tables
+    assert not state.requests and state.host.num_free_slots == 8
+
+
+def test_aborting_a_swapped_request_frees_its_host_slots():
+    cc, sc = _configs(num_blocks=7, host_blocks=8, mode="swap", prefix=None)
+    state = add_request(init_state(cc), _req("a", range(10, 17), max_tokens=10), sc)
+    state = add_request(state, _req("b", range(20, 27), max_tokens=10), sc)
+    while True:
+        state, plan = schedule(state, sc)
+        state = update(state, plan, [1] * len(plan.seqs))
+        if plan.swapped_ids:
+            break
+    (victim,) = plan.swapped_ids
+    assert state.host.swapped(victim) is not None
+    state = abort(state, victim)
+    check_invariants(state, sc)
+    assert state.host.num_swapped_blocks == 0
+
+
+def test_auto_mode_follows_the_cost_model():
+    cc, sc = _configs(num_blocks=7, host_blocks=8, mode="auto", prefix=None)
+    for rates, expect_swap in (((1e9, 1e9, 1.0), True), ((1.0, 1.0, 1e9), False)):
+        state = init_state(cc)
+        state = with_cost_model(state, SwapCostModel(1000, *rates))
+        state = add_request(state, _req("a", range(10, 17), max_tokens=10), sc)
+        state = add_request(state, _req("b", range(20, 27), max_tokens=10), sc)
+        preempted = swapped = 0
+        while state.requests:
+            state, plan = schedule(state, sc)
+            check_invariants(state, sc)
+            preempted += len(plan.preempted_ids)
+            swapped += len(plan.swapped_ids)
+            state = update(state, plan, [1] * len(plan.seqs))
+        assert preempted > 0 and swapped == (preempted if expect_swap else 0)
+
+
+class TieredMachine(RuleBasedStateMachine):
+    """Random adds (shared prefixes, two salts), aborts and steps over a small device pool and
+    a smaller host tier, swap or recompute preemption; invariants after every step, and a
+    shadow copy of every block's content: a hit (device or host) must give exactly the KV the
+    prompt's tokens would have computed."""
+
+    @initialize(mode=st.sampled_from(["swap", "recompute", "auto"]),
+                prefix=st.sampled_from(["hash", "radix"]), host=st.integers(1, 6))
+    def setup(self, mode, prefix, host):
+        self.cc, self.sc = _configs(num_blocks=9, host_blocks=host, mode=mode, prefix=prefix,
+                                    budget=12, seqs=3)
+        self.state = with_cost_model(init_state(self.cc), SwapCostModel(1, 1e9, 1e9, 1.0))
+        self.device = {}   # block -> tuple of the tokens whose KV it holds (by position)
+        self.host = {}     # slot -> the same
+        self.n = 0
+
+    @rule(base=st.integers(0, 2), extra=st.integers(1, 12), max_tokens=st.integers(1, 6),
+          salt=st.sampled_from([None, "s"]))
+    def add(self, base, extra, max_tokens, salt):
+        prompt = tuple(range(base * 50, base * 50 + 8)) + tuple(
+            range(1000 + self.n, 1000 + self.n + extra))
+        self.state = add_request(self.state, _req(f"r{self.n}", prompt, max_tokens, salt), self.sc)
+        self.n += 1
+
+    @rule(data=st.data())
+    def abort_one(self, data):
+        if self.state.requests:
+            rid = data.draw(st.sampled_from(sorted(self.state.requests)))
+            self.state = abort(self.state, rid)
+
+    @rule()
+    def step(self):
+        state, plan = schedule(self.state, self.sc)
+        bs = self.cc.block_size
+        for block, slot, _ in plan.swap_out:            # 1. out
+            self.host[slot] = self.device.get(block)
+        for slot, block in plan.swap_in:                # 3. in (no disk here)
+            self.device[block] = self.host[slot]
+        for src, dst in plan.copy_ops:
+            self.device[dst] = self.device.get(src)
+        for seq in plan.seqs:   # what the step reads must be what these tokens compute
+            rs = state.requests[seq.request_id]
+            salt = rs.request.cache_salt
+            for j in range(seq.start_pos // bs):
+                want = (salt, rs.token_ids(0, (j + 1) * bs))
+                blk = seq.block_table[j]
+                assert self.device.get(blk) == want, (seq.request_id, j, blk)
+            for j in range(seq.start_pos // bs, (seq.start_pos + len(seq.token_ids) - 1) // bs + 1):
+                end = min((j + 1) * bs, seq.start_pos + len(seq.token_ids))
+                blk = seq.block_table[j]
+                self.device[blk] = (salt, rs.token_ids(0, end)) if end % bs == 0 else None
+        self.state = update(state, plan, [7] * len(plan.seqs))
+
+    @invariant()
+    def consistent(self):
+        check_invariants(self.state, self.sc)
+
+
+TieredMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+                                           deadline=None)
+test_tiered_state_machine = TieredMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- engine
+
+ENGINE = dict(TINY_ENGINE, num_kv_blocks=24, max_model_len=128)
+PROMPTS = [list(range(5 + 7 * i, 65 + 7 * i)) for i in range(6)]
+
+
+def _run(path, rounds=2, salts=(None,), **kw):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(path), **dict(ENGINE, **kw)) as llm:
+        outs = []
+        for _ in range(rounds):
+            for salt in salts:
+                reqs = [{"prompt_token_ids": p} for p in PROMPTS]
+                outs += [o.outputs[0].token_ids for o in llm.generate(
+                    reqs, params, use_tqdm=False, cache_salt=salt)]
+                llm.engine.check_invariants()
+    return outs, llm.engine.stats()   # after close: its writes to disk counted
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return _run(tiny[0], num_kv_blocks=200)[0]
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
+def test_host_tier_outputs_equal_and_fewer_tokens_are_recomputed(tiny, reference, kv):
+    base, s0 = _run(tiny[0], kv_cache_dtype=kv)
+    tier, s1 = _run(tiny[0], kv_cache_dtype=kv, kv_offload_bytes=4 << 20)
+    if kv == "fp32":
+        assert base == tier == reference
+    else:
+        assert tier == base
+    assert s1["prefix_cache_hits_host"] > 0
+    assert s1["num_computed_tokens"] < s0["num_computed_tokens"]
+    assert s1["prefix_cache_hits"] > s0["prefix_cache_hits"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_preemption_modes_give_identical_tokens(tiny, reference, mode):
+    outs, stats = _run(tiny[0], kv_offload_bytes=4 << 20, preemption_mode=mode,
+                       prefix_caching=None)
+    assert outs == reference
+    assert stats["num_preemptions"] > 0
+    if mode == "recompute":
+        assert stats["num_swap_preemptions"] == 0
+    if mode == "swap":
+        assert stats["num_swap_preemptions"] == stats["num_preemptions"]
+
+
+def test_kivi_swap_is_refused_and_auto_recomputes(tiny):
+    with pytest.raises(ValueError, match="preemption_mode='swap'.*int4"):
+        LLM(str(tiny[0]), **dict(ENGINE, kv_cache_dtype="int4", kv_offload_bytes=4 << 20,
+                                 preemption_mode="swap"))
+    _, stats = _run(tiny[0], rounds=1, kv_cache_dtype="int4", kv_offload_bytes=4 << 20,
+                    prefix_caching=None)
+    assert stats["num_preemptions"] > 0 and stats["num_swap_preemptions"] == 0
+
+
+def test_restart_hits_the_persistent_cache_and_refuses_a_corrupt_file(tiny, reference, tmp_path):
+    first, s1 = _run(tiny[0], rounds=1, kv_offload_bytes=4 << 20, kv_cache_dir=str(tmp_path))
+    assert first == reference[:len(first)]
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert s1["kv_disk_written"] == len(files) > 0
+    # a restarted engine (fresh device pool and host tier) finds them on disk
+    again, s2 = _run(tiny[0], rounds=1, kv_offload_bytes=4 << 20, kv_cache_dir=str(tmp_path))
+    assert again == first
+    assert s2["prefix_cache_hits_disk"] > 0 and s2["kv_disk_refused"] == 0
+    # truncate every file: each is refused (logged, moved aside), the engine still serves
+    for f in tmp_path.rglob("*.kvb"):
+        f.write_bytes(f.read_bytes()[:100])
+    third, s3 = _run(tiny[0], rounds=1, kv_offload_bytes=4 << 20, kv_cache_dir=str(tmp_path))
+    assert third == first
+    assert s3["prefix_cache_hits_disk"] == 0 and s3["kv_disk_refused"] > 0
+    assert list(tmp_path.rglob("*.corrupt"))
+
+
+def test_persistent_cache_salt_isolation(tiny, tmp_path):
+    _run(tiny[0], rounds=1, salts=("t1",), kv_offload_bytes=4 << 20, kv_cache_dir=str(tmp_path))
+    _, other = _run(tiny[0], rounds=1, salts=("t2",), kv_offload_bytes=4 << 20,
+                    kv_cache_dir=str(tmp_path))
+    assert other["prefix_cache_hits_disk"] == 0
+    _, same = _run(tiny[0], rounds=1, salts=("t1",), kv_offload_bytes=4 << 20,
+                   kv_cache_dir=str(tmp_path))
+    assert same["prefix_cache_hits_disk"] > 0
+
+
+def test_block_file_checks_name_the_file_and_the_fault(tmp_path):
+    ns, other = namespace(model="a"), namespace(model="b")
+    row = np.arange(64, dtype=np.uint8)
+    data = encode(ns, 42, row)
+    np.testing.assert_array_equal(decode(data, ns, 42, 64, "f.kvb"), row)
+    faults = {"truncated": data[:20], "not a jaxkv KV block file": b"X" * len(data),
+              "another model": encode(other, 42, row), "holds key 42, expected 43": data,
+              "checksum mismatch": data[:-40] + bytes([data[-40] ^ 1]) + data[-39:],
+              "64-byte payload": encode(ns, 42, np.zeros(65, np.uint8))}
+    for why, blob in faults.items():
+        key = 43 if "expected 43" in why else 42
+        with pytest.raises(KVCacheFileError, match=f"f.kvb: .*{why}"):
+            decode(blob, ns, key, 64, "f.kvb")
+    store = DiskKVStore(tmp_path, ns, 64)
+    store.store(7, row)
+    assert DiskKVStore(tmp_path, ns, 64).load(7) is not None          # a new process sees it
+    (tmp_path / ns.hex()[:32] / "7.kvb").write_bytes(b"garbage")
+    fresh = DiskKVStore(tmp_path, ns, 64)
+    assert fresh.load(7) is None and fresh.num_refused == 1 and 7 not in fresh
+    assert DiskKVStore(tmp_path, other, 64).load(7) is None           # another namespace
+    assert not os.path.exists(tmp_path / ns.hex()[:32] / "7.kvb")
+
+
+def test_bad_offload_arguments_are_refused(tiny):
+    with pytest.raises(ValueError, match="kv_cache_dir=.*needs kv_offload_bytes"):
+        LLM(str(tiny[0]), **dict(ENGINE, kv_cache_dir="/tmp/x"))
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs kv_offload_bytes"):
+        LLM(str(tiny[0]), **dict(ENGINE, preemption_mode="swap"))
+    with pytest.raises(ValueError, match="kv_offload_bytes=10 holds no block"):
+        LLM(str(tiny[0]), **dict(ENGINE, kv_offload_bytes=10))

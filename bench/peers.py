@@ -519,9 +519,20 @@ def main():
         snap = jaxkv_snapshot(work) if "jaxkv" in engines else None
         for e in engines:
             result["engines"][e] = run_engine(a, e, workloads, work, snap)
+            finish(result, a.out, final=False)     # what is done so far survives a kill
     result["load_end"] = loadavg()
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    table = finish(result, a.out, final=True)
+    print(table)
+    print(f"\nload: start {result['load_start']}, end {result['load_end']}; "
+          f"jaxkv {commit[:10]}; written {a.out}")
 
+
+def finish(raw: dict, out: str, final: bool) -> str:
+    """Summaries, agreement with jaxkv and the ratios of ``raw`` (left as it is), written to
+    ``out`` without the token lists; returns the markdown table."""
+    result = json.loads(json.dumps(raw))
+    result["complete"] = final
     ref = result["engines"].get("jaxkv")
     for name, e in result["engines"].items():
         if "error" in e:
@@ -535,7 +546,7 @@ def main():
                 r["agreement_vs_jaxkv"] = agreement(r["outputs"], ref["workloads"][w]["outputs"])
     result["ratios"] = {}
     if ref and "error" not in ref:
-        for w in wls:
+        for w in result["workload_names"]:
             jx = ref["workloads"][w]["summary"]["median"]
             for cls in ("fp32", "bf16"):
                 cands = {n: e["workloads"][w]["summary"]["median"]
@@ -551,11 +562,9 @@ def main():
             r.pop("outputs", None)
     table = summarize(result)
     result["markdown"] = table
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(table)
-    print(f"\nload: start {result['load_start']}, end {result['load_end']}; "
-          f"jaxkv {commit[:10]}; written {a.out}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1))
+    return table
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Passkey retrieval (needle in a haystack) on SmolLM2-135M: full cache, StreamingLLM and Quest,
-accuracy against the KV bytes one decode step reads.
+"""Passkey retrieval (needle in a haystack) on SmolLM2-135M: full cache, StreamingLLM, Quest, H2O,
+SnapKV and random eviction, accuracy against the KV bytes one decode step reads.
 
     python bench/passkey.py --out bench/results/passkey.json [--lengths 4096 7680] [--runs full/int4 quest-512/int4 ...]
 
@@ -14,8 +14,23 @@ tokens; a prompt counts as retrieved when the first number in the output is the 
 Configurations (``--configs``, each one engine): ``full`` (dense), ``streaming-B``
 (``kv_retention="streaming"``, 4 sinks + a window of B - 4 positions: the prefill too sees only
 that), ``quest-B`` (``sparse_attention="quest"``, budget B tokens with 4 sinks and 32 recent
-positions forced; prefill dense, every decode token attends to its B-token selection), each in
-fp32 and int4 (KIVI) KV.
+positions forced; prefill dense, every decode token attends to its B-token selection),
+``h2o-B`` / ``random-B`` (``kv_retention="h2o"`` / ``"random"``, ``kv_budget_tokens=B``: 4
+sinks, a recent window of B / 2, the rest heavy hitters / random blocks; prefill dense, eviction
+from the first decode on), ``snapkv-B`` (``kv_retention="snapkv"``: the prompt compressed once, at
+the end of prefill, to B tokens: 4 sinks, the 32-token observation window, the blocks its
+attention ranks highest; question-aware, as the window ends the prompt, which ends with the
+question; run one sequence at a time so the prompt's last chunk holds the whole window), each
+in fp32 and int4 (KIVI) KV.
+
+Teacher-forced configurations (``tf-KIND[-B]``, KIND one of ``full``, ``snapkv``,
+``snapkv_agnostic``, ``h2o``, ``random``) run ``jaxkv.eval.retained_nll`` on the prompt followed
+by the key's tokens (`` NNNNN``); a prompt counts as retrieved when the argmax at every key
+position is the key's token (greedy would write exactly the key). ``snapkv_agnostic`` is SnapKV
+with the observation window placed *before* the question: the prompt phase is the instruction
+and haystack only (its last 32 tokens score the blocks), compressed to B, then the question and
+the key are fed through the compressed cache; ``snapkv`` here is the question-aware variant on
+the same footing (prompt phase = the whole prompt).
 
 KV bytes read per decode step are counted analytically at the prompt's length L, per layer and
 kv head, from the pool's exact array sizes (``KVCacheSpec.block_arrays``: codes, scales, zero
@@ -23,6 +38,8 @@ points), summed over layers and kv heads:
 
     full       cdiv(L, bs) pages x page bytes (K + V)
     streaming  the pages holding the 4 sinks and the last B - 4 positions x page bytes
+    h2o, random, snapkv   min(B // bs, cdiv(L, bs)) pages x page bytes (the budget's pages:
+               SnapKV's compressed prompt; the few generated tokens' page not counted)
     quest      cdiv(L, bs) x score bytes  +  min(budget pages, cdiv(L, bs)) x the rest of a
                page's bytes (score bytes: kmin/kmax f32 per channel, 2 x 4 D, beside a
                float pool's page; for a KIVI pool its own per-channel K scale and zero point,
@@ -46,7 +63,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv import LLM, SamplingParams
+from jaxkv.eval import retained_nll
 from jaxkv.kv_spec import KVCacheSpec
+from jaxkv.retention import FullRetention, H2ORetention, RandomRetention, SnapKVRetention
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -54,6 +73,12 @@ SINKS, RECENT, BLOCK = 4, 32, 16
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about the important information there.\n\n")
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+RETAINED = ("h2o", "snapkv", "random")
+TF_POLICIES = dict(full=lambda b: FullRetention(),
+                   h2o=lambda b: H2ORetention(budget_tokens=b, sink_tokens=SINKS),
+                   random=lambda b: RandomRetention(budget_tokens=b, sink_tokens=SINKS),
+                   snapkv=lambda b: SnapKVRetention(budget_tokens=b, sink_tokens=SINKS),
+                   snapkv_agnostic=lambda b: SnapKVRetention(budget_tokens=b, sink_tokens=SINKS))
 
 
 def filler_ids(tokenizer, seed: int, n: int) -> list[int]:
@@ -99,6 +124,8 @@ def bytes_read(spec: KVCacheSpec, num_layers: int, kind: str, budget: int, lengt
     bs, pages = spec.block_size, -(-length // spec.block_size)
     if kind == "full":
         n = pages * page
+    elif kind in RETAINED or kind == "snapkv_agnostic":
+        n = min(budget // bs, pages) * page
     elif kind == "streaming":
         window = set(range(max(length - (budget - SINKS), 0) // bs, pages))
         n = len(window | set(range(-(-SINKS // bs)))) * page
@@ -120,12 +147,13 @@ def table(results: dict) -> str:
              "decode step | vs full, same KV | vs full fp32 | vs full bf16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for tag, r in results.items():
-        kind, _, budget = r["config"].partition("-")
+        kind, _, budget = r["config"].removeprefix("tf-").partition("-")
         spec = smollm2_spec(r["kv"], kind == "quest")
         n = bytes_read(spec, 30, kind, int(budget or 0), r["length"])
         full = bytes_read(smollm2_spec(r["kv"], False), 30, "full", 0, r["length"])
         f32 = bytes_read(smollm2_spec("fp32", False), 30, "full", 0, r["length"])
-        ref = results.get(f"{r['length']}/full/{r['kv']}")
+        full_tag = "tf-full" if r["config"].startswith("tf-") else "full"
+        ref = results.get(f"{r['length']}/{full_tag}/{r['kv']}")
         rel = f"{r['accuracy'] / ref['accuracy']:.0%}" if ref and ref["accuracy"] else "-"
         lines.append(f"| {r['length']} | {r['config']} | {r['kv']} | "
                      f"{sum(x['ok'] for x in r['rows'])}/{len(r['rows'])} | {rel} | "
@@ -142,7 +170,30 @@ def engine_args(name: str, kv: str, max_len: int) -> dict:
     elif kind == "quest":
         kw.update(sparse_attention="quest", sparse_budget_tokens=int(budget),
                   sparse_recent_tokens=RECENT)
+    elif kind in RETAINED:
+        kw.update(kv_retention=kind, kv_budget_tokens=int(budget))
+        if kind == "snapkv":   # one prompt at a time: its last chunk is a whole 2,048-token one
+            kw.update(max_num_seqs=1)
     return kw
+
+
+def teacher_forced(llm, name: str, kv: str, cases) -> list[dict]:
+    """Rows of a ``tf-KIND[-B]`` configuration (see the module docstring) over ``cases``:
+    (depth, seed, prompt ids, key)."""
+    kind, _, budget = name.removeprefix("tf-").partition("-")
+    policy = TF_POLICIES[kind](int(budget or 0))
+    policy.check_block_size(BLOCK, 1 if kv in ("int4", "int2") else 0)
+    question = len(llm.tokenizer.encode(QUESTION, add_special_tokens=False))
+    rows = []
+    for depth, seed, ids, key in cases:
+        answer = llm.tokenizer.encode(" " + key, add_special_tokens=False)
+        prompt = len(ids) - (question if kind == "snapkv_agnostic" else 0)
+        res = retained_nll(llm.engine.runner, ids + answer, retention=policy,
+                           kv_cache_dtype=kv, chunk=1, prompt_tokens=prompt)
+        got = res.argmax[len(ids) - 1:len(ids) - 1 + len(answer)].tolist()
+        rows.append(dict(depth=depth, seed=seed, key=key, argmax=got, ok=got == answer,
+                         key_nll=float(res.nll[len(ids) - 1:].mean())))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -168,22 +219,27 @@ def main(argv=None) -> int:
             tag = f"{length}/{name}/{kv}"
             if tag in results:
                 continue
-            kw = engine_args(name, kv, length + 16)
+            tf = name.startswith("tf-")
+            kw = engine_args("full" if tf else name, kv, length + 16)
             t0 = time.perf_counter()
             with LLM(**kw) as llm:
                 cases = [(d, s, *passkey_prompt(llm.tokenizer, length, d, s))
                          for d in DEPTHS for s in range(args.seeds)]
-                outs = llm.generate([dict(prompt_token_ids=ids) for *_, ids, _ in cases],
-                                    SamplingParams(max_tokens=8, temperature=0.0),
-                                    use_tqdm=False)
+                if tf:
+                    rows = teacher_forced(llm, name, kv, cases)
+                else:
+                    outs = llm.generate([dict(prompt_token_ids=ids) for *_, ids, _ in cases],
+                                        SamplingParams(max_tokens=8, temperature=0.0),
+                                        use_tqdm=False)
                 spec, layers = llm.engine.runner.kv_spec, llm.model_config.num_layers
-            rows = []
-            for (depth, seed, ids, key), out in zip(cases, outs):
-                text = out.outputs[0].text
-                found = re.search(r"\d+", text)
-                rows.append(dict(depth=depth, seed=seed, key=key, text=text,
-                                 ok=bool(found and found.group() == key)))
-            kind, _, budget = name.partition("-")
+            if not tf:
+                rows = []
+                for (depth, seed, ids, key), out in zip(cases, outs):
+                    text = out.outputs[0].text
+                    found = re.search(r"\d+", text)
+                    rows.append(dict(depth=depth, seed=seed, key=key, text=text,
+                                     ok=bool(found and found.group() == key)))
+            kind, _, budget = name.removeprefix("tf-").partition("-")
             results[tag] = dict(
                 length=length, config=name, kv=kv, rows=rows,
                 accuracy=float(np.mean([r["ok"] for r in rows])),

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +68,7 @@ def _sequence_cache(runner, num_blocks: int, kv_cache_dtype: str, cache_options:
                                   **cache_options))
 
 
+@lru_cache(maxsize=16)   # one compiled function per (model, impl, options)
 def _make_chunk_fn(config, attention_impl: str, attention_options=None):
     @partial(jax.jit, donate_argnums=1)
     def run(params, cache, token_ids, targets, positions, slots, block_table, seq_len):
@@ -80,9 +81,8 @@ def _make_chunk_fn(config, attention_impl: str, attention_options=None):
                                        attention_options=attention_options)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]     # [T]
-        if mass:   # a retention policy's scores: [max_blocks] attention mass per block
-            return cache, nll, mass[0][0]
-        return cache, nll, jnp.argmax(logits, axis=-1)                       # [T], [T]
+        # a retention policy's scores: [max_blocks] attention mass per block (else None)
+        return cache, nll, jnp.argmax(logits, axis=-1), mass[0][0] if mass else None
 
     return run
 
@@ -134,10 +134,10 @@ def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
         first_scored = 0 if w == 0 else context - stride
         for a in range(0, context, chunk):
             pos = np.arange(a, a + chunk, dtype=np.int32)
-            cache, nll, _ = run(runner.params, cache, jnp.asarray(ids[start + pos]),
-                             jnp.asarray(ids[start + pos + 1]), jnp.asarray(pos),
-                             jnp.asarray(table[pos // bs] * bs + pos % bs), table,
-                             jnp.int32(a + chunk))
+            cache, nll, _, _ = run(runner.params, cache, jnp.asarray(ids[start + pos]),
+                                   jnp.asarray(ids[start + pos + 1]), jnp.asarray(pos),
+                                   jnp.asarray(table[pos // bs] * bs + pos % bs), table,
+                                   jnp.int32(a + chunk))
             keep = pos >= first_scored
             if keep.any():
                 total += float(np.asarray(nll, np.float64)[keep].sum())
@@ -156,12 +156,14 @@ class RetainedNLL:
 
     Attributes:
       nll: f64 [N - 1]: ``nll[i]`` = -log p(token i + 1 | the KV the policy kept at token i).
+      argmax: int32 [N - 1]: the most likely token after token i under the same KV.
       peak_blocks: most pool blocks the sequence held at once (the null block not counted).
       pool_blocks: blocks the pool was allocated with (the policy's bound; null block excluded).
       seconds: wall time.
     """
 
     nll: np.ndarray
+    argmax: np.ndarray
     peak_blocks: int
     pool_blocks: int
     seconds: float
@@ -208,12 +210,12 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     c, bs = runner.model_config, runner.cache_config.block_size
     if not 0 <= prompt_tokens < n:
         raise ValueError(f"prompt_tokens={prompt_tokens} must be in [0, {n})")
-    held = retention.max_blocks(n, chunk, bs, prompt_tokens)
+    held = retention.max_blocks(n, max(chunk, prompt_tokens), bs, prompt_tokens)
     bm = BlockManager(held + 1, bs)
     cache = _sequence_cache(runner, held, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, runner.attention_impl, retention.attention)
     width = -(-n // bs)
-    nll, peak = np.empty(n), 0
+    nll, argmax, peak = np.empty(n), np.empty(n, np.int32), 0
     scores = np.zeros(width)
     t0 = time.perf_counter()
     starts = ([0] if prompt_tokens else []) + list(range(prompt_tokens, n, chunk))
@@ -230,14 +232,15 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
         kept = bm.block_table("text")
         table[:len(kept)] = kept
         pos = np.arange(a, b, dtype=np.int32)
-        cache, out, mass = run(runner.params, cache, jnp.asarray(ids[pos]),
-                               jnp.asarray(ids[pos + 1]), jnp.asarray(pos),
-                               jnp.asarray(table[pos // bs] * bs + pos % bs), jnp.asarray(table),
-                               jnp.int32(b))
+        cache, out, top, mass = run(runner.params, cache, jnp.asarray(ids[pos]),
+                                    jnp.asarray(ids[pos + 1]), jnp.asarray(pos),
+                                    jnp.asarray(table[pos // bs] * bs + pos % bs),
+                                    jnp.asarray(table), jnp.int32(b))
         nll[a:b] = np.asarray(out, np.float64)
+        argmax[a:b] = np.asarray(top)
         if retention.observe:
             scores += np.asarray(mass, np.float64)
-    return RetainedNLL(nll=nll, peak_blocks=peak, pool_blocks=held,
+    return RetainedNLL(nll=nll, argmax=argmax, peak_blocks=peak, pool_blocks=held,
                        seconds=time.perf_counter() - t0)
 
 
@@ -292,9 +295,10 @@ def token_agreement(runner, prompt_ids, reference_ids, *, kv_cache_dtype: str,
     argmax = []
     for a, b in steps:
         pos = np.arange(a, b, dtype=np.int32)
-        cache, _, top = run(runner.params, cache, jnp.asarray(ids[pos]),
-                            jnp.asarray(ids[np.minimum(pos + 1, len(ids) - 1)]), jnp.asarray(pos),
-                            jnp.asarray(table[pos // bs] * bs + pos % bs), table, jnp.int32(b))
+        cache, _, top, _ = run(runner.params, cache, jnp.asarray(ids[pos]),
+                               jnp.asarray(ids[np.minimum(pos + 1, len(ids) - 1)]),
+                               jnp.asarray(pos), jnp.asarray(table[pos // bs] * bs + pos % bs),
+                               table, jnp.int32(b))
         if b >= len(prompt):
             argmax.append(int(np.asarray(top)[-1]))
     same = np.asarray(argmax) == ref

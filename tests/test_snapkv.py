@@ -286,6 +286,7 @@ def test_retained_nll_prompt_phase(tiny):
             retained_nll(runner, ids, retention=SnapKVRetention(budget_tokens=48), chunk=4,
                          kv_cache_dtype="fp32")
     np.testing.assert_allclose(big.nll, full.nll, atol=1e-5)
+    np.testing.assert_array_equal(big.argmax, full.argmax)
     np.testing.assert_allclose(small.nll[:150], full.nll[:150], atol=1e-5)  # the prompt itself
     assert np.abs(small.nll[150:] - full.nll[150:]).max() > 1e-3
     assert small.peak_blocks <= small.pool_blocks == 19     # the prompt, computed whole first

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.config import CacheArgs
+from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
 from jaxkv.eval import retained_nll
 from jaxkv.retention import FullRetention, RandomRetention, SnapKVRetention, from_args
 from jaxkv.retention.snapkv import pool_blocks
+from jaxkv.scheduler import (Request, StopSpec, add_request, check_invariants, init_state,
+                             schedule, update)
 from tiny_models import TINY_ENGINE
 
 SNAP = dict(TINY_ENGINE, kv_retention="snapkv", kv_budget_tokens=48, kv_observation_tokens=16,
@@ -161,6 +163,42 @@ def test_from_args_and_bad_arguments():
         SnapKVRetention(budget_tokens=40, sink_tokens=4, window_tokens=17).check_block_size(8, 0)
     with pytest.raises(ValueError, match="kv_observation_tokens=16 must cover the KIVI"):
         SnapKVRetention(budget_tokens=256, window_tokens=16).check_block_size(16, 2)
+
+
+@pytest.mark.parametrize("policy", [
+    SnapKVRetention(budget_tokens=20, sink_tokens=2, window_tokens=6),
+    RandomRetention(budget_tokens=16, sink_tokens=0)], ids=["snapkv", "random"])
+def test_forks_and_preemption_keep_invariants(policy):
+    # the pure scheduler with synthetic block mass: forks, recompute preemption in a small
+    # pool, invariants after every schedule and update, every request finishing whole
+    cc = CacheConfig(block_size=4, num_blocks=14, retention=policy)
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=400)
+
+    def req(rid, prompt, **kw):
+        return Request(request_id=rid, prompt_token_ids=tuple(prompt),
+                       stop=StopSpec(max_tokens=30, ignore_eos=True), **kw)
+
+    state = init_state(cc)
+    for i in range(5):
+        state = add_request(state, req(f"r{i}", range(10 * i, 10 * i + 30)), sc)
+    state = add_request(state, req("r0#1", range(0, 30), fork_of="r0"), sc)
+    rng = np.random.default_rng(0)
+    preempted, dropped, done = 0, 0, {}
+    while state.requests:
+        state, plan = schedule(state, sc, {})
+        preempted += len(plan.preempted_ids)
+        check_invariants(state, sc)
+        dropped = max([dropped] + [sum(1 for b in state.block_manager.block_table(r) if b == 0)
+                                   for r in state.running])
+        width = max([len(s.block_table) for s in plan.seqs], default=1)
+        state = update(state, plan, [7] * len(plan.seqs),
+                       block_mass=rng.random((len(plan.seqs), width)))
+        check_invariants(state, sc)
+        done.update(state.finished)
+    assert (preempted > 0, dropped > 0) == (True, True)
+    assert sorted(done) == ["r0", "r0#1", "r1", "r2", "r3", "r4"]
+    assert all(len(rs.output_token_ids) == 30 for rs in done.values())
+    assert state.block_manager.num_free_blocks == 13
 
 
 # ---- through the engine -----------------------------------------------------------------------

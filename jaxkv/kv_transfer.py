@@ -7,8 +7,9 @@ bounds. On the host a unit is one contiguous uint8 row, the fields of every laye
     HostKVPool.rows  uint8 [num_slots, block_bytes]
         row = | k[0] page | v[0] page | k[1] page | ... | bounds[0].kmin | ... |
 
-Transfers go in batches, padded to a power of two (block 0, the null block, pads: its content
-is never read), so the two jitted functions compile a handful of times:
+Transfers go in batches padded to one of ``TRANSFER_BUCKETS`` blocks (block 0, the null block,
+pads: its content is never read; a longer list goes as several batches), so the two jitted
+functions compile three times each (``warmup``):
 
 * ``swap_out(cache, blocks, slots)``: one jitted gather of the blocks' units (a new array per
   field: the donated cache is never read by the copy), then ``copy_to_host_async`` on each;
@@ -101,9 +102,19 @@ def supports_swap(cache: PagedKVCache) -> bool:
     return not any(isinstance(p, QuantizedPages) and p.residual is not None for p in cache.k)
 
 
-def _pad(ids: Sequence[int]) -> np.ndarray:
-    n = 1 << (len(ids) - 1).bit_length()
-    out = np.zeros(n, np.int32)   # padding: the null block
+TRANSFER_BUCKETS = (8, 64, 512)   # blocks per jitted transfer
+
+
+def _batches(n: int):
+    """``(start, stop, padded size)`` of the batches that move ``n`` blocks."""
+    top = TRANSFER_BUCKETS[-1]
+    for start in range(0, n, top):
+        m = min(n - start, top)
+        yield start, start + m, next(b for b in TRANSFER_BUCKETS if b >= m)
+
+
+def _pad(ids: Sequence[int], size: int) -> np.ndarray:
+    out = np.zeros(size, np.int32)   # padding: the null block
     out[:len(ids)] = ids
     return out
 
@@ -134,12 +145,11 @@ class HostKVPool:
 
     def swap_out(self, cache: PagedKVCache, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Start copying device ``blocks`` into host ``slots`` (landed by ``finish``)."""
-        if not blocks:
-            return
-        units = _gather(cache, jnp.asarray(_pad(blocks)))
-        for a in units:
-            a.copy_to_host_async()
-        self._pending.append((np.asarray(slots), units))
+        for lo, hi, size in _batches(len(blocks)):
+            units = _gather(cache, jnp.asarray(_pad(blocks[lo:hi], size)))
+            for a in units:
+                a.copy_to_host_async()
+            self._pending.append((np.asarray(slots[lo:hi]), units))
         self.bytes_out += len(blocks) * self.block_bytes
 
     def pending_slots(self) -> set[int]:
@@ -164,18 +174,27 @@ class HostKVPool:
                 ) -> PagedKVCache:
         """The cache (donated) with device ``blocks`` set from host ``slots`` (a slot whose
         swap-out is still in flight is landed first)."""
-        if not blocks:
-            return cache
         if self.pending_slots() & {int(s) for s in slots}:
             self.finish()
-        ids = _pad(blocks)
-        rows = np.zeros((len(ids), self.block_bytes), np.uint8)
-        rows[:len(slots)] = self.rows[np.asarray(slots)]
-        units = [rows[:, lo:hi].copy().view(dtype).reshape(len(ids), *shape)
-                 for (shape, dtype), lo, hi in zip(self.fields, self.offsets[:-1],
-                                                   self.offsets[1:])]
+        for lo, hi, size in _batches(len(blocks)):
+            rows = np.zeros((size, self.block_bytes), np.uint8)
+            rows[:hi - lo] = self.rows[np.asarray(slots[lo:hi])]
+            units = [rows[:, a:b].copy().view(dtype).reshape(size, *shape)
+                     for (shape, dtype), a, b in zip(self.fields, self.offsets[:-1],
+                                                     self.offsets[1:])]
+            cache = _scatter(cache, jnp.asarray(_pad(blocks[lo:hi], size)),
+                             jax.device_put(units))
         self.bytes_in += len(blocks) * self.block_bytes
-        return _scatter(cache, jnp.asarray(ids), jax.device_put(units))
+        return cache
+
+    def warmup(self, cache: PagedKVCache) -> PagedKVCache:
+        """Compiles both transfers at every ``TRANSFER_BUCKETS`` size (null block onto itself,
+        through no host row); returns the cache."""
+        for size in TRANSFER_BUCKETS:
+            ids = jnp.zeros(size, jnp.int32)
+            units = _gather(cache, ids)
+            cache = _scatter(cache, ids, units)
+        return cache
 
     def measure(self, cache: PagedKVCache, num_blocks: int, repeats: int = 3
                 ) -> tuple[PagedKVCache, float, float]:

@@ -386,7 +386,8 @@ class ModelRunner:
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
         with speculative decoding each pair is compiled at the verify width too.
-        Also compiles the copy-on-write block copy for every padded batch size (not counted).
+        Also compiles the copy-on-write block copy for every padded batch size and the host
+        tier's transfers (not counted).
         With the persistent compilation cache on, a later start loads these from disk.
         """
         s = self.sched_config
@@ -406,6 +407,8 @@ class ModelRunner:
                 null = jnp.zeros(n, jnp.int32)
                 self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
                 bar.update(1)
+        if self.host_pool is not None:   # the host tier's batched transfers
+            self.cache = self.host_pool.warmup(self.cache)
         return len(pairs)
 
     def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:

@@ -2,10 +2,13 @@
 
 A block's *unit* is everything the pool stores per block, in every layer: the K and V pages
 (codes, scales and zero points of a quantized pool, and its ``sealed`` flag) and Quest's key
-bounds. On the host a unit is one contiguous uint8 row, the fields of every layer back to back::
+bounds. On the host a unit is one contiguous uint8 row: per device, the fields of every layer
+back to back, as that device holds them (under tensor parallelism each device offloads its own
+shard of the kv heads, and a multi-host process only its own devices')::
 
-    HostKVPool.rows  uint8 [num_slots, block_bytes]
-        row = | k[0] page | v[0] page | k[1] page | ... | bounds[0].kmin | ... |
+    HostKVPool.rows  uint8 [num_slots, block_bytes]      block_bytes = devices x device_bytes
+        row = | device 0: k[0] page | v[0] page | k[1] page | ... | bounds[0].kmin | ... |
+              | device 1: ... |
 
 Transfers go in batches padded to one of ``TRANSFER_BUCKETS`` blocks (block 0, the null block,
 pads: its content is never read; a longer list goes as several batches), so the two jitted
@@ -123,19 +126,28 @@ class HostKVPool:
     """The host tier's bytes (``rows``) and the batched copies between them and the pool.
 
     Args:
-      cache: the device cache (its structure fixes the unit layout).
+      cache: the device cache (its structure and sharding fix the unit layout).
       num_slots: host rows.
-      to_host: device array -> numpy (gathers a sharded array under tensor parallelism).
+
+    Attributes:
+      devices: the devices whose shards a row holds, in row order.
+      fields: per unit field, ``(shape of one block, dtype, sharding, shape of one block's
+        shard on a device)``.
+      device_bytes, block_bytes: bytes of one block's shard on one device, and of a row.
     """
 
-    def __init__(self, cache: PagedKVCache, num_slots: int, to_host=np.asarray):
-        shapes = jax.eval_shape(block_units, cache, jax.ShapeDtypeStruct((1,), jnp.int32))
-        self.fields = [(s.shape[1:], np.dtype(s.dtype)) for s in shapes]
-        sizes = [int(np.prod(shape)) * dtype.itemsize for shape, dtype in self.fields]
+    def __init__(self, cache: PagedKVCache, num_slots: int):
+        probe = _gather(cache, jnp.zeros(TRANSFER_BUCKETS[0], jnp.int32))
+        self.devices = sorted({d for a in probe for d in a.sharding.addressable_devices},
+                              key=lambda d: d.id)
+        self._index = {d: i for i, d in enumerate(self.devices)}
+        self.fields = [(a.shape[1:], np.dtype(a.dtype), a.sharding,
+                        a.sharding.shard_shape(a.shape)[1:]) for a in probe]
+        sizes = [int(np.prod(shard)) * dtype.itemsize for _, dtype, _, shard in self.fields]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.block_bytes = int(self.offsets[-1])
+        self.device_bytes = int(self.offsets[-1])
+        self.block_bytes = len(self.devices) * self.device_bytes
         self.rows = np.zeros((num_slots, self.block_bytes), np.uint8)
-        self._to_host = to_host
         self._pending: list[tuple[np.ndarray, list[jax.Array]]] = []
         self.bytes_out = self.bytes_in = 0   # bytes copied each way so far
 
@@ -161,8 +173,10 @@ class HostKVPool:
         for slots, units in self._pending:
             n = len(slots)
             for lo, hi, a in zip(self.offsets[:-1], self.offsets[1:], units):
-                host = np.ascontiguousarray(self._to_host(a)[:n])
-                self.rows[slots, lo:hi] = host.reshape(n, -1).view(np.uint8)
+                for shard in a.addressable_shards:
+                    base = self._index[shard.device] * self.device_bytes
+                    host = np.ascontiguousarray(np.asarray(shard.data)[:n])
+                    self.rows[slots, base + lo:base + hi] = host.reshape(n, -1).view(np.uint8)
         self._pending = []
 
     def write_rows(self, slots: Sequence[int], rows: Sequence[np.ndarray]) -> None:
@@ -179,11 +193,16 @@ class HostKVPool:
         for lo, hi, size in _batches(len(blocks)):
             rows = np.zeros((size, self.block_bytes), np.uint8)
             rows[:hi - lo] = self.rows[np.asarray(slots[lo:hi])]
-            units = [rows[:, a:b].copy().view(dtype).reshape(size, *shape)
-                     for (shape, dtype), a, b in zip(self.fields, self.offsets[:-1],
-                                                     self.offsets[1:])]
-            cache = _scatter(cache, jnp.asarray(_pad(blocks[lo:hi], size)),
-                             jax.device_put(units))
+            units = []
+            for (shape, dtype, sharding, shard), a, b in zip(self.fields, self.offsets[:-1],
+                                                             self.offsets[1:]):
+                parts = [jax.device_put(rows[:, d * self.device_bytes + a:
+                                             d * self.device_bytes + b].copy()
+                                        .view(dtype).reshape(size, *shard), device)
+                         for d, device in enumerate(self.devices)]
+                units.append(jax.make_array_from_single_device_arrays((size, *shape), sharding,
+                                                                      parts))
+            cache = _scatter(cache, jnp.asarray(_pad(blocks[lo:hi], size)), units)
         self.bytes_in += len(blocks) * self.block_bytes
         return cache
 

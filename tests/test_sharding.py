@@ -56,6 +56,19 @@ def test_streaming_retention_under_tp_gives_the_tokens_of_one_device(tiny):
     assert r["tp2"] == r["tp4"] == r["tp1"]
 
 
+def test_host_kv_tier_under_tp_gives_the_tokens_of_one_device(tiny):
+    """Swap preemption and prefix blocks demoted to the host tier and promoted back, with the
+    cache split over kv heads (tp 2; tp 4 repeats llama's 2 kv heads): TP 1's tokens."""
+    r = run_worker("offload", tiny["llama"], "--tp", 1, 2, 4, "--attention-impl", "grouped",
+                   "--tokens", 40, devices=4)
+    assert all(len(t) == 40 for t in r["tp1"]) and r["tp1_again"] == r["tp1"]
+    swaps, host_hits = r["tp1_stats"]
+    assert swaps > 0 and host_hits > 0
+    for tp in (2, 4):
+        assert r[f"tp{tp}"] == r[f"tp{tp}_again"] == r["tp1"]
+        assert r[f"tp{tp}_stats"] == r["tp1_stats"]
+
+
 def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
     """int8 and KIVI int4 pools sharded over kv heads (tp 2; tp 4 repeats llama's 2 kv heads):
     the greedy tokens of one device, with every pool-shaped array split and the KIVI

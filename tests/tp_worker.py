@@ -6,6 +6,7 @@ the devices it needs and prints one JSON object (the results) as its last stdout
 
     python tests/tp_worker.py parity  MODEL_DIR --tp 1 2 4 8 --dp-tp 2 4 [--attention-impl pallas]
     python tests/tp_worker.py forks   MODEL_DIR --tp 1 4
+    python tests/tp_worker.py offload MODEL_DIR --tp 1 2 4 --tokens 40
     python tests/tp_worker.py inspect MODEL_DIR --tp 4
     python tests/tp_worker.py errors  MODEL_DIR
     python tests/tp_worker.py kv_parity MODEL_DIR --tp 1 2 4 --kv int8 int4
@@ -100,6 +101,26 @@ def cmd_streaming(a) -> dict:
     return out
 
 
+def cmd_offload(a) -> dict:
+    """The host KV tier at each tp degree (each device's shard of a block moves with it): a
+    pool of 23 usable blocks forces swap preemption, and a second round of the prompts after
+    other ones finds their evicted blocks on the host."""
+    other = [p[::-1] for p in PROMPTS]
+    out = {}
+    for tp in a.tp:
+        with LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
+                 kv_offload_bytes=1 << 20, preemption_mode="swap",
+                 **dict(ENGINE, num_kv_blocks=24, max_model_len=88)) as llm:
+            out[f"tp{tp}"] = greedy(llm, a.tokens)
+            sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
+            llm.generate(other, sp, use_tqdm=False)
+            out[f"tp{tp}_again"] = greedy(llm, a.tokens)
+            stats = llm.stats()
+            out[f"tp{tp}_stats"] = [stats["num_swap_preemptions"],
+                                    stats["prefix_cache_hits_host"]]
+    return out
+
+
 def cmd_forks(a) -> dict:
     """Seeded n=3 sampling (copy-on-write forks) over prompts sharing a prefix (prefix hits)."""
     prompts = [PROMPTS[0] + " and rich", PROMPTS[0] + " and poor"]
@@ -185,7 +206,8 @@ def cmd_distributed(a) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=["parity", "kv_parity", "forks", "inspect", "errors",
-                                       "checkpoint", "distributed", "streaming"])
+                                       "checkpoint", "distributed", "streaming",
+                                       "offload"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])

@@ -317,12 +317,12 @@ class ModelRunner:
             raise ValueError(f"preemption_mode='swap' cannot swap {self.kv_spec.kv_cache_dtype} "
                              f"(KIVI) pools: their unsealed blocks live in the per-sequence "
                              f"residual; use preemption_mode='auto' or 'recompute'")
-        probe = HostKVPool(self.cache, 1, self._to_host)
+        probe = HostKVPool(self.cache, 1)
         slots = cc.kv_offload_bytes // probe.block_bytes
         if slots < 1:
             raise ValueError(f"kv_offload_bytes={cc.kv_offload_bytes} holds no block: one "
                              f"all-layer block is {probe.block_bytes} bytes")
-        self.host_pool = HostKVPool(self.cache, slots, self._to_host)
+        self.host_pool = HostKVPool(self.cache, slots)
         self.cache, d2h, h2d = self.host_pool.measure(self.cache, 64)
         self.copy_bandwidth = (d2h, h2d)
         self.cache_config = dataclasses.replace(
@@ -338,7 +338,8 @@ class ModelRunner:
                 kv_cache_dtype=s.kv_cache_dtype, dtype=s.dtype, block_size=s.block_size,
                 num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                 group_size=s.group_size, key_bounds=s.key_bounds, tensor_parallel_size=tp,
-                unit=repr(self.host_pool.fields))
+                unit=repr([(f[0], f[1], f[3]) for f in self.host_pool.fields]),
+                devices=len(self.host_pool.devices))
             self.disk = kv_disk.DiskKVStore(cc.kv_cache_dir, ns, self.host_pool.block_bytes)
 
     # ------------------------------------------------------------------ setup

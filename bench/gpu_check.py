@@ -28,7 +28,14 @@ Sections:
   (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
       (pallas ops.gpu.attention.mha with K/V repeated to every head, and
       jax.nn.dot_product_attention);
-  (d) a small tuning sweep of the kernels' configs, while time is left.
+  (d) a small tuning sweep of the kernels' configs, while time is left;
+  (e) host KV offload (issue 14): device-to-host and host-to-device GB/s of 16-token all-layer
+      block units of an 8B-class geometry (32 layers, 8 kv heads, head_dim 128, bf16: 2 MiB a
+      block) through jaxkv.kv_transfer.HostKVPool (the engine's path: jitted gather +
+      copy_to_host_async into numpy rows; rows -> device_put -> jitted donated scatter), single
+      blocks vs batches of 8 / 64 / 512, and a contiguous buffer moved by jax.device_put to
+      ``memory_kind="pinned_host"`` vs a jitted copy whose output lives there (targets on H200:
+      >= 40 GB/s D2H, >= 45 GB/s H2D); run after (c).
 Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
 per call. Every section is guarded: a failure is recorded in the report, the script goes on.
@@ -95,6 +102,9 @@ class Settings:
     sparse_sinks: int = 16        # sink tokens always attended
     sparse_recent: int = 64       # recent tokens always attended (the current one included)
     sparse_until_s: float = 420.0  # no sparse decode row starts after this
+    offload_layers: int = 32       # (e): the block geometry moved to and from the host
+    offload_kv_heads: int = 8
+    offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
 
 
 REAL = Settings(
@@ -119,7 +129,8 @@ DRY = Settings(
     correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
     sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,), quant_until_s=math.inf,
     target_context=64, sparse_contexts=(64,), sparse_batches=(2,), sparse_budgets=(32, 48),
-    sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf)
+    sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf,
+    offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8))
 
 # Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
 QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
@@ -648,6 +659,55 @@ def bench_prefill(settings: Settings) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
+def bench_offload(settings: Settings) -> list[dict]:
+    """(e) host offload bandwidth: HostKVPool batches, then raw device_put vs jit to pinned host."""
+    from jaxkv.cache import init_cache
+    from jaxkv.kv_transfer import HostKVPool
+
+    n_max = max(settings.offload_blocks)
+    spec = KVCacheSpec(num_layers=settings.offload_layers, num_blocks=n_max + 1,
+                       block_size=16, num_kv_heads=settings.offload_kv_heads,
+                       head_dim=settings.head_dim, dtype="bfloat16")
+    cache = init_cache(spec)
+    pool = HostKVPool(cache, n_max)
+    rows = []
+    for n in settings.offload_blocks:
+        cache, d2h, h2d = pool.measure(cache, n, repeats=settings.reps)
+        rows.append(dict(path="HostKVPool", blocks=n, block_bytes=pool.block_bytes,
+                         d2h_gbps=d2h / 1e9, h2d_gbps=h2d / 1e9))
+    del pool, cache
+    gc.collect()
+    dev = jax.devices()[0]
+    kinds = {m.kind for m in dev.addressable_memories()}
+    if "pinned_host" not in kinds:
+        rows.append(dict(path="pinned_host", blocks=0, block_bytes=spec.block_bytes,
+                         error=f"no pinned_host memory on {dev.platform} (has {sorted(kinds)})"))
+        return rows
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    for n in settings.offload_blocks:
+        x = jnp.ones((n, spec.block_bytes // 2), jnp.bfloat16)
+        to_host = jax.jit(lambda a: a, out_shardings=host)
+        to_dev = jax.jit(lambda a: a, out_shardings=on_dev)
+        for path, d2h_fn, h2d_fn in (
+                ("device_put pinned_host", lambda a: jax.device_put(a, host),
+                 lambda a: jax.device_put(a, on_dev)),
+                ("jit out_shardings pinned_host", to_host, to_dev)):
+            jax.block_until_ready(h2d_fn(jax.block_until_ready(d2h_fn(x))))   # warm up
+            out, back = [], []
+            for _ in range(settings.reps):
+                t0 = time.perf_counter()
+                y = jax.block_until_ready(d2h_fn(x))
+                t1 = time.perf_counter()
+                jax.block_until_ready(h2d_fn(y))
+                out.append(t1 - t0)
+                back.append(time.perf_counter() - t1)
+            rows.append(dict(path=path, blocks=n, block_bytes=spec.block_bytes,
+                             d2h_gbps=x.nbytes / np.median(out) / 1e9,
+                             h2d_gbps=x.nbytes / np.median(back) / 1e9))
+    return rows
+
+
 def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
     D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
     rows = []
@@ -797,6 +857,15 @@ def markdown(report) -> str:
         else:
             lines.append(f"| {r['kernel']} | {r['tokens']} | {r['ms']:.3f} | "
                          f"{r['min_ms']:.3f}–{r['max_ms']:.3f} | {r['tflops']:.1f} |")
+    lines += ["", "## (e) host KV offload (16-token all-layer block units; targets on H200: "
+              ">= 40 GB/s D2H, >= 45 GB/s H2D)", "",
+              "| path | blocks | MiB per block | D2H GB/s | H2D GB/s |", "|---|---|---|---|---|"]
+    for r in report.get("offload", []):
+        if "error" in r:
+            lines.append(f"| {r['path']} | | | {r['error']} | |")
+        else:
+            lines.append(f"| {r['path']} | {r['blocks']} | {r['block_bytes'] / 2**20:.2f} | "
+                         f"{r['d2h_gbps']:.1f} | {r['h2d_gbps']:.1f} |")
     lines += ["", "## (d) decode config sweep", "",
               "| batch | context | config | splits | ms | GB/s | frac |", "|" + "---|" * 7]
     for r in report["sweep"]:
@@ -833,7 +902,7 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
                   head_dim=settings.head_dim, target_context=settings.target_context,
                   correctness=dict(ours=[], peer=[]), decode=[],
-                  prefill=[], sparse=[], sweep=[], errors=[], elapsed_s=0.0)
+                  prefill=[], sparse=[], sweep=[], offload=[], errors=[], elapsed_s=0.0)
 
     def section(key, fn):
         try:
@@ -855,6 +924,7 @@ def main(argv=None) -> int:
     copy_gbps = report["copy_gbps"] or 1.0
     section("decode", lambda: bench_decode(settings, clock, peer, copy_gbps))
     section("prefill", lambda: bench_prefill(settings))
+    section("offload", lambda: bench_offload(settings))
     section("sparse", lambda: bench_sparse(settings, clock, copy_gbps))
     section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
     print(markdown(report))

@@ -191,15 +191,16 @@ class HostKVPool:
         if self.pending_slots() & {int(s) for s in slots}:
             self.finish()
         for lo, hi, size in _batches(len(blocks)):
-            rows = np.zeros((size, self.block_bytes), np.uint8)
-            rows[:hi - lo] = self.rows[np.asarray(slots[lo:hi])]
+            rows = np.asarray(slots[lo:hi])
             units = []
             for (shape, dtype, sharding, shard), a, b in zip(self.fields, self.offsets[:-1],
                                                              self.offsets[1:]):
-                parts = [jax.device_put(rows[:, d * self.device_bytes + a:
-                                             d * self.device_bytes + b].copy()
-                                        .view(dtype).reshape(size, *shard), device)
-                         for d, device in enumerate(self.devices)]
+                parts = []
+                for d, device in enumerate(self.devices):   # one copy out of the rows each
+                    part = np.zeros((size, b - a), np.uint8)
+                    base = d * self.device_bytes
+                    part[:hi - lo] = self.rows[rows, base + a:base + b]
+                    parts.append(jax.device_put(part.view(dtype).reshape(size, *shard), device))
                 units.append(jax.make_array_from_single_device_arrays((size, *shape), sharding,
                                                                       parts))
             cache = _scatter(cache, jnp.asarray(_pad(blocks[lo:hi], size)), units)

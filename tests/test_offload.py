@@ -453,3 +453,26 @@ def test_bad_offload_arguments_are_refused(tiny):
         LLM(str(tiny[0]), **dict(ENGINE, preemption_mode="swap"))
     with pytest.raises(ValueError, match="kv_offload_bytes=10 holds no block"):
         LLM(str(tiny[0]), **dict(ENGINE, kv_offload_bytes=10))
+
+
+def test_server_metrics_report_hits_by_tier(tiny):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxkv.server.metrics import ServerMetrics
+
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(tiny[0]), **dict(ENGINE, kv_offload_bytes=4 << 20)) as llm:
+        for _ in range(2):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        stats = llm.engine.stats()
+        text = ServerMetrics("tiny", llm.engine.stats).exposition().decode()
+    samples = {(s.name, s.labels.get("tier")): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    by_tier = {t: samples[("jaxkv:prefix_cache_hits_by_tier_total", t)]
+               for t in ("device", "host", "disk")}
+    assert by_tier["host"] == stats["prefix_cache_hits_host"] > 0
+    assert sum(by_tier.values()) == stats["prefix_cache_hits"]
+    assert samples[("jaxkv:num_swap_preemptions_total", None)] == stats["num_swap_preemptions"]
+    used = stats["kv_offload_blocks_prefix"] + stats["kv_offload_blocks_swapped"]
+    assert samples[("jaxkv:kv_offload_usage_perc", None)] == pytest.approx(
+        used / stats["kv_offload_blocks_total"], rel=1e-9)

@@ -9,7 +9,9 @@ Two sources, one registry per server (never the process-global one, so several a
   ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens),
   and the speculative-decoding counters ``vllm:spec_decode_num_drafts``,
   ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` (zero
-  without ``--speculative``);
+  without ``--speculative``); with a host KV tier (``--kv-offload-size``) also
+  ``jaxkv:prefix_cache_hits_by_tier{tier=device|host|disk}``, ``jaxkv:num_swap_preemptions``
+  and the gauge ``jaxkv:kv_offload_usage_perc``;
 * per request, observed when its outputs reach the server (from the engine's timestamps, not
   the server's clock): counters ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
   ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix) and histograms
@@ -69,6 +71,26 @@ class _EngineCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric(label, value)
             yield metric
+        if "kv_offload_blocks_total" not in s:
+            return
+        hits = counter("jaxkv:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by the tier "
+                       "that held them (device pool, host tier, persistent cache on disk).",
+                       labels=["model_name", "tier"])
+        host, disk = s["prefix_cache_hits_host"], s["prefix_cache_hits_disk"]
+        for tier, value in (("device", s["prefix_cache_hits"] - host), ("host", host - disk),
+                            ("disk", disk)):
+            hits.add_metric(label + [tier], value)
+        yield hits
+        swaps = counter("jaxkv:num_swap_preemptions", "Of vllm:num_preemptions, sequences "
+                        "swapped to the host tier (the others are recomputed).",
+                        labels=["model_name"])
+        swaps.add_metric(label, s["num_swap_preemptions"])
+        yield swaps
+        usage = gauge("jaxkv:kv_offload_usage_perc", "Fraction of the host tier's blocks in "
+                      "use (1 = full).", labels=["model_name"])
+        usage.add_metric(label, (s["kv_offload_blocks_prefix"] + s["kv_offload_blocks_swapped"])
+                         / s["kv_offload_blocks_total"])
+        yield usage
 
 
 class ServerMetrics:

@@ -290,10 +290,10 @@ class TieredMachine(RuleBasedStateMachine):
         self.host = {}     # slot -> the same
         self.n = 0
 
-    @rule(base=st.integers(0, 2), extra=st.integers(1, 12), max_tokens=st.integers(1, 6),
+    @rule(base=st.integers(0, 1), extra=st.integers(1, 8), max_tokens=st.integers(1, 6),
           salt=st.sampled_from([None, "s"]))
     def add(self, base, extra, max_tokens, salt):
-        prompt = tuple(range(base * 50, base * 50 + 8)) + tuple(
+        prompt = tuple(range(base * 50, base * 50 + 12)) + tuple(
             range(1000 + self.n, 1000 + self.n + extra))
         self.state = add_request(self.state, _req(f"r{self.n}", prompt, max_tokens, salt), self.sc)
         self.n += 1
@@ -304,7 +304,12 @@ class TieredMachine(RuleBasedStateMachine):
             rid = data.draw(st.sampled_from(sorted(self.state.requests)))
             self.state = abort(self.state, rid)
 
-    @rule()
+    @rule(n=st.integers(1, 4))
+    def steps(self, n):
+        for _ in range(n):
+            self.step()
+            check_invariants(self.state, self.sc)
+
     def step(self):
         state, plan = schedule(self.state, self.sc)
         bs = self.cc.block_size
@@ -332,7 +337,7 @@ class TieredMachine(RuleBasedStateMachine):
         check_invariants(self.state, self.sc)
 
 
-TieredMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30,
+TieredMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
                                            deadline=None)
 test_tiered_state_machine = TieredMachine.TestCase
 

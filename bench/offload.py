@@ -16,7 +16,11 @@ Workloads (``--workloads``, default both):
   caching off, so recompute really recomputes (with it on, the preempted prompt's registered
   blocks would come back as hits).
 
-    python3 bench/offload.py --out bench/results/offload.json          # ~20 min on 2 cores
+* ``restart``: two engine processes, one after the other, on one ``kv_cache_dir`` (8 prompts
+  of ``--prompt`` Austen tokens, 16 greedy tokens each): the second's prefix hits from disk,
+  prompt tokens computed, TTFT, and its outputs against the first's.
+
+    python3 bench/offload.py --out bench/results/offload.json          # ~30 min on 2 cores
     python3 bench/offload.py --workloads preempt --requests 8 --prompt 512 --output 128 --fit 3
 
 Every engine warms up (``warmup=True``, a few buckets) before its timed run; each run's load
@@ -168,9 +172,50 @@ def preempt(args) -> dict:
     return out
 
 
+def restart_child(args) -> None:
+    """One engine process over ``--cache-dir``: 8 prompts of ``--prompt`` Austen tokens, 16
+    greedy tokens each; prints a JSON line (outputs, TTFTs, disk hits and files)."""
+    llm = engine(4096, args.prompt + 32, 8, kv_offload_bytes=1 << 30,
+                 kv_cache_dir=str(args.cache_dir))
+    ids = austen_ids(llm.tokenizer, 8 * args.prompt)
+    prompts = [ids[i * args.prompt:(i + 1) * args.prompt] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    s = llm.stats()
+    llm.close()
+    print(json.dumps({"outputs": [r.outputs[0].token_ids for r in res], "wall_s": wall,
+                      "ttft_p50_s": pct([r.metrics.ttft for r in res], 0.5),
+                      "disk_hit_tokens": s["prefix_cache_hits_disk"],
+                      "prompt_tokens_computed": s["num_computed_tokens"] - 8 * 15,
+                      "disk_files_after_close": llm.stats()["kv_disk_blocks"]}))
+
+
+def restart(args) -> dict:
+    """Two engine processes, one after the other, on one fresh ``kv_cache_dir``."""
+    import subprocess
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for run in ("first process", "second process"):
+            load0 = loadavg()
+            proc = subprocess.run([sys.executable, __file__, "--restart-child", d,
+                                   "--prompt", str(args.prompt)], capture_output=True,
+                                  text=True, check=True)
+            out[run] = json.loads(proc.stdout.strip().splitlines()[-1])
+            out[run]["load_before_after"] = [load0, loadavg()]
+            print("restart", run, {k: v for k, v in out[run].items() if k != "outputs"},
+                  file=sys.stderr)
+    a, b = (out[r].pop("outputs") for r in ("first process", "second process"))
+    out["identical_outputs"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default="multiturn,preempt")
+    ap.add_argument("--workloads", default="multiturn,preempt,restart")
     ap.add_argument("--pool-tokens", type=int, default=4096, help="multiturn: device pool")
     ap.add_argument("--host-tokens", type=int, default=32768, help="multiturn: host tier")
     ap.add_argument("--turns", type=int, default=4)
@@ -181,11 +226,15 @@ def main():
     ap.add_argument("--output", type=int, default=512, help="preempt: generated tokens")
     ap.add_argument("--fit", type=int, default=6, help="preempt: whole sequences the pool fits")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--restart-child", type=Path, dest="cache_dir",
+                    help="(internal) run one restart-workload engine over this kv_cache_dir")
     args = ap.parse_args()
+    if args.cache_dir is not None:
+        return restart_child(args)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "args": vars(args) | {"out": str(args.out)}}
     for w in args.workloads.split(","):
-        result[w] = {"multiturn": multiturn, "preempt": preempt}[w](args)
+        result[w] = {"multiturn": multiturn, "preempt": preempt, "restart": restart}[w](args)
         print(json.dumps({w: result[w]}, indent=1))
         if args.out:
             prev = json.loads(args.out.read_text()) if args.out.exists() else {}

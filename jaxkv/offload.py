@@ -172,13 +172,17 @@ class HostTier:
         if key in self._lru:
             self._lru.move_to_end(key)
             return None
+        slot = self._hold(key)
+        return None if slot is None else (block, slot, key)
+
+    def _hold(self, key: Hashable) -> int | None:
+        """A slot (``_alloc``) for prefix block ``key``, written this plan (busy), or None."""
         slot = self._alloc()
-        if slot is None:
-            return None
-        self._lru[key] = slot
-        self._key_of[slot] = key
-        self._busy.add(slot)
-        return (block, slot, key)
+        if slot is not None:
+            self._lru[key] = slot
+            self._key_of[slot] = key
+            self._busy.add(slot)
+        return slot
 
     def find(self, key: Hashable) -> int | None:
         """The host slot of prefix block ``key`` (now most recently used and busy), or None."""
@@ -198,15 +202,8 @@ class HostTier:
         if self.disk is None:
             return None
         row = self.disk.load(key)
-        if row is None:
-            return None
-        slot = self._alloc()
-        if slot is None:
-            return None
-        self._lru[key] = slot
-        self._key_of[slot] = key
-        self._busy.add(slot)
-        return slot, row
+        slot = None if row is None else self._hold(key)
+        return None if slot is None else (slot, row)
 
     def reset_prefix(self) -> None:
         """Forget every host prefix block (swapped sequences stay; the disk is kept)."""

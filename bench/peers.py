@@ -227,16 +227,20 @@ def llama_worker(job) -> dict:
     cp = L.llama_context_default_params()
     cp.n_ctx = KV_TOKENS
     cp.n_batch = cp.n_ubatch = LIMITS["max_num_batched_tokens"]
-    cp.n_seq_max = LIMITS["max_num_seqs"]
+    split = job["llama_kv"] == "split"
+    # unified: one 65,536-token buffer shared by all 256 sequences (attention of every token
+    # then spans every used cell of the buffer, masked); split: one 1,024-token stream per
+    # sequence, so 64 sequences fill the same 65,536 tokens
+    cp.n_seq_max = KV_TOKENS // LIMITS["max_model_len"] if split else LIMITS["max_num_seqs"]
     cp.n_threads = cp.n_threads_batch = cfg["threads"]
-    cp.kv_unified = True                      # one 65,536-token pool shared by all sequences
+    cp.kv_unified = not split
     cp.no_perf = True
     if cfg.get("f32"):
         cp.type_k = cp.type_v = L.GGML_TYPE_F32
     ctx = L.llama_init_from_model(model, cp)
     assert ctx, "llama_init_from_model failed"
     mem = L.llama_get_memory(ctx)
-    budget, max_seqs = LIMITS["max_num_batched_tokens"], LIMITS["max_num_seqs"]
+    budget, max_seqs = LIMITS["max_num_batched_tokens"], cp.n_seq_max
     batch = L.llama_batch_init(budget, 0, 1)
 
     def generate(prompts, olens, deadline):
@@ -293,7 +297,8 @@ def llama_worker(job) -> dict:
     warm_request(generate)
     ready = time.time()
     info = {"llama_cpp_python": L.__version__, "gguf": job["gguf"], "n_ctx": cp.n_ctx,
-            "n_threads": cfg["threads"], "kv_type": "f32" if cfg.get("f32") else "f16 (default)",
+            "n_threads": cfg["threads"], "n_seq_max": cp.n_seq_max, "kv": job["llama_kv"],
+            "kv_type": "f32" if cfg.get("f32") else "f16 (default)",
             "system_info": L.llama_print_system_info().decode()}
     return {"ready_time": ready, "info": info, "workloads": timed_runs(job, generate, reset)}
 
@@ -342,7 +347,7 @@ def jaxkv_snapshot(work: Path) -> Path:
 def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
     cfg = ENGINES[engine]
     job = {"engine": engine, "config": cfg, "hf_model": a.hf_model, "vllm_eager": a.vllm_eager,
-           "run_timeout": a.run_timeout,
+           "run_timeout": a.run_timeout, "llama_kv": a.llama_kv,
            "gguf": a.llama_f32_gguf if cfg.get("f32") else str(GGUF), "workloads": {}}
     for name, w in workloads.items():
         job["workloads"][name] = dict(w, repeats=a.big_repeats if name in BIG else a.repeats)
@@ -469,6 +474,10 @@ def main():
                     help="OMP_WAIT_POLICY for llama.cpp ('' keeps the default, spinning): with "
                          "other load on the cores, spinning OpenMP threads make its 2-thread "
                          "runs collapse (0.2 vs 49 tok/s measured at load 3.5)")
+    ap.add_argument("--llama-kv", choices=("unified", "split"), default="unified",
+                    help="llama.cpp KV: split: 64 sequences x 1,024 tokens; unified (default): "
+                         "one 65,536-token buffer for 256 sequences (every token's attention then "
+                         "spans the whole used buffer: 7 tok/s on T)")
     ap.add_argument("--peer-cache", default="/work/peers/cache")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers.json"))
     a = ap.parse_args()

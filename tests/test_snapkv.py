@@ -26,7 +26,7 @@ def snapkv_reference(scores, prompt, budget, sinks, window, kernel, block_size, 
 
     Every prompt block between the sink blocks and the observation window's first block is a
     candidate; its pooled score is the max (or the zero-padded mean) of the raw scores of the
-    candidates within ``ceil((kernel // 2) / block_size)`` blocks; the kept candidates are the
+    candidates within ``round((kernel // 2) / block_size)`` blocks (halves up); the kept are the
     ``budget blocks - protected`` best by (pooled, raw, younger first)."""
     nb = -(-prompt // block_size)
     first = -(-sinks // block_size)
@@ -34,7 +34,7 @@ def snapkv_reference(scores, prompt, budget, sinks, window, kernel, block_size, 
     cands = list(range(first, win))
     if nb <= budget // block_size:
         return set()
-    r = -(-(kernel // 2) // block_size)
+    r = int(np.floor((kernel // 2) / block_size + 0.5))
     pooled = {}
     for j in cands:
         near = [scores[k] for k in range(j - r, j + r + 1) if k in cands]
@@ -46,9 +46,13 @@ def snapkv_reference(scores, prompt, budget, sinks, window, kernel, block_size, 
 
 
 def test_snapkv_the_documented_example():
-    policy = SnapKVRetention(budget_tokens=96, sink_tokens=4, window_tokens=32)
+    policy = SnapKVRetention(budget_tokens=24, sink_tokens=4, window_tokens=8)
     scores = np.array([50, .1, .9, .05, 3, 3, 3])
-    assert policy.drops(104, tuple(range(1, 8)), scores, 16, prompt_tokens=104) == (3,)
+    assert policy.drops(26, tuple(range(1, 8)), scores, 4, prompt_tokens=26) == (3,)
+    # at block size 16 a 7-token kernel pools nothing: the lowest raw score goes
+    scores = np.array([50, .9, .1, .05, .5, 3, 3, 3])
+    policy = SnapKVRetention(budget_tokens=96, sink_tokens=4, window_tokens=32)
+    assert policy.drops(120, tuple(range(1, 9)), scores, 16, prompt_tokens=120) == (3, 2)
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])

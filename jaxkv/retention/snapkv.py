@@ -21,14 +21,17 @@ A prefix-cache hit leaves at least ``w`` tokens to compute (the scheduler looks 
 
 Pooling. The paper max-pools the per-token scores over neighbouring positions (kernel 7) before
 the top-k, so a selected token brings its neighbours along. The step gives one score per
-block; ``pool_blocks`` pools block scores over the neighbouring blocks a token-level kernel of
-``pool_kernel`` tokens reaches from some token of the block (``ceil((kernel // 2) /
-block_size)`` blocks each side: one at block size 16 and kernel 7), by max (default) or by mean
-with zero padding (the paper's ``avg_pool1d``). A block then survives when it or a neighbour
-drew attention; the block itself already keeps every token near a hot one::
+block, and a block already keeps the tokens around a hot one. ``pool_blocks`` pools block scores
+over ``radius = (pool_kernel // 2 + block_size // 2) // block_size`` neighbouring blocks each
+side: a neighbour counts when the kernel's half-width covers at least half a block, so the
+pooling spreads a score about as far as the paper's token kernel does (radius 0, no pooling, for
+kernel 7 at block sizes 8 and 16; 1 at block size 4; 2 at block size 2), by max (default) or by
+mean with zero padding (the paper's ``avg_pool1d``). Rounding the radius up instead (one
+neighbour each side at block size 16) spreads a score over 48 tokens, and on the passkey suite
+(BENCHMARKS.md) the peaks' neighbours then crowd the needle's block out of the budget::
 
-    block size 16, budget 6 blocks, 1 sink block, window 32 (prompt of 104 tokens, 7 blocks):
-        logical  0    1    2    3  | 4    5    6   (window: blocks 4..6, from position 72)
+    block size 4, kernel 7 (radius 1), budget 6 blocks, 1 sink block, window 8 (26 tokens):
+        logical  0    1    2    3  | 4    5    6   (window: blocks 4..6, from position 18)
         score    -   .1   .9   .05 |
         pooled   -   .9   .9   .9  |     (max over j-1..j+1 within the candidates 1..3)
         keep     S    P    P    -  | W    W    W     dropped: 3 (ties on pooled: by score)
@@ -147,7 +150,7 @@ class SnapKVRetention(Retention):
         excess = len(kept) - self.budget_tokens // block_size
         if excess <= 0:
             return ()
-        radius = -(-(self.pool_kernel // 2) // block_size)
+        radius = (self.pool_kernel // 2 + block_size // 2) // block_size
         raw = np.array([block_score(scores, j) for j in range(sinks, window)])
         pooled = pool_blocks(raw, radius, self.pooling)
         return evict([j for j in kept if sinks <= j < window], excess,

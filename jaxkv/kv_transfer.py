@@ -127,7 +127,8 @@ class HostKVPool:
 
     Args:
       cache: the device cache (its structure and sharding fix the unit layout).
-      num_slots: host rows.
+      num_slots: host rows; or
+      num_bytes: a budget: as many whole rows as fit (maybe 0).
 
     Attributes:
       devices: the devices whose shards a row holds, in row order.
@@ -136,7 +137,8 @@ class HostKVPool:
       device_bytes, block_bytes: bytes of one block's shard on one device, and of a row.
     """
 
-    def __init__(self, cache: PagedKVCache, num_slots: int):
+    def __init__(self, cache: PagedKVCache, num_slots: int | None = None, *,
+                 num_bytes: int | None = None):
         probe = _gather(cache, jnp.zeros(TRANSFER_BUCKETS[0], jnp.int32))
         self.devices = sorted({d for a in probe for d in a.sharding.addressable_devices},
                               key=lambda d: d.id)
@@ -147,6 +149,8 @@ class HostKVPool:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.device_bytes = int(self.offsets[-1])
         self.block_bytes = len(self.devices) * self.device_bytes
+        if num_slots is None:
+            num_slots = num_bytes // self.block_bytes
         self.rows = np.zeros((num_slots, self.block_bytes), np.uint8)
         self._pending: list[tuple[np.ndarray, list[jax.Array]]] = []
         self.bytes_out = self.bytes_in = 0   # bytes copied each way so far

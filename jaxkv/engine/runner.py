@@ -317,19 +317,19 @@ class ModelRunner:
             raise ValueError(f"preemption_mode='swap' cannot swap {self.kv_spec.kv_cache_dtype} "
                              f"(KIVI) pools: their unsealed blocks live in the per-sequence "
                              f"residual; use preemption_mode='auto' or 'recompute'")
-        probe = HostKVPool(self.cache, 1)
-        slots = cc.kv_offload_bytes // probe.block_bytes
+        pool = HostKVPool(self.cache, num_bytes=cc.kv_offload_bytes)
+        slots = pool.rows.shape[0]
         if slots < 1:
             raise ValueError(f"kv_offload_bytes={cc.kv_offload_bytes} holds no block: one "
-                             f"all-layer block is {probe.block_bytes} bytes")
-        self.host_pool = HostKVPool(self.cache, slots)
-        self.cache, d2h, h2d = self.host_pool.measure(self.cache, 64)
+                             f"all-layer block is {pool.block_bytes} bytes")
+        self.host_pool = pool
+        self.cache, d2h, h2d = pool.measure(self.cache, 64)
         self.copy_bandwidth = (d2h, h2d)
         self.cache_config = dataclasses.replace(
             self.cache_config, host_blocks=slots, preemption_mode=cc.preemption_mode,
             swap_supported=not self.kv_spec.format.kivi)
         logger.info("host KV tier: %d blocks of %d bytes (%.2f GiB); copies %.2f GB/s out, "
-                    "%.2f GB/s in", slots, probe.block_bytes, slots * probe.block_bytes / 2**30,
+                    "%.2f GB/s in", slots, pool.block_bytes, slots * pool.block_bytes / 2**30,
                     d2h / 1e9, h2d / 1e9)
         if cc.kv_cache_dir is not None:
             s = self.kv_spec
@@ -497,10 +497,7 @@ class ModelRunner:
             if plan.swap_out or plan.swap_in or plan.disk_loads:
                 raise ValueError("the plan moves KV to a host tier this engine does not have")
             return
-        pool.finish()
-        if self.disk is not None:
-            for slot, key in self._to_disk:
-                self.disk.store(key, pool.rows[slot])
+        self._land()
         self._to_disk = [(slot, key) for _, slot, key in plan.swap_out if key is not None]
         pool.swap_out(self.cache, [b for b, _, _ in plan.swap_out],
                       [slot for _, slot, _ in plan.swap_out])
@@ -515,12 +512,9 @@ class ModelRunner:
         pool = self.host_pool
         if pool is None:
             return
-        pool.finish()
+        self._land()
         if self.disk is None:
             return
-        for slot, key in self._to_disk:
-            self.disk.store(key, pool.rows[slot])
-        self._to_disk = []
         todo = [(k, b) for k, b in cached if k not in self.disk]
         n = pool.rows.shape[0]
         saved = pool.rows[:min(n, len(todo))].copy()
@@ -531,6 +525,15 @@ class ModelRunner:
             for slot, (key, _) in enumerate(batch_):
                 self.disk.store(key, pool.rows[slot])
         pool.rows[:len(saved)] = saved
+
+    def _land(self) -> None:
+        """Lands the swap-outs in flight, and writes the demoted prefix blocks among them to
+        the persistent cache."""
+        self.host_pool.finish()
+        if self.disk is not None:
+            for slot, key in self._to_disk:
+                self.disk.store(key, self.host_pool.rows[slot])
+        self._to_disk = []
 
     def _apply_copies(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         """Applies a plan's copy-on-write block copies on the device, all at once."""

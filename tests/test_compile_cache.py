@@ -19,8 +19,7 @@ from jaxkv import compile_cache
 def run_python(code: str, **env) -> dict:
     """Runs ``code`` in a fresh interpreter; the JSON it prints last."""
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env={**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "true",
-                                          **env})
+                          text=True, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 

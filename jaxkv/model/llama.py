@@ -148,7 +148,11 @@ class Attention(nnx.Module):
         else:
             o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
                           impl=impl, interpret=interpret, **kw)
-        return jnp.einsum("thd,hde->te", o, self.o_proj[...]), (k_pool, v_pool, bounds), mass
+        # one [T, Hq * D] @ [Hq * D, E] dot (both reshapes are bitcasts), so XLA transposes
+        # the small activation, not the weight, when attention leaves o in another layout
+        w_o = self.o_proj[...]
+        out = o.reshape(o.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        return out, (k_pool, v_pool, bounds), mass
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,130 @@
+"""The engine's own jitted decode step on CPU, timed alone on the arguments of a real step.
+
+Drives ``jaxkv.LLM`` on SmolLM2-135M (GGUF, fp32 by default) until ``--batch`` requests of
+``--prompt`` Austen tokens are all decoding, records the arguments of one real decode step (a
+wrapper around ``runner._step_fn``), then calls the same jitted step ``--iters`` times on them
+(the cache donated and threaded through, as the engine does) and reports the median and spread.
+Also reports the wall and device time of ``llm.step()`` (host share), a weight-streaming floor
+(memcpy of the fp32 weights' bytes) and, with ``--hlo DIR``, writes the optimized HLO of the
+step with a count of its copies, scatters, transposes and dots.
+
+    python3 bench/decode_step.py --batch 8 --batch 64 [--dtype bfloat16] [--hlo /tmp/hlo]
+
+XLA flags: pass them as usual (``XLA_FLAGS=... python3 bench/decode_step.py``); one process
+per setting, so the numbers of several settings come from several runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxkv import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+AUSTEN = Path("/work/shared/data/austen/pride_and_prejudice.txt")
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+
+
+def hlo_counts(text: str) -> dict[str, int]:
+    """Instruction opcodes of interest in an optimized HLO module (fusions counted by kind)."""
+    ops = collections.Counter()
+    for m in re.finditer(r"=\s*\S+\s+(\w[\w-]*)\(", text):
+        ops[m.group(1)] += 1
+    keep = ("copy", "scatter", "dynamic-update-slice", "transpose", "dot", "fusion", "gather",
+            "custom-call", "while", "convert", "bitcast", "copy-start")
+    return {k: ops[k] for k in keep if ops[k]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, action="append", help="running sequences (repeatable)")
+    ap.add_argument("--prompt", type=int, default=500, help="prompt tokens per request")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--hlo", type=Path, help="write the optimized HLO of each step here")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    batches = args.batch or [8]
+    out: dict = {"load_start": loadavg(), "dtype": args.dtype, "jax": jax.__version__,
+                 "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
+    t0 = time.perf_counter()
+    llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=1024,
+              max_num_batched_tokens=512, max_num_seqs=max(batches), num_kv_blocks=4097)
+    out["start_s"] = time.perf_counter() - t0
+    runner = llm.engine.runner
+    ids = llm.tokenizer.encode(AUSTEN.read_text())
+    orig = runner._step_fn
+    captured = {}
+
+    def spy(params, cache, inputs, sampling, rng, **kw):
+        captured["args"] = (inputs, sampling, rng, kw)
+        return orig(params, cache, inputs, sampling, rng, **kw)
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    for B in batches:
+        for i in range(B):
+            llm.add_request({"prompt_token_ids": ids[1000 * i: 1000 * i + args.prompt]},
+                            SamplingParams(temperature=0, max_tokens=args.iters + 40,
+                                           ignore_eos=True))
+        while llm.stats()["num_running"] < B or llm.stats()["num_waiting"]:
+            llm.step()
+        llm.step(); llm.step()                             # the decode bucket compiled
+        walls, devs = [], []
+        for _ in range(10):
+            d0, t = runner.device_time, time.perf_counter()
+            llm.step()
+            walls.append(time.perf_counter() - t); devs.append(runner.device_time - d0)
+        runner._step_fn = spy
+        llm.step()
+        runner._step_fn = orig
+        inputs, sampling, rng, kw = captured["args"]
+        res = {"T": int(inputs.token_ids.shape[0]), "S": int(inputs.seq_lens.shape[0]),
+               "engine_step_ms": 1e3 * statistics.median(walls),
+               "engine_device_ms": 1e3 * statistics.median(devs)}
+        if args.hlo:
+            args.hlo.mkdir(parents=True, exist_ok=True)
+            text = orig.lower(runner.params, runner.cache, inputs, sampling, rng,
+                              **kw).compile().as_text()
+            (args.hlo / f"decode_b{B}.txt").write_text(text)
+            res["hlo"] = hlo_counts(text)
+        ts = []
+        for _ in range(args.iters + 1):
+            t = time.perf_counter()
+            runner.cache, tokens, *_ = orig(runner.params, runner.cache, inputs, sampling, rng,
+                                            **kw)
+            tokens.block_until_ready()
+            ts.append(time.perf_counter() - t)
+        ts = ts[1:]
+        res.update(step_ms=1e3 * statistics.median(ts), step_min_ms=1e3 * min(ts),
+                   step_max_ms=1e3 * max(ts), load=loadavg())
+        while llm.has_unfinished_requests():
+            llm.step()
+        out[f"batch_{B}"] = res
+        print(json.dumps({f"batch_{B}": res}), flush=True)
+    a = np.ones(weight_bytes // 4, np.float32)
+    b = np.empty_like(a)
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter(); np.copyto(b, a); ts.append(time.perf_counter() - t)
+    out.update(weight_bytes=weight_bytes, weight_copy_ms=1e3 * min(ts),
+               copy_GBps=2 * a.nbytes / min(ts) / 1e9, load_end=loadavg())
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

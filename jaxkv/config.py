@@ -416,10 +416,11 @@ class SpeculativeArgs:
     prompt_lookup_min: int = option(1, "ngram: shortest suffix of the tokens looked up",
                                     minimum=1)
     speculative_adaptive: bool = option(
-        True, "choose each sequence's draft length (0 included) from its measured acceptance")
+        True, "choose each sequence's draft length (0 included) from its measured acceptance "
+        "and (ngram) the measured step time by padded shape")
     speculative_draft_cost: float = option(
-        0.1, "adaptive: the cost of verifying one more draft token, as a fraction of a decode "
-        "step", minimum=0.0)
+        0.1, "adaptive, draft model (and ngram until the step times are measured): the cost of "
+        "verifying one more draft token, as a fraction of a decode step", minimum=0.0)
 
     def __post_init__(self):
         check_fields(self)

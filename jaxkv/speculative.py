@@ -4,7 +4,8 @@
     drafts = speculator.drafts(state)                           # {request id: draft tokens}
     state, plan = scheduler.schedule(state, sched_config, drafts)
     result = runner.execute(plan, rows)                         # verifies them (jitted)
-    speculator.record(plan, result.tokens, result.num_accepted) # acceptance, stats()
+    speculator.record(plan, result.tokens, result.num_accepted, seconds)  # acceptance,
+                                                # step times, stats()
     speculator.forget(state)                                    # after update / abort
 
 The seam is the one call before ``schedule``. A proposer sees only a request's tokens (prompt +
@@ -37,36 +38,58 @@ preempted), from ``forget``, which the engine calls after every step and abort, 
 ``drafts``. A plain ``Proposer`` is adapted with a loop.
 
 Adaptive draft length (``speculative_adaptive``, on by default). Each request keeps an estimate
-``a`` of the probability that a draft is accepted given the ones before it were, and gets the
-``k`` in ``[0, num_speculative_tokens]`` that maximises Leviathan et al.'s expected tokens per
-step over its relative cost::
+``a`` of the probability that a draft is accepted given the ones before it were; ``k`` drafts
+then emit ``E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` tokens in expectation
+(Leviathan et al.). The estimate needs no verification: the proposer is asked every step, and
+its proposal is compared with the tokens the step emitted, verified or not; a comparison counts
+its positions up to and including the first mismatch (trials) and the matches (successes), both
+decayed by ``_DECAY`` per step from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A
+request whose proposals stopped being accepted stops drafting at once, and starts again when its
+proposals start matching. Two rules turn the estimates into draft lengths:
 
-    E(k) / (1 + c k),    E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)
+* The step-time rule (n-gram proposer). What a step costs depends on the shape it pads to, not
+  on its tokens one by one: ``B`` decodes with ``k`` drafts each are ``B (1 + k)`` tokens, padded
+  to the next token bucket, and verifying widens the sampled rows from 1 to ``1 +
+  num_speculative_tokens`` per sequence (jaxkv/batch.py). A ``StepCostModel``
+  (jaxkv/step_cost.py), fitted online to the engine's measured step times by padded shape, gives
+  ``T(tokens, drafts?)``, and ``allocate_drafts`` chooses the whole step's lengths, each in ``[0,
+  its proposal's length]``, to maximise expected emitted tokens per second::
 
-with ``c = speculative_draft_cost`` the cost of verifying one more token as a fraction of a
-decode step (about 0.05 for SmolLM2 at batch 1 on CPU, measured by bench/speculative.py; for a
-draft model add one draft forward's share of a target step). So
-``k = 0`` exactly when ``a <= c`` (drafting one token does not pay; Leviathan et al.'s
-condition for a gain is ``a > c``). The estimate needs no verification: the proposer is asked every step, and its proposal is
-compared with the tokens the step emitted, verified or not; a comparison counts its positions up to and including
-the first mismatch (trials) and the matches (successes), both decayed by ``_DECAY`` per step
-from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A request whose proposals stopped
-being accepted stops drafting at once, and starts again when its proposals start matching.
-The proposer is asked for ``max(1, k)`` tokens (and no more than ``max_tokens`` leaves room for),
-so a ``k = 0`` request keeps measuring with one proposed token. A proposer whose proposals cost
-a forward pass (the draft model) sets ``probe_interval``: a ``k = 0`` request is then asked for
-its one token only once per that many steps (its draft cache catches up then, in one chunk).
+      sum_i E_i(k_i) / T(base + sum_i k_i, sum_i k_i > 0)
+
+  exactly (the largest marginal gains ``a_i^j`` first, one candidate per bucket, and ``k = 0``
+  everywhere, the plain step, is always a candidate: by the model's measurements speculation is
+  never chosen when it is slower). Drafts inside the bucket the step pads to anyway are nearly
+  free; the one that pushes the step into the next bucket pays the whole jump. Every decode is
+  asked for ``num_speculative_tokens`` drafts first (a lookup is microseconds), so a proposal's
+  real length caps its ``k``. While a shape it needs is unmeasured (or stale) the speculator
+  plans a step that measures it: the plain step, or the best drafts that fill the smallest
+  unmeasured bucket the proposals reach (a few steps per shape at the start, then one per shape
+  every ``StepCostModel.refresh`` steps); a shape it cannot measure yet leaves the fixed-cost
+  rule in charge.
+* The fixed-cost rule (the draft-model proposer, whose own forwards are not in the target's
+  step time, and any speculator without a step-time model): the ``k`` in ``[0,
+  num_speculative_tokens]`` that maximises ``E(k) / (1 + c k)``, ``c = speculative_draft_cost``
+  the cost of one more token as a fraction of a decode step (for a draft model, add one draft
+  forward's share of a target step). So ``k = 0`` exactly when ``a <= c`` (Leviathan et al.'s
+  condition for a gain is ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)``
+  tokens costs much more than one of ``B``: the reason for the step-time rule. The proposer is
+  asked for ``max(1, k)`` tokens, so a ``k = 0`` request keeps measuring with one proposed
+  token; a proposer whose proposals cost a forward pass (the draft model) sets
+  ``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
+  many steps (its draft cache catches up then, in one chunk).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from jaxkv import scheduler
 from jaxkv.config import EngineConfig, SpeculativeArgs
+from jaxkv.step_cost import StepCostModel
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
@@ -144,13 +167,81 @@ class NgramProposer:
 
 def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> int:
     """The draft length in ``[0, max_drafts]`` that maximises ``E(k) / (1 + draft_cost k)``
-    (see the module docstring), the shortest among equals."""
+    (the fixed-cost rule of the module docstring), the shortest among equals."""
     best, best_value, expected = 0, 1.0, 1.0
     for k in range(1, max_drafts + 1):
         expected += acceptance ** k
         if expected / (1 + draft_cost * k) > best_value:
             best, best_value = k, expected / (1 + draft_cost * k)
     return best
+
+
+def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_tokens: int,
+                    max_tokens: int, token_buckets: Sequence[int],
+                    step_time: Callable[[int, bool], float | None]) -> list[int] | None:
+    """The draft lengths of a whole step that maximise its expected emitted tokens per second.
+
+    Request ``i`` (acceptance ``a_i``) with ``k_i`` drafts emits ``E_i(k_i) = 1 + a_i + ... +
+    a_i^k_i`` tokens in expectation; the step of ``base_tokens + sum(k)`` tokens takes
+    ``step_time(tokens, sum(k) > 0)`` seconds, a function of the token bucket the step pads to.
+    Maximised: ``sum_i E_i(k_i) / step_time``. For a fixed total ``c`` the best ``k`` takes the
+    ``c`` largest marginal gains ``a_i^j`` (each ``E_i`` is concave), and ``step_time`` only
+    changes where the total crosses a bucket, so the candidates are ``c = 0`` and, per bucket,
+    the most drafts that still fit it: exact, in O(sum(caps) log sum(caps) + buckets).
+
+    Args:
+      acceptance: float [N], each decoding request's estimated acceptance in ``[0, 1]``.
+      caps: int [N], the most drafts each may carry (its proposal's length).
+      base_tokens: tokens of the step without drafts (``>= N``).
+      max_tokens: the step's token budget (drafts beyond it are not scheduled).
+      token_buckets: the sizes a step pads to (strictly increasing).
+      step_time: ``(num_tokens, has_drafts) -> seconds``, or None for an unmeasured shape
+        (not a candidate).
+
+    Returns:
+      int [N] draft lengths (all 0 when drafting does not pay; between buckets of equal value,
+      the fewer drafts); None when the step without drafts has no time.
+    """
+    n = len(acceptance)
+    base_time = step_time(base_tokens, False)
+    if base_time is None:
+        return None
+    gains = _gains(acceptance, caps)
+    if not gains:
+        return [0] * n
+    prefix = np.concatenate([[0.0], np.cumsum([g for g, _, _ in gains])])
+    best_c, best_value = 0, n / base_time
+    for bucket in token_buckets:
+        c = min(bucket, max_tokens) - base_tokens
+        if c < 1:
+            continue
+        c = min(c, len(gains))
+        seconds = step_time(base_tokens + c, True)
+        if seconds is not None and (n + prefix[c]) / seconds > best_value:
+            best_c, best_value = c, (n + prefix[c]) / seconds
+        if c == len(gains) or bucket >= max_tokens:
+            break
+    return _take(gains, n, best_c)
+
+
+def _gains(acceptance: Sequence[float], caps: Sequence[int]) -> list[tuple[float, int, int]]:
+    """Every draft's marginal gain ``(a_i^j, -i, j)``, most valuable first (ties: lower i)."""
+    return sorted(((a ** j, -i, j) for i, (a, cap) in enumerate(zip(acceptance, caps))
+                   for j in range(1, cap + 1) if a > 0), reverse=True)
+
+
+def _take(gains: list[tuple[float, int, int]], n: int, c: int) -> list[int]:
+    """The draft lengths of the ``c`` first ``gains`` over ``n`` requests."""
+    ks = [0] * n
+    for _, i, _ in gains[:c]:
+        ks[-i] += 1
+    return ks
+
+
+def fill_drafts(acceptance: Sequence[float], caps: Sequence[int], num_drafts: int) -> list[int]:
+    """The draft lengths (int [N]) of at most ``num_drafts`` drafts in all that maximise the
+    expected emitted tokens (``allocate_drafts``'s order: the largest marginal gains)."""
+    return _take(_gains(acceptance, caps), len(acceptance), max(num_drafts, 0))
 
 
 class Speculator:
@@ -160,21 +251,29 @@ class Speculator:
     Args:
       proposer: a ``Proposer`` or ``BatchProposer``, or None (speculation off: no drafts).
       num_speculative_tokens: most drafts proposed per sequence and step.
-      draft_cost: the adaptive draft length's cost of one more draft token (a fraction of a
-        decode step), or None: always propose ``num_speculative_tokens``.
+      draft_cost: the fixed-cost rule's cost of one more draft token (a fraction of a decode
+        step), or None: always propose ``num_speculative_tokens``.
+      step_cost: the step-time model the adaptive draft lengths maximise emitted tokens per
+        second with (``allocate_drafts``; the fixed-cost rule until it has measured the shapes
+        a step needs), or None: the fixed-cost rule alone. Only for a proposer without
+        ``probe_interval`` (one whose proposals cost no device time of their own).
+      max_num_batched_tokens: the step's token budget (with ``step_cost``).
 
     Attributes:
       proposer: as given (a public seam: tests swap in their own).
-      num_speculative_tokens, draft_cost: as given.
+      num_speculative_tokens, draft_cost, step_cost: as given.
     """
 
     def __init__(self, proposer: Proposer | BatchProposer | None, num_speculative_tokens: int,
-                 draft_cost: float | None = None):
+                 draft_cost: float | None = None, step_cost: StepCostModel | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.proposer = proposer
         self._held: set[Hashable] = set()   # requests proposed for since their last release
         self._idle: dict[Hashable, int] = {}  # k = 0 steps since a request was last asked
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
+        self.step_cost = step_cost
+        self._budget = max_num_batched_tokens
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
         self._acceptance: dict[Hashable, tuple[float, float]] = {}   # (accepted, trials)
         self._proposed = 0   # draft tokens proposed
@@ -189,15 +288,21 @@ class Speculator:
 
         Args:
           config, target: the whole engine config and the engine's ``ModelRunner``, which
-            ``speculative="draft"`` needs (``DraftModelProposer.from_config``).
+            ``speculative="draft"`` needs (``DraftModelProposer.from_config``); with
+            ``config``, an adaptive n-gram speculator gets a ``StepCostModel`` over its
+            scheduler's buckets.
 
         Raises:
           ValueError: naming ``speculative_model`` (missing, or a vocabulary other than the
             target's), before anything is served.
         """
-        proposer = None
+        proposer = step_cost = budget = None
         if args.speculative == "ngram":
             proposer = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+            if args.speculative_adaptive and config is not None:
+                sc = config.scheduler
+                step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+                budget = sc.max_num_batched_tokens
         elif args.speculative == "draft":
             if config is None or target is None:
                 raise ValueError('speculative="draft" needs the engine config and its target '
@@ -206,7 +311,8 @@ class Speculator:
 
             proposer = DraftModelProposer.from_config(config, target)
         return cls(proposer, args.num_speculative_tokens,
-                   args.speculative_draft_cost if args.speculative_adaptive else None)
+                   args.speculative_draft_cost if args.speculative_adaptive else None,
+                   step_cost, budget)
 
     def acceptance(self, request_id: Hashable) -> float:
         """The request's estimated draft acceptance (the prior 1/2 before any measurement)."""
@@ -222,6 +328,8 @@ class Speculator:
         self.forget(state)
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
+        if self.step_cost is not None and self.draft_cost is not None:
+            return self._drafts_by_step_time(state)
         probe_interval = getattr(self.proposer, "probe_interval", 1)
         self._proposals, out = {}, {}
         wanted, lengths = {}, {}
@@ -249,6 +357,57 @@ class Speculator:
                 self._proposed += k
         return out
 
+    def _drafts_by_step_time(self, state: scheduler.SchedulerState
+                             ) -> dict[Hashable, tuple[int, ...]]:
+        """``drafts`` under the step-time model: every decode is asked for its full length
+        (cheap proposals), then the whole step's lengths come from ``allocate_drafts`` over
+        the step's estimated shape (its decodes and the running prefills' next chunks; requests
+        the scheduler will admit from the queue are not foreseen), or, while a shape it needs
+        is unmeasured, a step planned to measure it: no drafts, or the best drafts that fill
+        the smallest unmeasured bucket."""
+        model, budget = self.step_cost, self._budget
+        wanted = {}
+        ids = scheduler.decoding_ids(state)
+        for request_id in ids:
+            rs = state.requests[request_id]
+            n = min(self.num_speculative_tokens,
+                    rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
+            if n > 0:
+                wanted[request_id] = (np.asarray(rs.token_ids(0, rs.num_tokens), np.int32), n)
+        self._held |= wanted.keys()
+        self._proposals = {i: tuple(int(t) for t in p[:wanted[i][1]])
+                           for i, p in propose_batch(self.proposer, wanted).items()}
+        ids = [i for i in ids if self._proposals.get(i)]
+        if not ids:
+            return {}
+        acceptance = [self.acceptance(i) for i in ids]
+        caps = [len(self._proposals[i]) for i in ids]
+        decoding = set(scheduler.decoding_ids(state))
+        prefill = sum(state.requests[i].num_tokens - state.requests[i].num_computed_tokens
+                      for i in state.running if i not in decoding)
+        base = min(budget, len(decoding) + prefill)
+        num_seqs = len(state.running)
+        buckets = [t for t in model.token_buckets if t > base]
+        reachable = [t for t, below in zip(buckets, [base] + buckets)   # buckets enough
+                     if min(base + sum(caps), budget) > below]          # drafts pad to
+        explore = next((t for t in reachable if model.wants(t, num_seqs, True)), None)
+        if model.wants(base, num_seqs, False):
+            model.tried(base, num_seqs, False)
+            ks = [0] * len(ids)
+        elif explore is not None:   # the most drafts that fit it (they pad to it)
+            model.tried(explore, num_seqs, True)
+            ks = fill_drafts(acceptance, caps, min(explore, budget) - base)
+        elif any(model.predict(t, num_seqs, True) is not None for t in reachable):
+            ks = allocate_drafts(acceptance, caps, base, budget, model.token_buckets,
+                                 lambda t, d: model.predict(t, num_seqs, d))
+        else:
+            ks = None
+        if ks is None:   # a shape it needs is unmeasured and cannot be measured now
+            ks = [best_num_drafts(a, cap, self.draft_cost) for a, cap in zip(acceptance, caps)]
+        out = {i: self._proposals[i][:k] for i, k in zip(ids, ks) if k}
+        self._proposed += sum(ks)
+        return out
+
     def forget(self, state: scheduler.SchedulerState) -> None:
         """Releases the proposer's state of the requests proposed for that are no longer
         running in ``state`` (finished, aborted, failed, preempted)."""
@@ -259,7 +418,7 @@ class Speculator:
                 self.proposer.release(request_id)
 
     def record(self, plan: scheduler.StepPlan, tokens: np.ndarray,
-               num_accepted: np.ndarray) -> None:
+               num_accepted: np.ndarray, seconds: float | None = None) -> None:
         """Measures and counts a step's drafts.
 
         Args:
@@ -267,7 +426,10 @@ class Speculator:
           tokens: int32 [>= len(plan.seqs), W], the step's sampled tokens.
           num_accepted: int32 [>= len(plan.seqs)], how many of them each sequence emitted (1 +
             its accepted drafts).
+          seconds: the step's measured device time, for the step-time model (None: not timed).
         """
+        if self.step_cost is not None and seconds is not None:
+            self.step_cost.observe(plan.num_tokens, len(plan.seqs), plan.num_drafts > 0, seconds)
         for row, seq in enumerate(plan.seqs):
             n = int(num_accepted[row])
             if seq.num_drafts:

@@ -4,7 +4,8 @@ non-speculative run of an oracle model after every step; the rejection sampler's
 the n-gram proposer; and the engine on the tiny model: greedy and seeded outputs equal to
 non-speculative decoding with n-gram and random drafts, tables and prefix cache after every
 step, stops inside accepted runs, the stats, the Pallas kernel on verify steps; the adaptive
-draft length."""
+draft length (the fixed-cost rule, the step-time model, the whole-step allocation against brute
+force)."""
 
 import random
 
@@ -643,3 +644,153 @@ def test_pallas_kernel_verify_steps_equal_reference(tiny, tiny_llm):
         llm.engine.speculator.proposer = OracleProposer(references, 0.3)
         assert token_lists(llm.generate(prompts, params, use_tqdm=False)) == token_lists(want)
         assert llm.stats()["spec_num_accepted_tokens"] > 0
+
+
+# ---------------------------------------------------------------- the step-time model
+
+
+def test_step_cost_model_fits_synthetic_timings():
+    """Durations keyed by padded shape: the first of each shape (its compilation) is dropped,
+    then a moving average; a shape goes stale after ``refresh`` observations and is asked for
+    again; a shape asked for but not reached is not asked for again at once."""
+    from jaxkv.step_cost import StepCostModel
+
+    model = StepCostModel((16, 64, 256), (8, 32), refresh=10)
+    assert model.key(17, 3, True) == (64, 8, True) and model.key(300, 40, False) == (256, 32, False)
+    assert model.predict(10, 4, False) is None and model.wants(10, 4, False)
+    model.observe(10, 4, False, 5.0)                 # compile: dropped
+    assert model.predict(12, 2, False) is None and model.wants(12, 2, False)
+    rng = np.random.default_rng(0)
+    times = 0.010 + 0.001 * rng.standard_normal(40)
+    for t in times:
+        model.observe(16, 8, False, t)
+    assert model.predict(1, 1, False) == pytest.approx(0.010, abs=0.002)
+    assert model.predict(1, 1, True) is None and model.predict(17, 1, False) is None
+    ema = times[0]
+    for t in times[1:]:
+        ema = 0.7 * ema + 0.3 * t
+    assert model.predict(16, 8, False) == pytest.approx(ema, rel=1e-12)
+    assert not model.wants(16, 8, False)
+    model.tried(64, 8, True)                         # planned, but the step stayed at 16
+    model.observe(16, 8, False, 0.01)
+    assert not model.wants(64, 8, True)
+    for _ in range(11):
+        model.observe(256, 32, False, 0.1)
+    assert model.wants(16, 8, False) and model.wants(64, 8, True)   # stale / retry
+    assert model.predict(16, 8, False) is not None
+
+
+def _brute_force_drafts(acceptance, caps, base, budget, buckets, table):
+    """max over every k vector of sum E_i(k_i) / step time (padded-bucket table)."""
+    import itertools
+
+    best = 0.0
+    for ks in itertools.product(*(range(c + 1) for c in caps)):
+        total = base + sum(ks)
+        if total > budget:
+            continue
+        bucket = next(b for b in buckets if b >= total)
+        expected = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(acceptance, ks))
+        best = max(best, expected / table[bucket, sum(ks) > 0])
+    return best
+
+
+def test_allocate_drafts_equals_brute_force():
+    from jaxkv.speculative import allocate_drafts
+
+    rng = np.random.default_rng(1)
+    buckets = (4, 8, 12, 16)
+    for case in range(300):
+        n = int(rng.integers(1, 4))
+        acceptance = rng.uniform(0, 1, n).round(2)
+        caps = rng.integers(0, 5, n)
+        base = n + int(rng.integers(0, 4))
+        budget = int(rng.choice((12, 16)))
+        cost = np.cumsum(rng.uniform(0.05, 1.0, len(buckets)))   # rising with the bucket
+        table = {(b, d): cost[i] * (1 + d * rng.uniform(0, 0.3))
+                 for i, b in enumerate(buckets) for d in (False, True)}
+        step_time = lambda t, d: table[next(b for b in buckets if b >= t), d]
+        ks = allocate_drafts(acceptance, caps, base, budget, buckets, step_time)
+        assert all(0 <= k <= c for k, c in zip(ks, caps)) and base + sum(ks) <= budget
+        expected = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(acceptance, ks))
+        value = expected / step_time(base + sum(ks), sum(ks) > 0)
+        assert value == pytest.approx(
+            _brute_force_drafts(acceptance, caps, base, budget, buckets, table), rel=1e-12), case
+
+
+def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
+    """Drafts are free inside the bucket the step pads to and cost the jump beyond it; an
+    unmeasured shape is never chosen; no time for the plain step: None."""
+    from jaxkv.speculative import allocate_drafts
+
+    buckets = (16, 64)
+    flat = lambda t, d: 1.0 if t <= 16 else 4.0   # next bucket 4x
+    # 12 decodes fill 12 of 16: 4 drafts fit, the best ones (highest acceptance first)
+    acc = [0.9, 0.2] + [0.5] * 10
+    ks = allocate_drafts(acc, [4] * 12, 12, 64, buckets, flat)
+    assert sum(ks) == 4 and ks[0] == 4
+    # sure drafts at a 4x jump: 16 tokens per unit inside the bucket beat 60 / 4
+    assert sum(allocate_drafts([1.0] * 12, [4] * 12, 12, 64, buckets, flat)) == 4
+    # ... at a 2x jump all 48 drafts pay (60 / 2 > 16); 16 decodes at acceptance 0.3 do not
+    # jump (16 x 1.43 / 2 < 16), at 0.6 they do, as many as the 64-token budget leaves
+    jump2 = lambda t, d: 1.0 if t <= 16 else 2.0
+    assert sum(allocate_drafts([1.0] * 12, [4] * 12, 12, 64, buckets, jump2)) == 48
+    assert sum(allocate_drafts([0.3] * 16, [4] * 16, 16, 64, buckets, jump2)) == 0
+    assert allocate_drafts([0.6] * 16, [4] * 16, 16, 64, buckets, jump2) == [3] * 16
+    unmeasured = lambda t, d: 1.0 if not d else None
+    assert allocate_drafts([1.0] * 4, [4] * 4, 4, 64, buckets, unmeasured) == [0] * 4
+    assert allocate_drafts([1.0], [4], 1, 64, buckets, lambda t, d: None) is None
+
+
+def test_speculator_measures_shapes_then_maximises_tokens_per_second():
+    """The speculator on the oracle scheduler with a synthetic step time: it first measures
+    the plain step and each reachable draft bucket (each twice: the first holds the
+    compilation), then drafts only when the drafts' step pays: with drafts as cheap as the plain
+    step it fills the bucket, with a draft step 3x the plain one and wrong proposals it stops."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    class Right:
+        right = True
+
+        def propose(self, token_ids, num_drafts):
+            history, out = list(token_ids), []
+            for _ in range(num_drafts):
+                out.append(oracle(history + out) if self.right else VOCAB + 1)
+            return out
+
+    def drive(draft_factor, right, steps=40):
+        cc, _ = configs(num_blocks=256, max_model_len=256)
+        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                             token_buckets=(8, 16, 32), seq_buckets=(8,))
+        proposer = Right()
+        proposer.right = right
+        spec = Speculator(proposer, 4, draft_cost=0.1,
+                          step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                          max_num_batched_tokens=32)
+        state = init_state(cc)
+        for i in range(4):
+            state = add_request(state, req(f"r{i}", (1, 2, 3 + i), max_tokens=200), sc)
+        plans = []
+        for _ in range(steps):
+            state, plan = schedule(state, sc, spec.drafts(state))
+            tokens = verify(state, plan)
+            rows = [t if isinstance(t, list) else [t] for t in tokens]
+            width = max(map(len, rows))
+            bucket = next(b for b in sc.token_buckets if b >= plan.num_tokens)
+            seconds = (0.004 + bucket * 0.001) * (draft_factor if plan.num_drafts else 1)
+            spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                        np.array([len(r) for r in rows]), seconds)
+            state = update(state, plan, tokens)
+            plans.append((plan.num_tokens, plan.num_drafts))
+        return plans
+
+    # the plain step twice, then each reachable draft bucket twice (8, 16, 32: 16 drafts)
+    explored = [(12, 0), (4, 0), (4, 0), (8, 4), (8, 4), (16, 12), (16, 12), (20, 16), (20, 16)]
+    cheap = drive(1.0, True)
+    assert cheap[:9] == explored
+    # right drafts: tokens per second 4 / 12 ms plain, 8 / 12, 16 / 20 (best), 20 / 36
+    assert cheap[9:] == [(16, 12)] * 31
+    # right drafts at 3x the time: 16 / 60 ms < 4 / 12 ms; wrong ones: no gain at any price
+    assert drive(3.0, True)[9:] == drive(3.0, False)[9:] == [(4, 0)] * 31
+

@@ -241,8 +241,9 @@ class EngineCore:
         self._num_preemptions += len(plan.preempted_ids)
         self._num_swapped += len(plan.swapped_ids)
         self._count(plan, state)
-        state = self._refit_cost(state, plan, device_before)
-        self.speculator.record(plan, result.tokens, result.num_accepted)
+        seconds = self.runner.device_time - device_before
+        state = self._refit_cost(state, plan, seconds)
+        self.speculator.record(plan, result.tokens, result.num_accepted, seconds)
         now = time.perf_counter()
         touched, accepted, stop_hits, errors = self._apply(plan, state, result, t0, now)
         self._state = scheduler.update(state, plan, accepted, finished_ids=frozenset(stop_hits),
@@ -258,12 +259,13 @@ class EngineCore:
         return outputs
 
     def _refit_cost(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
-                    device_before: float) -> scheduler.SchedulerState:
+                    seconds: float) -> scheduler.SchedulerState:
         """``state`` with the swap-or-recompute model's prefill rate refitted to the step just
-        run (a moving average over steps of at least 64 tokens), when a host tier is on."""
+        run (``seconds`` of device time; a moving average over steps of at least 64 tokens),
+        when a host tier is on."""
         if state.cost is None or plan.num_tokens < 64:
             return state
-        rate = plan.num_tokens / max(self.runner.device_time - device_before, 1e-9)
+        rate = plan.num_tokens / max(seconds, 1e-9)
         self._prefill_rate = rate if self._prefill_rate is None else (
             0.7 * self._prefill_rate + 0.3 * rate)
         return scheduler.with_cost_model(state, dataclasses.replace(

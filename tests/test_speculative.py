@@ -5,7 +5,7 @@ the n-gram proposer; and the engine on the tiny model: greedy and seeded outputs
 non-speculative decoding with n-gram and random drafts, tables and prefix cache after every
 step, stops inside accepted runs, the stats, the Pallas kernel on verify steps; the adaptive
 draft length (the fixed-cost rule, the step-time model, the whole-step allocation against brute
-force)."""
+force); the engine's sampled distribution with drafts (chi-square against HF transformers)."""
 
 import random
 
@@ -794,3 +794,96 @@ def test_speculator_measures_shapes_then_maximises_tokens_per_second():
     # right drafts at 3x the time: 16 / 60 ms < 4 / 12 ms; wrong ones: no gain at any price
     assert drive(3.0, True)[9:] == drive(3.0, False)[9:] == [(4, 0)] * 31
 
+
+# ---------------------------------------------------------------- the engine's sampled distribution
+
+
+class TopKDrafter:
+    """Random-accept drafts from known contexts: each draft is the context's most likely token
+    with probability 1/2, else one of its ``top`` tokens uniformly (so the rejection sampler
+    both accepts and rejects); nothing for an unknown context."""
+
+    def __init__(self, top, seed=0):
+        self.top = top   # {context tuple: top token ids, most likely first}
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids, num_drafts):
+        context, out = tuple(token_ids.tolist()), []
+        while len(out) < num_drafts and context in self.top:
+            ids = self.top[context]
+            out.append(int(ids[0] if self.rng.random() < 0.5 else self.rng.choice(ids)))
+            context += (out[-1],)
+        return out
+
+
+@pytest.mark.slow   # about 30 s of CPU, over a minute on a loaded machine
+def test_engine_sampling_with_drafts_keeps_the_target_distribution(tiny):
+    """2,000 completions of 4 tokens of one prompt at temperature 1, top-k 8, through the engine
+    with random-accept drafts, against the next-token distributions of HF transformers' forward
+    of the same model (torch, float64 softmax). The first token comes from the prefill row; the
+    second and third are the first two that the rejection sampler emits (the verify step after
+    the prefill carries 2 drafts, one for each; after a rejection the next step carries one for
+    the third). Chi-square p > 1e-3 on the first token, on the second given the first (the 8
+    conditional distributions pooled) and on the third given the first two (pooled over the
+    contexts with >= 20 samples); the least likely tokens of a distribution are merged into
+    one bin until it expects >= 5 samples."""
+    import torch
+    from scipy import stats
+
+    from jaxkv import LLM
+    from jaxkv.sampling import SamplingParams
+
+    path, hf_model = tiny
+    prompt = tuple(np.random.default_rng(0).integers(3, 400, 17).tolist())
+    k, temperature, n = 8, 1.0, 2000
+
+    def target(context):   # softmax(logits / T) over the top k, float64; the top k ids
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([context])).logits[0, -1].double().numpy()
+        order = np.argsort(logits)[::-1]
+        assert logits[order[k - 1]] - logits[order[k]] > 1e-3   # no near-tie at the cut
+        p = np.zeros_like(logits)
+        p[order[:k]] = np.exp((logits[order[:k]] - logits[order[0]]) / temperature)
+        return p / p.sum(), order[:k]
+
+    p1, top1 = target(prompt)
+    cond2 = {t: target(prompt + (int(t),)) for t in top1}
+    cond3 = {(t1, t2): target(prompt + (int(t1), int(t2))) for t1 in top1 for t2 in cond2[t1][1]}
+    top = {prompt + (int(t),): ids for t, (_, ids) in cond2.items()}
+    top |= {prompt + (int(a), int(b)): ids for (a, b), (_, ids) in cond3.items()}
+    with LLM(str(path), max_model_len=64, max_num_seqs=64, max_num_batched_tokens=1280,
+             num_kv_blocks=200, block_size=8, token_buckets=(64, 256, 1280), seq_buckets=(64,),
+             prefix_caching=None, speculative="ngram", num_speculative_tokens=2,
+             speculative_adaptive=False) as llm:
+        llm.engine.speculator.proposer = TopKDrafter(top)
+        params = [SamplingParams(temperature=temperature, top_k=k, max_tokens=4, seed=i,
+                                 ignore_eos=True) for i in range(n)]
+        outs = llm.generate([{"prompt_token_ids": list(prompt)}] * n, params, use_tqdm=False)
+        s = llm.stats()
+    samples = np.array([o.outputs[0].token_ids for o in outs])   # [n, 4]
+    accepted, verified = s["spec_num_accepted_tokens"], s["spec_num_draft_tokens"]
+    assert verified >= 1.5 * n and 500 < accepted < verified - 500   # both outcomes, often
+
+    def chi2(samples, p):   # (statistic, degrees of freedom) of samples ~ p
+        keep = p > 0
+        observed = np.bincount(samples, minlength=len(p))
+        assert observed[~keep].sum() == 0, "a token outside the top k"
+        order = np.argsort(p[keep])   # the least likely tokens merged until >= 5 expected
+        observed, expected = observed[keep][order], p[keep][order] * len(samples)
+        cut = int(np.searchsorted(np.cumsum(expected), 5.0)) + 1 if expected[0] < 5 else 1
+        observed = np.concatenate([[observed[:cut].sum()], observed[cut:]])
+        expected = np.concatenate([[expected[:cut].sum()], expected[cut:]])
+        return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+    def pooled_p(parts):
+        return stats.chi2.sf(sum(c for c, _ in parts), sum(d for _, d in parts))
+
+    assert pooled_p([chi2(samples[:, 0], p1)]) > 1e-3
+    assert pooled_p([chi2(samples[samples[:, 0] == t, 1], cond2[t][0]) for t in top1]) > 1e-3
+    parts = []
+    for (t1, t2), (p, _) in cond3.items():
+        rows = samples[(samples[:, 0] == t1) & (samples[:, 1] == t2), 2]
+        if len(rows) >= 20:
+            parts.append(chi2(rows, p))
+    assert len(parts) >= 20 and sum(d for _, d in parts) >= 60   # enough contexts to test
+    assert pooled_p(parts) > 1e-3

@@ -136,6 +136,7 @@ def preempt(args) -> dict:
             ("recompute", args.fit * total, dict(preemption_mode="recompute")),
             ("swap", args.fit * total, dict(preemption_mode="swap")),
             ("auto", args.fit * total, dict(preemption_mode="auto"))]
+    runs = [r for r in runs if r[0] == "unconstrained" or r[0] in args.modes.split(",")]
     host_bytes = None
     for name, pool, kw in runs:
         if kw:
@@ -225,6 +226,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=2048, help="preempt: prompt tokens")
     ap.add_argument("--output", type=int, default=512, help="preempt: generated tokens")
     ap.add_argument("--fit", type=int, default=6, help="preempt: whole sequences the pool fits")
+    ap.add_argument("--modes", default="recompute,swap,auto",
+                    help="preempt: preemption modes run beside the unconstrained pool")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--restart-child", type=Path, dest="cache_dir",
                     help="(internal) run one restart-workload engine over this kv_cache_dir")

@@ -205,13 +205,14 @@ class BlockManager:
         return out
 
     def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
-                            partial: tuple[int, int] | None) -> bool:
-        """Whether ``allocate_cached(.., num_tokens, blocks, .., partial)`` fits."""
+                            partial: tuple[int, int] | None, *, reserve: int = 0) -> bool:
+        """Whether ``allocate_cached(.., num_tokens, blocks, .., partial)`` fits with
+        ``reserve`` free blocks to spare."""
         need = self.blocks_for(num_tokens) - len(blocks)
         need += sum(self._ref[b] == 0 for b in blocks)
         if partial is not None and self._ref[partial[0]] == 0:
             need += 1  # held while its copy's destination is taken
-        return need <= self._num_free
+        return need + reserve <= self._num_free
 
     # ---- mutations -------------------------------------------------------------------------
 
@@ -253,10 +254,12 @@ class BlockManager:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
         return self._tables[request_id], copy
 
-    def can_allocate_layout(self, kept: Sequence[bool], num_tokens: int) -> bool:
-        """Whether ``allocate_layout(.., kept, num_tokens)`` fits."""
+    def can_allocate_layout(self, kept: Sequence[bool], num_tokens: int, *,
+                            reserve: int = 0) -> bool:
+        """Whether ``allocate_layout(.., kept, num_tokens)`` fits with ``reserve`` free blocks
+        to spare."""
         need = sum(kept) + max(0, self.blocks_for(num_tokens) - len(kept))
-        return need <= self._num_free
+        return need + reserve <= self._num_free
 
     def allocate_layout(self, request_id: Hashable, kept: Sequence[bool], num_tokens: int, *,
                         salt: Hashable = None) -> tuple[int, ...]:

@@ -35,6 +35,13 @@ One step of ``schedule``:
   2. If nobody was preempted, waiting requests are admitted in queue order, each with a prefill
      chunk ``min(remaining, budget)``, while the budget, ``max_num_seqs`` running requests and the
      free blocks allow; admission stops at the first request that does not fit (no overtaking).
+     A request is admitted only when the free blocks hold all its known tokens (prompt and
+     output so far, as many as its retention policy keeps at once), not just this chunk (vLLM
+     V0's whole-prompt check): admitted for one chunk of a prompt the pool cannot hold, it
+     would be preempted before its first decode. A request coming back from a preemption
+     also waits for one free block of headroom per running request (a watermark): readmitted
+     into a pool it fills exactly, it is the first victim of the next block any running
+     request needs, and thrashes, each round recomputing everything it had.
   3. Draft tokens (speculative decoding, jaxkv/speculative.py): a running decode offered drafts
      in ``schedule(..., drafts)`` carries as many of them as the budget and the free blocks
      *left by steps 1 and 2* allow, and at most ``max_tokens - generated - 1`` (so even a fully
@@ -179,6 +186,7 @@ class RequestState:
         cache (their KV is a function of the tokens alone).
       swapped_tokens: > 0 while the request waits swapped out (swap preemption): the computed
         tokens whose blocks the host tier holds (``HostTier.swapped``); it resumes there.
+      num_preemptions: times it was preempted (by recompute or swap).
     """
 
     request: Request
@@ -192,6 +200,7 @@ class RequestState:
     block_scores: np.ndarray | None = dataclasses.field(default=None, compare=False)
     first_drop: int | None = None
     swapped_tokens: int = 0
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -464,7 +473,8 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     swapped: list[Hashable] = []
 
     def preempt(request_id):
-        rs = requests[request_id]
+        rs = dataclasses.replace(requests[request_id], num_preemptions=requests[request_id]
+                                 .num_preemptions + 1)
         ops = _swap_out(state, bm, host, rs)
         _free(bm, rs)
         if ops is None:   # recompute: start again from the prompt (and the prefix cache)
@@ -530,15 +540,24 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
             return (rs.num_skipped < config.lpm_max_skips, -hit)
         candidates.sort(key=lpm_key)   # stable: FCFS among equals
     admitted: list[Hashable] = []
+
+    def hold(rs, chunk_end):   # tokens admission must find room for (the readmission rule)
+        bound = state.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
+                                           bm.block_size, len(rs.request.prompt_token_ids))
+        return max(chunk_end, min(rs.num_tokens, bound * bm.block_size))
+
     for request_id in candidates:
         if preempted or budget <= 0 or len(running) >= config.max_num_seqs:
             break
         rs = requests[request_id]
+        # readmitted after a preemption: also a block of headroom for every running request
+        reserve = len(running) if rs.num_preemptions else 0
         if rs.swapped_tokens:   # swapped out: its blocks come back from the host tier
             n = min(rs.num_tokens - rs.swapped_tokens, budget)
             slots = host.swapped(request_id)
             kept = [slot != NO_SLOT for slot in slots]
-            if not bm.can_allocate_layout(kept, rs.swapped_tokens + n):
+            if not bm.can_allocate_layout(kept, hold(rs, rs.swapped_tokens + n),
+                                          reserve=reserve):
                 break
             table = bm.allocate_layout(request_id, kept, rs.swapped_tokens + n,
                                        salt=rs.request.cache_salt)
@@ -572,15 +591,16 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                           + (partial[1] if partial else 0))
         n = min(rs.num_tokens - num_cached, budget)
         if keys is None:   # fork: share the parent's blocks, copy the last one if partial
-            need = (bm.blocks_for(num_cached + n) - len(hit)
+            need = (bm.blocks_for(hold(rs, num_cached + n)) - len(hit)
                     + (num_cached % bm.block_size > 0))
-            if need > bm.num_free_blocks:
+            if need + reserve > bm.num_free_blocks:
                 break
             bm.fork(parent, request_id, len(hit))
             op = bm.copy_on_write(request_id, num_cached)
             bm.append_slots(request_id, num_cached + n)
         else:
-            if not bm.can_allocate_cached(num_cached + n, hit, partial):
+            if not bm.can_allocate_cached(hold(rs, num_cached + n), hit, partial,
+                                          reserve=reserve):
                 break
             table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)],
                                            partial, salt=rs.request.cache_salt)

@@ -348,8 +348,8 @@ ENGINE = dict(TINY_ENGINE, num_kv_blocks=24, max_model_len=128)
 PROMPTS = [list(range(5 + 7 * i, 65 + 7 * i)) for i in range(6)]
 
 
-def _run(path, rounds=2, salts=(None,), **kw):
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+def _run(path, rounds=2, salts=(None,), max_tokens=20, **kw):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with LLM(str(path), **dict(ENGINE, **kw)) as llm:
         outs = []
         for _ in range(rounds):
@@ -366,6 +366,16 @@ def reference(tiny):
     return _run(tiny[0], num_kv_blocks=200)[0]
 
 
+# 60-token prompts growing to 100 tokens (13 blocks): two fill the 23 usable blocks and
+# preempt each other as they grow (admission waits for a whole prompt's blocks)
+LONG = 40
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny):
+    return _run(tiny[0], num_kv_blocks=200, max_tokens=LONG)[0]
+
+
 @pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
 def test_host_tier_outputs_equal_and_fewer_tokens_are_recomputed(tiny, reference, kv):
     base, s0 = _run(tiny[0], kv_cache_dtype=kv)
@@ -380,10 +390,10 @@ def test_host_tier_outputs_equal_and_fewer_tokens_are_recomputed(tiny, reference
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
-def test_preemption_modes_give_identical_tokens(tiny, reference, mode):
+def test_preemption_modes_give_identical_tokens(tiny, long_reference, mode):
     outs, stats = _run(tiny[0], kv_offload_bytes=4 << 20, preemption_mode=mode,
-                       prefix_caching=None)
-    assert outs == reference
+                       prefix_caching=None, max_tokens=LONG)
+    assert outs == long_reference
     assert stats["num_preemptions"] > 0
     if mode == "recompute":
         assert stats["num_swap_preemptions"] == 0
@@ -396,7 +406,7 @@ def test_kivi_swap_is_refused_and_auto_recomputes(tiny):
         LLM(str(tiny[0]), **dict(ENGINE, kv_cache_dtype="int4", kv_offload_bytes=4 << 20,
                                  preemption_mode="swap"))
     _, stats = _run(tiny[0], rounds=1, kv_cache_dtype="int4", kv_offload_bytes=4 << 20,
-                    prefix_caching=None)
+                    prefix_caching=None, max_tokens=LONG)
     assert stats["num_preemptions"] > 0 and stats["num_swap_preemptions"] == 0
 
 

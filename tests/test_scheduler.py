@@ -100,11 +100,18 @@ def test_preemption_victim_is_newest_and_resumes_with_its_tokens():
     assert plan == StepPlan((S("a", (11,), 3, True, (1, 5)), S("b", (21,), 4, True, (2, 3, 4))))
     assert state.finished["a"].finish_reason == "stop"
     assert state.block_manager.free_block_ids() == (5, 1)
+    # c (4 tokens) would fill the 2 free blocks exactly, but back from a preemption it also
+    # waits for a block of headroom per running request (b): readmitted now, it would be the
+    # victim of b's next block. b reaches max_tokens.
+    state, plan = step(state, sc, [23])
+    assert plan == StepPlan((S("b", (22,), 5, True, (2, 3, 4)),), finished_ids=("a",))
+    assert state.finished["b"].finish_reason == "length"
+    assert state.block_manager.free_block_ids() == (5, 1, 4, 3, 2)
     # c re-prefills prompt + its generated token and samples its next token
-    state, plan = step(state, sc, [23, 31])
-    assert plan == StepPlan((S("b", (22,), 5, True, (2, 3, 4)),
-                             S("c", (6, 7, 8, 30), 0, True, (5, 1))), finished_ids=("a",))
+    state, plan = step(state, sc, [31])
+    assert plan == StepPlan((S("c", (6, 7, 8, 30), 0, True, (5, 1)),), finished_ids=("b",))
     assert state.requests["c"].output_token_ids == (30, 31)
+    assert state.requests["c"].num_preemptions == 1
 
 
 def test_preemption_victim_is_lowest_priority_under_priority_policy():

@@ -169,13 +169,14 @@ def test_from_args_and_bad_arguments():
         SnapKVRetention(budget_tokens=256, window_tokens=16).check_block_size(16, 2)
 
 
-@pytest.mark.parametrize("policy", [
-    SnapKVRetention(budget_tokens=20, sink_tokens=2, window_tokens=6),
-    RandomRetention(budget_tokens=16, sink_tokens=0)], ids=["snapkv", "random"])
-def test_forks_and_preemption_keep_invariants(policy):
+@pytest.mark.parametrize("policy, num_blocks", [
+    (SnapKVRetention(budget_tokens=20, sink_tokens=2, window_tokens=6), 14),
+    (RandomRetention(budget_tokens=16, sink_tokens=0), 22)], ids=["snapkv", "random"])
+def test_forks_and_preemption_keep_invariants(policy, num_blocks):
     # the pure scheduler with synthetic block mass: forks, recompute preemption in a small
-    # pool, invariants after every schedule and update, every request finishing whole
-    cc = CacheConfig(block_size=4, num_blocks=14, retention=policy)
+    # pool (admission waits for a whole prompt's blocks, so a pool where the kept blocks
+    # outgrow it), invariants after every schedule and update, every request finishing whole
+    cc = CacheConfig(block_size=4, num_blocks=num_blocks, retention=policy)
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=400)
 
     def req(rid, prompt, **kw):
@@ -202,7 +203,7 @@ def test_forks_and_preemption_keep_invariants(policy):
     assert (preempted > 0, dropped > 0) == (True, True)
     assert sorted(done) == ["r0", "r0#1", "r1", "r2", "r3", "r4"]
     assert all(len(rs.output_token_ids) == 30 for rs in done.values())
-    assert state.block_manager.num_free_blocks == 13
+    assert state.block_manager.num_free_blocks == num_blocks - 1
 
 
 # ---- through the engine -----------------------------------------------------------------------

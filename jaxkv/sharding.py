@@ -252,23 +252,25 @@ def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
     groups stay whole); metadata is replicated. A quantized pool (``QuantizedPages``) is split
     the same way (``cache_specs``): each device reads its heads' codes, scales, zero points and
     KIVI residual, with the per-block bookkeeping replicated. Same signature as
-    ``paged_attention``.
+    ``paged_attention``; with ``return_lse=True`` the lse f32 [T, heads] comes back split over
+    heads like the output (a scoring retention policy's block mass reads it).
     """
     q_spec = spec(("heads", "head_dim"), rules=rules)
     q_spec = P(None, *q_spec)                            # [T, heads, head_dim]
 
     def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-                  q_sinks=None, **kw):
+                  q_sinks=None, return_lse=False, **kw):
         pool_specs = cache_specs((k_pages, v_pages), rules=rules)
         extra = () if q_sinks is None else (q_sinks,)   # split over heads like q
 
         def local(q, k, v, tables, lens, qsl, *qs):
-            return paged_attention(q, k, v, tables, lens, qsl, **kw,
+            return paged_attention(q, k, v, tables, lens, qsl, return_lse=return_lse, **kw,
                                    **({"q_sinks": qs[0]} if qs else {}))
 
+        out_specs = (q_spec, P(*q_spec[:2])) if return_lse else q_spec
         fn = jax.shard_map(local, mesh=mesh,
                            in_specs=(q_spec, *pool_specs, P(), P(), P(), *[q_spec] * len(extra)),
-                           out_specs=q_spec, check_vma=False)
+                           out_specs=out_specs, check_vma=False)
         return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *extra)
 
     return attention

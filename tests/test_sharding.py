@@ -56,6 +56,19 @@ def test_streaming_retention_under_tp_gives_the_tokens_of_one_device(tiny):
     assert r["tp2"] == r["tp4"] == r["tp1"]
 
 
+def test_scored_retention_under_tp_gives_the_tokens_of_one_device(tiny):
+    """H2O and SnapKV rank blocks by attention mass summed over every head, so under TP (heads
+    split over devices) they drop the same blocks and give TP 1's tokens."""
+    r = run_worker("scored", tiny["llama"], "--tp", 1, 2, 4, "--attention-impl", "grouped",
+                   "--tokens", 40, devices=4)
+    for policy in ("h2o", "snapkv"):
+        assert all(len(t) == 40 for t in r[f"{policy}_tp1"])
+        assert r[f"{policy}_tp1_dropped"] > 0
+        assert r[f"{policy}_tp2"] == r[f"{policy}_tp4"] == r[f"{policy}_tp1"]
+        assert r[f"{policy}_tp2_dropped"] == r[f"{policy}_tp4_dropped"] == \
+            r[f"{policy}_tp1_dropped"]
+
+
 def test_host_kv_tier_under_tp_gives_the_tokens_of_one_device(tiny):
     """Swap preemption and prefix blocks demoted to the host tier and promoted back, with the
     cache split over kv heads (tp 2; tp 4 repeats llama's 2 kv heads): TP 1's tokens."""

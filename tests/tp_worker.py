@@ -101,6 +101,33 @@ def cmd_streaming(a) -> dict:
     return out
 
 
+def cmd_scored(a) -> dict:
+    """H2O and SnapKV (blocks ranked by the attention mass every head's queries put on them: the
+    lse comes out of shard_map split over heads, the mass is summed over all of them) at each
+    tp degree, past a 16-token (SnapKV: 24) budget; also the most blocks any table had dropped."""
+    out = {}
+    for tp in a.tp:
+        for policy in ("h2o", "snapkv"):
+            kw = dict(kv_observation_tokens=4) if policy == "snapkv" else {}
+            budget = 24 if policy == "snapkv" else 16
+            with LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
+                     kv_retention=policy, kv_sink_tokens=0, kv_budget_tokens=budget, **kw,
+                     **ENGINE) as llm:
+                engine = llm.engine
+                prompts = PROMPTS if policy == "h2o" else [" ".join(PROMPTS)] * 2
+                sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
+                ids = [engine.add_request(p, sp) for p in prompts]
+                done, dropped = {}, 0
+                while engine.has_unfinished_requests():
+                    done.update({k: v for k, v in engine.step().items() if v.finished})
+                    state = engine.scheduler_state
+                    dropped = max([dropped] + [state.block_manager.block_table(i).count(0)
+                                               for i in state.running])
+                out[f"{policy}_tp{tp}"] = [done[i].outputs[0].token_ids for i in ids]
+                out[f"{policy}_tp{tp}_dropped"] = dropped
+    return out
+
+
 def cmd_offload(a) -> dict:
     """The host KV tier at each tp degree (each device's shard of a block moves with it): a
     pool of 23 usable blocks forces swap preemption, and a second round of the prompts after
@@ -207,7 +234,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=["parity", "kv_parity", "forks", "inspect", "errors",
                                        "checkpoint", "distributed", "streaming",
-                                       "offload"])
+                                       "offload", "scored"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])

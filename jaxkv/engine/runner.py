@@ -277,9 +277,6 @@ class ModelRunner:
         self.retention = from_args(cc, model_config.sliding_window)
         self.retention.check_block_size(cc.block_size,
                                         cc.kv_residual_blocks if spec.format.kivi else 0)
-        if self.retention.observe and tp > 1:
-            raise ValueError(f"kv_retention={cc.kv_retention!r} scores blocks on one device; "
-                             f"tensor_parallel_size={tp} is not supported with it yet")
         if self.retention.observe and config.speculative.speculative:
             raise ValueError(f"kv_retention={cc.kv_retention!r} scores blocks by the sampling "
                              f"queries, which draft tokens would blur; speculative="

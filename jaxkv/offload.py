@@ -47,7 +47,9 @@ class SwapCostModel:
 
     swap: ``blocks x block_bytes / d2h + blocks x block_bytes / h2d`` (out now, in later);
     recompute: ``uncached tokens / prefill rate``. The engine fits the rates from what it
-    measures (copy bandwidth at start and on every transfer; prefill rate from its steps).
+    measures: the copy bandwidths once at start-up (``HostKVPool.measure``: live copies
+    overlap the steps, so their wall time is not their cost), the prefill rate as a moving
+    average over its own steps.
 
     Attributes:
       block_bytes: bytes of one all-layer block unit.

@@ -48,21 +48,48 @@ def hlo_counts(text: str) -> dict[str, int]:
     return {k: ops[k] for k in keep if ops[k]}
 
 
+def top_ops(trace_dir: Path, steps: int, hlo: str, n: int = 30) -> dict[str, float]:
+    """Milliseconds per step of the ``n`` costliest groups of XLA ops in a jax.profiler trace.
+
+    Each executed op (an event named after its HLO instruction, e.g. ``ynn_fusion.246``) is
+    grouped by the jax op that produced it (the instruction's ``op_name`` metadata in the
+    optimized HLO text ``hlo``, loop bodies and layers folded together) and its kind."""
+    from jax._src.lib import _profile_data
+    op_name = {}
+    for m in re.finditer(r"%(\S+) = .*?\b(\w[\w-]*)\(.*?op_name=\"([^\"]*)\"", hlo):
+        name = re.sub(r"\[.*?\]|\d+", "#", m.group(3))[-70:]
+        op_name[m.group(1)] = f"{m.group(1).split('.')[0]} {name}"
+    total = collections.Counter()
+    for path in trace_dir.rglob("*.xplane.pb"):
+        for plane in _profile_data.ProfileData.from_file(str(path)).planes:
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.name in op_name or re.fullmatch(r"[\w-]+\.\d+", ev.name):
+                        total[op_name.get(ev.name, ev.name.split(".")[0])] += ev.duration_ns
+    return {k: round(v / 1e6 / steps, 3) for k, v in total.most_common(n)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="running sequences (repeatable)")
     ap.add_argument("--prompt", type=int, default=500, help="prompt tokens per request")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--token-buckets", help="comma list (default: the engine's)")
     ap.add_argument("--hlo", type=Path, help="write the optimized HLO of each step here")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--profile", type=Path, help="trace 5 steps with jax.profiler into this "
+                    "directory and print the XLA ops taking the most time")
     args = ap.parse_args()
     batches = args.batch or [8]
     out: dict = {"load_start": loadavg(), "dtype": args.dtype, "jax": jax.__version__,
                  "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
     t0 = time.perf_counter()
     llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=1024,
-              max_num_batched_tokens=512, max_num_seqs=max(batches), num_kv_blocks=4097)
+              max_num_batched_tokens=512, max_num_seqs=max(batches),
+              num_kv_blocks=1 + max(batches) * -(-(args.prompt + args.iters + 60) // 16),
+              **({"token_buckets": tuple(int(x) for x in args.token_buckets.split(","))}
+                 if args.token_buckets else {}))
     out["start_s"] = time.perf_counter() - t0
     runner = llm.engine.runner
     ids = llm.tokenizer.encode(AUSTEN.read_text())
@@ -94,21 +121,29 @@ def main() -> None:
         res = {"T": int(inputs.token_ids.shape[0]), "S": int(inputs.seq_lens.shape[0]),
                "engine_step_ms": 1e3 * statistics.median(walls),
                "engine_device_ms": 1e3 * statistics.median(devs)}
+        text = orig.lower(runner.params, runner.cache, inputs, sampling, rng,
+                          **kw).compile().as_text()
+        res["hlo"] = hlo_counts(text)
         if args.hlo:
             args.hlo.mkdir(parents=True, exist_ok=True)
-            text = orig.lower(runner.params, runner.cache, inputs, sampling, rng,
-                              **kw).compile().as_text()
             (args.hlo / f"decode_b{B}.txt").write_text(text)
-            res["hlo"] = hlo_counts(text)
-        ts = []
+        ts, cpu = [], []
         for _ in range(args.iters + 1):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             runner.cache, tokens, *_ = orig(runner.params, runner.cache, inputs, sampling, rng,
                                             **kw)
             tokens.block_until_ready()
-            ts.append(time.perf_counter() - t)
-        ts = ts[1:]
+            ts.append(time.perf_counter() - t); cpu.append(time.process_time() - c)
+        ts, cpu = ts[1:], cpu[1:]
+        if args.profile:
+            with jax.profiler.trace(str(args.profile / f"b{B}")):
+                for _ in range(5):
+                    runner.cache, tokens, *_ = orig(runner.params, runner.cache, inputs,
+                                                    sampling, rng, **kw)
+                    tokens.block_until_ready()
+            res["profile_top_ms_per_step"] = top_ops(args.profile / f"b{B}", steps=5, hlo=text)
         res.update(step_ms=1e3 * statistics.median(ts), step_min_ms=1e3 * min(ts),
+                   step_cpu_ms=1e3 * statistics.median(cpu),
                    step_max_ms=1e3 * max(ts), load=loadavg())
         while llm.has_unfinished_requests():
             llm.step()

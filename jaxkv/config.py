@@ -212,7 +212,9 @@ class SchedulerConfig:
       lpm_max_skips: under ``"lpm"``, a waiting request overtaken this many times is admitted
         before any request with a longer cached prefix (the age bound: nobody starves).
       token_buckets: padded sizes of the token axis ``T``; strictly increasing, the last one
-        ``>= max_num_batched_tokens``. Default: powers of two from 16, closed by the maximum.
+        ``>= max_num_batched_tokens``. Default: powers of two from 8, closed by the maximum
+        (8 decodes run on 8 token rows, not 16: the step's matmuls do ~15% less work,
+        bench/decode_step.py).
       seq_buckets: padded sizes of the sequence axis ``S``; strictly increasing, the last one
         ``>= max_num_seqs``. Default: powers of two from 8, closed by the maximum (the same
         minima as vLLM's TPU backend: smaller buckets save little and add compilations).
@@ -234,7 +236,7 @@ class SchedulerConfig:
         check_fields(self)
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets",
-                               _powers_of_two(min(16, self.max_num_batched_tokens),
+                               _powers_of_two(min(8, self.max_num_batched_tokens),
                                               self.max_num_batched_tokens))
         if self.seq_buckets is None:
             object.__setattr__(self, "seq_buckets",

@@ -154,7 +154,8 @@ def warm_request(generate) -> None:
 def jaxkv_worker(job) -> dict:
     from jaxkv import LLM, SamplingParams
 
-    llm = LLM(str(GGUF), dtype="float32", seed=0, num_kv_blocks=KV_TOKENS // 16 + 1, **LIMITS)
+    llm = LLM(str(GGUF), dtype="float32", seed=0, num_kv_blocks=job["kv_tokens"] // 16 + 1,
+              **LIMITS)
     t = time.perf_counter()
     compiled = llm.warmup()
     compile_s = time.perf_counter() - t
@@ -192,7 +193,7 @@ def vllm_worker(job) -> dict:
     cfg = job["config"]
     elem = 4 if cfg["dtype"] == "float32" else 2
     kw = dict(model=job["hf_model"], dtype=cfg["dtype"], seed=0,
-              kv_cache_memory_bytes=KV_TOKENS * KV_BYTES_PER_TOKEN_ELEM * elem,
+              kv_cache_memory_bytes=job["kv_tokens"] * KV_BYTES_PER_TOKEN_ELEM * elem,
               enable_prefix_caching=True, enforce_eager=job["vllm_eager"], **LIMITS)
     llm = LLM(**kw)
 
@@ -225,13 +226,13 @@ def llama_worker(job) -> dict:
     assert model, job["gguf"]
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     cp = L.llama_context_default_params()
-    cp.n_ctx = KV_TOKENS
+    cp.n_ctx = job["kv_tokens"]
     cp.n_batch = cp.n_ubatch = LIMITS["max_num_batched_tokens"]
     split = job["llama_kv"] == "split"
     # unified: one 65,536-token buffer shared by all 256 sequences (attention of every token
     # then spans every used cell of the buffer, masked); split: one 1,024-token stream per
     # sequence, so 64 sequences fill the same 65,536 tokens
-    cp.n_seq_max = KV_TOKENS // LIMITS["max_model_len"] if split else LIMITS["max_num_seqs"]
+    cp.n_seq_max = job["kv_tokens"] // LIMITS["max_model_len"] if split else LIMITS["max_num_seqs"]
     cp.n_threads = cp.n_threads_batch = cfg["threads"]
     cp.kv_unified = not split
     cp.no_perf = True
@@ -263,7 +264,7 @@ def llama_worker(job) -> dict:
                               fed[i] + k == len(prompts[i]) - 1) for k in range(n)]
                     fed[i] += n
             while (waiting and len(rows) < budget and free and
-                   reserved + len(prompts[waiting[0]]) + olens[waiting[0]] <= KV_TOKENS):
+                   reserved + len(prompts[waiting[0]]) + olens[waiting[0]] <= job["kv_tokens"]):
                 i = waiting.popleft()
                 slot[i] = free.pop()
                 reserved += len(prompts[i]) + olens[i]
@@ -347,7 +348,7 @@ def jaxkv_snapshot(work: Path) -> Path:
 def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
     cfg = ENGINES[engine]
     job = {"engine": engine, "config": cfg, "hf_model": a.hf_model, "vllm_eager": a.vllm_eager,
-           "run_timeout": a.run_timeout, "llama_kv": a.llama_kv,
+           "run_timeout": a.run_timeout, "llama_kv": a.llama_kv, "kv_tokens": a.kv_tokens,
            "gguf": a.llama_f32_gguf if cfg.get("f32") else str(GGUF), "workloads": {}}
     for name, w in workloads.items():
         job["workloads"][name] = dict(w, repeats=a.big_repeats if name in BIG else a.repeats)
@@ -463,6 +464,9 @@ def main():
     ap.add_argument("--run-timeout", type=float, default=600,
                     help="jaxkv and llama.cpp stop a run after this many seconds and report "
                          "it as incomplete (llama.cpp on 2 threads collapses under load)")
+    ap.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                    help="every engine's KV pool in tokens (a smaller pool when the machine's "
+                         "memory is taken by other work: jaxkv refuses a pool that does not fit)")
     ap.add_argument("--vllm-venv", default="/work/peers/vllm-venv")
     ap.add_argument("--llama-venv", default="/work/peers/llama-venv")
     ap.add_argument("--hf-model", default="/work/peers/SmolLM2-135M-Instruct-hf")
@@ -512,7 +516,7 @@ def main():
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 2**20, 1),
                     "node": platform.node()},
         "jaxkv_commit": commit, "jaxkv_worktree_dirty_ignored": bool(dirty),
-        "limits": dict(LIMITS, kv_pool_tokens=KV_TOKENS),
+        "limits": dict(LIMITS, kv_pool_tokens=a.kv_tokens),
         "prefix_cache": "on, reset before every repeat (llama.cpp: KV cleared)",
         "vllm_mode": "eager" if a.vllm_eager else "vLLM default (torch.compile)",
         "workload_names": wls,

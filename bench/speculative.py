@@ -4,7 +4,17 @@ Workloads (``--workloads``, default both):
 
 * ``extractive``: "repeat this passage exactly" over an Austen paragraph (Pride and Prejudice),
   where prompt lookup finds most of the output in the prompt;
+* ``summary``: "summarise this passage, quoting its key sentences word for word" (quote-heavy:
+  some of the output is in the prompt);
 * ``free``: a free story (control): little to look up.
+
+``--context N`` lengthens every prompt to about N tokens: the extractive and summary passages are
+that many tokens of consecutive Pride and Prejudice paragraphs, the free story gets them as
+background text before its instruction. ``--keep-prefix-cache`` times decoding alone: the
+timed runs take their prompts from the prefix cache the compiling run filled (the prefill is
+the same work for every variant), so tok/s is output tokens per second of decoding.
+``--kv-cache-dtype`` (e.g. int8) shrinks the KV pools of the variants' engines (all alive at
+once for the round robin), each sized to the batch's prompts + outputs.
 
 For each workload and batch size (``--batch-sizes``, default 1) there is one engine per variant:
 no speculation, fixed draft lengths k (``--ks``, default 2,4,8) and adaptive k up to
@@ -51,20 +61,37 @@ STORIES = ["a lighthouse keeper who finds a message in a bottle",
            "a dragon that is afraid of the dark"]
 
 
-def passages(n: int, n_chars: int = 700) -> list[str]:
-    """``n`` paragraphs of Pride and Prejudice of about ``n_chars`` characters."""
+def passages(n: int, n_chars: int = 700, context: int | None = None) -> list[str]:
+    """``n`` paragraphs of Pride and Prejudice of about ``n_chars`` characters, or with
+    ``context``, ``n`` runs of consecutive paragraphs of about ``context`` tokens each (4.2
+    characters a token), each starting at a different paragraph."""
     text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
     paras = [" ".join(p.split()) for p in text.split("\n\n")]
-    paras = [p for p in paras if n_chars // 2 <= len(p) <= n_chars and p[0].isalpha()]
-    return paras[10:10 + n]
+    if context is None:
+        paras = [p for p in paras if n_chars // 2 <= len(p) <= n_chars and p[0].isalpha()]
+        return paras[10:10 + n]
+    paras = [p for p in paras if len(p) > 80 and p[0].isalpha()]
+    out = []
+    for i in range(n):
+        run, j = "", 10 + 7 * i
+        while len(run) < 4.2 * context:
+            run, j = f"{run}\n\n{paras[j]}".strip(), j + 1
+        out.append(run[:int(4.2 * context)].rsplit(" ", 1)[0])
+    return out
 
 
-def conversations(workload: str, n: int) -> list[list[dict]]:
+def conversations(workload: str, n: int, context: int | None = None) -> list[list[dict]]:
+    """The batch's chat conversations of a workload (see the module docstring)."""
     if workload == "extractive":
         return [[{"role": "user", "content": "Repeat the following passage exactly, word for "
-                  f"word:\n\n{p}"}] for p in passages(n)]
-    return [[{"role": "user", "content": f"Write a short story about {STORIES[i % 4]}."}]
-            for i in range(n)]
+                  f"word:\n\n{p}"}] for p in passages(n, context=context)]
+    if workload == "summary":
+        return [[{"role": "user", "content": "Summarise the following passage, quoting its key "
+                  f"sentences word for word:\n\n{p}"}] for p in passages(n, context=context)]
+    background = passages(n, context=context) if context else [""] * n
+    return [[{"role": "user", "content": (f"Background:\n\n{background[i]}\n\n"
+                                          if background[i] else "")
+              + f"Write a short story about {STORIES[i % 4]}."}] for i in range(n)]
 
 
 def draft_path(name: str, args) -> str:
@@ -116,7 +143,8 @@ def layer_subset_agreement(hf_dir: str, subsets: list[str], n_tokens: int = 400)
 
 def engine(batch: int, variant: tuple, args) -> LLM:
     """A SmolLM2 engine for batch size ``batch`` and a variant ``(proposer, k, adaptive)``
-    (proposer None: no speculation; ``"ngram"``; or a ``--drafts`` name)."""
+    (proposer None: no speculation; ``"ngram"``; or a ``--drafts`` name); with ``--context``
+    its KV pool holds the batch's prompts and outputs (and a block per sequence to spare)."""
     proposer, k, adaptive = variant
     spec = {}
     if proposer == "ngram":
@@ -125,15 +153,21 @@ def engine(batch: int, variant: tuple, args) -> LLM:
         spec = dict(speculative="draft", speculative_model=draft_path(proposer, args),
                     num_speculative_tokens=k, speculative_adaptive=adaptive,
                     speculative_draft_cost=args.draft_cost)
-    return LLM(args.model, dtype="float32", max_model_len=2048, max_num_seqs=batch,
+    sizes = dict(max_model_len=2048)
+    if args.context:
+        max_len = args.context + args.max_tokens + 256   # the chat template and instruction
+        sizes = dict(max_model_len=max_len, num_kv_blocks=batch * (max_len // 16 + 2) + 1)
+    return LLM(args.model, dtype="float32", max_num_seqs=batch,
                max_num_batched_tokens=1024, token_buckets=(16, 64, 256, 1024),
-               seq_buckets=(batch,), **spec)
+               seq_buckets=(batch,), kv_cache_dtype=args.kv_cache_dtype, **spec | sizes)
 
 
-def timed_run(llm: LLM, convs, params) -> dict:
-    """One greedy ``chat`` of the whole batch (prefix cache reset first): its wall time, tokens
-    and the engine counters it moved, and the outputs."""
-    llm.reset_prefix_cache()
+def timed_run(llm: LLM, convs, params, keep_prefix_cache: bool = False) -> dict:
+    """One greedy ``chat`` of the whole batch (prefix cache reset first, unless
+    ``keep_prefix_cache``): its wall time, tokens and the engine counters it moved, and the
+    outputs."""
+    if not keep_prefix_cache:
+        llm.reset_prefix_cache()
     before = llm.stats()
     t0 = time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
@@ -143,6 +177,7 @@ def timed_run(llm: LLM, convs, params) -> dict:
     keys = ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_drafts",
             "spec_draft_num_steps", "spec_draft_device_time_s", "device_time_s")
     return dict(wall_s=wall, tok_per_s=generated / wall, generated=generated,
+                prompt_tokens=statistics.mean(len(o.prompt_token_ids) for o in outs),
                 decode_tok_per_s=statistics.mean(1 / o.metrics.tpot for o in outs),
                 outputs=[o.outputs[0].token_ids for o in outs],
                 **{key: after.get(key, 0) - before.get(key, 0) for key in keys})
@@ -174,7 +209,7 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
                  for j, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y), None)
     return dict(
         workload=workload, batch=batch, proposer=proposer, k=k, adaptive=adaptive,
-        generated=r["generated"], **med,
+        prompt_tokens=r["prompt_tokens"], generated=r["generated"], **med,
         speedup=med["tok_per_s"] / statistics.median(b["tok_per_s"] for b in base),
         steps_per_token=r["num_steps"] / r["generated"],
         acceptance_rate=accepted / drafted if drafted else None,
@@ -195,7 +230,12 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--workloads", default="extractive,free")
+    ap.add_argument("--workloads", default="extractive,free", help="extractive, summary, free")
+    ap.add_argument("--context", type=int, default=None, help="prompts of about this many "
+                    "tokens (see the module docstring)")
+    ap.add_argument("--keep-prefix-cache", action="store_true", help="time decoding alone: "
+                    "timed runs hit the prefix cache the compiling run filled")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--batch-sizes", default="1")
     ap.add_argument("--ks", default="2,4,8", help="fixed draft lengths (no speculation is "
                     "always measured)")
@@ -231,7 +271,7 @@ def main():
     rows, load = [], os.getloadavg()
     for workload in args.workloads.split(","):
         for batch in map(int, args.batch_sizes.split(",")):
-            convs = conversations(workload, batch)
+            convs = conversations(workload, batch, args.context)
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
             engines = {v: engine(batch, v, args) for v in variants}
             for llm in engines.values():
@@ -239,7 +279,7 @@ def main():
             runs = {v: [] for v in variants}
             for _ in range(args.reps):   # round robin: load drift hits every variant alike
                 for v, llm in engines.items():
-                    runs[v].append(timed_run(llm, convs, params))
+                    runs[v].append(timed_run(llm, convs, params, args.keep_prefix_cache))
             margins = top2_margins(engines[(None, 0, False)], convs, params)
             for v, llm in engines.items():
                 llm.close()
@@ -249,6 +289,8 @@ def main():
     result = {"machine": platform.platform(), "processor": platform.processor(),
               "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()],
               "date": time.strftime("%Y-%m-%d %H:%M"), "max_tokens": args.max_tokens,
+              "context": args.context, "kv_cache_dtype": args.kv_cache_dtype,
+              "keep_prefix_cache": args.keep_prefix_cache,
               "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

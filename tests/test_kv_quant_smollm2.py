@@ -1,6 +1,5 @@
-"""Greedy decoding on SmolLM2-135M with quantized KV caches agrees with the fp32 cache on a
-documented fraction of tokens: free-running positional agreement (fp8 / int8, 3 prompts x 32
-tokens) and teacher-forced agreement along the fp32 continuation (fp8, int8, KIVI int4 / int2)."""
+"""Greedy decoding on SmolLM2-135M with quantized KV caches against the fp32 cache:
+free-running, fp8 / int8 first differ only at near ties (3 prompts x 32 tokens); teacher-forced agreement along the fp32 continuation (fp8, int8, KIVI int4 / int2)."""
 
 import pytest
 
@@ -10,24 +9,33 @@ ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batche
               num_kv_blocks=64, token_buckets=(16, 64), seq_buckets=(4,))
 PROMPTS = ["It is a truth universally acknowledged, that a single man in possession",
            "The capital of France is", "Emma Woodhouse, handsome, clever, and rich,"]
-# measured on this CPU: fp8_e4m3 53/96, int8 84/96 positions equal (one near-tie flip makes
-# the rest of a 32-token continuation differ); floors a little below that
-MIN_AGREEMENT = {"fp8_e4m3": 0.5, "int8": 0.8}
+# Free-running, one near-tie flip makes the rest of a 32-token continuation differ, so the test
+# is about the first difference of each sequence: there the fp32 cache's top-2 logprob margin
+# must be small (a near tie) and the quantized cache must have picked fp32's runner-up.
+# Measured on this CPU (fp32 margins at the first differences; 2 of the 3 sequences differ in
+# each): int8 0.018 and 0.17 nats, fp8_e4m3 0.018 and 0.24; the bound a little above.
+NEAR_TIE = {"fp8_e4m3": 0.5, "int8": 0.5}
 
 
 def greedy(kv):
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    """Greedy continuations of ``PROMPTS`` with a ``kv`` cache: (token ids, top-2 logprobs)."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
     with LLM(kv_cache_dtype=kv, **ENGINE) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 @pytest.mark.slow
 def test_smollm2_fp8_and_int8_cache_agree_with_fp32():
     ref = greedy("fp32")
-    for kv, floor in MIN_AGREEMENT.items():
-        got = greedy(kv)
-        same = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
-        assert same / sum(map(len, ref)) >= floor, kv
+    for kv, bound in NEAR_TIE.items():
+        for (got, _), (want, logprobs) in zip(greedy(kv), ref):
+            first = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            if first is None:
+                continue
+            top = sorted(logprobs[first].items(), key=lambda t: -t[1])
+            margin = top[0][1] - top[1][1]
+            assert got[first] == top[1][0] and margin < bound, (kv, first, margin)
 
 
 # teacher-forced (each step decodes the fp32 continuation, so one near-tie flip does not change

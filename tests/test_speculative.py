@@ -88,6 +88,19 @@ def run(cc, sc, requests, propose=None, check=None):
             {i: rs.finish_reason for i, rs in done.items()}, state, (drafted, accepted))
 
 
+class SwitchingProposer:
+    """Proposes the oracle's tokens while ``right``, else a token outside the vocabulary."""
+
+    def __init__(self, right: bool):
+        self.right = right
+
+    def propose(self, token_ids, num_drafts):
+        history, out = list(token_ids), []
+        for _ in range(num_drafts):
+            out.append(oracle(history + out) if self.right else VOCAB + 1)
+        return out
+
+
 def oracle_proposer(k, p_correct, seed):
     """Drafts for every running decode: the oracle's token with probability ``p_correct``,
     else a random one (so accepted runs of every length and rejections all happen)."""
@@ -581,16 +594,7 @@ def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
     are still compared with what it emits), then drafts again once they match."""
     from jaxkv.speculative import Speculator
 
-    class Switching:
-        right = False
-
-        def propose(self, token_ids, num_drafts):
-            history, out = list(token_ids), []
-            for _ in range(num_drafts):
-                out.append(oracle(history + out) if self.right else VOCAB + 1)
-            return out
-
-    proposer = Switching()
+    proposer = SwitchingProposer(right=False)
     spec = Speculator(proposer, 4, draft_cost=0.1)
     cc, sc = configs(max_model_len=256)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=200), sc)
@@ -750,21 +754,11 @@ def test_speculator_measures_shapes_then_maximises_tokens_per_second():
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
 
-    class Right:
-        right = True
-
-        def propose(self, token_ids, num_drafts):
-            history, out = list(token_ids), []
-            for _ in range(num_drafts):
-                out.append(oracle(history + out) if self.right else VOCAB + 1)
-            return out
-
     def drive(draft_factor, right, steps=40):
         cc, _ = configs(num_blocks=256, max_model_len=256)
         sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
                              token_buckets=(8, 16, 32), seq_buckets=(8,))
-        proposer = Right()
-        proposer.right = right
+        proposer = SwitchingProposer(right)
         spec = Speculator(proposer, 4, draft_cost=0.1,
                           step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
                           max_num_batched_tokens=32)

@@ -473,8 +473,8 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     swapped: list[Hashable] = []
 
     def preempt(request_id):
-        rs = dataclasses.replace(requests[request_id], num_preemptions=requests[request_id]
-                                 .num_preemptions + 1)
+        rs = requests[request_id]
+        rs = dataclasses.replace(rs, num_preemptions=rs.num_preemptions + 1)
         ops = _swap_out(state, bm, host, rs)
         _free(bm, rs)
         if ops is None:   # recompute: start again from the prompt (and the prefix cache)

@@ -368,6 +368,7 @@ class Speculator:
         model, budget = self.step_cost, self._budget
         wanted = {}
         ids = scheduler.decoding_ids(state)
+        decoding = set(ids)
         for request_id in ids:
             rs = state.requests[request_id]
             n = min(self.num_speculative_tokens,
@@ -382,7 +383,6 @@ class Speculator:
             return {}
         acceptance = [self.acceptance(i) for i in ids]
         caps = [len(self._proposals[i]) for i in ids]
-        decoding = set(scheduler.decoding_ids(state))
         prefill = sum(state.requests[i].num_tokens - state.requests[i].num_computed_tokens
                       for i in state.running if i not in decoding)
         base = min(budget, len(decoding) + prefill)

@@ -69,6 +69,20 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def turn_record(s: dict, s0: dict, wall: float, ttft: list[float], fresh: int) -> dict:
+    """One multi-turn turn from the engine stats after (``s``) and before (``s0``) it: wall,
+    TTFTs (sorted, each from the turn's start: all 12 requests are queued at once), prompt tokens
+    computed and recomputed (``fresh``: the turn's tokens never seen before), hits by tier."""
+    d = {k: s.get(k, 0) - s0.get(k, 0) for k in (
+        "num_computed_tokens", "num_generated_tokens", "prefix_cache_hits",
+        "prefix_cache_hits_host", "num_preemptions")}
+    prefill = d["num_computed_tokens"] - (d["num_generated_tokens"] - len(ttft))
+    return {"wall_s": wall, "ttft_s": sorted(ttft), "prompt_tokens_computed": prefill,
+            "prompt_tokens_recomputed": prefill - fresh, "prefix_hit_tokens":
+            d["prefix_cache_hits"], "host_hit_tokens": d["prefix_cache_hits_host"],
+            "num_preemptions": d["num_preemptions"]}
+
+
 def multiturn(args) -> dict:
     out, texts = {}, {}
     host_bytes = None
@@ -84,9 +98,10 @@ def multiturn(args) -> dict:
         ids = austen_ids(llm.tokenizer, 12 * args.turns * args.turn_tokens + 1000)
         reply = SamplingParams(temperature=0, max_tokens=args.reply_tokens, ignore_eos=True)
         histories = [[] for _ in range(12)]
-        ttft, replies, sent = [], [], 0
+        ttft, replies, sent, turns = [], [], 0, []
         load0, s0, t0 = loadavg(), llm.stats(), time.perf_counter()
         for turn in range(args.turns):
+            st, tt = llm.stats(), time.perf_counter()
             prompts = []
             for c in range(12):
                 start = (turn * 12 + c) * args.turn_tokens
@@ -99,6 +114,9 @@ def multiturn(args) -> dict:
                 histories[c] += r.outputs[0].token_ids
                 ttft.append(r.metrics.ttft)
                 replies.append(r.outputs[0].token_ids)
+            turns.append(turn_record(llm.stats(), st, time.perf_counter() - tt,
+                                     [r.metrics.ttft for r in res],
+                                     12 * args.turn_tokens + 12 * (turn > 0)))
             print(f"multiturn [{tier}] turn {turn + 1}/{args.turns} done", file=sys.stderr)
         wall = time.perf_counter() - t0
         s = llm.stats()
@@ -120,6 +138,7 @@ def multiturn(args) -> dict:
                           (s.get("kv_offload_d2h_bytes_per_s"),
                            s.get("kv_offload_h2d_bytes_per_s"))],
             "load_before_after": [load0, loadavg()],
+            "per_turn": turns,
         }
         texts[tier] = replies
         llm.close()

@@ -62,13 +62,29 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   never chosen when it is slower). Drafts inside the bucket the step pads to anyway are nearly
   free; the one that pushes the step into the next bucket pays the whole jump. Every decode is
   asked for ``num_speculative_tokens`` drafts first (a lookup is microseconds), so a proposal's
-  real length caps its ``k``. While a shape it needs is unmeasured (or stale) the speculator
-  plans a step that measures it: the plain step, or the best drafts that fill the smallest
-  unmeasured bucket the proposals reach (a few steps per shape at the start, then one per shape
-  every ``StepCostModel.refresh`` steps); a shape it cannot measure yet leaves the fixed-cost
-  rule in charge.
+  real length caps its ``k``. Three guards keep an unmeasured shape from costing more than
+  no speculation would:
+
+  - While the plain step's shape is unmeasured (or stale) the step is plain (k = 0
+    everywhere): what no speculation does anyway. There is no fixed-cost guess in this rule.
+  - An unmeasured (or stale) draft shape is explored, by the best drafts that fill its bucket,
+    only when it is at most one bucket above the plain step's bucket (drafts inside the plain
+    bucket, or the next bucket up; larger jumps are never tried, so never chosen), and only
+    while the exploration spending is paid for: each kept exploration's time above the plain
+    step's is charged, and a new one is planned only while the charges are at most
+    ``_EXPLORE_SHARE`` of all measured step time (a shape's first, compiling, step is
+    neither charged nor counted). So exploring costs at most that share of the device time,
+    plus one exploration step and each shape's first visit.
+  - A cold request (no proposal of its compared with emitted tokens yet: its acceptance is
+    the prior) does not take part in choosing the step's shape; it only fills the room the
+    chosen draft step pads to anyway. So the priors of a batch of new requests cannot push
+    the step into a larger bucket.
+
+  At batch 64 on a 512-token context (BENCHMARKS.md) the earlier rule explored the 1024-token
+  bucket from a 64-token plain step (12x its time) and, with the plain step unmeasured,
+  proposed the fixed-cost rule's k = 2 for all 64 cold requests (256 tokens, 4x): 0.63x.
 * The fixed-cost rule (the draft-model proposer, whose own forwards are not in the target's
-  step time, and any speculator without a step-time model): the ``k`` in ``[0,
+  step time, and any speculator without a step-time model): per request, the ``k`` in ``[0,
   num_speculative_tokens]`` that maximises ``E(k) / (1 + c k)``, ``c = speculative_draft_cost``
   the cost of one more token as a fraction of a decode step (for a draft model, add one draft
   forward's share of a target step). So ``k = 0`` exactly when ``a <= c`` (Leviathan et al.'s
@@ -94,6 +110,7 @@ from jaxkv.step_cost import StepCostModel
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
 _PRIOR_TRIALS = 2.0
+_EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
 
 
 class Proposer(Protocol):
@@ -254,9 +271,10 @@ class Speculator:
       draft_cost: the fixed-cost rule's cost of one more draft token (a fraction of a decode
         step), or None: always propose ``num_speculative_tokens``.
       step_cost: the step-time model the adaptive draft lengths maximise emitted tokens per
-        second with (``allocate_drafts``; the fixed-cost rule until it has measured the shapes
-        a step needs), or None: the fixed-cost rule alone. Only for a proposer without
-        ``probe_interval`` (one whose proposals cost no device time of their own).
+        second with (``allocate_drafts`` over the shapes it has measured, with bounded
+        exploration: the module docstring), or None: the fixed-cost rule alone. Only for a
+        proposer without ``probe_interval`` (one whose proposals cost no device time of their
+        own).
       max_num_batched_tokens: the step's token budget (with ``step_cost``).
 
     Attributes:
@@ -274,6 +292,9 @@ class Speculator:
         self.draft_cost = draft_cost
         self.step_cost = step_cost
         self._budget = max_num_batched_tokens
+        self._measured_s = 0.0   # kept step durations, summed (the step-time rule)
+        self._charged_s = 0.0    # kept exploration steps' time above the plain step's
+        self._exploring: float | None = None   # this step explores: the plain step's time
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
         self._acceptance: dict[Hashable, tuple[float, float]] = {}   # (accepted, trials)
         self._proposed = 0   # draft tokens proposed
@@ -360,12 +381,14 @@ class Speculator:
     def _drafts_by_step_time(self, state: scheduler.SchedulerState
                              ) -> dict[Hashable, tuple[int, ...]]:
         """``drafts`` under the step-time model: every decode is asked for its full length
-        (cheap proposals), then the whole step's lengths come from ``allocate_drafts`` over
-        the step's estimated shape (its decodes and the running prefills' next chunks; requests
-        the scheduler will admit from the queue are not foreseen), or, while a shape it needs
-        is unmeasured, a step planned to measure it: no drafts, or the best drafts that fill
-        the smallest unmeasured bucket."""
+        (cheap proposals), then the whole step's lengths come from the step's estimated shape
+        (its decodes and the running prefills' next chunks; requests the scheduler will admit
+        from the queue are not foreseen) by the module docstring's guards: no drafts while the
+        plain step is unmeasured; else a paid-for exploration of a shape at most one bucket
+        above it; else ``allocate_drafts`` over the measured shapes among the requests with a
+        measured acceptance, the cold ones filling the chosen bucket's room."""
         model, budget = self.step_cost, self._budget
+        self._exploring = None
         wanted = {}
         ids = scheduler.decoding_ids(state)
         decoding = set(ids)
@@ -387,26 +410,43 @@ class Speculator:
                       for i in state.running if i not in decoding)
         base = min(budget, len(decoding) + prefill)
         num_seqs = len(state.running)
-        buckets = [t for t in model.token_buckets if t > base]
-        reachable = [t for t, below in zip(buckets, [base] + buckets)   # buckets enough
-                     if min(base + sum(caps), budget) > below]          # drafts pad to
-        explore = next((t for t in reachable if model.wants(t, num_seqs, True)), None)
-        if model.wants(base, num_seqs, False):
+        plain = model.predict(base, num_seqs, False)
+        if plain is None or model.wants(base, num_seqs, False):
             model.tried(base, num_seqs, False)
             ks = [0] * len(ids)
-        elif explore is not None:   # the most drafts that fit it (they pad to it)
+        elif (explore := self._exploration(base, num_seqs, sum(caps))) is not None:
             model.tried(explore, num_seqs, True)
-            ks = fill_drafts(acceptance, caps, min(explore, budget) - base)
-        elif any(model.predict(t, num_seqs, True) is not None for t in reachable):
-            ks = allocate_drafts(acceptance, caps, base, budget, model.token_buckets,
-                                 lambda t, d: model.predict(t, num_seqs, d))
+            self._exploring = plain
+            ks = fill_drafts(   # the most drafts that fit it (they pad to it)
+                acceptance, caps, min(explore, budget) - base)
         else:
-            ks = None
-        if ks is None:   # a shape it needs is unmeasured and cannot be measured now
-            ks = [best_num_drafts(a, cap, self.draft_cost) for a, cap in zip(acceptance, caps)]
+            cold = [i not in self._acceptance for i in ids]
+            ks = allocate_drafts(acceptance, [0 if c else cap for c, cap in zip(cold, caps)],
+                                 base, budget, model.token_buckets,
+                                 lambda t, d: model.predict(t, num_seqs, d))
+            if sum(ks):   # cold requests fill the room of the bucket the step pads to anyway
+                room = min(model.key(base + sum(ks), num_seqs, True)[0], budget) - base - sum(ks)
+                ks = [k + f for k, f in zip(ks, fill_drafts(
+                    [a if c else 0.0 for a, c in zip(acceptance, cold)],
+                    [cap - k for cap, k in zip(caps, ks)], room))]
         out = {i: self._proposals[i][:k] for i, k in zip(ids, ks) if k}
         self._proposed += sum(ks)
         return out
+
+    def _exploration(self, base: int, num_seqs: int, num_proposed: int) -> int | None:
+        """The token bucket of the draft step to explore now, or None: the smallest unmeasured
+        (or stale) one that ``num_proposed`` drafts over ``base`` tokens pad to, among the
+        plain step's own bucket and the next one up, while the exploration charges are at most
+        ``_EXPLORE_SHARE`` of the measured step time."""
+        model = self.step_cost
+        if self._charged_s > _EXPLORE_SHARE * self._measured_s:
+            return None
+        plain_bucket = model.key(base, num_seqs, False)[0]
+        candidates = ([plain_bucket] if base < plain_bucket else []) + [
+            t for t in model.token_buckets if t > plain_bucket][:1]
+        reach = min(base + num_proposed, self._budget)
+        return next((t for t, below in zip(candidates, [base] + candidates)
+                     if reach > below and model.wants(t, num_seqs, True)), None)
 
     def forget(self, state: scheduler.SchedulerState) -> None:
         """Releases the proposer's state of the requests proposed for that are no longer
@@ -429,7 +469,11 @@ class Speculator:
           seconds: the step's measured device time, for the step-time model (None: not timed).
         """
         if self.step_cost is not None and seconds is not None:
-            self.step_cost.observe(plan.num_tokens, len(plan.seqs), plan.num_drafts > 0, seconds)
+            if self.step_cost.observe(plan.num_tokens, len(plan.seqs), plan.num_drafts > 0,
+                                      seconds):
+                self._measured_s += seconds
+                if self._exploring is not None:   # charged: its time above the plain step's
+                    self._charged_s += max(0.0, seconds - self._exploring)
         for row, seq in enumerate(plan.seqs):
             n = int(num_accepted[row])
             if seq.num_drafts:

@@ -18,7 +18,7 @@ prefill rate (``runner.device_time`` around ``runner.execute``). Two things keep
   speculator that stopped drafting re-measures the draft step, and vice versa, as contexts grow).
 
 There is no interpolation between buckets: an unmeasured shape has no time (``predict`` is
-None) and the caller either measures it (``wants`` / ``tried``) or keeps its fallback rule.
+None) and the caller either measures it (``wants`` / ``tried``) or does not choose it.
 """
 
 from __future__ import annotations
@@ -60,14 +60,17 @@ class StepCostModel:
         return (_bucket(self.token_buckets, num_tokens), _bucket(self.seq_buckets, num_seqs),
                 bool(drafts))
 
-    def observe(self, num_tokens: int, num_seqs: int, drafts: bool, seconds: float) -> None:
-        """Records one step's measured device time (the first of each key is dropped)."""
+    def observe(self, num_tokens: int, num_seqs: int, drafts: bool, seconds: float) -> bool:
+        """Records one step's measured device time; returns whether it was kept (False for the
+        first of each key, which is dropped)."""
         key = self.key(num_tokens, num_seqs, drafts)
-        if key in self._seen:
+        kept = key in self._seen
+        if kept:
             old = self._time.get(key)
             self._time[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
         self._seen[key] = self.num_observations
         self.num_observations += 1
+        return kept
 
     def predict(self, num_tokens: int, num_seqs: int, drafts: bool) -> float | None:
         """The expected device seconds of such a step; None until its padded shape has been

@@ -746,47 +746,113 @@ def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
     assert allocate_drafts([1.0], [4], 1, 64, buckets, lambda t, d: None) is None
 
 
-def test_speculator_measures_shapes_then_maximises_tokens_per_second():
-    """The speculator on the oracle scheduler with a synthetic step time: it first measures
-    the plain step and each reachable draft bucket (each twice: the first holds the
-    compilation), then drafts only when the drafts' step pays: with drafts as cheap as the plain
-    step it fills the bucket, with a draft step 3x the plain one and wrong proposals it stops."""
+def drive_step_time(sc, seconds, *, num_requests=4, right=True, steps=40, max_tokens=200,
+                    spec=None):
+    """The step-time speculator (4 drafts at most) on the oracle scheduler, ``seconds(bucket,
+    has_drafts)`` the synthetic device time of a step padded to ``bucket`` tokens, until every
+    request finished or ``steps`` steps. Returns ``[(num_tokens, num_drafts, seconds)]`` per
+    step and the speculator."""
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
 
-    def drive(draft_factor, right, steps=40):
-        cc, _ = configs(num_blocks=256, max_model_len=256)
-        sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
-                             token_buckets=(8, 16, 32), seq_buckets=(8,))
-        proposer = SwitchingProposer(right)
-        spec = Speculator(proposer, 4, draft_cost=0.1,
-                          step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                          max_num_batched_tokens=32)
-        state = init_state(cc)
-        for i in range(4):
-            state = add_request(state, req(f"r{i}", (1, 2, 3 + i), max_tokens=200), sc)
-        plans = []
-        for _ in range(steps):
-            state, plan = schedule(state, sc, spec.drafts(state))
-            tokens = verify(state, plan)
-            rows = [t if isinstance(t, list) else [t] for t in tokens]
-            width = max(map(len, rows))
-            bucket = next(b for b in sc.token_buckets if b >= plan.num_tokens)
-            seconds = (0.004 + bucket * 0.001) * (draft_factor if plan.num_drafts else 1)
-            spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
-                        np.array([len(r) for r in rows]), seconds)
-            state = update(state, plan, tokens)
-            plans.append((plan.num_tokens, plan.num_drafts))
-        return plans
+    cc, _ = configs(num_blocks=16 * num_requests + 64, max_model_len=256)
+    spec = spec or Speculator(SwitchingProposer(right), 4, draft_cost=0.1,
+                              step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                              max_num_batched_tokens=sc.max_num_batched_tokens)
+    state = init_state(cc)
+    for i in range(num_requests):
+        state = add_request(state, req(f"r{i}", (1, 2, 3 + i), max_tokens=max_tokens), sc)
+    steps_done = []
+    while state.requests and len(steps_done) < steps:
+        state, plan = schedule(state, sc, spec.drafts(state))
+        tokens = verify(state, plan)
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        width = max(map(len, rows))
+        bucket = next(b for b in sc.token_buckets if b >= plan.num_tokens)
+        step_s = seconds(bucket, plan.num_drafts > 0)
+        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                    np.array([len(r) for r in rows]), step_s)
+        state = update(state, plan, tokens)
+        steps_done.append((plan.num_tokens, plan.num_drafts, step_s))
+    return steps_done, spec
 
-    # the plain step twice, then each reachable draft bucket twice (8, 16, 32: 16 drafts)
-    explored = [(12, 0), (4, 0), (4, 0), (8, 4), (8, 4), (16, 12), (16, 12), (20, 16), (20, 16)]
+
+def test_speculator_measures_shapes_then_maximises_tokens_per_second():
+    """The speculator on the oracle scheduler with a synthetic step time: it first measures
+    the plain step, then the draft buckets at most one above the plain step's (each twice: the
+    first holds the compilation), then drafts only when the drafts' step pays: with drafts as
+    cheap as the plain step it fills the best bucket; with a draft step 3x the plain one, the
+    first exploration's charge stops exploring (the next bucket is never tried) and, right or
+    wrong proposals, it never drafts again."""
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                         token_buckets=(8, 16, 32), seq_buckets=(8,))
+
+    def drive(draft_factor, right):
+        cost = lambda bucket, drafts: (0.004 + bucket * 0.001) * (draft_factor if drafts else 1)
+        return [(t, d) for t, d, _ in drive_step_time(sc, cost, right=right, steps=32)[0]]
+
+    # the prefill, the plain step twice, then buckets 8 (the plain step's) and 16 (one up)
+    # twice each; 32 (two up) never
+    explored = [(12, 0), (4, 0), (4, 0), (8, 4), (8, 4), (16, 12), (16, 12)]
     cheap = drive(1.0, True)
-    assert cheap[:9] == explored
-    # right drafts: tokens per second 4 / 12 ms plain, 8 / 12, 16 / 20 (best), 20 / 36
-    assert cheap[9:] == [(16, 12)] * 31
-    # right drafts at 3x the time: 16 / 60 ms < 4 / 12 ms; wrong ones: no gain at any price
-    assert drive(3.0, True)[9:] == drive(3.0, False)[9:] == [(4, 0)] * 31
+    assert cheap[:7] == explored
+    # right drafts: tokens per second 4 / 12 ms plain, 8 / 12, 16 / 20 (best of the measured)
+    assert cheap[7:] == [(16, 12)] * 25
+    # draft steps at 3x: bucket 8's exploration is charged 24 ms over 48 ms measured (> 5%)
+    assert drive(3.0, True)[5:] == drive(3.0, False)[5:] == [(4, 0)] * 27
+
+
+BATCH64 = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256,
+                          token_buckets=(16, 64, 256, 1024), seq_buckets=(64,))
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_cold_batch_of_64_never_pays_for_a_4x_step(right):
+    """Issue 15's batch-64 cell in miniature: 64 new requests decode (a 64-token plain step),
+    a step with drafts pads to 256 tokens and costs 4.4x, to 1024 tokens 16x. Even sure drafts
+    (4 tokens per 256-token step: 58 per unit of time against 64) do not pay, so the best is no
+    speculation: the adaptive run may lose at most its bounded exploration, the 256 bucket's
+    two visits (the first compiles), against a run that never drafts; it never tries 1024."""
+    cost = lambda bucket, drafts: bucket / 64 * (1.1 if drafts else 1.0)
+    plain_s = sum(s for _, _, s in drive_step_time(BATCH64, lambda b, d: b / 64,
+                                                   num_requests=64, max_tokens=32,
+                                                   steps=200, right=False)[0])
+    steps, _ = drive_step_time(BATCH64, cost, num_requests=64, max_tokens=32, steps=200,
+                               right=right)
+    assert max(t for t, _, _ in steps) <= 256 and sum(d > 0 for _, d, _ in steps) <= 2
+    assert sum(s for _, _, s in steps) <= plain_s + 2 * (cost(256, True) - cost(64, False))
+
+
+def test_unmeasured_bucket_two_above_the_plain_step_is_never_tried():
+    """A 1024-token draft step as cheap as the plain one would pay, but it is two buckets
+    above the plain step's 64: never explored, so never chosen; the 256 bucket (4x) is."""
+    cost = {(64, False): 1.0, (256, False): 4.0, (256, True): 4.0, (1024, True): 1.0}
+    steps, _ = drive_step_time(BATCH64, lambda b, d: cost[b, d], num_requests=64,
+                               max_tokens=32, steps=200)
+    assert max(t for t, _, _ in steps[1:]) <= 256
+    assert any(d > 0 and t > 64 for t, d, _ in steps)
+
+
+def test_cold_requests_do_not_choose_the_bucket():
+    """Measured shapes where the 256-token draft step costs 1.5x the 64-token plain one: at
+    the prior acceptance 1/2, 64 x E(3) = 120 tokens per 1.5 would beat 64 per 1, but cold
+    requests do not choose the step's shape (plain); once their proposals are measured right
+    (acceptance 0.69 after one matching token: 64 x E(3) = 160 per 1.5), they draft."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    model = StepCostModel(BATCH64.token_buckets, BATCH64.seq_buckets)
+    for tokens, drafts, seconds in ((64, False, 1.0), (256, True, 1.5), (256, False, 1.4)):
+        for _ in range(3):
+            model.observe(tokens, 64, drafts, seconds)
+    spec = Speculator(SwitchingProposer(True), 4, draft_cost=0.1, step_cost=model,
+                      max_num_batched_tokens=1024)
+    cost = lambda bucket, drafts: {64: 1.0, 256: 1.5 if drafts else 1.4}[bucket]
+    steps, _ = drive_step_time(BATCH64, cost, num_requests=64, max_tokens=32, steps=3,
+                               spec=spec)
+    prefill, cold, warm = steps
+    assert prefill[1] == 0 and cold == (64, 0, 1.0)
+    assert warm[0] == 256 and warm[1] == 192
 
 
 # ---------------------------------------------------------------- the engine's sampled distribution

@@ -18,7 +18,10 @@ once for the round robin), each sized to the batch's prompts + outputs.
 
 For each workload and batch size (``--batch-sizes``, default 1) there is one engine per variant:
 no speculation, fixed draft lengths k (``--ks``, default 2,4,8) and adaptive k up to
-``--adaptive`` (default 8). Each runs the batch once to compile, then ``--reps`` timed runs, taken
+``--adaptive`` (default 8). Each runs the batch once to compile (with ``--keep-prefix-cache``
+twice: the first run's decodes start staggered behind the chunked prefills, the timed runs' in
+lockstep, shapes of their own; the second run's tok/s is reported as ``warmup_tok_per_s``:
+where an adaptive engine's exploration steps land), then ``--reps`` timed runs, taken
 round robin over the variants so that load drift on a shared machine hits them alike. Reported
 (medians over the runs): output tok/s (generated tokens / wall time of ``chat``), decode tok/s
 (1 / TPOT), speed-up against no speculation, acceptance rate, mean acceptance length (tokens
@@ -274,8 +277,11 @@ def main():
             convs = conversations(workload, batch, args.context)
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
             engines = {v: engine(batch, v, args) for v in variants}
-            for llm in engines.values():
+            warmup = {}
+            for v, llm in engines.items():
                 llm.chat(convs, params, use_tqdm=False)   # compiles every shape used below
+                if args.keep_prefix_cache:   # ... and those of decodes in lockstep
+                    warmup[v] = timed_run(llm, convs, params, True)["tok_per_s"]
             runs = {v: [] for v in variants}
             for _ in range(args.reps):   # round robin: load drift hits every variant alike
                 for v, llm in engines.items():
@@ -284,7 +290,7 @@ def main():
             for v, llm in engines.items():
                 llm.close()
                 rows.append(summary(workload, batch, v, runs[v], runs[(None, 0, False)],
-                                    margins))
+                                    margins) | {"warmup_tok_per_s": warmup.get(v)})
                 print(rows[-1], file=sys.stderr)
     result = {"machine": platform.platform(), "processor": platform.processor(),
               "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()],

@@ -302,6 +302,9 @@ class StepPlan:
       num_host_hit_tokens: of ``num_hit_tokens``, tokens promoted from the host tier (disk
         included).
       num_disk_hit_tokens: of those, tokens read from the persistent cache.
+      observe: whether the step returns the attention mass per block: some sampling
+        sequence's retention policy wants it (``Retention.wants_scores``); the engine runs
+        the step without computing it otherwise.
     """
 
     seqs: tuple[ScheduledSeq, ...]
@@ -316,6 +319,7 @@ class StepPlan:
     swapped_ids: tuple[Hashable, ...] = ()
     num_host_hit_tokens: int = 0
     num_disk_hit_tokens: int = 0
+    observe: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -648,12 +652,16 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
             budget -= k
 
     seqs = []
+    observe = False
     for request_id, n in scheduled:
         rs = requests[request_id]
         start = rs.num_computed_tokens
         draft = taken.get(request_id, ())
+        sample = start + n == rs.num_tokens
+        observe |= sample and state.retention.wants_scores(
+            len(rs.request.prompt_token_ids), rs.first_drop, bm.block_size)
         seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n) + draft, start,
-                                 start + n == rs.num_tokens, bm.block_table(request_id),
+                                 sample, bm.block_table(request_id),
                                  cached.get(request_id, 0), len(draft)))
         requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n + len(draft),
                                                    num_draft_tokens=len(draft))
@@ -662,7 +670,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                         if (op := host.demote(key, block)) is not None)
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
                     num_lookup, sum(cached.values()), tuple(swap_out), tuple(disk_loads),
-                    tuple(swap_in), tuple(swapped), num_host_hits, num_disk_hits)
+                    tuple(swap_in), tuple(swapped), num_host_hits, num_disk_hits, observe)
     return dataclasses.replace(state, block_manager=bm, requests=types.MappingProxyType(requests),
                                waiting=tuple(waiting), running=tuple(running),
                                finished=types.MappingProxyType({}), host=host), plan

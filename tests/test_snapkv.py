@@ -10,7 +10,8 @@ import pytest
 from jaxkv import LLM, SamplingParams
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
 from jaxkv.eval import retained_nll
-from jaxkv.retention import FullRetention, RandomRetention, SnapKVRetention, from_args
+from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
+                             from_args)
 from jaxkv.retention.snapkv import pool_blocks
 from jaxkv.scheduler import (Request, StopSpec, add_request, check_invariants, init_state,
                              schedule, update)
@@ -206,6 +207,40 @@ def test_forks_and_preemption_keep_invariants(policy, num_blocks):
     assert state.block_manager.num_free_blocks == num_blocks - 1
 
 
+@pytest.mark.parametrize("policy", [SnapKVRetention(budget_tokens=20, sink_tokens=2, window_tokens=6),
+                                    H2ORetention(budget_tokens=20, sink_tokens=2)],
+                         ids=["snapkv", "h2o"])
+def test_a_step_observes_exactly_when_a_sampling_chunk_wants_scores(policy):
+    # a 30-token prompt over the 20-token budget (chunked: 16 tokens a step) and a 12-token one
+    # within it. SnapKV wants the mass only of the chunk that ends the long prompt (it
+    # compresses once, then decodes without it; the short prompt never compresses); H2O wants
+    # it at every step that samples, and no step of chunks inside a prompt samples
+    cc = CacheConfig(block_size=4, num_blocks=64, retention=policy)
+    sc = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=100)
+    state = init_state(cc)
+    for rid, n in (("long", 30), ("short", 12)):
+        state = add_request(state, Request(request_id=rid, prompt_token_ids=tuple(range(n)),
+                                           stop=StopSpec(max_tokens=4, ignore_eos=True)), sc)
+    rng = np.random.default_rng(0)
+    observed = []
+    while state.requests:
+        state, plan = schedule(state, sc, {})
+        ends_long_prompt = any(s.request_id == "long" and s.start_pos < 30 <= s.start_pos
+                               + len(s.token_ids) for s in plan.seqs)
+        want = ends_long_prompt if policy.name == "snapkv" else any(s.sample for s in plan.seqs)
+        observed.append((plan.observe, [(s.request_id, s.start_pos, len(s.token_ids))
+                                        for s in plan.seqs]))
+        assert plan.observe == want, observed
+        width = max(len(s.block_table) for s in plan.seqs)
+        state = update(state, plan, [7] * len(plan.seqs),
+                       block_mass=rng.random((len(plan.seqs), width)) if plan.observe else None)
+    steps = [seqs for obs, seqs in observed if obs]
+    if policy.name == "snapkv":   # one step: the one whose chunk ends the long prompt
+        assert len(steps) == 1 and ("long", 16, 14) in steps[0]
+    else:                         # every step but the first (two prompt chunks, no sample)
+        assert len(steps) == len(observed) - 1
+
+
 # ---- through the engine -----------------------------------------------------------------------
 
 def _greedy(engine, prompts, n):
@@ -279,6 +314,19 @@ def test_snapkv_small_budget_grouped_equals_reference_and_compresses_once(tiny):
         assert max(held) <= policy.max_blocks(60 + 60, 64, 8, 60)
     assert runs[0] == runs[1]
     assert all(len(t) == 60 for t in runs[0])
+
+
+def test_snapkv_decodes_without_the_block_mass_and_gives_the_same_tokens(tiny, monkeypatch):
+    # the reference: every sampling step computes the mass, as before steps could skip it
+    path, _ = tiny
+    with LLM(str(path), **SNAP) as engine:
+        blind = _greedy(engine, PROMPTS, 40)
+        runner = engine.engine.runner
+        assert runner._blind_step_fn._cache_size() > 0   # the decode steps ran without it
+    monkeypatch.setattr(SnapKVRetention, "wants_scores", lambda self, *a: True)
+    with LLM(str(path), **SNAP) as engine:
+        assert engine.engine.runner._blind_step_fn._cache_size() == 0
+        assert _greedy(engine, PROMPTS, 40) == blind
 
 
 def test_random_engine_is_deterministic_and_in_budget(tiny):

@@ -15,6 +15,7 @@ its sampling parameters and token history, and returns host arrays row by row. `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -295,11 +296,14 @@ class ModelRunner:
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed
         self.max_drafts = config.speculative.max_drafts
-        self._step_fn = make_step(sharding.tp_config(model_config, tp),
-                                  attention_impl=self.attention_impl,
-                                  interpret=rc.interpret, mesh=mesh,
-                                  attention_options=self.retention.attention,
-                                  sparse=self.sparse)
+        options = self.retention.attention
+        step = functools.partial(make_step, sharding.tp_config(model_config, tp),
+                                 attention_impl=self.attention_impl, interpret=rc.interpret,
+                                 mesh=mesh, sparse=self.sparse)
+        self._step_fn = step(attention_options=options)
+        # a plan that wants no scores (StepPlan.observe) runs without the block mass
+        self._blind_step_fn = (step(attention_options=dataclasses.replace(options, observe=0))
+                               if options.observe else self._step_fn)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
         self.host_pool = self.disk = self.copy_bandwidth = None
@@ -380,10 +384,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ compilation
 
     def warmup(self, *, progress: bool = True) -> int:
-        """Compiles the step for every (T, S) bucket pair with S <= T; returns how many.
+        """Compiles the step for every (T, S) bucket pair with S <= T; returns how many
+        step variants.
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
-        with speculative decoding each pair is compiled at the verify width too.
+        with speculative decoding each pair is compiled at the verify width too; with a
+        retention policy that scores blocks, each pair with and without the block mass.
         Also compiles the copy-on-write block copy for every padded batch size and the host
         tier's transfers (not counted).
         With the persistent compilation cache on, a later start loads these from disk.
@@ -396,10 +402,10 @@ class ModelRunner:
                   disable=not progress) as bar:
             for t, n, w in pairs:
                 bar.set_postfix(tokens=t, seqs=n, width=w)
-                self.cache, tokens, *_ = self._step_fn(self.params, self.cache,
-                                                       *self._padded_args(t, n, w),
-                                                       num_logprobs=0)
-                tokens.block_until_ready()
+                for fn in self._step_fns():
+                    self.cache, tokens, *_ = fn(self.params, self.cache,
+                                                *self._padded_args(t, n, w), num_logprobs=0)
+                    tokens.block_until_ready()
                 bar.update(1)
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k
                 null = jnp.zeros(n, jnp.int32)
@@ -407,7 +413,7 @@ class ModelRunner:
                 bar.update(1)
         if self.host_pool is not None:   # the host tier's batched transfers
             self.cache = self.host_pool.warmup(self.cache)
-        return len(pairs)
+        return len(pairs) * len(self._step_fns())
 
     def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:
         """The optimized HLO text of the step compiled for one (tokens, sequences) bucket.
@@ -418,9 +424,13 @@ class ModelRunner:
         return self._step_fn.lower(self.params, self.cache, *self._padded_args(
             num_tokens, num_seqs), num_logprobs=0).compile().as_text()
 
+    def _step_fns(self) -> tuple:
+        """The jitted step, and the one without the block mass when they differ."""
+        return tuple(dict.fromkeys((self._step_fn, self._blind_step_fn)))
+
     def num_compilations(self) -> int:
         """How many step variants have been compiled (a steady state adds none)."""
-        return self._step_fn._cache_size()
+        return sum(fn._cache_size() for fn in self._step_fns())
 
     def _padded_args(self, t: int, s: int, w: int = 1):
         """(inputs, sampling, rng) of an all-padding step of shape (t, s) and logits width w,
@@ -472,7 +482,8 @@ class ModelRunner:
         self.transfer(plan)
         self._apply_copies(plan.copy_ops)
         t_device = time.perf_counter()
-        self.cache, *out = self._step_fn(
+        step_fn = self._step_fn if plan.observe else self._blind_step_fn
+        self.cache, *out = step_fn(
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,
                 step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs)

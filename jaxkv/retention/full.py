@@ -52,6 +52,14 @@ class Retention:
     def attention(self) -> AttentionOptions:
         return AttentionOptions()
 
+    def wants_scores(self, prompt_tokens: int, first_drop: int | None, block_size: int) -> bool:
+        """Whether a request's sampling chunk needs the step's attention mass per block (a step
+        none of whose sampling chunks does runs without computing it). ``prompt_tokens``: the
+        request's prompt length; ``first_drop``: where it first gave a block back (None before
+        that). By default: every one, for a policy with ``observe`` (H2O's scores accumulate
+        over the whole generation)."""
+        return self.observe > 0
+
     def droppable(self, num_computed: int, block_size: int) -> tuple[int, int]:
         """Logical blocks ``[first, stop)`` no query at position ``>= num_computed`` sees."""
         return 0, 0

@@ -127,6 +127,13 @@ class SnapKVRetention(Retention):
     def attention(self) -> AttentionOptions:
         return AttentionOptions(observe=self.window_tokens)
 
+    def wants_scores(self, prompt_tokens: int, first_drop: int | None, block_size: int) -> bool:
+        """Until the one compression (``first_drop`` None), and only for a prompt over the
+        budget: ``drops`` reads the scores once, to compress the prompt, so the decode steps
+        after it run without the mass (a preemption that recomputes resets both)."""
+        return first_drop is None and (-(-prompt_tokens // block_size)
+                                       > self.budget_tokens // block_size)
+
     def _protected(self, prompt_tokens: int, block_size: int) -> tuple[int, int]:
         """(sink blocks, first block of the observation window) of a prompt."""
         return (-(-self.sink_tokens // block_size),

@@ -197,10 +197,11 @@ class BlockManager:
                            - (self.residual_window_blocks - 1)))
         return n
 
-    def take_evictions(self) -> tuple[tuple[Hashable, int], ...]:
-        """The ``(key, block)`` of every full cached block reused since the last call (with
+    def take_evictions(self) -> tuple[tuple[Hashable, int, tuple | None], ...]:
+        """The ``(key, block, node)`` of every cached block reused since the last call (with
         ``record_evictions``), oldest first: the block still holds that key's KV until the
-        step that reuses it runs."""
+        step that reuses it runs. ``node``: ``PrefixCache.node`` (radix mode: its parent key and
+        tokens, partial blocks included unless there is a residual window; hash mode: None)."""
         out, self._evicted = tuple(self._evicted), []
         return out
 
@@ -450,10 +451,13 @@ class BlockManager:
         blocks = []
         for _ in range(n):
             block = int(self._next[NULL_BLOCK])
-            if self.prefix_cache is not None and block in self.prefix_cache:
-                if self.record_evictions and not self.prefix_cache.is_partial(block):
-                    self._evicted.append((self.prefix_cache.key_of_block(block), block))
-                self.prefix_cache.evict(block)
+            pc = self.prefix_cache
+            if pc is not None and block in pc:
+                # a partial block is never matched under a residual window: not worth keeping
+                if self.record_evictions and not (pc.is_partial(block)
+                                                  and self.residual_window_blocks):
+                    self._evicted.append((pc.key_of_block(block), block, pc.node(block)))
+                pc.evict(block)
             after = self._next[block]
             self._next[NULL_BLOCK] = after
             self._prev[after] = NULL_BLOCK

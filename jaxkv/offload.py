@@ -11,6 +11,13 @@ A second, larger and slower pool of blocks in host memory, with two kinds of ten
   inclusive), so a block demoted again costs no copy. Host prefix slots are evicted least
   recently used first (``kv_offload_policy="lru"``); with a ``DiskKVStore`` (``kv_cache_dir``)
   a demoted block is also written to disk, and a lookup that misses the host finds it there.
+  In radix mode a block comes with its node (parent key, tokens), partially filled blocks
+  included, and the host indexes them by parent as the device cache does: after the last full
+  hit, the longest token-granular match over both tiers (``lookup``) is the request's
+  next block, copied from the device or swapped in from the host into a fresh block of its
+  own (not cached: the request writes the rest of it). A partial block only takes a free host
+  slot (``demote``) and stays off the disk: a restarted engine's lookups reach disk files by
+  full-block keys only.
 * **Swapped sequences** (swap preemption). A preempted request's blocks are copied to host slots
   it owns until it resumes, when they are copied into fresh device blocks. Those slots are never
   evicted; prefix slots give way to them.
@@ -37,6 +44,8 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+
+from jaxkv.prefix_cache import longest_match
 
 NO_SLOT = -1   # a swapped sequence's entry for a block its retention policy had dropped
 
@@ -99,6 +108,8 @@ class HostTier:
         self._free = list(range(num_slots - 1, -1, -1))      # stack: slot 0 is taken first
         self._lru: OrderedDict[Hashable, int] = OrderedDict()  # prefix key -> slot, oldest first
         self._key_of: dict[int, Hashable] = {}                 # prefix slot -> key
+        self._node: dict[Hashable, tuple[Hashable, tuple[int, ...]]] = {}  # radix key -> node
+        self._children: dict[Hashable, tuple[Hashable, ...]] = {}  # parent key -> radix keys
         self._swapped: dict[Hashable, tuple[int, ...]] = {}    # request id -> slot per block
         self._busy: set[int] = set()        # slots this plan's transfers read or write
         self._deferred: list[int] = []      # slots given up this plan, free from the next one
@@ -110,6 +121,8 @@ class HostTier:
         new._free = list(self._free)
         new._lru = OrderedDict(self._lru)
         new._key_of = dict(self._key_of)
+        new._node = dict(self._node)
+        new._children = dict(self._children)
         new._swapped = dict(self._swapped)
         new._busy = set(self._busy)
         new._deferred = list(self._deferred)
@@ -160,22 +173,52 @@ class HostTier:
             if slot not in self._busy:
                 del self._lru[key]
                 del self._key_of[slot]
+                self._unindex(key)
                 return slot
         return None
 
     # ---- prefix blocks ---------------------------------------------------------------------
 
-    def demote(self, key: Hashable, block: int) -> tuple[int, int, Hashable] | None:
+    def demote(self, key: Hashable, block: int,
+               node: tuple[Hashable, tuple[int, ...]] | None = None, *, partial: bool = False
+               ) -> tuple[int, int, Hashable | None] | None:
         """A device prefix block ``block`` (cached under ``key``) is being reused: keep its KV.
 
-        Returns the swap-out ``(block, slot, key)`` to apply, or None when the host already holds
-        ``key`` (it becomes the most recently used) or has no slot to give.
+        Args:
+          node: radix mode's ``(parent key, tokens)`` of the block (``PrefixCache.node``),
+            indexed for ``partial``; None in hash mode.
+          partial: the block holds fewer than ``block_size`` tokens (radix mode). It takes a
+            free slot only, never pushing a host block out (it is worth fewer tokens, and no
+            block's hash chain runs through it), and stays off the disk store.
+
+        Returns the swap-out ``(block, slot, key)`` to apply (``key`` None for a partial
+        block), or None when the host already holds ``key`` (it becomes the most recently
+        used) or has no slot to give.
         """
         if key in self._lru:
             self._lru.move_to_end(key)
             return None
-        slot = self._hold(key)
-        return None if slot is None else (block, slot, key)
+        slot = None if partial and not self._free else self._hold(key)
+        if slot is None:
+            return None
+        if node is not None:
+            self._node[key] = node
+            self._children[node[0]] = self._children.get(node[0], ()) + (key,)
+        return block, slot, None if partial else key
+
+    def _unindex(self, key: Hashable) -> None:
+        """Drop ``key`` from the radix index (no-op for a hash-mode block)."""
+        node = self._node.pop(key, None)
+        if node is not None:
+            siblings = tuple(k for k in self._children.pop(node[0]) if k != key)
+            if siblings:
+                self._children[node[0]] = siblings
+
+    def partial(self, parent: Hashable, tokens: Sequence[int]) -> tuple[Hashable, int] | None:
+        """``(key, k)``: the radix block on the host after ``parent`` whose first ``k >= 1``
+        tokens equal ``tokens[:k]`` (longest ``k``, as ``RadixPrefixCache.partial``), or None."""
+        return longest_match(((k, self._node[k][1]) for k in self._children.get(parent, ())),
+                             tokens)
 
     def _hold(self, key: Hashable) -> int | None:
         """A slot (``_alloc``) for prefix block ``key``, written this plan (busy), or None."""
@@ -213,6 +256,7 @@ class HostTier:
             del self._key_of[slot]
             (self._deferred if slot in self._busy else self._free).append(slot)
         self._lru = OrderedDict()
+        self._node, self._children = {}, {}
 
     # ---- swapped sequences -----------------------------------------------------------------
 
@@ -267,6 +311,13 @@ class HostTier:
         _check(len(self._key_of) == len(self._lru)
                and all(self._key_of[s] == k for k, s in self._lru.items()),
                "host prefix maps differ")
+        _check(set(self._node) <= set(self._lru), "a radix node indexed without its slot")
+        index: dict[Hashable, list[Hashable]] = {}
+        for key, (parent, _) in self._node.items():
+            index.setdefault(parent, []).append(key)
+        _check({p: sorted(map(repr, c)) for p, c in index.items()}
+               == {p: sorted(map(repr, c)) for p, c in self._children.items()},
+               "host radix child index broken")
         swapped = {s for slots in self._swapped.values() for s in slots}
         _check(not self._busy - set(self._lru.values()) - set(self._deferred) - swapped,
                "a busy slot is free")
@@ -277,14 +328,15 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
 
     The device part is ``BlockManager.lookup``; the host part continues the hash chain from its
     last block, block by block, in the host tier and then (with a disk store) on disk, up to
-    ``BlockManager.max_hit_blocks``. A radix partial match is kept only when no host block
-    follows it.
+    ``BlockManager.max_hit_blocks``. In radix mode the next block is then the longest partial
+    match after the last full hit on either tier (the device's on a tie: a device copy).
 
     Returns:
-      ``(blocks, keys, partial, host_hits)``: the device blocks, the keys of every hit block
-      (device then host), the radix partial ``(block, k)`` or None, and per host hit
-      ``(slot, tokens, row)``: its host slot, its ``block_size`` tokens, and the bytes to load
-      into the slot first when it came from disk (else None). Host slots found are busy.
+      ``(blocks, keys, partial, host_hits)``: the device blocks, the keys of every full hit
+      block (device then host), the device radix partial ``(block, k)`` or None, and per host
+      hit ``(slot, tokens, row)``: its host slot, its tokens (``block_size`` of them, but for a
+      last one from a radix partial match), and the bytes to load into the slot first when it
+      came from disk (else None). Host slots found are busy.
     """
     blocks, keys, partial = bm.lookup(token_ids, salt)
     if host is None or bm.prefix_cache is None:
@@ -303,7 +355,30 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
             slot, row = loaded
         hits.append((slot, tokens, row))
         keys.append(parent := key)
-    return blocks, tuple(keys), None if hits else partial, tuple(hits)
+    if bm.residual_window_blocks:   # no partial match inside the residual window
+        return blocks, tuple(keys), partial, tuple(hits)
+    j = len(blocks) + len(hits)
+    rest = tuple(token_ids[j * bs:(j + 1) * bs])
+    if hits:   # the device's partial match, at the first host hit's position, is void
+        partial = pc.partial(parent, rest)
+    on_host = host.partial(parent, rest)
+    if on_host is not None and (partial is None or on_host[1] > partial[1]):   # device on ties
+        hits.append((host.find(on_host[0]), rest[:on_host[1]], None))
+        partial = None
+    return blocks, tuple(keys), partial, tuple(hits)
+
+
+def demote_evictions(bm, host: HostTier) -> list[tuple[int, int, Hashable | None]]:
+    """The swap-outs ``(block, slot, key)`` demoting the cached blocks ``bm`` reused this plan
+    (``BlockManager.take_evictions``) to ``host``; a radix partial block's ``key`` is None
+    (host only, see the module docstring)."""
+    ops = []
+    for key, block, node in bm.take_evictions():
+        op = host.demote(key, block, node,
+                         partial=node is not None and len(node[1]) < bm.block_size)
+        if op is not None:
+            ops.append(op)
+    return ops
 
 
 def _check(condition, message: str) -> None:

@@ -8,7 +8,9 @@ Two modes behind one small interface (``PrefixCache``), chosen by ``LLM(prefix_c
 * ``"radix"`` (SGLang's RadixAttention, block-paged): the same hash chain, plus an index of each
   key's children, so a lookup can end in a child that matches only partly (token granular).
   Partially filled blocks are cached too, when their request frees them. The caller copies such
-  a block (copy-on-write) and recomputes from the first mismatching token.
+  a block (copy-on-write) and recomputes from the first mismatching token. With a host tier
+  (jaxkv/offload.py) an evicted radix block, partial or full, is demoted with its ``node``
+  (parent key, tokens), so a partial match goes on there too.
 
 Example, block_size 4, radix mode (keys are hashes of (parent key, tokens))::
 
@@ -32,9 +34,12 @@ is its content). Keys are 64-bit Python hashes of (parent key, tokens): a collis
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import TypeVar
 
 from jaxkv.config import PREFIX_CACHING_MODES
+
+T = TypeVar("T")
 
 
 class PrefixCache:
@@ -84,6 +89,11 @@ class PrefixCache:
     def key_of_block(self, block: int) -> Hashable:
         """The key ``block`` is cached under."""
         return self._key_of[block]
+
+    def node(self, block: int) -> tuple[Hashable, tuple[int, ...]] | None:
+        """``(parent key, tokens)`` of cached ``block`` in radix mode (what a partial match
+        reads); None in hash mode."""
+        return None
 
     def full_blocks(self) -> tuple[tuple[Hashable, int], ...]:
         """``(key, block)`` of every cached full block."""
@@ -148,16 +158,12 @@ class RadixPrefixCache(PrefixCache):
         """Whether ``block`` is cached holding fewer than ``block_size`` tokens."""
         return len(self._tokens.get(block, ())) < self.block_size
 
+    def node(self, block):
+        return self._parent[block], self._tokens[block]
+
     def partial(self, parent, tokens):
-        best = None
-        for block in self._children.get(parent, ()):
-            cached = self._tokens[block]
-            k = 0
-            while k < min(len(cached), len(tokens)) and cached[k] == tokens[k]:
-                k += 1
-            if k and (best is None or k > best[1]):
-                best = (block, k)
-        return best
+        return longest_match(((b, self._tokens[b]) for b in self._children.get(parent, ())),
+                             tokens)
 
     def insert(self, parent, tokens, block):
         key = self.key(parent, tokens)
@@ -189,6 +195,20 @@ class RadixPrefixCache(PrefixCache):
             index.setdefault(self._parent[block], []).append(block)
         _check({p: sorted(c) for p, c in index.items()}
                == {p: sorted(c) for p, c in self._children.items()}, "radix child index broken")
+
+
+def longest_match(candidates: Iterable[tuple[T, tuple[int, ...]]], tokens: Sequence[int]
+                  ) -> tuple[T, int] | None:
+    """``(c, k)``: of the ``(c, cached tokens)`` candidates, the first whose cached tokens share
+    the longest common start ``k >= 1`` with ``tokens``; None when none shares a first token."""
+    best = None
+    for c, cached in candidates:
+        k = 0
+        while k < min(len(cached), len(tokens)) and cached[k] == tokens[k]:
+            k += 1
+        if k and (best is None or k > best[1]):
+            best = (c, k)
+    return best
 
 
 def make_prefix_cache(mode: str | None, block_size: int) -> PrefixCache | None:

@@ -293,7 +293,8 @@ class StepPlan:
       num_hit_tokens: of those, tokens found in the prefix cache (or shared by a fork), on any
         tier.
       swap_out: ``(block, slot, key)`` device block -> host slot copies, applied first (``key``:
-        the prefix key of a demoted cached block, None for a swapped sequence's block).
+        the prefix key of a demoted cached block, also written to the persistent cache; None
+        for a swapped sequence's block or a radix partial block).
       disk_loads: ``(slot, row)`` persistent-cache rows (uint8 [block_bytes]) to put in host
         slots, after the swap-outs.
       swap_in: ``(slot, block)`` host slot -> device block copies, after the disk loads and
@@ -591,7 +592,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
             hit, keys, partial, host_hits = offload.lookup(   # device, then host tier and disk
                 bm, host, rs.token_ids(0, last), rs.request.cache_salt)
             disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
-            num_cached = ((len(hit) + len(host_hits)) * bm.block_size
+            num_cached = (len(hit) * bm.block_size + sum(len(t) for _, t, _ in host_hits)
                           + (partial[1] if partial else 0))
         n = min(rs.num_tokens - num_cached, budget)
         if keys is None:   # fork: share the parent's blocks, copy the last one if partial
@@ -608,11 +609,11 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                 break
             table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)],
                                            partial, salt=rs.request.cache_salt)
-            if host_hits:   # promoted: fresh blocks filled from the host, cached at once
+            if host_hits:   # promoted: fresh blocks filled from the host, full ones cached
                 swap_in.extend((slot, table[len(hit) + i])
                                for i, (slot, _, _) in enumerate(host_hits))
                 bm.register(request_id, sum((tokens for _, tokens, _ in host_hits), ()))
-                num_host_hits += len(host_hits) * bm.block_size
+                num_host_hits += sum(len(tokens) for _, tokens, _ in host_hits)
                 num_disk_hits += sum(row is not None for *_, row in host_hits) * bm.block_size
         if op is not None:
             copy_ops.append(op)
@@ -666,8 +667,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
         requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n + len(draft),
                                                    num_draft_tokens=len(draft))
     if host is not None:   # cached blocks reused this step: their KV moves to the host tier
-        swap_out.extend(op for key, block in bm.take_evictions()
-                        if (op := host.demote(key, block)) is not None)
+        swap_out.extend(offload.demote_evictions(bm, host))
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
                     num_lookup, sum(cached.values()), tuple(swap_out), tuple(disk_loads),
                     tuple(swap_in), tuple(swapped), num_host_hits, num_disk_hits, observe)

@@ -59,6 +59,25 @@ def test_host_tier_lru_busy_and_deferred_slots():
     assert full.demote("y", 2) is None            # the only slot is busy: not demoted
 
 
+def test_host_tier_indexes_radix_nodes_and_a_partial_block_takes_only_a_free_slot():
+    host = HostTier(3)
+    assert host.demote("f", 1, ("root", (1, 2, 3, 4))) == (1, 0, "f")
+    assert host.demote("p", 2, ("root", (1, 2, 9)), partial=True) == (2, 1, None)
+    assert host.partial("root", (1, 2, 9, 9)) == ("p", 3)
+    assert host.partial("root", (1, 2, 3, 7)) == ("f", 3)
+    assert host.partial("root", (1, 2, 5)) == ("f", 2)  # the first of equals
+    assert host.partial("other", (1, 2)) is None and host.partial("root", (7,)) is None
+    assert host.demote("g", 3) == (3, 2, "g")            # hash mode: no node
+    host.begin_plan()
+    assert host.demote("q", 4, ("f", (5,)), partial=True) is None   # no free slot
+    assert host.demote("h", 5) == (5, 0, "h")            # a full block evicts "f" (LRU)
+    assert host.partial("root", (1, 2, 3)) == ("p", 2)   # "f" left the index with its slot
+    host.check_invariants()
+    host.reset_prefix()
+    assert host.partial("root", (1, 2, 9)) is None
+    host.check_invariants()
+
+
 def test_host_tier_swapped_slots_are_never_evicted_and_free_only_next_plan():
     host = HostTier(4)
     host.demote("p", 1)
@@ -194,6 +213,87 @@ def test_evictions_demote_and_a_host_hit_promotes_with_exact_ids():
     assert [pc.key_of_block(blk) for blk in (1, 2, 3)] == ka
 
 
+def test_radix_partial_blocks_are_demoted_and_promoted_with_exact_ids():
+    cc, sc = _configs(num_blocks=9, host_blocks=4, prefix="radix")
+    a, b = list(range(100, 110)), list(range(200, 229))
+    ka = _keys(a)
+    state = add_request(init_state(cc), _req("a", a), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].block_table == (1, 2, 3)
+    # a frees (1, 2) full and 3 partial, cached as [108, 109]: free queue 3 4 5 6 7 8 2 1
+    state = add_request(state, _req("b", b), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].block_table == (3, 4, 5, 6, 7, 8, 2, 1)
+    # the partial block 3 goes first, with no key (host only: never written to disk)
+    assert plan.swap_out == ((3, 0, None), (2, 1, ka[1]), (1, 2, ka[0]))
+    # a's history and two more tokens: two full host hits, then the partial [108, 109]
+    state = add_request(state, _req("a2", a + [110, 111, 112]), sc)
+    state, plan = _step(state, sc)
+    (seq,) = plan.seqs
+    assert seq.block_table == (1, 2, 8, 7) and seq.start_pos == 10
+    assert plan.swap_in == ((2, 1), (1, 2), (0, 8))
+    assert plan.num_hit_tokens == plan.num_host_hit_tokens == 10 and not plan.copy_ops
+    # reusing b's partial block 1 ([228]) and full 2, 8, 7: only slot 3 is free, the rest busy
+    assert plan.swap_out == ((1, 3, None),)
+    # the promoted full blocks join the device cache; the partial one became a2's own block 8
+    pc = state.block_manager.prefix_cache
+    assert [pc.key_of_block(blk) for blk in (1, 2, 8)] == _keys(a + [110, 111])
+    # hash mode caches no partial block: the same requests recompute tokens 8, 9
+    cc, sc = _configs(num_blocks=9, host_blocks=4, prefix="hash")
+    state = add_request(init_state(cc), _req("a", a), sc)
+    state, _ = _step(state, sc)
+    state = add_request(state, _req("b", b), sc)
+    state, plan = _step(state, sc)
+    assert plan.swap_out == ((2, 0, ka[1]), (1, 1, ka[0]))
+    state = add_request(state, _req("a2", a + [110, 111, 112]), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].start_pos == plan.num_host_hit_tokens == 8
+
+
+def test_radix_partial_takes_the_longer_match_of_both_tiers_the_device_on_a_tie():
+    cc, sc = _configs(num_blocks=9, host_blocks=4, prefix="radix")
+    state = add_request(init_state(cc), _req("a", range(100, 110)), sc)
+    state, _ = _step(state, sc)       # partial [108, 109] in block 3, head of the free queue
+    state = add_request(state, _req("b", range(200, 204)), sc)
+    state, plan = _step(state, sc)    # b takes block 3: the partial goes to host slot 0
+    assert plan.swap_out == ((3, 0, None),)
+    state = add_request(state, _req("c", list(range(100, 109)) + [300, 301]), sc)
+    state, plan = _step(state, sc)    # the host's [108, 109] gives 1 token: [108]
+    assert plan.seqs[0].start_pos == 9 and plan.swap_in == ((0, plan.seqs[0].block_table[2]),)
+    assert plan.num_host_hit_tokens == 1
+    # c freed [108, 300, 301] (3 tokens) on the device: for [108, 300] both tiers give one
+    # token ([108] on the host) or two (the device): the longer, the device's, is copied
+    state = add_request(state, _req("d", list(range(100, 109)) + [300, 400, 401]), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].start_pos == 10 and plan.num_host_hit_tokens == 0
+    assert len(plan.copy_ops) == 1 and not plan.swap_in
+    # for [108, 999] both give one token: the device copy
+    state = add_request(state, _req("f", list(range(100, 109)) + [999, 998]), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].start_pos == 9 and len(plan.copy_ops) == 1 and not plan.swap_in
+    # for [108, 109, 500]: the host's two tokens beat the device's one
+    state = add_request(state, _req("e", list(range(100, 110)) + [500, 501]), sc)
+    state, plan = _step(state, sc)
+    assert plan.seqs[0].start_pos == 10 and plan.num_host_hit_tokens == 2
+    assert not plan.copy_ops and plan.swap_in == ((0, plan.seqs[0].block_table[2]),)
+
+
+def test_radix_salts_never_hit_each_others_host_partial_blocks():
+    cc, sc = _configs(num_blocks=9, host_blocks=8, prefix="radix")
+    a = list(range(100, 110))
+    state = add_request(init_state(cc), _req("a", a, salt="t1"), sc)
+    state, _ = _step(state, sc)
+    state = add_request(state, _req("b", range(200, 229)), sc)
+    state, plan = _step(state, sc)
+    assert len(plan.swap_out) == 3 and plan.swap_out[0][2] is None   # the partial block
+    state = add_request(state, _req("a-other-tenant", a + [110], salt="t2"), sc)
+    state, plan = _step(state, sc)
+    assert plan.num_hit_tokens == 0 and not plan.swap_in
+    state = add_request(state, _req("a-same-tenant", a + [110], salt="t1"), sc)
+    state, plan = _step(state, sc)
+    assert plan.num_host_hit_tokens == 10
+
+
 def test_salts_never_hit_each_others_host_blocks():
     cc, sc = _configs(num_blocks=9, host_blocks=8)
     a = list(range(100, 113))
@@ -275,10 +375,10 @@ def test_auto_mode_follows_the_cost_model():
 
 
 class TieredMachine(RuleBasedStateMachine):
-    """Random adds (shared prefixes, two salts), aborts and steps over a small device pool and
-    a smaller host tier, swap or recompute preemption; invariants after every step, and a
-    shadow copy of every block's content: a hit (device or host) must give exactly the KV the
-    prompt's tokens would have computed."""
+    """Random adds (shared prefixes of any length, two salts), aborts and steps over a small
+    device pool and a smaller host tier, swap or recompute preemption; invariants after every
+    step, and a shadow copy of every block's content: a hit (device or host, full or a radix
+    partial match) must give exactly the KV the prompt's tokens would have computed."""
 
     @initialize(mode=st.sampled_from(["swap", "recompute", "auto"]),
                 prefix=st.sampled_from(["hash", "radix"]), host=st.integers(1, 6))
@@ -290,10 +390,10 @@ class TieredMachine(RuleBasedStateMachine):
         self.host = {}     # slot -> the same
         self.n = 0
 
-    @rule(base=st.integers(0, 1), extra=st.integers(1, 8), max_tokens=st.integers(1, 6),
-          salt=st.sampled_from([None, "s"]))
-    def add(self, base, extra, max_tokens, salt):
-        prompt = tuple(range(base * 50, base * 50 + 12)) + tuple(
+    @rule(base=st.integers(0, 1), shared=st.integers(1, 12), extra=st.integers(0, 8),
+          max_tokens=st.integers(1, 6), salt=st.sampled_from([None, "s"]))
+    def add(self, base, shared, extra, max_tokens, salt):
+        prompt = tuple(range(base * 50, base * 50 + shared)) + tuple(
             range(1000 + self.n, 1000 + self.n + extra))
         self.state = add_request(self.state, _req(f"r{self.n}", prompt, max_tokens, salt), self.sc)
         self.n += 1
@@ -326,10 +426,13 @@ class TieredMachine(RuleBasedStateMachine):
                 want = (salt, rs.token_ids(0, (j + 1) * bs))
                 blk = seq.block_table[j]
                 assert self.device.get(blk) == want, (seq.request_id, j, blk)
+            if seq.start_pos % bs:   # the block it resumes in: its first tokens' KV is there
+                got = self.device.get(seq.block_table[seq.start_pos // bs])
+                assert got is not None and got[0] == salt, (seq.request_id, got)
+                assert got[1][:seq.start_pos] == rs.token_ids(0, seq.start_pos), seq.request_id
             for j in range(seq.start_pos // bs, (seq.start_pos + len(seq.token_ids) - 1) // bs + 1):
                 end = min((j + 1) * bs, seq.start_pos + len(seq.token_ids))
-                blk = seq.block_table[j]
-                self.device[blk] = (salt, rs.token_ids(0, end)) if end % bs == 0 else None
+                self.device[seq.block_table[j]] = (salt, rs.token_ids(0, end))
         self.state = update(state, plan, [7] * len(plan.seqs))
 
     @invariant()
@@ -387,6 +490,30 @@ def test_host_tier_outputs_equal_and_fewer_tokens_are_recomputed(tiny, reference
     assert s1["prefix_cache_hits_host"] > 0
     assert s1["num_computed_tokens"] < s0["num_computed_tokens"]
     assert s1["prefix_cache_hits"] > s0["prefix_cache_hits"]
+
+
+def _run_turns(path, **kw):
+    """Two turns of the 6 PROMPTS conversations (the second sends each whole history, its
+    reply and 3 more tokens): the replies of both turns and the engine stats."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(str(path), **dict(ENGINE, **kw)) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+        turn2 = [p + list(o) + [7, 8, 9] for p, o in zip(PROMPTS, first)]
+        second = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in turn2], params, use_tqdm=False)]
+        llm.engine.check_invariants()
+    return first + second, llm.engine.stats()
+
+
+def test_radix_host_tier_promotes_partial_blocks_with_identical_outputs(tiny):
+    reference, _ = _run_turns(tiny[0], prefix_caching="radix", num_kv_blocks=200)
+    base, s0 = _run_turns(tiny[0], prefix_caching="radix")
+    tier, s1 = _run_turns(tiny[0], prefix_caching="radix", kv_offload_bytes=4 << 20)
+    assert base == tier == reference
+    # a turn-2 history ends in turn 1's partial last block (79 computed tokens: 7 in block 9)
+    assert s1["prefix_cache_hits_host"] % ENGINE["block_size"] != 0   # partial host hits
+    assert s1["num_computed_tokens"] < s0["num_computed_tokens"]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])

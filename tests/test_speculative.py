@@ -662,12 +662,11 @@ def test_step_cost_model_fits_synthetic_timings():
     model = StepCostModel((16, 64, 256), (8, 32), refresh=10)
     assert model.key(17, 3, True) == (64, 8, True) and model.key(300, 40, False) == (256, 32, False)
     assert model.predict(10, 4, False) is None and model.wants(10, 4, False)
-    model.observe(10, 4, False, 5.0)                 # compile: dropped
+    assert model.observe(10, 4, False, 5.0) is False   # compile: dropped
     assert model.predict(12, 2, False) is None and model.wants(12, 2, False)
     rng = np.random.default_rng(0)
     times = 0.010 + 0.001 * rng.standard_normal(40)
-    for t in times:
-        model.observe(16, 8, False, t)
+    assert [model.observe(16, 8, False, t) for t in times] == [True] * 40
     assert model.predict(1, 1, False) == pytest.approx(0.010, abs=0.002)
     assert model.predict(1, 1, True) is None and model.predict(17, 1, False) is None
     ema = times[0]

@@ -7,8 +7,8 @@ Workloads (``--workloads``, default both):
   too), all 12 conversations of a turn queued at once, turn after turn. Device pool of
   ``--pool-tokens`` (4K), so the histories (to ~2.1K tokens each) cannot all stay on the
   device; host tier of ``--host-tokens`` (32K). Prefix cache alone vs with the host tier:
-  prompt tokens recomputed, TTFT p50 / p95, wall time, hits by tier; outputs compared token
-  by token.
+  prompt tokens recomputed, TTFT p50 / p95, wall time, hits by tier, in all and per turn;
+  outputs compared token by token.
 * ``preempt``: 16 requests of 2K prompt + 512 generated tokens (greedy, ``ignore_eos``) queued at
   once into a pool that fits 6 whole sequences; ``preemption_mode`` recompute / swap / auto
   against an unconstrained pool (all 16 fit): tokens computed beyond the unconstrained run

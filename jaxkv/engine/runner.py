@@ -402,9 +402,9 @@ class ModelRunner:
                   disable=not progress) as bar:
             for t, n, w in pairs:
                 bar.set_postfix(tokens=t, seqs=n, width=w)
+                args = self._padded_args(t, n, w)
                 for fn in self._step_fns():
-                    self.cache, tokens, *_ = fn(self.params, self.cache,
-                                                *self._padded_args(t, n, w), num_logprobs=0)
+                    self.cache, tokens, *_ = fn(self.params, self.cache, *args, num_logprobs=0)
                     tokens.block_until_ready()
                 bar.update(1)
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k

@@ -36,6 +36,7 @@ import platform
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
@@ -53,6 +54,59 @@ def engine(pool_tokens: int, max_len: int, seqs: int, **kw) -> LLM:
     return LLM(dtype="float32", max_model_len=max_len, max_num_seqs=seqs,
                max_num_batched_tokens=512, token_buckets=(16, 64, 512), seq_buckets=(16,),
                num_kv_blocks=pool_tokens // BLOCK + 1, warmup=True, **kw)
+
+
+class StepLog:
+    """Per-step log of an engine (``--step-log``): wraps ``ModelRunner.execute`` and records,
+    per step, its kind (prefill / decode / mixed), tokens, running batch, waiting queue, the
+    token bucket, step ms (the whole ``execute``: transfers, copies, the jitted step), and
+    whether the step compiled a new shape (``ModelRunner.num_compilations`` grew)."""
+
+    def __init__(self, llm: LLM, path: Path, buckets=(16, 64, 512)):
+        self.rows, self.runner, self.buckets = [], llm.engine.runner, buckets
+        self.file, self.t0 = path.open("w"), time.perf_counter()   # a line per step, as it runs
+        self.core = llm.engine
+        execute = self.runner.execute
+
+        def logged(plan, rows):
+            c0, t0 = self.runner.num_compilations(), time.perf_counter()
+            out = execute(plan, rows)
+            ms = (time.perf_counter() - t0) * 1e3
+            n = plan.num_tokens
+            decodes = sum(len(s.token_ids) == 1 and s.sample for s in plan.seqs)
+            kind = ("decode" if decodes == len(plan.seqs) else
+                    "prefill" if decodes == 0 else "mixed")
+            st = self.core.scheduler_state
+            self.rows.append({
+                "t": time.perf_counter(), "kind": kind, "tokens": n, "seqs": len(plan.seqs),
+                "decodes": decodes, "waiting_before": len(st.waiting),
+                "bucket": next((b for b in self.buckets if b >= n), n), "ms": round(ms, 1),
+                "compiled": self.runner.num_compilations() > c0,
+                "preempted": len(plan.preempted_ids), "free_blocks_before":
+                    st.block_manager.num_free_blocks})
+            self.file.write(json.dumps(self.rows[-1] | {
+                "t": round(self.rows[-1]["t"] - self.t0, 2)}) + "\n")
+            self.file.flush()
+            return out
+
+        self.runner.execute = logged
+
+    def summary(self) -> dict:
+        """Steps, tokens and seconds by kind and bucket, and the compiling steps."""
+        out = {}
+        for r in self.rows:
+            k = f"{r['kind']}@{r['bucket']}"
+            d = out.setdefault(k, {"steps": 0, "tokens": 0, "s": 0.0, "seqs": 0})
+            d["steps"] += 1
+            d["tokens"] += r["tokens"]
+            d["s"] += r["ms"] / 1e3
+            d["seqs"] += r["seqs"]
+        for d in out.values():
+            d["mean_ms"] = round(d["s"] * 1e3 / d["steps"], 1)
+            d["mean_seqs"] = round(d.pop("seqs") / d["steps"], 2)
+            d["s"] = round(d["s"], 1)
+        out["compiling_steps"] = [r for r in self.rows if r["compiled"]]
+        return out
 
 
 def austen_ids(tokenizer, n_tokens: int) -> list[int]:
@@ -86,7 +140,8 @@ def turn_record(s: dict, s0: dict, wall: float, ttft: list[float], fresh: int) -
 def multiturn(args) -> dict:
     out, texts = {}, {}
     host_bytes = None
-    for tier in ("prefix cache only", "prefix cache + host tier"):
+    tiers = ("prefix cache only", "prefix cache + host tier")
+    for tier in [tiers[i] for i in map(int, args.tiers.split(","))]:
         kw = {}
         if tier.endswith("host tier"):
             kw = dict(kv_offload_bytes=host_bytes)
@@ -95,6 +150,8 @@ def multiturn(args) -> dict:
             c = llm.engine.model_config
             unit = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * BLOCK
             host_bytes = args.host_tokens // BLOCK * unit
+        log = None if args.step_log is None else StepLog(llm, args.step_log.with_name(
+            f"{args.step_log.stem}_{len(texts)}.jsonl"))
         ids = austen_ids(llm.tokenizer, 12 * args.turns * args.turn_tokens + 1000)
         reply = SamplingParams(temperature=0, max_tokens=args.reply_tokens, ignore_eos=True)
         histories = [[] for _ in range(12)]
@@ -102,6 +159,7 @@ def multiturn(args) -> dict:
         load0, s0, t0 = loadavg(), llm.stats(), time.perf_counter()
         for turn in range(args.turns):
             st, tt = llm.stats(), time.perf_counter()
+            i0 = 0 if log is None else len(log.rows)
             prompts = []
             for c in range(12):
                 start = (turn * 12 + c) * args.turn_tokens
@@ -117,6 +175,9 @@ def multiturn(args) -> dict:
             turns.append(turn_record(llm.stats(), st, time.perf_counter() - tt,
                                      [r.metrics.ttft for r in res],
                                      12 * args.turn_tokens + 12 * (turn > 0)))
+            if log is not None:   # this turn's steps, by kind and token bucket
+                turns[-1]["steps"] = StepLog.summary(types.SimpleNamespace(
+                    rows=log.rows[i0:]))
             print(f"multiturn [{tier}] turn {turn + 1}/{args.turns} done", file=sys.stderr)
         wall = time.perf_counter() - t0
         s = llm.stats()
@@ -140,9 +201,14 @@ def multiturn(args) -> dict:
             "load_before_after": [load0, loadavg()],
             "per_turn": turns,
         }
+        if log is not None:
+            out[tier]["steps"] = log.summary()
+            log.file.close()
         texts[tier] = replies
         llm.close()
         print("multiturn", tier, out[tier], file=sys.stderr)
+    if len(texts) < 2:
+        return out
     a, b = texts.values()
     out["identical_replies"] = f"{sum(x == y for x, y in zip(a, b))}/{len(a)}"
     return out
@@ -239,6 +305,8 @@ def main():
     ap.add_argument("--pool-tokens", type=int, default=4096, help="multiturn: device pool")
     ap.add_argument("--host-tokens", type=int, default=32768, help="multiturn: host tier")
     ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--tiers", default="0,1",
+                    help="multiturn: 0 = prefix cache only, 1 = with the host tier")
     ap.add_argument("--turn-tokens", type=int, default=500)
     ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=16, help="preempt: requests")
@@ -248,6 +316,8 @@ def main():
     ap.add_argument("--modes", default="recompute,swap,auto",
                     help="preempt: preemption modes run beside the unconstrained pool")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--step-log", type=Path, help="multiturn: write each step (kind, tokens, "
+                    "batch, bucket, ms, compiled) to <stem>_<run>.jsonl and summarise per turn")
     ap.add_argument("--restart-child", type=Path, dest="cache_dir",
                     help="(internal) run one restart-workload engine over this kv_cache_dir")
     args = ap.parse_args()

@@ -35,13 +35,17 @@ One step of ``schedule``:
   2. If nobody was preempted, waiting requests are admitted in queue order, each with a prefill
      chunk ``min(remaining, budget)``, while the budget, ``max_num_seqs`` running requests and the
      free blocks allow; admission stops at the first request that does not fit (no overtaking).
-     A request is admitted only when the free blocks hold all its known tokens (prompt and
-     output so far, as many as its retention policy keeps at once), not just this chunk (vLLM
-     V0's whole-prompt check): admitted for one chunk of a prompt the pool cannot hold, it
-     would be preempted before its first decode. A request coming back from a preemption
-     also waits for one free block of headroom per running request (a watermark): readmitted
-     into a pool it fills exactly, it is the first victim of the next block any running
-     request needs, and thrashes, each round recomputing everything it had.
+     A request admitted for the first time needs blocks for this chunk only (vLLM V1, which
+     allocates per chunk and relies on preemption): its prefill then runs beside the running
+     decodes, where waiting for its whole prompt's blocks ran a pool that holds one long
+     history one request at a time, prefill and every decode at batch 1 (issue 14's
+     multi-turn replay). A request coming back from a preemption is admitted only when the
+     free blocks hold all its known tokens (prompt and output so far, as many as its
+     retention policy keeps at once; vLLM V0's whole-prompt check) plus one block of
+     headroom per running request (a watermark): readmitted one chunk at a time, or into a
+     pool it fills exactly, it is the first victim of the next block any running request
+     needs, and thrashes, each round recomputing everything it had (273 preemptions for 16
+     requests in bench/offload.py's preemption workload).
   3. Draft tokens (speculative decoding, jaxkv/speculative.py): a running decode offered drafts
      in ``schedule(..., drafts)`` carries as many of them as the budget and the free blocks
      *left by steps 1 and 2* allow, and at most ``max_tokens - generated - 1`` (so even a fully
@@ -546,7 +550,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
         candidates.sort(key=lpm_key)   # stable: FCFS among equals
     admitted: list[Hashable] = []
 
-    def hold(rs, chunk_end):   # tokens admission must find room for (the readmission rule)
+    def hold(rs, chunk_end):   # tokens admission must find room for
+        if not rs.num_preemptions:   # first admission: this chunk only, no watermark
+            return chunk_end
         bound = state.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
                                            bm.block_size, len(rs.request.prompt_token_ids))
         return max(chunk_end, min(rs.num_tokens, bound * bm.block_size))

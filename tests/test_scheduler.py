@@ -114,6 +114,41 @@ def test_preemption_victim_is_newest_and_resumes_with_its_tokens():
     assert state.requests["c"].num_preemptions == 1
 
 
+def test_first_admission_takes_a_chunk_readmission_waits_for_the_whole_length():
+    # b's 16-token prompt needs 4 blocks; 3 are free once a decodes. Admitted the first time,
+    # b takes only its chunk's blocks (3 tokens, block 4) and prefills beside a's decodes
+    # (whole-length admission would run them one after the other). Preempted when a needs a
+    # block, it comes back only when the free blocks hold its whole prompt (and a block of
+    # headroom per running request), not for one chunk as soon as a block is free.
+    cc, sc = configs(block_size=4, num_blocks=7, budget=4)
+    state = add(init_state(cc), sc, req("a", range(10, 18), max_tokens=8),
+                req("b", range(20, 36), max_tokens=2))
+    state, plan = step(state, sc)
+    state, plan = step(state, sc)
+    assert plan == StepPlan((S("a", (14, 15, 16, 17), 4, True, (1, 2)),))
+    assert state.block_manager.free_block_ids() == (3, 4, 5, 6)
+    state, plan = step(state, sc)
+    assert plan == StepPlan((S("a", (0,), 8, True, (1, 2, 3)),
+                             S("b", (20, 21, 22), 0, False, (4,))))
+    for pos, table in ((3, (4, 5)), (6, (4, 5, 6)), (9, (4, 5, 6))):
+        state, plan = step(state, sc)
+        assert plan == StepPlan((S("a", (0,), 8 + pos // 3, True, (1, 2, 3)),
+                                 S("b", tuple(range(20 + pos, 23 + pos)), pos, False, table)))
+    # a's 13th token needs a block, none is free: b, the newest, is preempted
+    state, plan = step(state, sc)
+    assert plan == StepPlan((S("a", (0,), 12, True, (1, 2, 3, 6)),), preempted_ids=("b",))
+    assert state.requests["b"].num_preemptions == 1
+    assert state.block_manager.free_block_ids() == (5, 4)
+    # 2 free blocks would hold b's first chunk, not its 4-block prompt: b waits
+    for pos in (13, 14):
+        state, plan = step(state, sc)
+        assert plan == StepPlan((S("a", (0,), pos, True, (1, 2, 3, 6)),))
+    assert state.finished["a"].finish_reason == "length"
+    state, plan = step(state, sc)
+    assert plan == StepPlan((S("b", (20, 21, 22, 23), 0, False, (5,)),), finished_ids=("a",))
+    assert state.block_manager.free_block_ids() == (4, 6, 3, 2, 1)
+
+
 def test_preemption_victim_is_lowest_priority_under_priority_policy():
     cc, sc = configs(block_size=2, num_blocks=6, budget=16, policy="priority")
     state = add(init_state(cc), sc, req("a", (1, 2), priority=0, arrival_time=0),

@@ -2,13 +2,19 @@
 
 Drives ``jaxkv.LLM`` on SmolLM2-135M (GGUF, fp32 by default) until ``--batch`` requests of
 ``--prompt`` Austen tokens are all decoding, records the arguments of one real decode step (a
-wrapper around ``runner._step_fn``), then calls the same jitted step ``--iters`` times on them
-(the cache donated and threaded through, as the engine does) and reports the median and spread.
-Also reports the wall and device time of ``llm.step()`` (host share), a weight-streaming floor
-(memcpy of the fp32 weights' bytes) and, with ``--hlo DIR``, writes the optimized HLO of the
-step with a count of its copies, scatters, transposes and dots.
+wrapper around ``runner._blind_step_fn``, the step without the block mass that every decode
+step without a retention policy runs), then calls the same jitted step ``--iters`` times on
+them (the cache donated and threaded through, as the engine does) and reports the median and
+spread.
+Also reports the wall and device time of ``llm.step()``: the host milliseconds on the critical
+path of a step (wall minus device: the jitted step is synchronous, so nothing of the host's
+work overlaps it), split by phase (``scheduler.schedule``, ``batch.build``, the sampling
+tensors, the transfers, the bookkeeping of the emitted tokens, ``scheduler.update``, the rest),
+a weight-streaming floor (memcpy of the fp32 weights' bytes) and, with ``--hlo DIR``, writes the
+optimized HLO of the step with a count of its copies, scatters, transposes and dots.
 
     python3 bench/decode_step.py --batch 8 --batch 64 [--dtype bfloat16] [--hlo /tmp/hlo]
+    python3 bench/decode_step.py --batch 8 --batch 64 --batch 256 --prompt 64 --iters 5
 
 XLA flags: pass them as usual (``XLA_FLAGS=... python3 bench/decode_step.py``); one process
 per setting, so the numbers of several settings come from several runs.
@@ -27,7 +33,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv import LLM, SamplingParams
+from jaxkv import LLM, SamplingParams, batch, scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,6 +75,39 @@ def top_ops(trace_dir: Path, steps: int, hlo: str, n: int = 30) -> dict[str, flo
     return {k: round(v / 1e6 / steps, 3) for k, v in total.most_common(n)}
 
 
+class PhaseTimer:
+    """Seconds spent in named host functions of the engine step, by wrapping them in place."""
+
+    def __init__(self):
+        self.seconds = collections.Counter()
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+        setattr(owner, attr, timed)
+
+
+def host_phases(llm: LLM) -> PhaseTimer:
+    """A ``PhaseTimer`` on the host phases of ``llm``'s engine step (the module-level
+    ``scheduler.schedule`` / ``update`` and ``batch.build`` are wrapped for the process)."""
+    timer, core = PhaseTimer(), llm.engine
+    timer.wrap(scheduler, "schedule", "schedule")
+    timer.wrap(scheduler, "update", "update")
+    timer.wrap(batch, "build", "batch_build")
+    timer.wrap(core.runner, "sampling_tensors", "sampling_tensors")
+    timer.wrap(core.runner, "transfer", "transfer")
+    timer.wrap(core.speculator, "drafts", "drafts")
+    timer.wrap(core, "_apply", "emit_tokens")
+    timer.wrap(core, "_collect", "collect")
+    return timer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="running sequences (repeatable)")
@@ -93,7 +132,7 @@ def main() -> None:
     out["start_s"] = time.perf_counter() - t0
     runner = llm.engine.runner
     ids = llm.tokenizer.encode(AUSTEN.read_text())
-    orig = runner._step_fn
+    orig = runner._blind_step_fn
     captured = {}
 
     def spy(params, cache, inputs, sampling, rng, **kw):
@@ -101,6 +140,7 @@ def main() -> None:
         return orig(params, cache, inputs, sampling, rng, **kw)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    timer = host_phases(llm)
     for B in batches:
         for i in range(B):
             llm.add_request({"prompt_token_ids": ids[1000 * i: 1000 * i + args.prompt]},
@@ -109,18 +149,27 @@ def main() -> None:
         while llm.stats()["num_running"] < B or llm.stats()["num_waiting"]:
             llm.step()
         llm.step(); llm.step()                             # the decode bucket compiled
-        walls, devs = [], []
+        walls, devs, phases = [], [], []
         for _ in range(10):
-            d0, t = runner.device_time, time.perf_counter()
+            d0, t, p0 = runner.device_time, time.perf_counter(), timer.seconds.copy()
             llm.step()
             walls.append(time.perf_counter() - t); devs.append(runner.device_time - d0)
-        runner._step_fn = spy
+            phases.append(timer.seconds - p0)
+        host = [w - d for w, d in zip(walls, devs)]
+        named = {k: 1e3 * statistics.median(p[k] for p in phases) for k in timer.seconds}
+        named["other"] = 1e3 * statistics.median(h - sum(p.values())
+                                                 for h, p in zip(host, phases))
+        runner._blind_step_fn = spy
         llm.step()
-        runner._step_fn = orig
+        runner._blind_step_fn = orig
         inputs, sampling, rng, kw = captured["args"]
         res = {"T": int(inputs.token_ids.shape[0]), "S": int(inputs.seq_lens.shape[0]),
                "engine_step_ms": 1e3 * statistics.median(walls),
-               "engine_device_ms": 1e3 * statistics.median(devs)}
+               "engine_device_ms": 1e3 * statistics.median(devs),
+               "host_ms": 1e3 * statistics.median(host),
+               "host_ms_range": [1e3 * min(host), 1e3 * max(host)],
+               "host_share": statistics.median(h / w for h, w in zip(host, walls)),
+               "host_phases_ms": named}
         text = orig.lower(runner.params, runner.cache, inputs, sampling, rng,
                           **kw).compile().as_text()
         res["hlo"] = hlo_counts(text)

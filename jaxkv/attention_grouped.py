@@ -15,16 +15,26 @@ computed by exactly one of two paths:
   sequence's KV, gathered once per sequence: one kv chunk of all sequences at a time,
   ``[S, C, Hkv, D]``, with multiply-and-reduce contractions (a matrix-vector product per
   sequence and kv head, where XLA CPU's batched dot is slow at G rows). The loop runs to the
-  longest sequence's last visible chunk; past its own end a sequence reads the null block (one
+  most chunks any row visits; past its own last one a sequence reads the null block (one
   cached block, no memory traffic) and masks it.
 * tiles: ``block_q`` consecutive tokens of one sequence (a prefill chunk; a chunk with no cached
   prefix is a dense causal block over its own KV) against that sequence's KV up to the tile's own
   causal end, as ``[block_q * G, C]`` dots per kv head. A ``fori_loop`` over the non-empty tiles
   only (a decode-only step runs none), each over its own visible kv chunks.
 
-A null table entry (a block a retention policy dropped) is masked like a position past the end.
-With a sliding window both paths visit only the sink chunks and the window's chunks
-(``jaxkv.attention.kv_tile_range``). Quantized pools are read with ``jaxkv.cache.read_pages``
+Which kv chunks both paths visit (``visited_chunks``):
+
+* with a sliding window, only the sink chunks and the window's chunks
+  (``jaxkv.attention.kv_tile_range``): the blocks a window's retention drops (StreamingLLM)
+  lie outside them;
+* without one, the kept blocks only: each row's logical block indices are compacted, its kept
+  (non-null) blocks first in order (``kept_blocks``), and a chunk is ``chunk`` consecutive
+  entries of that list, so a sequence whose policy dropped arbitrary blocks (H2O, SnapKV) costs
+  what its kept KV costs, not its logical length. A table without holes compacts to itself.
+
+Either way a slot's kv position comes from its logical block (``chunk_positions``), so every
+mask is the reference's, and a null entry among the visited ones is masked like a position past
+the end. Quantized pools are read with ``jaxkv.cache.read_pages``
 (dequantized per sequence; KIVI blocks inside the reader's residual window from the
 full-precision residual), as the reference reads them. Shapes are static: one compilation per
 (T, S) bucket; the loop bounds are data-dependent.
@@ -56,6 +66,60 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
     while rows > 1 and rows * row_bytes > _ROW_CHUNK_BYTES:
         rows = -(-rows // 2)
     return rows
+
+
+def kept_blocks(tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's logical block indices with its kept (non-null) blocks first.
+
+    Args:
+      tables: int32 [..., W] block tables (0 = the null block: dropped or padding).
+
+    Returns:
+      ``(order, kept_before)``: int32 [..., W] a stable permutation of ``0..W-1`` per row, the
+      kept blocks' indices in increasing order then the null ones'; and int32 [..., W + 1]
+      ``kept_before[..., j]``: kept entries among the row's first ``j``.
+    """
+    order = jnp.argsort(tables == 0, axis=-1, stable=True).astype(jnp.int32)
+    kept = jnp.cumsum(tables != 0, axis=-1, dtype=jnp.int32)
+    return order, jnp.pad(kept, [(0, 0)] * (tables.ndim - 1) + [(1, 0)])
+
+
+def visited_chunks(q_first, kv_end, kept_before, *, chunk: int, block_size: int,
+                   sliding_window: int | None, num_sinks: int):
+    """The kv chunks that rows with positions in ``[q_first, kv_end)`` visit, as
+    ``kv_tile_range``'s ``(sink_chunks, window_first, count)`` (loop step ``v`` visits chunk
+    ``tile_index(v, sink_chunks, window_first)``).
+
+    With a sliding window: logical chunks, the sinks' and the window's. Without one: chunks of
+    the compacted list of ``kept_blocks``, as many as cover the kept blocks before
+    ``cdiv(kv_end, block_size)``. ``q_first``, ``kv_end``: int32 [...]; ``kept_before``: int32
+    [..., W + 1] (``kept_blocks``; unused with a window).
+    """
+    if sliding_window is not None:
+        return kv_tile_range(q_first, kv_end, block_kv=chunk * block_size,
+                             sliding_window=sliding_window, num_sinks=num_sinks)
+    end_block = jnp.asarray(-(-kv_end // block_size))[..., None]                  # [..., 1]
+    kept = jnp.take_along_axis(kept_before, end_block, axis=-1)[..., 0]
+    return 0, 0, -(-kept // chunk)
+
+
+def chunk_positions(order: jax.Array | None, c: jax.Array, chunk: int,
+                    block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Logical blocks and kv positions of kv chunk ``c`` (``visited_chunks``).
+
+    Args:
+      order: int32 [..., W] from ``kept_blocks`` (chunks of the compacted list), or None
+        (logical chunks: ``c * chunk`` onwards).
+      c: int32 [...] chunk index of each row.
+
+    Returns:
+      logical int32 [..., chunk] and kv positions int32 [..., chunk * block_size].
+    """
+    logical = c[..., None] * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    if order is not None:
+        logical = jnp.take_along_axis(order, logical, axis=-1)
+    pos = logical[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    return logical, pos.reshape(*logical.shape[:-1], chunk * block_size)
 
 
 def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
@@ -103,6 +167,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))
     bq = min(block_q, T)
     mask_opts = dict(sliding_window=sliding_window, num_sinks=num_sinks)
+    # without a window: chunks of each row's kept blocks (order, kept_before: [S, width(+1)])
+    order, kept_before = kept_blocks(tables) if sliding_window is None else (None, None)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
 
@@ -129,18 +195,18 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     row_qs = qsg[jnp.minimum(last, T - 1)] if rescore else None        # [S, Hkv, G, D]
     row_pos = seq_lens - 1                                             # [S]
     rc = row_chunk * bs                                                # kv positions per chunk
-    sinks, first, count = kv_tile_range(row_pos, seq_lens, block_kv=rc, **mask_opts)
+    sinks, first, count = visited_chunks(row_pos, seq_lens, kept_before, chunk=row_chunk,
+                                         block_size=bs, **mask_opts)
     count = jnp.where(has_q, count, 0)                                 # [S] chunks of each row
 
     def row_step(v, carry):                                            # carry: [S, Hkv, G] rows
         c = jnp.broadcast_to(tile_index(v, sinks, first), (S,))      # chunk of each row
-        logical = c[:, None] * row_chunk + jnp.arange(row_chunk, dtype=jnp.int32)  # [S, chunk]
+        logical, kv_pos = chunk_positions(order, c, row_chunk, bs)    # [S, chunk], [S, rc]
         ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
         ids = jnp.where((v < count)[:, None], ids, 0)                  # past its end: null block
         k = read_sequence_blocks(k_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
         vv = read_sequence_blocks(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
         s = jnp.sum(row_q[:, None] * k[:, :, :, None], -1)            # [S, rc, Hkv, G]
-        kv_pos = c[:, None] * rc + jnp.arange(rc, dtype=jnp.int32)     # [S, rc]
         s = with_sinks(v, sinks, s, kv_pos,
                        lambda: jnp.sum(row_qs[:, None] * k[:, :, :, None], -1),
                        lambda m: m[:, :, None, None])
@@ -171,17 +237,18 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         row_ok = tile_rows < n_valid                                   # [bq]
         qt = jax.lax.dynamic_slice_in_dim(qg, tok0, bq)                # [bq, Hkv, G, D]
         qst = jax.lax.dynamic_slice_in_dim(qsg, tok0, bq) if rescore else None
-        t_sinks, t_first, t_count = kv_tile_range(q_first, q_first + n_valid, block_kv=C,
-                                                  **mask_opts)
+        seq_order = None if order is None else order[seq]              # [width]
+        t_sinks, t_first, t_count = visited_chunks(
+            q_first, q_first + n_valid, None if order is None else kept_before[seq],
+            chunk=chunk, block_size=bs, **mask_opts)
 
         def kv_step(v, carry):                                         # carry: [Hkv, bq, G] rows
             c = tile_index(v, t_sinks, t_first)
-            logical = c * chunk + jnp.arange(chunk, dtype=jnp.int32)   # [chunk]
-            ids = jax.lax.dynamic_slice_in_dim(tables[seq], c * chunk, chunk)
+            logical, kv_pos = chunk_positions(seq_order, c, chunk, bs)  # [chunk], [C]
+            ids = tables[seq][logical]
             k = read_sequence_blocks(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
-            kv_pos = c * C + jnp.arange(C, dtype=jnp.int32)            # [C]
             s = with_sinks(v, t_sinks, s, kv_pos,
                            lambda: jnp.einsum("qhgd,nhd->hqgn", qst, k), lambda m: m)
             kept = jnp.repeat(ids != 0, bs)                            # [C] not dropped

@@ -15,8 +15,10 @@ dropped blocks) and sink queries. A decode step observes its one token; a prefil
 does here too, at the cost of a gather per observed token).
 
 Keys are read per sequence, a chunk of ``kv_chunk_blocks`` blocks at a time, as
-``jaxkv.attention_grouped`` reads them (quantized pools dequantized by ``read_pages``, KIVI's
-residual window in full precision, ``jaxkv.cache.read_sequence_blocks``).
+``jaxkv.attention_grouped`` reads them: the window's chunks with a sliding window, the kept
+blocks only without one (``visited_chunks``: a sequence H2O or SnapKV thinned costs its kept
+blocks), quantized pools dequantized by ``read_pages``, KIVI's residual window in full
+precision (``jaxkv.cache.read_sequence_blocks``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import cap_logits, check_shapes, kv_tile_range, tile_index, visible
+from jaxkv.attention import cap_logits, check_shapes, tile_index, visible
+from jaxkv.attention_grouped import chunk_positions, kept_blocks, visited_chunks
 from jaxkv.cache import Pages, read_sequence_blocks
 
 
@@ -84,19 +87,20 @@ def block_attention_mass(q: jax.Array, k_pages: Pages, block_tables: jax.Array,
     lo = jnp.where(ok[..., None], lse[tok], jnp.inf).reshape(S, w, Hkv, G)  # inf: weight 0
     first_pos = jnp.where(q_lens > 0, seq_lens - jnp.minimum(q_lens, w), seq_lens)
     C = chunk * bs
-    sinks, first, count = kv_tile_range(first_pos, seq_lens, block_kv=C, **opts)
+    order, kept_before = kept_blocks(tables) if sliding_window is None else (None, None)
+    sinks, first, count = visited_chunks(first_pos, seq_lens, kept_before, chunk=chunk,
+                                         block_size=bs, **opts)
     count = jnp.where(q_lens > 0, count, 0)                               # [S]
     rows = jnp.arange(S, dtype=jnp.int32)[:, None]                        # [S, 1]
 
     def body(v, out):                                                     # out: [S, width]
         c = jnp.broadcast_to(tile_index(v, sinks, first), (S,))           # chunk of each seq
-        logical = c[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [S, chunk]
+        logical, kv_pos = chunk_positions(order, c, chunk, bs)           # [S, chunk], [S, C]
         ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
         live = (v < count)[:, None]                                       # [S, 1]
         ids = jnp.where(live, ids, 0)
         k = read_sequence_blocks(k_pages, ids, logical, seq_lens).reshape(S, C, Hkv, D)
         s = jnp.einsum("swhgd,snhd->swhgn", qo, k)                         # [S, w, Hkv, G, C]
-        kv_pos = c[:, None] * C + jnp.arange(C, dtype=jnp.int32)           # [S, C]
         if rescore:
             s = jnp.where((kv_pos < num_sinks)[:, None, None, None, :],
                           jnp.einsum("swhgd,snhd->swhgn", qso, k), s)

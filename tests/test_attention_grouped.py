@@ -2,7 +2,8 @@
 ragged batches (decode rows, prefill chunks with and without a cached prefix, padding tokens and
 sequences, permuted block ids) under every mask option and GQA ratio, every quantized pool
 format (KIVI with its residual window, and a stale residual slot), bf16, and one compilation
-per shape."""
+per shape; tables with scattered dropped blocks (H2O, SnapKV) under float and quantized pools, and
+the kv chunks visited bounded by the kept blocks."""
 
 import dataclasses
 import functools
@@ -13,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as kvcache
+from jaxkv import attention_grouped, cache as kvcache
 from jaxkv.attention import paged_attention_reference
-from jaxkv.attention_grouped import paged_attention_grouped
+from jaxkv.attention_grouped import kept_blocks, paged_attention_grouped
 from jaxkv.attention_impl import paged_attention
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
@@ -189,3 +190,88 @@ def test_kivi_stale_residual_slot_is_read_as_codes():
     assert_matches_reference(args, kv_chunk_blocks=2, block_q=4)
     np.testing.assert_allclose(paged_attention_grouped(*args),
                                paged_attention_grouped(q, k, v, tables, lens, qsl), **F32)
+
+
+def drop_blocks(rng, args, frac):
+    """``args`` with a random ``frac`` of each sequence's blocks before its first query token
+    set to the null block (a retention policy's scattered drops; the blocks the step's queries
+    sit in stay)."""
+    tables, lens, qsl = (np.asarray(a) for a in args[3:6])
+    first_block = (lens - np.diff(qsl)) // args[1].shape[1]             # [S]
+    logical = np.arange(tables.shape[1])
+    dropped = (logical[None, :] < first_block[:, None]) & (rng.random(tables.shape) < frac)
+    return (*args[:3], jnp.asarray(np.where(dropped, 0, tables)), *args[4:])
+
+
+@pytest.mark.parametrize("options", ["plain", "window-sinks-cap"])
+@pytest.mark.parametrize("Hq,Hkv,bs", [(4, 4, 4), (9, 3, 4)])
+def test_grouped_matches_reference_with_scattered_dropped_blocks(Hq, Hkv, bs, options):
+    """Null entries in the middle of the tables (decode rows and prefill chunks after dropped
+    blocks): the kept-blocks walk without a window, the window's chunks with one."""
+    rng = np.random.default_rng(31 * Hq + bs + list(OPTIONS).index(options))
+    for chunking in (dict(kv_chunk_blocks=3, block_q=5), dict(kv_chunk_blocks=1, block_q=8), {}):
+        for frac in (0.3, 0.9):
+            args = drop_blocks(rng, random_batch(rng, Hq=Hq, Hkv=Hkv, bs=bs), frac)
+            assert_matches_reference(args, tol=dict(atol=2e-5, rtol=2e-5), **OPTIONS[options],
+                                     **chunking)
+
+
+@pytest.mark.parametrize("kv,residual_blocks", [("fp8_e4m3", 1), ("int8", 1), ("int4", 3),
+                                                ("int2", 3)])
+def test_grouped_matches_reference_on_quantized_pools_with_dropped_blocks(kv, residual_blocks):
+    """Dropped blocks of a quantized pool: KIVI's residual window is placed by the logical
+    index of each compacted slot, as the reference places it."""
+    rng = np.random.default_rng(6)
+    args = drop_blocks(rng, quantized_step(kv, rng, residual_blocks=residual_blocks), 0.5)
+    assert int((np.asarray(args[3]) == 0).sum()) > 20
+    tol = dict(atol=2e-5, rtol=2e-5)
+    assert_matches_reference(args, tol=tol)
+    assert_matches_reference(args, tol=tol, kv_chunk_blocks=2, block_q=3)
+
+
+def test_kept_blocks_compacts_each_row_stably():
+    tables = jnp.asarray([[5, 0, 7, 0, 0, 9], [0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 0, 0]], jnp.int32)
+    order, kept_before = kept_blocks(tables)
+    np.testing.assert_array_equal(order, [[0, 2, 5, 1, 3, 4], [0, 1, 2, 3, 4, 5],
+                                          [0, 1, 2, 3, 4, 5]])
+    np.testing.assert_array_equal(kept_before, [[0, 1, 1, 2, 2, 2, 3], [0] * 7,
+                                                [0, 1, 2, 3, 4, 4, 4]])
+
+
+def counting_reads(monkeypatch, module):
+    """Patches ``module.read_sequence_blocks`` to record, at run time, the rank of the ``ids``
+    of every read (2: the row path's [S, chunk], 1: a tile's [chunk]); returns the record."""
+    reads = []
+
+    def counting(pages, ids, logical, seq_lens):
+        jax.debug.callback(lambda x: reads.append(x.ndim), ids)
+        return kvcache.read_sequence_blocks(pages, ids, logical, seq_lens)
+
+    monkeypatch.setattr(module, "read_sequence_blocks", counting)
+    return reads
+
+
+def thinned_batch(rng, q_lens, *, bs=4, max_blocks=24, Hq=4, Hkv=2, D=16):
+    """Sequences of ``max_blocks * bs`` positions, each with queries ``q_lens``, keeping only
+    logical blocks 3, 10 and the last three (5 of 24): float (q, k, v, tables, lens, qsl)."""
+    S, T = len(q_lens), sum(q_lens)
+    nb = S * max_blocks + 1
+    tables, lens, qsl = table_batch(rng, q_lens, [max_blocks * bs] * S, T=T, S=S,
+                                    max_blocks=max_blocks, num_blocks=nb, bs=bs)
+    keep = np.isin(np.arange(max_blocks), [3, 10, max_blocks - 3, max_blocks - 2,
+                                           max_blocks - 1])
+    q = jnp.asarray(rng.standard_normal((T, Hq, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((nb, bs, Hkv, D)), jnp.float32) for _ in range(2))
+    return q, k, v, jnp.where(jnp.asarray(keep)[None], tables, 0), lens, qsl
+
+
+def test_visited_chunks_are_bounded_by_the_kept_blocks(monkeypatch):
+    """A decode row and a prefill chunk at 96 logical positions with 5 of their 24 blocks kept
+    visit 3 chunks of 2 blocks (the logical walk visits 12), counted at run time."""
+    reads = counting_reads(monkeypatch, attention_grouped)
+    args = thinned_batch(np.random.default_rng(2), [1, 9])
+    got = paged_attention_grouped(*args, kv_chunk_blocks=2, block_q=8)
+    jax.effects_barrier()
+    # K and V of 3 row steps (both rows at once) and of the one tile's (8 tokens) 3 chunks
+    assert sorted(reads) == [1] * 6 + [2] * 6, reads
+    np.testing.assert_allclose(got, paged_attention_reference(*args), atol=2e-5, rtol=2e-5)

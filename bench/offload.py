@@ -324,7 +324,7 @@ def main():
     if args.cache_dir is not None:
         return restart_child(args)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "args": vars(args) | {"out": str(args.out)}}
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     for w in args.workloads.split(","):
         result[w] = {"multiturn": multiturn, "preempt": preempt, "restart": restart}[w](args)
         print(json.dumps({w: result[w]}, indent=1))

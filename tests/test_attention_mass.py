@@ -1,11 +1,14 @@
 """jaxkv.attention_mass.block_attention_mass against a numpy softmax per observed token (causal,
 window + sinks + sink queries, dropped blocks, soft-cap, GQA), its sum rule, and quantized pools
-read like the attention reads them."""
+read like the attention reads them; tables with scattered dropped blocks visited by their kept
+blocks only."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv import attention_mass
 from jaxkv.attention import paged_attention_reference, token_layout
 from jaxkv.attention_mass import block_attention_mass
 from jaxkv.cache import quantize_pages, read_pages
@@ -84,3 +87,30 @@ def test_bad_observe():
     q, _, k, tables, lens, qsl = _batch(0)
     with pytest.raises(ValueError, match="observe=0"):
         block_attention_mass(q, k, tables, lens, qsl, jnp.zeros((24, 4)), observe=0)
+
+
+@pytest.mark.parametrize("kv", [None, "int8", "int4"])
+def test_mass_with_scattered_dropped_blocks_equals_the_logical_walk(kv):
+    """The kept-blocks walk (no window) against the logical walk (a window longer than every
+    sequence: the same masks, every logical chunk visited), float and quantized keys."""
+    q, _, k, tables, lens, qsl = _batch(11, drop=0.6)
+    assert int((np.asarray(tables)[:, :7] == 0).sum()) > 5
+    pool = k if kv is None else quantize_pages(k, kv)
+    _, lse = paged_attention_reference(q, pool, pool, tables, lens, qsl, return_lse=True)
+    got = block_attention_mass(q, pool, tables, lens, qsl, lse, observe=4, kv_chunk_blocks=2)
+    want = block_attention_mass(q, pool, tables, lens, qsl, lse, observe=4, kv_chunk_blocks=2,
+                                sliding_window=12 * BS)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
+def test_mass_visits_the_kept_blocks_only(monkeypatch):
+    """5 kept blocks of 24 in chunks of 2: 3 loop steps (the logical walk takes 12)."""
+    from test_attention_grouped import counting_reads, thinned_batch
+
+    reads = counting_reads(monkeypatch, attention_mass)
+    q, k, _, tables, lens, qsl = thinned_batch(np.random.default_rng(4), [1, 1])
+    _, lse = paged_attention_reference(q, k, k, tables, lens, qsl, return_lse=True)
+    got = block_attention_mass(q, k, tables, lens, qsl, lse, kv_chunk_blocks=2)
+    jax.effects_barrier()
+    assert len(reads) == 3, reads
+    np.testing.assert_allclose(np.asarray(got).sum(1), [4.0, 4.0], atol=1e-5, rtol=1e-5)

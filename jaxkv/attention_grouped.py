@@ -68,17 +68,22 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
     return rows
 
 
-def kept_blocks(tables: jax.Array) -> tuple[jax.Array, jax.Array]:
+def kept_blocks(tables: jax.Array, sliding_window: int | None = None
+                ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     """Each row's logical block indices with its kept (non-null) blocks first.
 
     Args:
       tables: int32 [..., W] block tables (0 = the null block: dropped or padding).
+      sliding_window: with a window the walk is over logical chunks (``visited_chunks``), so
+        nothing is compacted: ``(None, None)``.
 
     Returns:
       ``(order, kept_before)``: int32 [..., W] a stable permutation of ``0..W-1`` per row, the
       kept blocks' indices in increasing order then the null ones'; and int32 [..., W + 1]
       ``kept_before[..., j]``: kept entries among the row's first ``j``.
     """
+    if sliding_window is not None:
+        return None, None
     order = jnp.argsort(tables == 0, axis=-1, stable=True).astype(jnp.int32)
     kept = jnp.cumsum(tables != 0, axis=-1, dtype=jnp.int32)
     return order, jnp.pad(kept, [(0, 0)] * (tables.ndim - 1) + [(1, 0)])
@@ -168,7 +173,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     bq = min(block_q, T)
     mask_opts = dict(sliding_window=sliding_window, num_sinks=num_sinks)
     # without a window: chunks of each row's kept blocks (order, kept_before: [S, width(+1)])
-    order, kept_before = kept_blocks(tables) if sliding_window is None else (None, None)
+    order, kept_before = kept_blocks(tables, sliding_window)
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
 

@@ -87,7 +87,7 @@ def block_attention_mass(q: jax.Array, k_pages: Pages, block_tables: jax.Array,
     lo = jnp.where(ok[..., None], lse[tok], jnp.inf).reshape(S, w, Hkv, G)  # inf: weight 0
     first_pos = jnp.where(q_lens > 0, seq_lens - jnp.minimum(q_lens, w), seq_lens)
     C = chunk * bs
-    order, kept_before = kept_blocks(tables) if sliding_window is None else (None, None)
+    order, kept_before = kept_blocks(tables, sliding_window)
     sinks, first, count = visited_chunks(first_pos, seq_lens, kept_before, chunk=chunk,
                                          block_size=bs, **opts)
     count = jnp.where(q_lens > 0, count, 0)                               # [S]

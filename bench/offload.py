@@ -36,7 +36,6 @@ import platform
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
@@ -91,10 +90,11 @@ class StepLog:
 
         self.runner.execute = logged
 
-    def summary(self) -> dict:
-        """Steps, tokens and seconds by kind and bucket, and the compiling steps."""
-        out = {}
-        for r in self.rows:
+    def summary(self, start: int = 0) -> dict:
+        """Steps, tokens and seconds by kind and bucket, and the compiling steps, of the steps
+        logged from the ``start``-th on."""
+        out, rows = {}, self.rows[start:]
+        for r in rows:
             k = f"{r['kind']}@{r['bucket']}"
             d = out.setdefault(k, {"steps": 0, "tokens": 0, "s": 0.0, "seqs": 0})
             d["steps"] += 1
@@ -105,7 +105,7 @@ class StepLog:
             d["mean_ms"] = round(d["s"] * 1e3 / d["steps"], 1)
             d["mean_seqs"] = round(d.pop("seqs") / d["steps"], 2)
             d["s"] = round(d["s"], 1)
-        out["compiling_steps"] = [r for r in self.rows if r["compiled"]]
+        out["compiling_steps"] = [r for r in rows if r["compiled"]]
         return out
 
 
@@ -176,8 +176,7 @@ def multiturn(args) -> dict:
                                      [r.metrics.ttft for r in res],
                                      12 * args.turn_tokens + 12 * (turn > 0)))
             if log is not None:   # this turn's steps, by kind and token bucket
-                turns[-1]["steps"] = StepLog.summary(types.SimpleNamespace(
-                    rows=log.rows[i0:]))
+                turns[-1]["steps"] = log.summary(i0)
             print(f"multiturn [{tier}] turn {turn + 1}/{args.turns} done", file=sys.stderr)
         wall = time.perf_counter() - t0
         s = llm.stats()

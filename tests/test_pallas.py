@@ -1,7 +1,9 @@
 """Pallas GPU kernels (jaxkv.pallas) against the reference, in interpret mode on CPU.
 
-Plus: input checks, merge_attention_states, the tile schedule, CUDA lowering of every kernel
-variant (no GPU needed), and a dry run of bench/gpu_check.py.
+Plus: the kept-blocks walk over tables with dropped blocks (float and quantized pools, the tiles
+it visits, and that it never reads a dropped block), input checks, merge_attention_states, the
+tile schedule, CUDA lowering of every kernel variant (no GPU needed), and a dry run of
+bench/gpu_check.py.
 """
 
 import functools
@@ -17,12 +19,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jaxkv.attention import merge_attention_states, paged_attention_reference
+from jaxkv.attention import kv_tile_range, merge_attention_states, paged_attention_reference
+from jaxkv.attention_grouped import kept_blocks
 from jaxkv.attention_impl import paged_attention
 from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
                           default_ragged_config, paged_decode_attention, ragged_paged_attention)
+from jaxkv.pallas.kv_walk import kept_run
 from jaxkv.pallas.ragged import _tile_schedule
 from ragged_batches import table_batch
+from test_attention_grouped import drop_blocks, quantized_step
 
 # jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernels use it on purpose
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -206,6 +211,156 @@ def test_default_num_splits_fills_the_gpu_and_keeps_two_tiles_per_split():
 
 
 # ---------------------------------------------------------------------------------------------
+# the kept-blocks walk (tables with dropped blocks: H2O, SnapKV, random retention)
+# ---------------------------------------------------------------------------------------------
+
+DROP_OPTIONS = {
+    "plain": {},
+    "softcap-scale": dict(soft_cap=5.0, sm_scale=0.3),
+    # with a window the walk stays the logical one (the window's tiles), null blocks masked
+    "window-sinks-softcap": dict(sliding_window=40, num_sinks=5, soft_cap=10.0),
+}
+
+
+def decode_args(args):
+    """A ragged batch (q, k, v, tables, lens, qsl) as a decode batch: one query per sequence (at
+    its last position), q [S, Hq, D] and query_start_loc ``arange(S + 1)``."""
+    q, k, v, tables, lens, _ = args
+    S = tables.shape[0]
+    q = jnp.asarray(np.random.default_rng(S).standard_normal((S, *q.shape[1:])), q.dtype)
+    return q, k, v, tables, lens, jnp.arange(S + 1, dtype=jnp.int32)
+
+
+def assert_kernels_match_reference(args, *, num_splits=(1, 3), ragged=None, decode=None,
+                                   tol=TOL[jnp.float32], **opts):
+    """Ragged kernel on ``args`` and split-K decode kernel on ``decode_args(args)`` == reference
+    (out and lse of every valid token)."""
+    q, k, v, tables, lens, qsl = args
+    n = int(qsl[-1])
+    out, lse = ragged_paged_attention(*args, **opts, return_lse=True, config=ragged,
+                                      interpret=True)
+    want, want_lse = paged_attention_reference(*args, **opts, return_lse=True)
+    np.testing.assert_allclose(out[:n], want[:n], **tol)
+    np.testing.assert_allclose(lse[:n], want_lse[:n], **tol)
+    qd, k, v, tables, lens, qsl_d = decode_args(args)
+    want, want_lse = paged_attention_reference(qd, k, v, tables, lens, qsl_d, **opts,
+                                               return_lse=True)
+    live = np.asarray(lens) > 0
+    for splits in num_splits:
+        out, lse = paged_decode_attention(qd, k, v, tables, lens, num_splits=splits, **opts,
+                                          return_lse=True, config=decode, interpret=True)
+        np.testing.assert_allclose(out, want, **tol)
+        np.testing.assert_allclose(lse[live], want_lse[live], **tol)
+
+
+@pytest.mark.parametrize("options", list(DROP_OPTIONS))
+@pytest.mark.parametrize("bs,block_kv", [(8, 32), (32, 16)])   # tiles of 4 blocks / half a block
+def test_kernels_match_reference_with_scattered_dropped_blocks(bs, block_kv, options):
+    """30% and 90% of the blocks before each sequence's first query token null: decode rows and
+    prefill chunks after drops, split-K with 1, 3 and 8 splits."""
+    rng = np.random.default_rng(bs + list(DROP_OPTIONS).index(options))
+    batch = make_batch(rng, [1, 9, 1, 20, 1], [200, 130, 97, 260, 33], Hq=8, Hkv=2, D=32, bs=bs)
+    args = tuple(batch[n] for n in ("q", "k_pages", "v_pages", "block_tables", "seq_lens",
+                                    "query_start_loc"))
+    for frac in (0.3, 0.9):
+        dropped = drop_blocks(rng, args, frac)
+        assert int((np.asarray(dropped[3]) != np.asarray(args[3])).sum()) >= 3
+        assert_kernels_match_reference(
+            dropped, num_splits=(1, 3, 8), ragged=RaggedConfig(block_q=4, block_kv=block_kv),
+            decode=DecodeConfig(block_kv=block_kv), **DROP_OPTIONS[options])
+
+
+def test_window_walk_with_sink_queries_and_dropped_blocks():
+    """With a window, sinks and StreamingLLM's sink queries, dropped blocks in the window are
+    masked as before."""
+    rng = np.random.default_rng(4)
+    batch = make_batch(rng, [1, 12, 1], [90, 60, 41], Hq=4, Hkv=2, D=32, bs=8)
+    args = drop_blocks(rng, tuple(batch[n] for n in (
+        "q", "k_pages", "v_pages", "block_tables", "seq_lens", "query_start_loc")), 0.5)
+    q_sinks = jnp.asarray(rng.standard_normal(args[0].shape), jnp.float32)
+    opts = dict(sliding_window=30, num_sinks=3, q_sinks=q_sinks)
+    out = ragged_paged_attention(*args, **opts, interpret=True)
+    want = paged_attention_reference(*args, **opts)
+    np.testing.assert_allclose(out[:14], want[:14], **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("kv,residual_blocks,D", [("fp8_e4m3", 1, 32), ("int8", 1, 32),
+                                                  ("int4", 3, 32), ("int2", 3, 64)])
+def test_kernels_match_reference_on_quantized_pools_with_dropped_blocks(kv, residual_blocks, D):
+    """fp8/int8 codes and packed KIVI int4/int2 (residual window of 3 blocks) with half the
+    blocks before the queries dropped: the residual window is placed by each run entry's logical
+    block, as the reference places it."""
+    rng = np.random.default_rng(8)
+    args = drop_blocks(rng, quantized_step(kv, rng, residual_blocks=residual_blocks, D=D), 0.5)
+    assert int((np.asarray(args[3]) == 0).sum()) > 20
+    if residual_blocks > 1:
+        assert bool(((args[1].res_slot > 0) & args[1].sealed).any())
+    assert_kernels_match_reference(args, num_splits=(1, 4))
+    assert_kernels_match_reference(args, num_splits=(2,), soft_cap=8.0)
+
+
+def test_kept_walk_visits_only_the_kept_tiles():
+    """The kv tiles a program walks (``kept_run``, what both kernels loop over without a window):
+    a row keeping 6 of its 24 blocks visits 2 tiles of 64 positions, not the 6 of the logical
+    walk; a row without drops visits exactly the logical walk's tiles; a decode row's causal end
+    inside a kept block counts only the positions before it."""
+    bs, block_kv, max_blocks = 16, 64, 24
+    tables = np.zeros((3, max_blocks), np.int32)
+    tables[0, [2, 5, 11, 17, 20, 23]] = np.arange(1, 7)           # 25% kept, scattered
+    tables[1] = np.arange(1, max_blocks + 1)                      # nothing dropped
+    tables[2, [0, 1, 2, 3, 23]] = np.arange(7, 12)                # sinks + the last block
+    _, kept_before = kept_blocks(jnp.asarray(tables))
+
+    def tiles(row, kv_end):
+        return int(kept_run(lambda j: kept_before[row, j], jnp.int32(kv_end), block_size=bs,
+                            block_kv=block_kv)[1])
+
+    full = max_blocks * bs                                        # 384 positions
+    assert [tiles(r, full) for r in range(3)] == [2, 6, 2]
+    assert tiles(1, full) == int(kv_tile_range(full - 1, full, block_kv=block_kv,
+                                               sliding_window=None, num_sinks=0)[2])
+    for kv_end in (1, 15, 16, 17, 100, 383):                      # dense: as the logical walk
+        assert tiles(1, kv_end) == -(-kv_end // block_kv)
+    assert tiles(0, 5 * 16 + 1) == 1        # blocks 2 and 5 (1 position of it): 17 positions
+    assert tiles(2, 4 * 16 + 1) == 1        # blocks 0-3 kept, block 4 dropped: 64 positions
+    assert tiles(2, full - 3) == 2          # 4 blocks + 13 positions of the last one
+
+
+@pytest.mark.parametrize("kernel", ["ragged", "decode"])
+def test_kept_walk_never_reads_a_dropped_block(kernel):
+    """Every page outside the kept blocks (the null block included) holds NaN: the kept walk
+    never loads one, so the output is unchanged (the logical walk loaded the null block and
+    masked it, and 0 * NaN = NaN would reach the output)."""
+    rng = np.random.default_rng(12)
+    batch = make_batch(rng, [1, 9, 1], [150, 80, 64], Hq=4, Hkv=2, D=32, bs=8)
+    args = drop_blocks(rng, tuple(batch[n] for n in (
+        "q", "k_pages", "v_pages", "block_tables", "seq_lens", "query_start_loc")), 0.6)
+    if kernel == "decode":
+        args = decode_args(args)
+    q, k, v, tables, lens, qsl = args
+    kept = np.zeros(k.shape[0], bool)
+    for s, n in enumerate(np.asarray(lens)):
+        kept[np.asarray(tables)[s, :-(-n // 8)]] = True
+    kept[0] = False
+    assert (~kept[1:]).sum() >= 8, "dropped blocks must hold pages the poison covers"
+    poison = jnp.asarray(~kept)[:, None, None, None]
+    k_nan, v_nan = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    if kernel == "ragged":
+        def run(k, v):
+            return ragged_paged_attention(q, k, v, tables, lens, qsl, soft_cap=20.0,
+                                          config=RaggedConfig(block_q=8, block_kv=16),
+                                          interpret=True)
+    else:
+        def run(k, v):
+            return paged_decode_attention(q, k, v, tables, lens, num_splits=3, soft_cap=20.0,
+                                          config=DecodeConfig(block_kv=32), interpret=True)
+    np.testing.assert_array_equal(np.asarray(run(k_nan, v_nan)), np.asarray(run(k, v)))
+    want = paged_attention_reference(*args, soft_cap=20.0)
+    n = int(qsl[-1])
+    np.testing.assert_allclose(run(k, v)[:n], want[:n], **TOL[jnp.float32])
+
+
+# ---------------------------------------------------------------------------------------------
 # merge_attention_states
 # ---------------------------------------------------------------------------------------------
 
@@ -355,6 +510,20 @@ def test_decode_lowers_to_cuda(options, dtype):
     for S, Hq, Hkv, D, splits in [(8, 32, 8, 128, 1), (2, 9, 3, 64, 4), (4, 64, 8, 128, None)]:
         _lower_for_cuda(functools.partial(paged_decode_attention, **opts, num_splits=splits),
                         *_avals(S, Hq, Hkv, D, dtype, num_seqs=S, ragged=False))
+
+
+def test_kept_walk_lowers_to_cuda():
+    """Without a window both kernels walk the kept blocks (the compaction passed as two more
+    whole-array refs); tiles of several blocks and tiles inside one block both lower."""
+    for bs, block_kv in ((16, 128), (64, 32)):
+        avals = _avals(64, 32, 8, 128, jnp.bfloat16, num_seqs=8, bs=bs, max_blocks=32)
+        _lower_for_cuda(functools.partial(ragged_paged_attention, soft_cap=30.0,
+                                          config=RaggedConfig(block_q=4, block_kv=block_kv)),
+                        *avals)
+        _lower_for_cuda(functools.partial(paged_decode_attention, num_splits=4,
+                                          config=DecodeConfig(block_kv=block_kv)),
+                        *_avals(8, 32, 8, 128, jnp.bfloat16, num_seqs=8, bs=bs, max_blocks=32,
+                                ragged=False))
 
 
 def test_configs_lower_to_cuda():

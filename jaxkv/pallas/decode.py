@@ -1,13 +1,17 @@
 """Paged decode attention on GPU with split-K (flash-decoding), Pallas (Triton lowering).
 
 One query token per sequence (the decode step). The grid is ``(S, num_kv_heads, num_splits)``:
-the kv tiles a sequence's token can see (sink tiles, then window/causal tiles, exactly as in
-ragged.py) are cut into ``num_splits`` contiguous runs, one per program, so a small batch
-still fills the GPU. Each program writes a normalized partial output and its log-sum-exp;
-``jaxkv.attention.merge_attention_states`` combines them in JAX:
+the kv tiles a sequence's token can see, walked as in ragged.py (kv_walk.py), are cut into
+``num_splits`` contiguous runs, one per program, so a small batch still fills the GPU. With a
+sliding window those are the logical sink and window tiles; without one, the tiles of the
+*kept run* (the row's non-null blocks laid end to end, ``kept_blocks``), so the splits share
+only the KV a retention policy kept. Each program writes a normalized partial output and its
+log-sum-exp; ``jaxkv.attention.merge_attention_states`` combines them in JAX:
 
-    visited kv tiles of sequence s:  | v0 v1 v2 | v3 v4 v5 | v6 v7 |      (num_splits = 3)
-                                        split 0    split 1   split 2  -> (o_j, lse_j) -> merge
+    table row s     | 7 | 0 | 3 | 0 | 0 | 9 | 4 | 2 | 5 | 0 | 8 | 6 |     (0 = dropped)
+    kept run        | 7  3 | 9  4 | 2  5 | 8  6 |                         block_kv = 2 * block_size
+    visited tiles   |  v0  |  v1  |  v2  |  v3  |
+                    | split 0     | split 1     |   (num_splits = 2) -> (o_j, lse_j) -> merge
 
 GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to
 a power of two >= 16, Triton's dot minimum), so each gathered K/V tile serves the whole group.
@@ -21,15 +25,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import check_sink_queries, kv_tile_range, merge_attention_states
-from jaxkv.pallas.ragged import (attend_tiles, check_kv_inputs, check_options, check_page_ids,
-                                 check_seq_lens, finalize, init_carry, check_tuning, is_concrete,
-                                 next_pow2, whole_block)
+from jaxkv.attention import check_sink_queries, merge_attention_states
 from jaxkv.pallas.kv_format import KvLayout, kv_operands
+from jaxkv.pallas.kv_walk import attend_tiles, finalize, init_carry, kv_walk, split_steps
+from jaxkv.pallas.ragged import (check_kv_inputs, check_options, check_page_ids, check_seq_lens,
+                                 check_tuning, is_concrete, kept_operands, next_pow2,
+                                 whole_block)
 
 # Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
 _TARGET_PROGRAMS = 264
@@ -95,29 +99,30 @@ def _decode_kernel(
     q_ref,       # [G_pad, D] the kv-head group of one sequence's token
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    *refs,       # inputs: [the sink queries [G_pad, D] if rescore] and the kv operands of
-                 #   kv_format.kv_operands; outputs: o f32 [G_pad, D] normalized partial output
-                 #   of this split, lse f32 [G_pad] (-inf if it saw nothing)
+    *refs,       # inputs: [without a window: kept_blocks' order int32 [S, max_blocks] and
+                 #   kept_before int32 [S, max_blocks + 1]], [the sink queries [G_pad, D] if
+                 #   rescore] and the kv operands of kv_format.kv_operands; outputs: o f32
+                 #   [G_pad, D] normalized partial output of this split, lse f32 [G_pad] (-inf
+                 #   if it saw nothing)
     num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
     num_sinks: int, soft_cap: float | None, layout: KvLayout, rescore: bool):
+    kept_refs, refs = (refs[:2], refs[2:]) if sliding_window is None else ((), refs)
     qs_ref, refs = (refs[0], refs[1:]) if rescore else (None, refs)
     *kv_refs, o_ref, lse_ref = refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = q_ref.shape[0]
     kv_len = lens_ref[seq]
     q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)                            # [rows]
-    sink_tiles, window_first, count = kv_tile_range(
-        kv_len - 1, kv_len, block_kv=block_kv, sliding_window=sliding_window,
-        num_sinks=num_sinks)
-    per_split = lax.div(count + num_splits - 1, num_splits)
-    v_start = jnp.minimum(split * per_split, count)
-    v_stop = jnp.minimum(v_start + per_split, count)
+    tile_at, sink_tiles, count = kv_walk(
+        seq, kv_len - 1, kv_len, kept_refs, block_kv=block_kv, block_size=kv_refs[0].shape[1],
+        max_blocks=tables_ref.shape[1], sliding_window=sliding_window, num_sinks=num_sinks)
+    v_start, v_stop = split_steps(count, split, num_splits)
     q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
     qs = None if qs_ref is None else tuple(qs_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)
     carry = attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref,
-                         init_carry(rows, layout), v_start, v_stop, sink_tiles, window_first,
-                         block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout, q_sinks=qs)
+                         init_carry(rows, layout), v_start, v_stop, tile_at, sink_tiles,
+                         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks,
+                         soft_cap=soft_cap, layout=layout, q_sinks=qs)
     out, lse = finalize(carry)
     for (ch0, width, _, _), o in zip(layout.chunks, out):
         o_ref[:, pl.ds(ch0, width)] = o
@@ -138,24 +143,25 @@ def _decode_call(q, q_sinks, kv_ops, block_tables, seq_lens, *, num_splits, sm_s
         return jnp.pad(x.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
 
     q4 = groups(q)
-    extra = () if q_sinks is None else (groups(q_sinks),)
+    kept = kept_operands(block_tables, sliding_window)
+    sinks = () if q_sinks is None else (groups(q_sinks),)
     q_spec = pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))
 
     kernel = functools.partial(
         _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
         sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        layout=layout, rescore=bool(extra))
+        layout=layout, rescore=bool(sinks))
     outs, lses = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
-        in_specs=[q_spec] + [whole_block(a.shape) for a in (block_tables, seq_lens)]
-        + [q_spec] * len(extra) + [whole_block(a.shape) for a in kv_ops],
+        in_specs=[q_spec] + [whole_block(a.shape) for a in (block_tables, seq_lens, *kept)]
+        + [q_spec] * len(sinks) + [whole_block(a.shape) for a in kv_ops],
         **split_k_outputs(num_splits, S, Hkv, G_pad, D),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(q4, block_tables, seq_lens, *extra, *kv_ops)
+    )(q4, block_tables, seq_lens, *kept, *sinks, *kv_ops)
 
     return merge_splits(outs, lses, G, q)
 

@@ -17,16 +17,26 @@ serves the whole group. The wrapper lays q out kv-head-major with G padded to a 
     a q tile = q_rows[h, tok0 * G_pad : (tok0 + block_q) * G_pad, :]  -> [block_q * G_pad, D]
     row r of the tile = token tok0 + r // G_pad, head g = r % G_pad
 
-The kv axis is walked in tiles of ``block_kv`` positions; each tile gathers its page ids from the
-block table per position (``page = table[seq, p // block_size]``, offset ``p % block_size``), so
-``block_kv`` and ``block_size`` are independent. Only tiles that intersect the visible range
-are visited (causal end, sliding-window start, and the sink tiles at the front):
+The kv axis is walked in tiles of ``block_kv`` positions (kv_walk.py); each tile gathers its
+page ids from the block table per position (``page = table[seq, logical]``, offset
+``p % block_size``), so ``block_kv`` and ``block_size`` are independent. Only the tiles a q tile
+can see are visited, up to its causal end:
 
-    kv tiles   | S | S | . | . | . | W | W | W |       S = sink tiles, W = window tiles,
-    loop v     | 0 | 1 |               2   3   4          . = skipped entirely
+* with a sliding window, the logical tiles of the window and the sink tiles at the front:
 
-This file also holds the kv-walk pieces shared with the split-K decode kernel (decode.py) and the
-input checks shared by both wrappers.
+      kv tiles   | S | S | . | . | . | W | W | W |       S = sink tiles, W = window tiles,
+      loop v     | 0 | 1 |               2   3   4          . = skipped entirely
+
+* without one, the kept blocks only: the wrapper compacts each table row (``kept_blocks``:
+  kept logical indices first, in order, and their running count) and a tile is ``block_kv``
+  consecutive positions of that run, so a row whose retention (H2O, SnapKV) dropped blocks
+  reads only what it kept (a table without drops compacts to itself):
+
+      table row  | 7 | 0 | 0 | 3 | 0 | 9 | 4 |   (0 = dropped), block_kv = 2 * block_size
+      kept run   | 7   3 | 9   4 |                logical blocks 0, 3 | 5, 6
+      loop v     |   0   |   1   |
+
+This file also holds the input checks shared by the wrappers of decode.py and sparse.py.
 """
 
 from __future__ import annotations
@@ -42,12 +52,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention import check_sink_queries, kv_tile_range, tile_index
+from jaxkv.attention import check_sink_queries
+from jaxkv.attention_grouped import kept_blocks
 from jaxkv.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, check_head_dim,
-                                    kv_operands, load_chunk, pool_dtype, split_refs)
+                                    kv_operands, pool_dtype)
+from jaxkv.pallas.kv_walk import attend_tiles, finalize, init_carry, kv_walk
 
-# Finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without inf - inf NaNs.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -195,124 +205,6 @@ def _check_query_start_loc(query_start_loc, seq_lens, num_tokens: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the kv walk (shared with decode.py; its tile range, kv_tile_range, is jaxkv.attention's)
-# --------------------------------------------------------------------------------------------
-
-
-def attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref, carry, v_start, v_stop,
-                 sink_tiles, window_first, *, block_kv: int, sm_scale: float,
-                 sliding_window: int | None, num_sinks: int, soft_cap: float | None,
-                 layout: KvLayout, q_sinks=None):
-    """Online softmax of q rows over loop steps ``[v_start, v_stop)`` of the kv walk.
-
-    Args:
-      q: tuple of [rows, width] queries (kernel dtype), one per head-dim chunk of ``layout``.
-      q_sinks: None, or like q: the queries that score positions ``< num_sinks`` (StreamingLLM's
-        positions within the cache); the steps inside the sink tiles ``[0, sink_tiles)`` then
-        compute both scores, the others only q's.
-      q_pos: int32 [rows] kv position of each row's token.
-      seq, head: int32 scalars, the sequence (block-table row) and the kv head.
-      kv_len: int32 scalar, the sequence's kv length (places the KIVI residual window).
-      kv_refs: the refs of ``kv_format.kv_operands`` (whole pools, plus scales, zeros and the KIVI
-        residual for quantized ones); tiles are dequantized in registers to q's dtype.
-      tables_ref: int32 [S, max_blocks] whole block table.
-      carry: (m f32 [rows], l f32 [rows], acc tuple of f32 [rows, width] per chunk) running max,
-        sum and output.
-      v_start, v_stop, sink_tiles, window_first: the loop range and tile map of kv_tile_range.
-      layout: the pools' ``KvLayout``.
-
-    Returns:
-      The updated carry.
-    """
-    k_refs, v_refs = split_refs(kv_refs, layout)
-    k_axis, v_axis = layout.axes
-    num_blocks, block_size = kv_refs[0].shape[0], kv_refs[0].shape[1]
-    max_blocks = tables_ref.shape[1]
-    offsets = jnp.arange(block_kv, dtype=jnp.int32)                     # [block_kv]
-    dtype = q[0].dtype
-    first_window = lax.div(kv_len, block_size) - (layout.residual_blocks - 1)
-
-    def body(v, carry, rescore: bool):
-        kv_pos = tile_index(v, sink_tiles, window_first) * block_kv + offsets     # [block_kv]
-        logical = jnp.minimum(lax.div(kv_pos, block_size), max_blocks - 1)
-        page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
-        slot = lax.rem(kv_pos, block_size)
-        in_window = logical >= first_window                                      # [block_kv]
-        keys = [load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype, in_window)
-                for chunk in layout.chunks]                                      # [bkv, w] each
-        s = tile_scores(q, keys, sm_scale)
-        if rescore:
-            s = jnp.where(kv_pos[None, :] < num_sinks, tile_scores(q_sinks, keys, sm_scale), s)
-        values = [load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype, in_window)
-                  for chunk in layout.chunks]                                    # [bkv, w] each
-        seen = (kv_pos[None, :] <= q_pos[:, None]) & (page[None, :] != 0)        # [rows, block_kv]
-        if sliding_window is not None:
-            in_window = q_pos[:, None] - kv_pos[None, :] < sliding_window
-            if num_sinks:
-                in_window = in_window | (kv_pos[None, :] < num_sinks)
-            seen = seen & in_window
-        return softmax_tile(carry, s, seen, values, soft_cap=soft_cap)
-
-    if q_sinks is None or sliding_window is None or not num_sinks:
-        return lax.fori_loop(v_start, v_stop, functools.partial(body, rescore=False), carry)
-    split = jnp.clip(sink_tiles, v_start, v_stop)      # the sink steps come first in the walk
-    carry = lax.fori_loop(v_start, split, functools.partial(body, rescore=True), carry)
-    return lax.fori_loop(split, v_stop, functools.partial(body, rescore=False), carry)
-
-
-def tile_scores(queries, keys, sm_scale: float):
-    """f32 [rows, bkv] scaled logits of query chunks [rows, w] against key chunks [bkv, w]."""
-    s = None
-    for qc, k in zip(queries, keys):
-        part = lax.dot_general(qc, k, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-        s = part if s is None else s + part
-    return s * sm_scale
-
-
-def softmax_tile(carry, s, seen, values, *, soft_cap: float | None):
-    """One kv tile of the online softmax (f32 accumulators) in a kernel.
-
-    Args:
-      carry: (m f32 [rows], l f32 [rows], acc tuple of f32 [rows, w] per chunk).
-      s: f32 [rows, bkv] scaled logits (``tile_scores``); soft-capped here.
-      seen: bool, broadcastable to ``s``: the positions each row sees.
-      values: [bkv, w] per chunk, in the kernel dtype.
-
-    Returns:
-      The updated carry.
-    """
-    m, l, acc = carry
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    s = jnp.where(seen, s, MASK_VALUE)
-    m_new = jnp.maximum(m, s.max(axis=1))
-    p = jnp.where(seen, jnp.exp(s - m_new[:, None]), 0.0)
-    alpha = jnp.exp(m - m_new)
-    p_kernel = p.astype(values[0].dtype)
-    acc = tuple(alpha[:, None] * a + lax.dot_general(p_kernel, val, (((1,), (0,)), ((), ())),
-                                                     preferred_element_type=jnp.float32)
-                for a, val in zip(acc, values))
-    return m_new, alpha * l + p.sum(axis=1), acc
-
-
-def init_carry(rows: int, layout: KvLayout):
-    """Empty online-softmax state: (m [rows], l [rows], acc: [rows, width] per chunk), all f32."""
-    return (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            tuple(jnp.zeros((rows, c[1]), jnp.float32) for c in layout.chunks))
-
-
-def finalize(carry):
-    """Normalized output chunks f32 [rows, width] (0 where nothing was seen) and lse f32 [rows]
-    (-inf there)."""
-    m, l, acc = carry
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    return (tuple(a / l_safe[:, None] for a in acc),
-            jnp.where(seen, m + jnp.log(l_safe), -jnp.inf))
-
-
-# --------------------------------------------------------------------------------------------
 # kernel
 # --------------------------------------------------------------------------------------------
 
@@ -323,12 +215,14 @@ def _ragged_kernel(
     q_ref,       # [Hkv, T_pad * G_pad, D]
     tables_ref,  # int32 [S, max_blocks]
     lens_ref,    # int32 [S]
-    *refs,       # inputs: [the sink queries, like q_ref, if rescore] and the kv operands of
-                 #   kv_format.kv_operands; outputs: o [Hkv, T_pad * G_pad, D],
-                 #   lse f32 [Hkv, T_pad * G_pad]
+    *refs,       # inputs: [without a window: kept_blocks' order int32 [S, max_blocks] and
+                 #   kept_before int32 [S, max_blocks + 1]], [the sink queries, like q_ref, if
+                 #   rescore] and the kv operands of kv_format.kv_operands;
+                 #   outputs: o [Hkv, T_pad * G_pad, D], lse f32 [Hkv, T_pad * G_pad]
     block_q: int, group_pad: int, block_kv: int, sm_scale: float,
     sliding_window: int | None, num_sinks: int, soft_cap: float | None,
     layout: KvLayout, rescore: bool):
+    kept_refs, refs = (refs[:2], refs[2:]) if sliding_window is None else ((), refs)
     qs_ref, refs = (refs[0], refs[1:]) if rescore else (None, refs)
     *kv_refs, o_ref, lse_ref = refs
     tile, head = pl.program_id(0), pl.program_id(1)
@@ -342,13 +236,14 @@ def _ragged_kernel(
                                            for c in layout.chunks)
     row_tok = lax.div(jnp.arange(rows, dtype=jnp.int32), group_pad)              # [rows]
     q_pos = q_first + row_tok                                                    # [rows]
-    sink_tiles, window_first, count = kv_tile_range(
-        q_first, q_first + n_valid, block_kv=block_kv, sliding_window=sliding_window,
-        num_sinks=num_sinks)
+    tile_at, sink_tiles, count = kv_walk(
+        seq, q_first, q_first + n_valid, kept_refs, block_kv=block_kv,
+        block_size=kv_refs[0].shape[1], max_blocks=tables_ref.shape[1],
+        sliding_window=sliding_window, num_sinks=num_sinks)
     carry = attend_tiles(q, q_pos, seq, lens_ref[seq], head, kv_refs, tables_ref,
-                         init_carry(rows, layout), 0, count, sink_tiles, window_first,
-                         block_kv=block_kv, sm_scale=sm_scale, sliding_window=sliding_window,
-                         num_sinks=num_sinks, soft_cap=soft_cap, layout=layout, q_sinks=qs)
+                         init_carry(rows, layout), 0, count, tile_at, sink_tiles,
+                         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks,
+                         soft_cap=soft_cap, layout=layout, q_sinks=qs)
     out, lse = finalize(carry)
 
     # rows past the tile's tokens belong to the next sequence's tiles: never write them
@@ -368,6 +263,13 @@ def whole_block(shape) -> pl.BlockSpec:
     """The whole array as one block: with the Triton lowering a block is just a base pointer,
     so pools, tables and the ragged q/o buffers are indexed in-kernel (no copies)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def kept_operands(block_tables, sliding_window: int | None) -> tuple:
+    """The kept walk's kernel inputs: ``()`` with a sliding window, else ``kept_blocks``'
+    (order int32 [S, max_blocks], kept_before int32 [S, max_blocks + 1])."""
+    order, kept_before = kept_blocks(block_tables, sliding_window)
+    return () if order is None else (order, kept_before)
 
 
 def _tile_schedule(query_start_loc, seq_lens, num_tiles: int, block_q: int):
@@ -409,13 +311,14 @@ def _ragged_call(q, q_sinks, kv_ops, block_tables, seq_lens, query_start_loc, *,
         return x.transpose(1, 0, 2, 3).reshape(Hkv, T_pad * G_pad, D)
 
     q_rows = rows_of(q)
-    extra = () if q_sinks is None else (rows_of(q_sinks),)
+    extra = kept_operands(block_tables, sliding_window)
+    extra += () if q_sinks is None else (rows_of(q_sinks),)
     tiles = _tile_schedule(query_start_loc, seq_lens, num_tiles, block_q)
 
     kernel = functools.partial(
         _ragged_kernel, block_q=block_q, group_pad=G_pad, block_kv=config.block_kv,
         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
-        layout=layout, rescore=bool(extra))
+        layout=layout, rescore=q_sinks is not None)
     o_rows, lse_rows = pl.pallas_call(
         kernel,
         grid=(num_tiles, Hkv),

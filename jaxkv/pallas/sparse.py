@@ -22,11 +22,12 @@ the ``count[s, h] * block_size`` positions of its selected pages laid end to end
 
 so ``block_kv`` and ``block_size`` are independent, and the pages outside the selection are never
 touched: the positions of the last tile past the run (e >= count) re-read the last selected page
-(masked), so no load leaves the selection. Each program gathers its page ids from the
-(whole-array) selection and block table refs, as ragged.py does from the block table; every tile
-is dequantized in registers through ``kv_format.load_chunk`` (float, fp8/int8, packed KIVI
-int4/int2 with the residual window), and the per-split (output, log-sum-exp) pairs are combined
-by ``jaxkv.attention.merge_attention_states``.
+(masked), so no load leaves the selection. The walk is kv_walk.py's ``run_tiles`` (the one the
+dense kernels use for their kept blocks) and ``attend_tiles``: each program gathers its page ids
+from the (whole-array) selection and block table refs; every tile is dequantized in registers
+through ``kv_format.load_chunk`` (float, fp8/int8, packed KIVI int4/int2 with the residual
+window), and the per-split (output, log-sum-exp) pairs are combined by
+``jaxkv.attention.merge_attention_states``.
 
 GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to a
 power of two >= 16), as in decode.py.
@@ -45,10 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.pallas.decode import DecodeConfig, default_num_splits, merge_splits, split_k_outputs
-from jaxkv.pallas.kv_format import KvLayout, kv_operands, load_chunk, split_refs
+from jaxkv.pallas.kv_format import KvLayout, kv_operands
+from jaxkv.pallas.kv_walk import attend_tiles, finalize, init_carry, run_tiles, split_steps
 from jaxkv.pallas.ragged import (check_kv_inputs, check_options, check_page_ids, check_seq_lens,
-                                 finalize, init_carry, is_concrete, next_pow2, softmax_tile,
-                                 tile_scores, whole_block)
+                                 is_concrete, next_pow2, whole_block)
 from jaxkv.sparse_attention import check_selection
 
 
@@ -71,40 +72,20 @@ def _sparse_kernel(
     layout: KvLayout):
     *kv_refs, o_ref, lse_ref = refs
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    k_refs, v_refs = split_refs(kv_refs, layout)
-    k_axis, v_axis = layout.axes
-    num_blocks, block_size = kv_refs[0].shape[0], kv_refs[0].shape[1]
-    max_blocks, K = tables_ref.shape[1], pages_ref.shape[2]
+    block_size, K = kv_refs[0].shape[1], pages_ref.shape[2]
     rows = q_ref.shape[0]
     kv_len = lens_ref[seq]
     count = count_ref[seq, head]
-    last = jnp.clip(count - 1, 0, K - 1)                     # the last selected entry
     num_tiles = lax.div(count * block_size + block_kv - 1, block_kv)
-    per_split = lax.div(num_tiles + num_splits - 1, num_splits)
-    v_start = jnp.minimum(split * per_split, num_tiles)
-    v_stop = jnp.minimum(v_start + per_split, num_tiles)
-    first_window = lax.div(kv_len, block_size) - (layout.residual_blocks - 1)
+    v_start, v_stop = split_steps(num_tiles, split, num_splits)
+    tile_at = run_tiles(lambda e: pages_ref[seq, head, jnp.minimum(e, K - 1)], count,
+                        block_kv=block_kv, block_size=block_size, max_blocks=tables_ref.shape[1])
     q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
-    dtype = q[0].dtype
-    offsets = jnp.arange(block_kv, dtype=jnp.int32)                             # [block_kv]
-
-    def body(v, carry):
-        rank = v * block_kv + offsets                                            # [block_kv]
-        entry = lax.div(rank, block_size)
-        # the tail of the last tile (entries >= count) re-reads the last selected page, masked
-        logical = jnp.clip(pages_ref[seq, head, jnp.minimum(entry, last)], 0, max_blocks - 1)
-        page = jnp.clip(tables_ref[seq, logical], 0, num_blocks - 1)             # [block_kv]
-        slot = lax.rem(rank, block_size)
-        seen = (entry < count) & (logical * block_size + slot < kv_len)          # [block_kv]
-        in_window = logical >= first_window
-        keys = [load_chunk(k_refs, layout, k_axis, chunk, page, slot, head, dtype, in_window)
-                for chunk in layout.chunks]                                      # [bkv, w] each
-        values = [load_chunk(v_refs, layout, v_axis, chunk, page, slot, head, dtype, in_window)
-                  for chunk in layout.chunks]
-        return softmax_tile(carry, tile_scores(q, keys, sm_scale), seen[None, :], values,
-                            soft_cap=soft_cap)
-
-    carry = lax.fori_loop(v_start, v_stop, body, init_carry(rows, layout))
+    q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)                            # [rows]
+    carry = attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref,
+                         init_carry(rows, layout), v_start, v_stop, tile_at, 0,
+                         sm_scale=sm_scale, sliding_window=None, num_sinks=0,
+                         soft_cap=soft_cap, layout=layout)
     out, lse = finalize(carry)
     for (ch0, width, _, _), o in zip(layout.chunks, out):
         o_ref[:, pl.ds(ch0, width)] = o

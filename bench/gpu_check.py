@@ -25,6 +25,13 @@ Sections:
       read, GB/s, speed-up over dense paged_decode_attention, for the kernel alone (selection
       given) and for the whole step (scores + top pages + kernel), and the kernel vs the sparse
       reference on the same selection (run after (c), before (d));
+  (b4) kept-blocks decode (issue 13): tables keeping 25% of each sequence's blocks (scattered, the
+      last one kept; the rest the null block, as H2O / SnapKV leave them) at 8k and 32k context,
+      bf16, GQA 4: the split-K decode kernel's kept walk (the default without a window) vs the
+      dense walk of the same table (every logical tile, null blocks gathered and masked, forced
+      by a window covering the whole context): the bytes each reads (kept pages' K+V vs every
+      logical position's), ms, GB/s, speed-up, and the two outputs' max difference (run after
+      (b), before (c));
   (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
       (pallas ops.gpu.attention.mha with K/V repeated to every head, and
       jax.nn.dot_product_attention);
@@ -40,8 +47,9 @@ Every timing runs the op ``inner`` times inside one jitted loop (each call feeds
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
 per call. Every section is guarded: a failure is recorded in the report, the script goes on.
 Time guards: no bf16 decode measurement starts after 300 s, no quantized one after 360 s, no
-sweep one after 400 s, no sparse one after 420 s. The speedup targets are reported, not part of
-the exit status; a sparse row whose kernel disagrees with the sparse reference fails the run.
+kept-blocks one after 380 s, no sweep one after 400 s, no sparse one after 420 s. The speedup
+targets are reported, not part of the exit status; a sparse row whose kernel disagrees with the
+sparse reference, or a kept-blocks row whose two walks disagree, fails the run.
 """
 
 from __future__ import annotations
@@ -102,6 +110,10 @@ class Settings:
     sparse_sinks: int = 16        # sink tokens always attended
     sparse_recent: int = 64       # recent tokens always attended (the current one included)
     sparse_until_s: float = 420.0  # no sparse decode row starts after this
+    kept_contexts: tuple[int, ...] = ()           # (b4): contexts of the kept-blocks rows
+    kept_batches: tuple[int, ...] = (8, 32)
+    kept_fraction: float = 0.25    # blocks of each sequence its table keeps
+    kept_until_s: float = 380.0    # no kept-blocks row starts after this
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
@@ -117,7 +129,7 @@ REAL = Settings(
              kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768)),
     ),
     sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
-    quant_contexts=(8192, 32768), sparse_contexts=(8192, 32768))
+    quant_contexts=(8192, 32768), sparse_contexts=(8192, 32768), kept_contexts=(8192, 32768))
 # head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
     interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
@@ -130,6 +142,7 @@ DRY = Settings(
     sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,), quant_until_s=math.inf,
     target_context=64, sparse_contexts=(64,), sparse_batches=(2,), sparse_budgets=(32, 48),
     sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf,
+    kept_contexts=(64,), kept_batches=(2,), kept_until_s=math.inf,
     offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8))
 
 # Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
@@ -602,6 +615,74 @@ def bench_sparse(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
 
 
 # --------------------------------------------------------------------------------------------
+# (b4) kept-blocks decode
+# --------------------------------------------------------------------------------------------
+
+
+def thin_tables(tables, kv_lens, *, bs: int, fraction: float, seed: int):
+    """int32 tables keeping ``round(fraction * blocks)`` of each sequence's blocks (its last one
+    and a random choice of the others, at least 1), the rest set to the null block 0."""
+    rng = np.random.default_rng(seed)
+    tables = np.array(tables)
+    for s, n in enumerate(np.asarray(kv_lens)):
+        nb = -(-int(n) // bs)
+        keep = max(1, round(fraction * nb))
+        kept = np.append(rng.choice(nb - 1, keep - 1, replace=False), nb - 1)
+        drop = np.setdiff1d(np.arange(nb), kept)
+        tables[s, drop] = 0
+    return jnp.asarray(tables)
+
+
+def bench_kept(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
+    """Kept-blocks decode rows: per (context, batch), the split-K decode kernel on a table keeping
+    ``kept_fraction`` of each sequence's blocks, walking the kept blocks (no window: the default)
+    and walking every logical tile of the same table (``sliding_window=context``, which sees
+    every position, so the same attention). Bytes: the kept pages' K+V for the kept walk, every
+    logical position's K+V for the dense one (its null-block gathers hit one cached page, so
+    its HBM traffic is nearer the kept bytes; the time is what it saves)."""
+    rows = []
+    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+    G, dtype = 4, jnp.bfloat16
+    page_bytes = bs * Hkv * D * jnp.dtype(dtype).itemsize * 2          # K + V of one page
+    for ctx in settings.kept_contexts:
+        for B in settings.kept_batches:
+            if clock.elapsed() > settings.kept_until_s:
+                return rows
+            k, v, full, lens = make_paged(jax.random.key(200 + ctx), [ctx] * B, Hkv=Hkv, D=D,
+                                          bs=bs, dtype=dtype)
+            tables = thin_tables(full, lens, bs=bs, fraction=settings.kept_fraction, seed=B)
+            q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
+            kept_pages = int(jnp.sum(tables != 0))
+            row = dict(batch=B, context=ctx, group=G, kept_pages=kept_pages,
+                       logical_pages=int(full.size), kept_bytes=kept_pages * page_bytes,
+                       dense_bytes=int(full.size) * page_bytes)
+            walks = {"kept": functools.partial(paged_decode_attention,
+                                               interpret=settings.interpret),
+                     "dense": functools.partial(paged_decode_attention, sliding_window=ctx,
+                                                interpret=settings.interpret)}
+            try:
+                outs = {name: fn(q, k, v, tables, lens) for name, fn in walks.items()}
+                row.update(max_err=max_err(outs["kept"], outs["dense"]),
+                           ok=is_close(outs["kept"], outs["dense"], "bfloat16"))
+                for name, fn in walks.items():
+                    nbytes = row[f"{name}_bytes"]
+                    med, lo, hi, _ = time_op(fn, (q, k, v, tables, lens), settings=settings,
+                                             est_s=nbytes / 3e12 + 5e-6)
+                    row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
+                                f"{name}_max_ms": hi * 1e3, f"{name}_gbps": nbytes / med / 1e9,
+                                f"{name}_frac_copy": nbytes / med / 1e9 / copy_gbps})
+                row["speedup"] = row["dense_ms"] / row["kept_ms"]
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                traceback.print_exc()
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(fmt_kept_row(row), flush=True)
+            del k, v
+            gc.collect()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # (c) prefill
 # --------------------------------------------------------------------------------------------
 
@@ -795,6 +876,24 @@ def fmt_sparse_row(row) -> str:
     return "| " + " | ".join(cells + [f"{row['max_err']:.2e}", str(row["ok"])]) + " |"
 
 
+def fmt_kept_row(row) -> str:
+    """| batch | context | pages kept | MB read (kept / dense) | kept ms | spread | GB/s | frac |
+    dense ms | spread | GB/s | speed-up | max err | ok |"""
+    head = [str(row["batch"]), str(row["context"])]
+    if "error" in row:
+        return "| " + " | ".join(head + [f"error: {row['error']}"] + [""] * 11) + " |"
+    cells = head + [f"{row['kept_pages']} / {row['logical_pages']}",
+                    f"{row['kept_bytes'] / 1e6:.1f} / {row['dense_bytes'] / 1e6:.1f}"]
+    for name in ("kept", "dense"):
+        cells += [f"{row[f'{name}_ms']:.4f}",
+                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
+                  f"{row[f'{name}_gbps']:.0f}"]
+        if name == "kept":
+            cells.append(f"{row['kept_frac_copy']:.2f}")
+    return "| " + " | ".join(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}",
+                                      str(row["ok"])]) + " |"
+
+
 def quant_target_summary(rows) -> list[str]:
     """One line per dtype with a target: at how many batches of the target context it is met."""
     lines = []
@@ -849,6 +948,14 @@ def markdown(report) -> str:
               "| batch | context | budget | pages read | MB read | of dense | dense ms | kernel ms "
               "| GB/s | speed-up | step ms | GB/s | speed-up | max err | ok |", "|" + "---|" * 15]
     lines += [fmt_sparse_row(r) for r in report.get("sparse", [])]
+    lines += ["", "## (b4) kept-blocks decode (bf16, GQA 4; tables keeping 25% of each "
+              "sequence's blocks, the rest null; kept = the split-K decode kernel's kept walk, "
+              "dense = the same kernel walking every logical tile of the same table; MB read = "
+              "kept pages' K+V / every logical position's K+V; GB/s over those bytes; frac = of "
+              "copy bandwidth; speed-up = dense ms / kept ms; max err = kept vs dense output)",
+              "", "| batch | context | pages kept | MB read | kept ms | spread | GB/s | frac "
+              "| dense ms | spread | GB/s | speed-up | max err | ok |", "|" + "---|" * 14]
+    lines += [fmt_kept_row(r) for r in report.get("kept", [])]
     lines += ["", "## (c) prefill (one causal prompt)", "",
               "| kernel | tokens | ms | min–max | TFLOP/s |", "|---|---|---|---|---|"]
     for r in report["prefill"]:
@@ -902,7 +1009,8 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
                   head_dim=settings.head_dim, target_context=settings.target_context,
                   correctness=dict(ours=[], peer=[]), decode=[],
-                  prefill=[], sparse=[], sweep=[], offload=[], errors=[], elapsed_s=0.0)
+                  prefill=[], sparse=[], kept=[], sweep=[], offload=[], errors=[],
+                  elapsed_s=0.0)
 
     def section(key, fn):
         try:
@@ -923,13 +1031,14 @@ def main(argv=None) -> int:
     section("correctness", lambda: check_correctness(settings, peer, report["errors"]))
     copy_gbps = report["copy_gbps"] or 1.0
     section("decode", lambda: bench_decode(settings, clock, peer, copy_gbps))
+    section("kept", lambda: bench_kept(settings, clock, copy_gbps))
     section("prefill", lambda: bench_prefill(settings))
     section("offload", lambda: bench_offload(settings))
     section("sparse", lambda: bench_sparse(settings, clock, copy_gbps))
     section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
     print(markdown(report))
     ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"] \
-        and all(r.get("ok", False) for r in report["sparse"])
+        and all(r.get("ok", False) for r in report["sparse"] + report["kept"])
     return 0 if ok else 1
 
 

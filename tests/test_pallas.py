@@ -557,5 +557,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["decode"] and all(r["ours_ms"] > 0 for r in report["decode"])
     quant = {r["kv_cache_dtype"] for r in report["decode"] if "kv_cache_dtype" in r}
     assert quant == {"fp8_e4m3", "int8", "int4", "int2"}
+    kept = report["kept"]
+    assert kept and all(r["ok"] and r["kept_bytes"] < r["dense_bytes"] for r in kept)
     assert report["prefill"] and report["copy_gbps"] > 0
-    assert "| batch |" in (tmp_path / "gpu_check.md").read_text()
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| batch |" in md and "## (b4) kept-blocks decode" in md

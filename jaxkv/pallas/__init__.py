@@ -7,6 +7,9 @@ this package: a Mosaic GPU (Hopper) kernel would sit next to these files behind 
 * ``ragged_paged_attention``: one launch for a ragged step (prefill chunks + decode tokens).
 * ``paged_decode_attention``: one token per sequence, split-K (flash-decoding) + LSE merge.
 * ``sparse_paged_decode_attention``: one token per sequence over selected pages only (Quest).
+
+The three share kv_walk.py's tile walk; without a sliding window the first two walk only the
+kept (non-null) blocks of each table row.
 """
 
 from jaxkv.pallas.decode import DecodeConfig, default_num_splits, paged_decode_attention

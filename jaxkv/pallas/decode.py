@@ -177,7 +177,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     Equals ``jaxkv.attention.paged_attention_reference`` with ``query_start_loc = arange(S + 1)``:
     the token of sequence s sits at kv position ``seq_lens[s] - 1`` (sequences with
-    ``seq_lens[s] == 0`` are padding and give zeros).
+    ``seq_lens[s] == 0`` are padding and give zeros). Without a window the splits share only
+    each sequence's kept (non-null) blocks.
 
     Args:
       q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.

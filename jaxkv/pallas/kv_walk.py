@@ -20,8 +20,8 @@ tile, with an online softmax (``attend_tiles``). A *tile map* says which kv posi
 
   The positions of the last tile past the run (e >= count) re-read the last entry's block,
   masked, so no load leaves the run. The run is either the kept (non-null) blocks of a row in
-  logical order (``kept_walk``: ``jaxkv.attention_grouped.kept_blocks``, the walk without a
-  sliding window, where a row thinned to 25% of its blocks costs 25% of the reads), or Quest's
+  logical order (``kept_run`` over ``jaxkv.attention_grouped.kept_blocks``, the walk without
+  a sliding window, where a row thinned to 25% of its blocks costs 25% of the reads), or Quest's
   selected pages of a kv head (sparse.py).
 
 Either way each position's kv position comes from its logical block, so every mask (causal,

@@ -354,6 +354,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Same semantics as ``jaxkv.attention.paged_attention_reference``: token t of sequence s sits at
     kv position ``seq_lens[s] - q_len[s] + i`` and sees positions up to itself, restricted to the
     last ``sliding_window`` positions (itself included) except the first ``num_sinks`` ones.
+    Without a window the kernel walks only each sequence's kept (non-null) blocks.
 
     Args:
       q: [T, num_heads, head_dim] float32/bfloat16/float16 queries of every token of the step;

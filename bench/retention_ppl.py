@@ -15,7 +15,9 @@ are a prompt computed in one forward with nothing dropped (the engine's prefill)
 evicting to their budget, SnapKV compresses the prompt to it once and keeps every continuation
 token (the paper's protocol; the peak blocks column says what each held). H2O observes the last
 query of every chunk (``--chunk 1``: every query, the paper's accumulation) and keeps half its
-budget as the recent window, as random eviction does; streaming keeps 4 sinks + the rest as its
+budget as the recent window; ``h2o-all`` is H2O observing every query of every forward, the
+prompt's included (the paper's scores: column sums of the prompt's attention, then each
+generated query's), as random eviction does; streaming keeps 4 sinks + the rest as its
 window; SnapKV keeps 4 sinks + its 32-token observation window (the prompt's last 32 tokens, whose
 attention ranks the blocks, max-pooled over neighbouring blocks). Perplexity over the scored
 tokens, relative to the full cache on the same texts.
@@ -37,6 +39,12 @@ from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapK
                              StreamingRetention)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
+
+
+def h2o_every_query(longest_forward: int) -> type:
+    """H2O scored by every query of each forward (``observe`` = the longest forward, the prompt
+    or a chunk), where the engine's H2O observes each step's sampling query only."""
+    return type("H2OEveryQuery", (H2ORetention,), {"observe": longest_forward})
 
 
 def main():
@@ -62,6 +70,8 @@ def main():
         texts = [np.asarray(ids[args.skip + i * args.tokens:args.skip + (i + 1) * args.tokens
                                 + 1], np.int32) for i in range(args.texts)]
         make = dict(h2o=lambda n: H2ORetention(budget_tokens=n, sink_tokens=4),
+                    **{"h2o-all": lambda n: h2o_every_query(max(args.context, args.chunk))(
+                        budget_tokens=n, sink_tokens=4)},
                     random=lambda n: RandomRetention(budget_tokens=n, sink_tokens=4),
                     snapkv=lambda n: SnapKVRetention(budget_tokens=n, sink_tokens=4),
                     streaming=lambda n: StreamingRetention(sink_tokens=4, window_tokens=n - 4))

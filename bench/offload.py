@@ -150,6 +150,10 @@ def multiturn(args) -> dict:
             c = llm.engine.model_config
             unit = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * BLOCK
             host_bytes = args.host_tokens // BLOCK * unit
+            if kw:   # the tier's engine came first (--tiers 1): build it again with its tier
+                llm.close()
+                llm = engine(args.pool_tokens, min(2400, args.pool_tokens), 12,
+                             kv_offload_bytes=host_bytes)
         log = None if args.step_log is None else StepLog(llm, args.step_log.with_name(
             f"{args.step_log.stem}_{len(texts)}.jsonl"))
         ids = austen_ids(llm.tokenizer, 12 * args.turns * args.turn_tokens + 1000)

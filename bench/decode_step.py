@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxkv import LLM, SamplingParams, batch, scheduler
+from step_timing import timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,9 +153,9 @@ def main() -> None:
         llm.step(); llm.step()                             # the decode bucket compiled
         walls, devs, phases = [], [], []
         for _ in range(10):
-            d0, t, p0 = runner.device_time, time.perf_counter(), timer.seconds.copy()
-            llm.step()
-            walls.append(time.perf_counter() - t); devs.append(runner.device_time - d0)
+            p0 = timer.seconds.copy()
+            st = timed_step(llm)
+            walls.append(st.wall_s); devs.append(st.device_s)
             phases.append(timer.seconds - p0)
         host = [w - d for w, d in zip(walls, devs)]
         named = {k: 1e3 * statistics.median(p[k] for p in phases) for k in timer.seconds}

@@ -1,6 +1,10 @@
-"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill speed.
+"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill speed,
+and the engine end to end.
 
-Run from the repository root (only jax + numpy needed; finishes in under 8 minutes on an H200):
+Run from the repository root (finishes in under 9 minutes on an H200; sections (a)-(e) need only
+jax + numpy, (f) jaxkv's engine imports: safetensors, tokenizers, jinja2, tqdm, and ``gguf``,
+which jaxkv/model/gguf.py imports at module level and the H200 image lacks: carry its wheel,
+bench/README.md says how; without it (f) records an error and the rest runs):
 
     PYTHONPATH=. python3 bench/gpu_check.py                 # writes $OUT/gpu_check.{md,json}
     PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU
@@ -42,12 +46,26 @@ Sections:
       copy_to_host_async into numpy rows; rows -> device_put -> jitted donated scatter), single
       blocks vs batches of 8 / 64 / 512, and a contiguous buffer moved by jax.device_put to
       ``memory_kind="pinned_host"`` vs a jitted copy whose output lives there (targets on H200:
-      >= 40 GB/s D2H, >= 45 GB/s H2D); run after (c).
+      >= 40 GB/s D2H, >= 45 GB/s H2D); run after (c);
+  (f) end to end (issue 16), run last: ``jaxkv.LLM`` on a random-weight model of SmolLM2-135M's
+      geometry (30 layers, hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocab 49152,
+      tied embeddings, rope theta 1e5), written on the machine as an HF directory (config.json,
+      bf16 safetensors, a word-level tokenizer over the whole vocabulary) and loaded by the
+      engine's own loader; bf16, the engine's default attention (``pallas`` on GPU, recorded per
+      row). Batch 1 / 16 / 64 of 128 random prompt ids and 128 greedy output tokens each
+      (ignore_eos), after a warm-up generate of the same batch (compiles excluded; a recompile
+      in the timed run is counted): output tokens/s over the whole run (prefill included), the
+      mean decode step ms, and the host share of step time, (wall - device) / wall of each
+      ``llm.step()``, device = the jitted step from dispatch to tokens on the host
+      (bench/step_timing.py, shared with bench/decode_step.py). A row whose requests do not get
+      exactly 128 tokens fails the run.
 Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
 per call. Every section is guarded: a failure is recorded in the report, the script goes on.
 Time guards: no bf16 decode measurement starts after 300 s, no quantized one after 360 s, no
-kept-blocks one after 380 s, no sweep one after 400 s, no sparse one after 420 s. The speedup
+kept-blocks one after 380 s, no sweep one after 400 s, no sparse one after 420 s; (f) starts
+only before 440 s, and no end-to-end row starts after 500 s or when the previous row's time
+would carry it past 530 s. The speedup
 targets are reported, not part of the exit status; a sparse row whose kernel disagrees with the
 sparse reference, or a kept-blocks row whose two walks disagree, fails the run.
 """
@@ -62,7 +80,9 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
 import traceback
 
@@ -75,6 +95,13 @@ from jaxkv.attention import paged_attention_reference
 from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec
 from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
                           paged_decode_attention, ragged_paged_attention)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for step_timing
+from step_timing import timed_step  # noqa: E402 - after the path it is found on
+
+# (f): SmolLM2-135M's sizes (HF config.json fields); its other fields are in write_random_model
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
 
 TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
@@ -95,7 +122,7 @@ class Settings:
     reps: int
     target_s: float          # wall time of one timed repetition (sets the inner loop count)
     decode_until_s: float    # no new decode measurement starts after this many seconds
-    sweep_until_s: float     # nor a tuning-sweep one (the whole run must stay < 8 minutes)
+    sweep_until_s: float     # nor a tuning-sweep one (the whole run must stay < 9 minutes)
     correctness: tuple[dict, ...]
     sweep_block_kv: tuple[int, ...]
     sweep_launch: tuple[tuple[int, int], ...]     # (num_warps, num_stages)
@@ -117,6 +144,15 @@ class Settings:
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
+    e2e_model: tuple[tuple[str, int], ...] = tuple(SMOLLM2_135M.items())  # (f): the model's sizes
+    e2e_batches: tuple[int, ...] = (1, 16, 64)
+    e2e_prompt: int = 128          # random prompt token ids per request
+    e2e_tokens: int = 128          # output tokens per request (greedy, ignore_eos)
+    e2e_warmup_tokens: int = 16    # the warm-up generate's (same batch and prompt length)
+    e2e_impl: str | None = None    # attention_impl (None: the engine's default for the backend)
+    e2e_start_until_s: float = 440.0  # (f) does not start after this
+    e2e_until_s: float = 500.0     # no end-to-end row starts after this,
+    e2e_end_s: float = 530.0       # nor one the previous row's time would carry past this
 
 
 REAL = Settings(
@@ -143,7 +179,12 @@ DRY = Settings(
     target_context=64, sparse_contexts=(64,), sparse_batches=(2,), sparse_budgets=(32, 48),
     sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf,
     kept_contexts=(64,), kept_batches=(2,), kept_until_s=math.inf,
-    offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8))
+    offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
+    e2e_model=tuple(dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1).items()),
+    e2e_batches=(1, 4), e2e_prompt=16, e2e_tokens=4, e2e_warmup_tokens=2, e2e_impl="pallas",
+    e2e_start_until_s=math.inf, e2e_until_s=math.inf, e2e_end_s=math.inf)
 
 # Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
 QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
@@ -824,6 +865,142 @@ def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
 
 
 # --------------------------------------------------------------------------------------------
+# (f) end to end
+# --------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1 (bos), 2 (eos)
+
+
+def write_random_model(path: str, sizes: dict, *, seed: int = 0, std: float = 0.02) -> str:
+    """An HF Llama directory of random weights, SmolLM2-135M's config with ``sizes``' fields.
+
+    config.json (silu, rms_norm_eps 1e-5, rope_theta 100000, tied embeddings, bos 1, eos 2);
+    model.safetensors of bf16 weights drawn as ``jaxkv.model.llama.init_params`` draws them
+    (matrices normal(0, std), RMSNorm weights 1) under the names ``weights.expected_shapes``
+    lists; a word-level tokenizer over the whole vocabulary, so every id a random model samples
+    decodes. Written with numpy, safetensors and tokenizers alone (the GPU machine reaches no
+    network, and the real checkpoint is too large to travel).
+    """
+    import ml_dtypes
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxkv.model.config import ModelConfig
+    from jaxkv.model.weights import expected_shapes
+
+    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                  tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
+                  eos_token_id=2, torch_dtype="bfloat16", **sizes)
+    os.makedirs(path, exist_ok=True)
+
+    def dump(name, obj):
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(obj, f, indent=1)
+
+    dump("config.json", config)
+    rng = np.random.default_rng(seed)
+    bf16 = ml_dtypes.bfloat16
+    save_file({name: np.ones(shape, bf16) if name.endswith("norm.weight")
+               else (std * rng.standard_normal(shape, np.float32)).astype(bf16)
+               for name, shape in expected_shapes(ModelConfig.from_hf_dict(config)).items()},
+              os.path.join(path, "model.safetensors"))
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab |= {f"t{i}": i for i in range(len(SPECIAL_TOKENS), sizes["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    dump("tokenizer_config.json", dict(bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
+                                       unk_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0]))
+    dump("generation_config.json", dict(bos_token_id=1, eos_token_id=2))
+    return path
+
+
+def bench_e2e(settings: Settings, clock: Clock) -> list[dict]:
+    """End-to-end rows: ``jaxkv.LLM`` on a random model of SmolLM2-135M's geometry (bf16, the
+    engine's default attention for the backend), per batch: ``e2e_prompt`` random prompt ids and
+    ``e2e_tokens`` greedy output tokens (ignore_eos) per request, after a warm-up generate of the
+    same batch and prompt length (compiles excluded; ``recompiles`` counts any in the timed run).
+    Tokens/s = output tokens / wall time from the first ``add_request`` to the last step; each
+    ``llm.step()``'s wall and device time as bench/step_timing.py measures them; the host share
+    = (wall - device) / wall: the median over the decode-only steps, and over all steps' sums."""
+    if clock.elapsed() > settings.e2e_start_until_s:
+        return []
+    try:
+        from jaxkv import LLM, SamplingParams
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"{e}: jaxkv's engine imports it; carry its wheel "
+                                  "(bench/README.md, gpu_check.py)") from e
+    sizes = dict(settings.e2e_model)
+    P, N, B_max, bs = settings.e2e_prompt, settings.e2e_tokens, max(settings.e2e_batches), 16
+    label = ("SmolLM2-135M's geometry" if sizes == SMOLLM2_135M else "tiny") + \
+        (f" (L{sizes['num_hidden_layers']} E{sizes['hidden_size']} "
+         f"F{sizes['intermediate_size']} H{sizes['num_attention_heads']}/"
+         f"{sizes['num_key_value_heads']} V{sizes['vocab_size']}), random weights")
+    rng = np.random.default_rng(0)
+
+    def prompts(B):   # fresh ids each call: the timed run gets no prefix-cache hit from warm-up
+        return [{"prompt_token_ids": rng.integers(len(SPECIAL_TOKENS), sizes["vocab_size"],
+                                                  P).tolist()} for _ in range(B)]
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        llm = LLM(write_random_model(os.path.join(tmp, "model"), sizes), dtype="bfloat16",
+                  seed=0, max_model_len=P + N, max_num_seqs=B_max,
+                  max_num_batched_tokens=B_max * P,    # a batch's prompts prefill in one step
+                  block_size=bs, num_kv_blocks=1 + B_max * -(-(P + N) // bs),
+                  attention_impl=settings.e2e_impl, interpret=settings.interpret,
+                  compilation_cache=False)
+        build_s = time.perf_counter() - t0
+        runner = llm.engine.runner
+        warm = SamplingParams(temperature=0.0, max_tokens=settings.e2e_warmup_tokens,
+                              ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
+        last_row_s = 0.0
+        for B in settings.e2e_batches:
+            if clock.elapsed() > settings.e2e_until_s \
+                    or clock.elapsed() + last_row_s > settings.e2e_end_s:
+                break
+            t_row = time.perf_counter()
+            row = dict(batch=B, prompt_tokens=P, output_tokens=N, model=label,
+                       attention_impl=runner.attention_impl, dtype=jnp.dtype(runner.dtype).name,
+                       kv_cache_dtype=llm.kv_cache_dtype, build_s=build_s)
+            try:
+                llm.generate(prompts(B), warm, use_tqdm=False)
+                compiles = llm.num_compilations()
+                steps, lens = [], {}
+                t0 = time.perf_counter()
+                for p in prompts(B):
+                    llm.add_request(p, params)
+                while llm.has_unfinished_requests():
+                    steps.append(timed_step(llm))
+                    lens.update((o.request_id, len(o.outputs[0].token_ids))
+                                for o in steps[-1].outputs if o.finished)
+                wall = time.perf_counter() - t0
+                decode = [s for s in steps if s.decode] or steps
+                row.update(
+                    steps=len(steps), decode_steps=sum(s.decode for s in steps), wall_s=wall,
+                    tokens_per_s=B * N / wall,
+                    decode_step_ms=1e3 * statistics.mean(s.wall_s for s in decode),
+                    decode_device_ms=1e3 * statistics.mean(s.device_s for s in decode),
+                    decode_host_ms=1e3 * statistics.mean(s.host_s for s in decode),
+                    host_share=statistics.median(s.host_share for s in decode),
+                    host_share_all=sum(s.host_s for s in steps) / sum(s.wall_s for s in steps),
+                    recompiles=llm.num_compilations() - compiles,
+                    ok=len(lens) == B and all(n == N for n in lens.values()))
+            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                traceback.print_exc()
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(fmt_e2e_row(row), flush=True)
+            last_row_s = time.perf_counter() - t_row
+        llm.close()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # report
 # --------------------------------------------------------------------------------------------
 
@@ -892,6 +1069,20 @@ def fmt_kept_row(row) -> str:
             cells.append(f"{row['kept_frac_copy']:.2f}")
     return "| " + " | ".join(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}",
                                       str(row["ok"])]) + " |"
+
+
+def fmt_e2e_row(row) -> str:
+    """| batch | prompt | output | steps (decode) | tokens/s | decode step ms | device ms |
+    host ms | host share | host share, all steps | attention | recompiles | ok |"""
+    head = [str(row["batch"]), str(row["prompt_tokens"]), str(row["output_tokens"])]
+    if "error" in row:
+        return "| " + " | ".join(head + [f"error: {row['error']}"] + [""] * 9) + " |"
+    cells = head + [f"{row['steps']} ({row['decode_steps']})", f"{row['tokens_per_s']:.0f}",
+                    f"{row['decode_step_ms']:.3f}", f"{row['decode_device_ms']:.3f}",
+                    f"{row['decode_host_ms']:.3f}", f"{row['host_share']:.2f}",
+                    f"{row['host_share_all']:.2f}", row["attention_impl"], str(row["recompiles"]),
+                    str(row["ok"])]
+    return "| " + " | ".join(cells) + " |"
 
 
 def quant_target_summary(rows) -> list[str]:
@@ -982,6 +1173,19 @@ def markdown(report) -> str:
         else:
             lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
                          f"| {r['ms']:.4f} | {r['gbps']:.0f} | {r['frac_copy']:.2f} |")
+    e2e = report.get("e2e", [])
+    model = f"{e2e[0]['model']}, {e2e[0]['dtype']} (KV {e2e[0]['kv_cache_dtype']}), " \
+        f"built and loaded in {e2e[0]['build_s']:.0f} s" if e2e else "not run"
+    lines += ["", f"## (f) end to end: jaxkv.LLM on a random Llama ({model}; greedy, "
+              "ignore_eos, random prompt ids; after a warm-up generate of the same batch, so "
+              "compiles are excluded; tokens/s = output tokens / wall time of the whole run, "
+              "prefill included; decode step ms = mean wall of the decode-only steps, device = "
+              "the jitted step from dispatch to tokens on the host, host = the rest; host share "
+              "= host / wall: median over decode steps, and over all steps' sums)", "",
+              "| batch | prompt | output | steps (decode) | tokens/s | decode step ms | device ms "
+              "| host ms | host share | host share, all steps | attention | recompiles | ok |",
+              "|" + "---|" * 13]
+    lines += [fmt_e2e_row(r) for r in e2e]
     if report["errors"]:
         lines += ["", "## errors", ""] + [f"* {e}" for e in report["errors"]]
     return "\n".join(lines) + "\n"
@@ -1009,7 +1213,7 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
                   head_dim=settings.head_dim, target_context=settings.target_context,
                   correctness=dict(ours=[], peer=[]), decode=[],
-                  prefill=[], sparse=[], kept=[], sweep=[], offload=[], errors=[],
+                  prefill=[], sparse=[], kept=[], sweep=[], offload=[], e2e=[], errors=[],
                   elapsed_s=0.0)
 
     def section(key, fn):
@@ -1036,9 +1240,10 @@ def main(argv=None) -> int:
     section("offload", lambda: bench_offload(settings))
     section("sparse", lambda: bench_sparse(settings, clock, copy_gbps))
     section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
+    section("e2e", lambda: bench_e2e(settings, clock))
     print(markdown(report))
     ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"] \
-        and all(r.get("ok", False) for r in report["sparse"] + report["kept"])
+        and all(r.get("ok", False) for r in report["sparse"] + report["kept"] + report["e2e"])
     return 0 if ok else 1
 
 

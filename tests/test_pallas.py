@@ -560,5 +560,12 @@ def test_gpu_check_dry_run(tmp_path):
     kept = report["kept"]
     assert kept and all(r["ok"] and r["kept_bytes"] < r["dense_bytes"] for r in kept)
     assert report["prefill"] and report["copy_gbps"] > 0
+    # (f): jaxkv.LLM end to end on a tiny random model, Pallas attention in interpret mode
+    e2e = report["e2e"]
+    assert [r["batch"] for r in e2e] == [1, 4]
+    assert all(r["ok"] and r["tokens_per_s"] > 0 and r["recompiles"] == 0
+               and 0 <= r["host_share"] <= 1 and 0 <= r["host_share_all"] <= 1
+               and r["decode_steps"] > 0 and r["attention_impl"] == "pallas" for r in e2e)
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| batch |" in md and "## (b4) kept-blocks decode" in md
+    assert "## (f) end to end" in md

@@ -2,9 +2,9 @@
 and the engine end to end.
 
 Run from the repository root (finishes in under 9 minutes on an H200; sections (a)-(e) need only
-jax + numpy, (f) jaxkv's engine imports: safetensors, tokenizers, jinja2, tqdm, and ``gguf``,
-which jaxkv/model/gguf.py imports at module level and the H200 image lacks: carry its wheel,
-bench/README.md says how; without it (f) records an error and the rest runs):
+jax + numpy, (f) jaxkv's engine imports: safetensors, tokenizers, jinja2, tqdm, which the H200
+image holds; ``gguf``, which it lacks, is imported only when a GGUF file is read, and (f) does not
+read one):
 
     PYTHONPATH=. python3 bench/gpu_check.py                 # writes $OUT/gpu_check.{md,json}
     PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU

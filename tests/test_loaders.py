@@ -264,3 +264,17 @@ def test_bf16_reader_matches_ml_dtypes(tmp_path):
     torch_save({"x": torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)}, torch_file)
     np.testing.assert_array_equal(safetensors_loader.read_safetensors(torch_file)["x"],
                                   x.astype(np.float32))
+
+
+def test_hf_dir_loads_without_the_gguf_package(tiny_dir):
+    # the GPU image lacks `gguf`: bench/gpu_check.py's engine rows load an HF dir without it
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "import jaxkv\n"
+            "from jaxkv.model.weights import load_model_files\n"
+            f"m = load_model_files({str(tiny_dir)!r})\n"
+            "print(m.config.num_layers, 'gguf' in sys.modules and sys.modules['gguf'] is not None)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == [str(load_model_files(tiny_dir).config.num_layers), "False"]

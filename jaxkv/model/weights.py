@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxkv.model import gguf, safetensors_loader, store
+from jaxkv.model import safetensors_loader, store
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.tokenizer import Tokenizer
 
@@ -107,6 +107,7 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
 
 def load_gguf(path: str | Path) -> LoadedModel:
     """Loads a GGUF file (llama or qwen2 architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors)."""
+    from jaxkv.model import gguf   # the gguf package only when a GGUF is read
     reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)
     tensors = check_tensors(gguf.tensors_from_gguf(reader, config), config, str(path))
@@ -158,6 +159,7 @@ def load_config(path_or_name: str | Path) -> ModelConfig:
     """
     path = store.resolve(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
+        from jaxkv.model import gguf
         return gguf.config_from_gguf(gguf.open_gguf(path))
     if path.is_file() and path.name == "config.json":
         path = path.parent

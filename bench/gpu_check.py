@@ -42,8 +42,9 @@ Sections:
   (d) a small tuning sweep of the kernels' configs, while time is left;
   (e) host KV offload (issue 14): device-to-host and host-to-device GB/s of 16-token all-layer
       block units of an 8B-class geometry (32 layers, 8 kv heads, head_dim 128, bf16: 2 MiB a
-      block) through jaxkv.kv_transfer.HostKVPool (the engine's path: jitted gather +
-      copy_to_host_async into numpy rows; rows -> device_put -> jitted donated scatter), single
+      block) through jaxkv.kv_transfer.HostKVPool (the engine's path: jitted gather into
+      numpy rows, rows -> device_put -> jitted donated scatter; staged through pinned_host
+      buffers, the GPU default, and without them, copy_to_host_async), single
       blocks vs batches of 8 / 64 / 512, and a contiguous buffer moved by jax.device_put to
       ``memory_kind="pinned_host"`` vs a jitted copy whose output lives there (targets on H200:
       >= 40 GB/s D2H, >= 45 GB/s H2D); run after (c);
@@ -791,16 +792,19 @@ def bench_offload(settings: Settings) -> list[dict]:
                        block_size=16, num_kv_heads=settings.offload_kv_heads,
                        head_dim=settings.head_dim, dtype="bfloat16")
     cache = init_cache(spec)
-    pool = HostKVPool(cache, n_max)
-    rows = []
-    for n in settings.offload_blocks:
-        cache, d2h, h2d = pool.measure(cache, n, repeats=settings.reps)
-        rows.append(dict(path="HostKVPool", blocks=n, block_bytes=pool.block_bytes,
-                         d2h_gbps=d2h / 1e9, h2d_gbps=h2d / 1e9))
-    del pool, cache
-    gc.collect()
     dev = jax.devices()[0]
     kinds = {m.kind for m in dev.addressable_memories()}
+    rows = []
+    for staging in ("none", "pinned_host") if "pinned_host" in kinds else ("none",):
+        pool = HostKVPool(cache, n_max, staging=staging)   # "auto" is pinned_host on a GPU
+        for n in settings.offload_blocks:
+            cache, d2h, h2d = pool.measure(cache, n, repeats=settings.reps)
+            rows.append(dict(path=f"HostKVPool staging={staging}", blocks=n,
+                             block_bytes=pool.block_bytes, d2h_gbps=d2h / 1e9,
+                             h2d_gbps=h2d / 1e9))
+        del pool
+    del cache
+    gc.collect()
     if "pinned_host" not in kinds:
         rows.append(dict(path="pinned_host", blocks=0, block_bytes=spec.block_bytes,
                          error=f"no pinned_host memory on {dev.platform} (has {sorted(kinds)})"))

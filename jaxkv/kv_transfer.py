@@ -22,9 +22,15 @@ functions compile three times each (``warmup``):
   scattered by one jitted, donated update (a KIVI block comes back sealed, read from its codes;
   swap preemption of KIVI pools is not offered, see ``supports_swap``).
 
-On a GPU the host side would be ``memory_kind="pinned_host"`` buffers; this module keeps plain
-numpy rows (the CPU backend's host memory is the device's), and measures what it gets
-(``measure``: the copy bandwidth the swap-or-recompute choice is fitted to).
+Staging (``HostKVPool(staging=...)``): the rows are numpy (the disk tier reads and writes them);
+a GPU copies at full speed only to and from page-locked memory, so with ``"pinned_host"`` (the
+default on a device that offers that memory kind and is not the CPU) each batch moves through
+``memory_kind="pinned_host"`` buffers: the gather's outputs land there (the DMA is part of the
+jitted gather, asynchronous like it), and a swap-in's parts are put there and the jitted
+scatter's DMA reads them; the rows take one host memcpy each way. ``"none"`` (the CPU default,
+whose host memory is the device's) copies device arrays with ``copy_to_host_async`` /
+``device_put``. ``measure`` times what the pool gets: the copy bandwidth the swap-or-recompute
+choice is fitted to.
 """
 
 from __future__ import annotations
@@ -106,6 +112,20 @@ def supports_swap(cache: PagedKVCache) -> bool:
 
 
 TRANSFER_BUCKETS = (8, 64, 512)   # blocks per jitted transfer
+STAGINGS = ("auto", "pinned_host", "none")
+
+
+def _staging(staging: str, devices) -> str:
+    """The staging ``staging`` resolves to on ``devices`` (see the module docstring)."""
+    if staging not in STAGINGS:
+        raise ValueError(f"staging={staging!r} is not one of {STAGINGS}")
+    pinned = all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices)
+    if staging == "auto":
+        return "pinned_host" if pinned and devices[0].platform != "cpu" else "none"
+    if staging == "pinned_host" and not pinned:
+        raise ValueError(f"staging='pinned_host': {devices[0].platform} devices have no "
+                         f"pinned_host memory")
+    return staging
 
 
 def _batches(n: int):
@@ -129,22 +149,32 @@ class HostKVPool:
       cache: the device cache (its structure and sharding fix the unit layout).
       num_slots: host rows; or
       num_bytes: a budget: as many whole rows as fit (maybe 0).
+      staging: ``"auto"``, ``"pinned_host"`` or ``"none"``: the buffers between the device and
+        the rows (module docstring).
 
     Attributes:
       devices: the devices whose shards a row holds, in row order.
       fields: per unit field, ``(shape of one block, dtype, sharding, shape of one block's
         shard on a device)``.
       device_bytes, block_bytes: bytes of one block's shard on one device, and of a row.
+      staging: what ``staging`` resolved to.
     """
 
     def __init__(self, cache: PagedKVCache, num_slots: int | None = None, *,
-                 num_bytes: int | None = None):
+                 num_bytes: int | None = None, staging: str = "auto"):
         probe = _gather(cache, jnp.zeros(TRANSFER_BUCKETS[0], jnp.int32))
         self.devices = sorted({d for a in probe for d in a.sharding.addressable_devices},
                               key=lambda d: d.id)
         self._index = {d: i for i, d in enumerate(self.devices)}
-        self.fields = [(a.shape[1:], np.dtype(a.dtype), a.sharding,
-                        a.sharding.shard_shape(a.shape)[1:]) for a in probe]
+        self.staging = _staging(staging, self.devices)
+        kind = "pinned_host" if self.staging == "pinned_host" else None
+        self.fields = [(a.shape[1:], np.dtype(a.dtype), a.sharding.with_memory_kind(kind)
+                        if kind else a.sharding, a.sharding.shard_shape(a.shape)[1:])
+                       for a in probe]
+        self._part_sharding = {d: jax.sharding.SingleDeviceSharding(d, memory_kind=kind)
+                               for d in self.devices}
+        self._gather = (jax.jit(block_units, out_shardings=[f[2] for f in self.fields])
+                        if kind else _gather)
         sizes = [int(np.prod(shard)) * dtype.itemsize for _, dtype, _, shard in self.fields]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.device_bytes = int(self.offsets[-1])
@@ -162,9 +192,10 @@ class HostKVPool:
     def swap_out(self, cache: PagedKVCache, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """Start copying device ``blocks`` into host ``slots`` (landed by ``finish``)."""
         for lo, hi, size in _batches(len(blocks)):
-            units = _gather(cache, jnp.asarray(_pad(blocks[lo:hi], size)))
-            for a in units:
-                a.copy_to_host_async()
+            units = self._gather(cache, jnp.asarray(_pad(blocks[lo:hi], size)))
+            if self.staging == "none":   # pinned outputs are already bound for the host
+                for a in units:
+                    a.copy_to_host_async()
             self._pending.append((np.asarray(slots[lo:hi]), units))
         self.bytes_out += len(blocks) * self.block_bytes
 
@@ -204,7 +235,8 @@ class HostKVPool:
                     part = np.zeros((size, b - a), np.uint8)
                     base = d * self.device_bytes
                     part[:hi - lo] = self.rows[rows, base + a:base + b]
-                    parts.append(jax.device_put(part.view(dtype).reshape(size, *shard), device))
+                    parts.append(jax.device_put(part.view(dtype).reshape(size, *shard),
+                                                self._part_sharding[device]))
                 units.append(jax.make_array_from_single_device_arrays((size, *shape), sharding,
                                                                       parts))
             cache = _scatter(cache, jnp.asarray(_pad(blocks[lo:hi], size)), units)
@@ -216,7 +248,7 @@ class HostKVPool:
         through no host row); returns the cache."""
         for size in TRANSFER_BUCKETS:
             ids = jnp.zeros(size, jnp.int32)
-            units = _gather(cache, ids)
+            units = self._gather(cache, ids)   # staged like a swap-in's parts
             cache = _scatter(cache, ids, units)
         return cache
 

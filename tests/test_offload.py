@@ -130,20 +130,30 @@ def _random_cache(spec, seed=0):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+@pytest.mark.parametrize("staging", ["none", "pinned_host"])
 @pytest.mark.parametrize("fmt,bounds", [("fp32", False), ("bf16", True), ("fp8_e4m3", False),
                                         ("int8", True), ("int4", False), ("int2", False)])
-def test_block_units_round_trip_bit_exact(fmt, bounds):
+def test_block_units_round_trip_bit_exact(fmt, bounds, staging):
     kivi = fmt in ("int4", "int2")
     spec = KVCacheSpec(num_layers=2, num_blocks=9, block_size=4, num_kv_heads=2, head_dim=8,
                        dtype="float32", kv_cache_dtype=fmt, key_bounds=bounds,
                        num_residual_slots=5)
     cache = _random_cache(spec)
-    pool = HostKVPool(cache, 6)
+    pool = HostKVPool(cache, 6, staging=staging)
+    assert pool.staging == staging
     src, slots, dst = [3, 5, 7], [4, 0, 2], [1, 2, 8]
     before = [np.asarray(a) for a in block_units(cache, jnp.asarray(src))]
     untouched = [np.asarray(a) for a in block_units(cache, jnp.asarray([4, 6]))]
     pool.swap_out(cache, src, slots)
+    if staging == "pinned_host":   # the gather's outputs are host buffers
+        assert {a.sharding.memory_kind for _, units in pool._pending for a in units} == \
+            {"pinned_host"}
     pool.finish()
+    # a row holds the unit's bytes, whatever the staging (the disk tier reads rows)
+    plain = HostKVPool(cache, 6, staging="none")
+    plain.swap_out(cache, src, slots)
+    plain.finish()
+    np.testing.assert_array_equal(pool.rows, plain.rows)
     cache = pool.swap_in(cache, slots, dst)
     after = [np.asarray(a) for a in block_units(cache, jnp.asarray(dst))]
     assert len(before) == len(after) > 0
@@ -153,6 +163,15 @@ def test_block_units_round_trip_bit_exact(fmt, bounds):
         np.testing.assert_array_equal(x, np.asarray(y))
     if kivi:   # swapped-in blocks are read from their codes
         assert all(int(p.res_slot[b]) == 0 for p in cache.k for b in dst)
+
+
+def test_host_pool_staging_is_checked():
+    spec = KVCacheSpec(num_layers=1, num_blocks=3, block_size=4, num_kv_heads=1, head_dim=8,
+                       dtype="float32")
+    cache = _random_cache(spec)
+    assert HostKVPool(cache, 2).staging == "none"     # auto on the CPU: its host memory
+    with pytest.raises(ValueError, match="staging='pinned'"):
+        HostKVPool(cache, 2, staging="pinned")
 
 
 # ---------------------------------------------------------------------------- scheduler

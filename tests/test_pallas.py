@@ -560,6 +560,11 @@ def test_gpu_check_dry_run(tmp_path):
     kept = report["kept"]
     assert kept and all(r["ok"] and r["kept_bytes"] < r["dense_bytes"] for r in kept)
     assert report["prefill"] and report["copy_gbps"] > 0
+    # (e): the engine's host pool with and without pinned_host staging (the CPU has that memory)
+    pools = [r for r in report["offload"] if r["path"].startswith("HostKVPool")]
+    assert {r["path"] for r in pools} == {"HostKVPool staging=none",
+                                          "HostKVPool staging=pinned_host"}
+    assert all(r["d2h_gbps"] > 0 and r["h2d_gbps"] > 0 for r in report["offload"])
     # (f): jaxkv.LLM end to end on a tiny random model, Pallas attention in interpret mode
     e2e = report["e2e"]
     assert [r["batch"] for r in e2e] == [1, 4]

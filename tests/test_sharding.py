@@ -77,9 +77,9 @@ def test_host_kv_tier_under_tp_gives_the_tokens_of_one_device(tiny):
     assert all(len(t) == 40 for t in r["tp1"]) and r["tp1_again"] == r["tp1"]
     swaps, host_hits = r["tp1_stats"]
     assert swaps > 0 and host_hits > 0
-    for tp in (2, 4):
-        assert r[f"tp{tp}"] == r[f"tp{tp}_again"] == r["tp1"]
-        assert r[f"tp{tp}_stats"] == r["tp1_stats"]
+    for key in ("tp2", "tp4", "tp4_pinned"):   # tp4_pinned: staged through pinned_host
+        assert r[key] == r[f"{key}_again"] == r["tp1"]
+        assert r[f"{key}_stats"] == r["tp1_stats"]
 
 
 def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):

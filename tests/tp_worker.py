@@ -18,6 +18,7 @@ the devices it needs and prints one JSON object (the results) as its last stdout
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from unittest import mock
@@ -134,17 +135,23 @@ def cmd_offload(a) -> dict:
     other ones finds their evicted blocks on the host."""
     other = [p[::-1] for p in PROMPTS]
     out = {}
-    for tp in a.tp:
-        with LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
-                 kv_offload_bytes=1 << 20, preemption_mode="swap",
-                 **dict(ENGINE, num_kv_blocks=24, max_model_len=88)) as llm:
-            out[f"tp{tp}"] = greedy(llm, a.tokens)
+    # the last degree again with the blocks staged through pinned_host buffers (a GPU's default)
+    runs = [(tp, "auto") for tp in a.tp] + [(a.tp[-1], "pinned_host")]
+    for tp, staging in runs:
+        key = f"tp{tp}" + ("_pinned" if staging == "pinned_host" else "")
+        pool = functools.partial(engine.HostKVPool, staging=staging)
+        with mock.patch.object(engine, "HostKVPool", pool), \
+                LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
+                    kv_offload_bytes=1 << 20, preemption_mode="swap",
+                    **dict(ENGINE, num_kv_blocks=24, max_model_len=88)) as llm:
+            assert llm.engine.runner.host_pool.staging == ("none" if staging == "auto" else staging)
+            out[key] = greedy(llm, a.tokens)
             sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
             llm.generate(other, sp, use_tqdm=False)
-            out[f"tp{tp}_again"] = greedy(llm, a.tokens)
+            out[f"{key}_again"] = greedy(llm, a.tokens)
             stats = llm.stats()
-            out[f"tp{tp}_stats"] = [stats["num_swap_preemptions"],
-                                    stats["prefix_cache_hits_host"]]
+            out[f"{key}_stats"] = [stats["num_swap_preemptions"],
+                                   stats["prefix_cache_hits_host"]]
     return out
 
 

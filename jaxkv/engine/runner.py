@@ -329,9 +329,9 @@ class ModelRunner:
         self.cache_config = dataclasses.replace(
             self.cache_config, host_blocks=slots, preemption_mode=cc.preemption_mode,
             swap_supported=not self.kv_spec.format.kivi)
-        logger.info("host KV tier: %d blocks of %d bytes (%.2f GiB); copies %.2f GB/s out, "
-                    "%.2f GB/s in", slots, pool.block_bytes, slots * pool.block_bytes / 2**30,
-                    d2h / 1e9, h2d / 1e9)
+        logger.info("host KV tier: %d blocks of %d bytes (%.2f GiB), staging %s; copies "
+                    "%.2f GB/s out, %.2f GB/s in", slots, pool.block_bytes,
+                    slots * pool.block_bytes / 2**30, pool.staging, d2h / 1e9, h2d / 1e9)
         if cc.kv_cache_dir is not None:
             s = self.kv_spec
             ns = kv_disk.namespace(

@@ -34,15 +34,11 @@ import jax
 import numpy as np
 
 from jaxkv import LLM, SamplingParams, batch, scheduler
-from step_timing import timed_step
+from step_timing import loadavg, timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 AUSTEN = Path("/work/shared/data/austen/pride_and_prejudice.txt")
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
 
 
 def hlo_counts(text: str) -> dict[str, int]:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxkv import LLM, SamplingParams
+from step_timing import loadavg
+from throughput import workload
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from throughput import workload  # noqa: E402
 
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 BANDS = ((1, 16), (16, 32), (32, 64), (64, 96), (96, 129))
@@ -51,7 +50,7 @@ def main() -> None:
         return out
 
     runner.execute = timed
-    load = [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    load = loadavg()
     for p, o in zip(prompts, olens):
         llm.add_request({"prompt_token_ids": p},
                         SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
@@ -79,7 +78,7 @@ def main() -> None:
         out["groups"][name] = g
         print(f"| {name} | {g['n']} | {g['s']:.1f} | {g['ms_per_step']:.0f} | "
               f"{g['seqs_per_step']:.0f} | {g['ms_per_seq']:.2f} | {g['context_per_seq']:.0f} |")
-    out["load_after"] = [float(v) for v in open("/proc/loadavg").read().split()[:3]]
+    out["load_after"] = loadavg()
     if a.json:
         a.json.write_text(json.dumps(out, indent=2))
 

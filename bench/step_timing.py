@@ -18,6 +18,11 @@ import dataclasses
 import time
 
 
+def loadavg() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages (recorded beside every measurement)."""
+    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+
+
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """One ``llm.step()``: its wall and device seconds, its kind and what it returned."""

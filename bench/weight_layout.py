@@ -5,8 +5,9 @@ down 1536x576) and the tied LM head (49,152 x 576), fp32, chained as in the mode
 feeds the next, so XLA cannot run two layers' dots at once), for ``--rows`` token rows, in one
 jitted function per layout:
 
-    in-out   x @ w         w [in, out]   (jaxkv's layout before PARAMS_LAYOUT 2)
-    out-in   x . w^T       w [out, in]   (dot_general contracting both last dims; the engine now)
+    in-out   x @ w         w [in, out]   (jaxkv's layout, jaxkv/model/llama.py)
+    out-in   x . w^T       w [out, in]   (dot_general contracting both last dims; tried in the
+                                          engine and not kept: BENCHMARKS.md, "Tried, not kept")
 
 Runs the layouts alternately, ``--repeats`` rounds of ``--iters`` calls each, and reports the
 median and min-max of the per-round medians, the out-in / in-out ratio, and a memcpy of the
@@ -27,13 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from step_timing import loadavg
+
 E, F, HKV_D, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 SHAPES = {"q": (E, E), "k": (E, HKV_D), "v": (E, HKV_D), "o": (E, E), "gate": (E, F),
           "up": (E, F), "down": (F, E)}          # (in, out)
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
 
 
 def make_weights(seed: int = 0):

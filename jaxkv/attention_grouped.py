@@ -12,11 +12,16 @@ computed by exactly one of two paths:
     tiles  | t0----- t1-    |    | t2---    |         |  the others, block_q tokens of ONE sequence
 
 * rows: S queries (every decode token, and the last token of each prefill chunk) against their
-  sequence's KV, gathered once per sequence: one kv chunk of all sequences at a time,
-  ``[S, C, Hkv, D]``, with multiply-and-reduce contractions (a matrix-vector product per
-  sequence and kv head, where XLA CPU's batched dot is slow at G rows). The loop runs to the
-  most chunks any row visits; past its own last one a sequence reads the null block (one
-  cached block, no memory traffic) and masks it.
+  sequence's KV, gathered once per sequence. The work is a list of units, one per (row, kv
+  chunk) pair, every row's visited chunks laid end to end; each loop step takes the next S
+  units, gathers their chunks (``[S, C, Hkv, D]``, S units of possibly the same row), scores
+  them with batched dots over (unit, kv head) and adds them to their rows' online softmax
+  (``merge_units``). So a step costs what its rows' own lengths cost, not S times the longest
+  row's::
+
+      rows    r0: 3 chunks   r1: 1 chunk   r2: 2 chunks        (S = 3)
+      units   r0c0 r0c1 r0c2 | r1c0 r2c0 r2c1 |                 2 loop steps, not 3 x 3 units
+
 * tiles: ``block_q`` consecutive tokens of one sequence (a prefill chunk; a chunk with no cached
   prefix is a dense causal block over its own KV) against that sequence's KV up to the tile's own
   causal end, as ``[block_q * G, C]`` dots per kv head. A ``fori_loop`` over the non-empty tiles
@@ -53,9 +58,10 @@ from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_ti
 from jaxkv.cache import Pages, read_sequence_blocks
 
 
-# Bytes of K (or V) one step of the row path gathers: a few MiB stay in cache between the gather
-# and the contractions that read it (bigger chunks run slower on a 2-core AVX-512 EPYC).
-_ROW_CHUNK_BYTES = 4 << 20
+# Bytes of K (or V) one step of the row path gathers: they stay in cache between the gather
+# and the contractions that read it. 0.25-2 MiB time alike on a 2-core Xeon (4 MiB L2); 4 MiB and
+# more are slower (bench/attention_cpu.py's ragged decode cases; BENCHMARKS.md).
+_ROW_CHUNK_BYTES = 1 << 20
 
 
 def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: int,
@@ -127,6 +133,33 @@ def chunk_positions(order: jax.Array | None, c: jax.Array, chunk: int,
     return logical, pos.reshape(*logical.shape[:-1], chunk * block_size)
 
 
+def merge_units(carry, rows: jax.Array, s: jax.Array, attend):
+    """One step of the online softmax for units that each add a kv chunk to one row.
+
+    Several units may add to the same row in one step: every row's new max is taken over its
+    units first (a scatter-max), so each unit's probabilities are relative to its row's new max
+    and the sums simply add (scatter-adds).
+
+    Args:
+      carry: (m [R, ...], l [R, ...], acc [R, ..., D]) every row's running max, sum and
+        unnormalized output (``softmax_init``).
+      rows: int32 [N] the row of each unit; ``R`` (out of range) drops the unit.
+      s: f32 [N, n, ...] each unit's (scaled, capped) logits over its ``n`` kv positions,
+        -inf where masked.
+      attend: ``p`` f32 [N, n, ...] -> f32 [N, ..., D], the weighted sum of the unit's values.
+
+    Returns:
+      The updated carry.
+    """
+    m, l, acc = carry
+    m_new = m.at[rows].max(s.max(1), mode="drop")
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - jnp.take(m_safe, rows, axis=0, mode="clip")[:, None])   # [N, n, ...]
+    alpha = jnp.exp(m - m_safe)
+    return (m_new, (alpha * l).at[rows].add(p.sum(1), mode="drop"),
+            (alpha[..., None] * acc).at[rows].add(attend(p), mode="drop"))
+
+
 def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                             block_tables: jax.Array, seq_lens: jax.Array,
                             query_start_loc: jax.Array, *, sm_scale: float | None = None,
@@ -185,11 +218,12 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
     qsg = grouped(q_sinks) if rescore else None
 
-    def with_sinks(v, sink_tiles, s, kv_pos, sink_scores, expand):
-        """``s`` with the sink positions scored by the sink queries, on sink tiles only."""
+    def with_sinks(any_sink, s, kv_pos, sink_scores, expand):
+        """``s`` with the sink positions scored by the sink queries, if ``any_sink`` (a bool
+        scalar: the chunk, or one of the chunks, is a sink chunk)."""
         if not rescore:
             return s
-        return jax.lax.cond(v < jnp.max(sink_tiles),
+        return jax.lax.cond(any_sink,
                             lambda: jnp.where(expand(kv_pos < num_sinks), sink_scores(), s),
                             lambda: s)
 
@@ -203,25 +237,34 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     sinks, first, count = visited_chunks(row_pos, seq_lens, kept_before, chunk=row_chunk,
                                          block_size=bs, **mask_opts)
     count = jnp.where(has_q, count, 0)                                 # [S] chunks of each row
+    unit_end = jnp.cumsum(count)                                       # [S] units: see below
 
-    def row_step(v, carry):                                            # carry: [S, Hkv, G] rows
-        c = jnp.broadcast_to(tile_index(v, sinks, first), (S,))      # chunk of each row
-        logical, kv_pos = chunk_positions(order, c, row_chunk, bs)    # [S, chunk], [S, rc]
-        ids = jnp.take_along_axis(tables, logical, axis=1, mode="clip")
-        ids = jnp.where((v < count)[:, None], ids, 0)                  # past its end: null block
-        k = read_sequence_blocks(k_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
-        vv = read_sequence_blocks(v_pages, ids, logical, seq_lens).reshape(S, rc, Hkv, D)
-        s = jnp.sum(row_q[:, None] * k[:, :, :, None], -1)            # [S, rc, Hkv, G]
-        s = with_sinks(v, sinks, s, kv_pos,
-                       lambda: jnp.sum(row_qs[:, None] * k[:, :, :, None], -1),
+    def row_step(i, carry):                                            # carry: [S, Hkv, G] rows
+        # units i*S .. i*S + S - 1 of the (row, chunk) list, every row's chunks end to end
+        u = i * S + jnp.arange(S, dtype=jnp.int32)                     # [S] unit ids
+        valid = u < unit_end[-1]
+        r = jnp.minimum(jnp.searchsorted(unit_end, u, side="right"), S - 1)  # [S] unit's row
+        v = u - (unit_end[r] - count[r])                               # [S] its step there
+        unit_sinks, unit_first = (x if isinstance(x, int) else x[r] for x in (sinks, first))
+        c = tile_index(v, unit_sinks, unit_first)                      # [S] its chunk
+        logical, kv_pos = chunk_positions(None if order is None else order[r], c, row_chunk,
+                                          bs)                          # [S, chunk], [S, rc]
+        ids = jnp.take_along_axis(tables[r], logical, axis=1, mode="clip")
+        ids = jnp.where(valid[:, None], ids, 0)                        # past the list: null
+        k = read_sequence_blocks(k_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
+        vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
+        s = jnp.einsum("shgd,srhd->srhg", row_q[r], k)                 # [S, rc, Hkv, G]
+        s = with_sinks(jnp.any(v < unit_sinks), s, kv_pos,
+                       lambda: jnp.einsum("shgd,srhd->srhg", row_qs[r], k),
                        lambda m: m[:, :, None, None])
         kept = jnp.repeat(ids != 0, bs, axis=1)                        # [S, rc] not dropped
-        mask = visible(row_pos[:, None], kv_pos, **mask_opts) & has_q[:, None] & kept
-        return online_softmax_step(
-            carry, cap_logits(s.transpose(0, 2, 3, 1), soft_cap), mask[:, None, None, :],
-            lambda p: jnp.sum(p.transpose(0, 3, 1, 2)[..., None] * vv[:, :, :, None], 1))
+        mask = visible(row_pos[r][:, None], kv_pos, **mask_opts) & valid[:, None] & kept
+        s = jnp.where(mask[:, :, None, None], cap_logits(s, soft_cap), -jnp.inf)
+        return merge_units(carry, jnp.where(valid, r, S), s,
+                           lambda p: jnp.einsum("srhg,srhd->shgd", p, vv))
 
-    rows = jax.lax.fori_loop(0, jnp.max(count), row_step, softmax_init((S, Hkv, G), D))
+    rows = jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
+                             softmax_init((S, Hkv, G), D))
     row_out, row_lse = softmax_result(rows)                            # [S, Hkv, G, D], [S, Hkv, G]
 
     # tiles: the other tokens of each sequence, block_q at a time
@@ -254,7 +297,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
             k = read_sequence_blocks(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
             s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
-            s = with_sinks(v, t_sinks, s, kv_pos,
+            s = with_sinks(v < t_sinks, s, kv_pos,
                            lambda: jnp.einsum("qhgd,nhd->hqgn", qst, k), lambda m: m)
             kept = jnp.repeat(ids != 0, bs)                            # [C] not dropped
             mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None] \

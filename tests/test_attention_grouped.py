@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv import attention_grouped, cache as kvcache
-from jaxkv.attention import paged_attention_reference
+from jaxkv.attention import paged_attention_reference, softmax_init, softmax_result
 from jaxkv.attention_grouped import kept_blocks, paged_attention_grouped
 from jaxkv.attention_impl import paged_attention
 from jaxkv.kv_spec import KVCacheSpec
@@ -275,3 +275,44 @@ def test_visited_chunks_are_bounded_by_the_kept_blocks(monkeypatch):
     # K and V of 3 row steps (both rows at once) and of the one tile's (8 tokens) 3 chunks
     assert sorted(reads) == [1] * 6 + [2] * 6, reads
     np.testing.assert_allclose(got, paged_attention_reference(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_row_path_steps_cover_each_rows_own_chunks(monkeypatch):
+    """Decode rows of 5, 1 and 2 chunks (and a padding row) are 8 (row, chunk) units, laid end
+    to end and taken 4 at a time: 2 loop steps, not the 5 of running every row to the longest
+    one's chunk count. Counted at run time; the output is the reference's."""
+    reads = counting_reads(monkeypatch, attention_grouped)
+    rng = np.random.default_rng(5)
+    bs, chunk, S = 4, 2, 4
+    kv_lens = [5 * chunk * bs - 3, chunk * bs, 2 * chunk * bs]                 # 5, 1, 2 chunks
+    tables, lens, qsl = table_batch(rng, [1, 1, 1], kv_lens, T=4, S=S, max_blocks=12,
+                                    num_blocks=40, bs=bs)
+    q = jnp.asarray(rng.standard_normal((4, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((40, bs, 2, 16)), jnp.float32) for _ in range(2))
+    args = (q, k, v, tables, lens, qsl)
+    got = paged_attention_grouped(*args, kv_chunk_blocks=chunk)
+    jax.effects_barrier()
+    assert reads == [2] * 4, reads                                   # K and V of 2 steps
+    np.testing.assert_allclose(got[:3], paged_attention_reference(*args)[:3], **F32)
+
+
+def test_merge_units_adds_several_units_of_a_row_in_one_step():
+    """``merge_units`` with units of one row split across and within steps (and a dropped
+    unit) equals a softmax over the row's positions at once."""
+    rng = np.random.default_rng(6)
+    s = rng.standard_normal((6, 5, 2)).astype(np.float32)          # [units, positions, heads]
+    vals = rng.standard_normal((6, 5, 2, 3)).astype(np.float32)    # [units, positions, heads, D]
+    s[2, 3:] = -np.inf                                             # masked positions
+    rows = np.array([0, 1, 0, 1, 0, 2])                            # unit 5: dropped (R = 2)
+    carry = softmax_init((2, 2), 3)
+    for step in (slice(0, 3), slice(3, 6)):
+        carry = attention_grouped.merge_units(
+            carry, jnp.asarray(rows[step]), jnp.asarray(s[step]),
+            lambda p, step=step: jnp.einsum("nrh,nrhd->nhd", p, vals[step]))
+    out, lse = softmax_result(carry)
+    for row in (0, 1):
+        logits = np.concatenate(s[rows == row], axis=0)            # [positions, heads]
+        w = np.exp(logits - logits.max(0))
+        want = np.einsum("rh,rhd->hd", w / w.sum(0), np.concatenate(vals[rows == row], axis=0))
+        np.testing.assert_allclose(out[row], want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(lse[row], np.log(np.exp(logits).sum(0)), atol=1e-5, rtol=1e-5)

@@ -60,7 +60,7 @@ from jaxkv.cache import Pages, read_sequence_blocks
 
 # Bytes of K (or V) one step of the row path gathers: they stay in cache between the gather
 # and the contractions that read it. 0.25-2 MiB time alike on a 2-core Xeon (4 MiB L2); 4 MiB and
-# more are slower (bench/attention_cpu.py's ragged decode cases; BENCHMARKS.md).
+# more are slower (bench/row_path.py --chunk-bytes; BENCHMARKS.md).
 _ROW_CHUNK_BYTES = 1 << 20
 
 

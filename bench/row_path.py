@@ -1,0 +1,137 @@
+"""The grouped attention's decode rows at the throughput workload's shapes, against a git revision.
+
+One layer of ``jaxkv.attention_grouped.paged_attention_grouped`` at SmolLM2-135M's shapes (9 q
+heads, 3 kv heads, head_dim 64, block 16, fp32, tables 64 blocks wide = max_model_len 1024,
+random permuted blocks): decode steps of ``n`` rows in a sequence bucket of ``S`` whose kv
+lengths are drawn uniformly from a range, as in bench/throughput.py's 128-request workload
+(prompts 32-512 tokens, outputs 16-256: contexts ~50-770), and the same rows at one length (no
+raggedness). Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
+with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
+each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
+(``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
+from the reference, and the load average.
+
+    python3 bench/row_path.py --rev HEAD~1 --json bench/results/row_path.json
+    python3 bench/row_path.py --rev HEAD~1 --chunk-bytes 256K,1M,4M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention_grouped
+from jaxkv.attention import paged_attention_reference
+from step_timing import loadavg
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from ragged_batches import table_batch  # noqa: E402  (the tests' block-table builder)
+
+HQ, HKV, D, BS, MAX_BLOCKS = 9, 3, 64, 16, 64
+# name: (S bucket, rows, kv length range)
+CASES = {
+    "8 rows, 300-620": (8, 7, (300, 620)),
+    "32 rows, 48-770": (32, 28, (48, 770)),
+    "64 rows, 48-770": (64, 60, (48, 770)),
+    "128 rows, 48-770": (128, 104, (48, 770)),
+    "128 rows, 400 each": (128, 128, (400, 400)),
+}
+
+
+def module_at(rev: str) -> types.ModuleType:
+    """jaxkv/attention_grouped.py as it was at git revision ``rev``."""
+    src = subprocess.run(["git", "show", f"{rev}:jaxkv/attention_grouped.py"], check=True,
+                         capture_output=True, text=True, cwd=ROOT).stdout
+    m = types.ModuleType(f"attention_grouped_at_{rev}")
+    exec(compile(src, f"{rev}:jaxkv/attention_grouped.py", "exec"), m.__dict__)
+    return m
+
+
+def parse_bytes(x: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(x[:-1]) * units[x[-1]] if x[-1] in units else int(x)
+
+
+def variant(module: types.ModuleType, chunk_bytes: int | None):
+    """``module``'s attention, jitted, tracing with ``_ROW_CHUNK_BYTES = chunk_bytes``."""
+    def f(*args):
+        saved = module._ROW_CHUNK_BYTES
+        module._ROW_CHUNK_BYTES = chunk_bytes or saved
+        try:
+            return module.paged_attention_grouped(*args)
+        finally:
+            module._ROW_CHUNK_BYTES = saved
+    return jax.jit(f)
+
+
+def case_args(rng, S, n, lo, hi):
+    kv = [int(x) for x in rng.integers(lo, hi + 1, n)]
+    nb = 2 + sum(-(-x // BS) for x in kv)
+    tables, lens, qsl = table_batch(rng, [1] * n, kv, T=S, S=S, max_blocks=MAX_BLOCKS,
+                                    num_blocks=nb, bs=BS)
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    return (normal(S, HQ, D), normal(nb, BS, HKV, D), normal(nb, BS, HKV, D),
+            tables, lens, qsl), float(np.mean(kv))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", default="HEAD~1", help="git revision to compare against")
+    ap.add_argument("--chunk-bytes", default="", help="also today's code at these row chunk "
+                    "budgets, comma list (256K,1M,...)")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    variants = {f"@{a.rev}": variant(module_at(a.rev), None),
+                "today": variant(attention_grouped, None)}
+    for cb in filter(None, a.chunk_bytes.split(",")):
+        variants[f"today, {cb} chunks"] = variant(attention_grouped, parse_bytes(cb))
+    rng = np.random.default_rng(0)
+    out = {"rev": a.rev, "repeats": a.repeats, "rounds": a.rounds, "cases": {}}
+    print("| case | mean kv | " + " | ".join(f"{v} ms" for v in variants) + " | load |")
+    print("|---|---|" + "---|" * len(variants) + "---|")
+    for name, (S, n, (lo, hi)) in CASES.items():
+        args, mean_kv = case_args(rng, S, n, lo, hi)
+        ref = np.asarray(paged_attention_reference(*args))[:n]
+        times = {v: [] for v in variants}
+        diff = {v: float(np.abs(np.asarray(f(*args))[:n] - ref).max())
+                for v, f in variants.items()}                     # also compiles each
+        before = loadavg()
+        for _ in range(a.rounds):
+            for v, f in variants.items():
+                for _ in range(a.repeats):
+                    t = time.perf_counter()
+                    jax.block_until_ready(f(*args))
+                    times[v].append(time.perf_counter() - t)
+        row = {"S": S, "rows": n, "kv_range": [lo, hi], "mean_kv": mean_kv,
+               "load_before": before, "load_after": loadavg(), "variants": {}}
+        for v, ts in times.items():
+            row["variants"][v] = {"ms_median": 1e3 * statistics.median(ts),
+                                  "ms_min": 1e3 * min(ts), "max_abs_diff": diff[v]}
+        out["cases"][name] = row
+        cells = " | ".join(f"{r['ms_median']:.2f} ({r['ms_min']:.2f})"
+                           for r in row["variants"].values())
+        print(f"| {name} | {mean_kv:.0f} | {cells} | {before[0]}-{row['load_after'][0]} |",
+              flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

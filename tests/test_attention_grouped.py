@@ -272,7 +272,7 @@ def test_visited_chunks_are_bounded_by_the_kept_blocks(monkeypatch):
     args = thinned_batch(np.random.default_rng(2), [1, 9])
     got = paged_attention_grouped(*args, kv_chunk_blocks=2, block_q=8)
     jax.effects_barrier()
-    # K and V of 3 row steps (both rows at once) and of the one tile's (8 tokens) 3 chunks
+    # K and V of 3 row steps (6 units, 2 a step) and of the one tile's (8 tokens) 3 chunks
     assert sorted(reads) == [1] * 6 + [2] * 6, reads
     np.testing.assert_allclose(got, paged_attention_reference(*args), atol=2e-5, rtol=2e-5)
 

@@ -745,6 +745,69 @@ def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
     assert allocate_drafts([1.0], [4], 1, 64, buckets, lambda t, d: None) is None
 
 
+def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table):
+    """min over every k vector of T(step) + T_plain * max_i(remaining_i - E_i(k_i))."""
+    import itertools
+
+    plain = table[next(b for b in buckets if b >= base), False]
+    best = plain * max(remaining)
+    for ks in itertools.product(*(range(c + 1) for c in caps)):
+        total = base + sum(ks)
+        if total > budget or not sum(ks):
+            continue
+        left = max(r - sum(a ** j for j in range(k + 1))
+                   for a, k, r in zip(acceptance, ks, remaining))
+        best = min(best, table[next(b for b in buckets if b >= total), True] + plain * left)
+    return best
+
+
+def test_allocate_drafts_closed_equals_brute_force():
+    from jaxkv.speculative import allocate_drafts_closed, expected_tokens
+
+    rng = np.random.default_rng(2)
+    buckets = (4, 8, 12, 16)
+    for case in range(300):
+        n = int(rng.integers(1, 4))
+        acceptance = rng.uniform(0, 1, n).round(2)
+        caps = rng.integers(0, 5, n)
+        remaining = rng.integers(1, 12, n)
+        base = n + int(rng.integers(0, 4))
+        budget = int(rng.choice((12, 16)))
+        cost = np.cumsum(rng.uniform(0.05, 1.0, len(buckets)))   # rising with the bucket,
+        drafts = np.maximum.accumulate(cost * (1 + rng.uniform(0, 0.5, len(buckets))))
+        table = {(b, d): (drafts if d else cost)[i]            # with drafts too
+                 for i, b in enumerate(buckets) for d in (False, True)}
+        step_time = lambda t, d: table[next(b for b in buckets if b >= t), d]
+        ks = allocate_drafts_closed(acceptance, caps, remaining, base, budget, buckets,
+                                    step_time)
+        assert all(0 <= k <= c for k, c in zip(ks, caps)) and base + sum(ks) <= budget
+        plain = step_time(base, False)
+        got = (step_time(base + sum(ks), True) if sum(ks) else 0.0) + plain * max(
+            r - expected_tokens(a, k) if sum(ks) else r
+            for a, k, r in zip(acceptance, ks, remaining))
+        want = _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table)
+        assert got == pytest.approx(want, rel=1e-12), case
+
+
+def test_closed_batch_drafts_only_when_the_slowest_request_gains():
+    """Batch 4's lockstep in miniature: 4 decodes of 60 tokens left, a draft step (bucket 16)
+    costs 1.4x the plain one (bucket 8). Three requests' proposals match (acceptance 0.9), one
+    never does: the tokens-per-second rule drafts for the three (4 + 3 x 3.4 tokens per 1.4
+    beats 4 per 1), the closed-batch rule does not (the fourth sets the end, and gains 0
+    tokens); when all four match, both draft; a request far shorter than the others does not
+    count (only the longest sets the end)."""
+    from jaxkv.speculative import allocate_drafts, allocate_drafts_closed
+
+    buckets = (8, 16)
+    step = lambda t, d: 1.0 if t <= 8 else 1.4
+    mixed, caps, left = [0.9, 0.9, 0.9, 0.0], [4] * 4, [60] * 4
+    assert sum(allocate_drafts(mixed, caps, 4, 16, buckets, step)) > 0
+    assert allocate_drafts_closed(mixed, caps, left, 4, 16, buckets, step) == [0] * 4
+    assert allocate_drafts_closed([0.9] * 4, caps, left, 4, 16, buckets, step) == [3] * 4
+    # the non-matching request has 3 tokens left, the others 60: it does not set the end
+    assert sum(allocate_drafts_closed(mixed, caps, [60, 60, 60, 3], 4, 16, buckets, step)) > 0
+
+
 def drive_step_time(sc, seconds, *, num_requests=4, right=True, steps=40, max_tokens=200,
                     spec=None):
     """The step-time speculator (4 drafts at most) on the oracle scheduler, ``seconds(bucket,

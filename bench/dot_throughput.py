@@ -1,0 +1,102 @@
+"""What the CPU's matrix multiply gives XLA and torch: SmolLM2's MLP dots, side by side.
+
+The ceiling under jaxkv's prefill on a CPU is XLA's dot: a 512-token step of SmolLM2-135M is
+~0.1 TFLOP of projections. This times the same chain in both frameworks, one process, one
+thread pool each at its default: ``--layers`` MLP layers of SmolLM2-135M's shapes
+(``x @ W_up`` [E, F] then SiLU then ``@ W_down`` [F, E], E = 576, F = 1536), jitted in JAX
+and run eagerly in torch (one dot each, so the framework overhead is the dots'), for each
+``--rows`` count and dtype (fp32, bf16), in ``--rounds`` rounds that alternate the two
+frameworks; median and min milliseconds and GFLOP/s (2·rows·E·F·2 flops a layer), and the
+load average. "XLA speed / torch's" is torch ms / XLA ms (above 1: XLA is faster).
+
+    python3 bench/dot_throughput.py [--rows 8,128,512] [--json bench/results/dot_throughput.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from step_timing import loadavg
+
+E, F = 576, 1536
+
+
+def jax_chain(dtype, layers: int):
+    """A jitted chain of ``layers`` MLP blocks: (x [R, E], ups [L, E, F], downs [L, F, E])."""
+    @jax.jit
+    def f(x, ups, downs):
+        for i in range(layers):
+            x = (jax.nn.silu(x @ ups[i]) @ downs[i]).astype(dtype)
+        return x
+    return f
+
+
+def torch_chain(x, ups, downs):
+    for u, d in zip(ups, downs):
+        x = torch.nn.functional.silu(x @ u) @ d
+    return x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="8,128,512")
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    ups = rng.standard_normal((a.layers, E, F), np.float32) * 0.02
+    downs = rng.standard_normal((a.layers, F, E), np.float32) * 0.02
+    out = {"jax": jax.__version__, "torch": torch.__version__,
+           "torch_threads": torch.get_num_threads(), "layers": a.layers, "cells": []}
+    print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    print("| rows | dtype | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s | XLA speed / torch's | load |")
+    print("|---|---|---|---|---|---|---|---|")
+    for rows in (int(r) for r in a.rows.split(",")):
+        x = rng.standard_normal((rows, E), np.float32)
+        for name, jdt, tdt in (("fp32", jnp.float32, torch.float32),
+                               ("bf16", jnp.bfloat16, torch.bfloat16)):
+            jargs = [jnp.asarray(t, jdt) for t in (x, ups, downs)]
+            targs = [torch.from_numpy(t).to(tdt) for t in (x, ups, downs)]
+            f = jax_chain(jdt, a.layers)
+            runs = {"xla": lambda: jax.block_until_ready(f(*jargs)),
+                    "torch": lambda: torch_chain(targs[0], targs[1], targs[2])}
+            times = {k: [] for k in runs}
+            for fn in runs.values():
+                fn()                                   # compile / warm up
+            before = loadavg()
+            with torch.inference_mode():
+                for _ in range(a.rounds):
+                    for k, fn in runs.items():
+                        for _ in range(a.repeats):
+                            t = time.perf_counter()
+                            fn()
+                            times[k].append(time.perf_counter() - t)
+            flops = 4 * rows * E * F * a.layers
+            cell = {"rows": rows, "dtype": name, "load_before": before, "load_after": loadavg()}
+            for k, ts in times.items():
+                cell[k] = {"ms_median": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts),
+                           "gflops_median": flops / statistics.median(ts) / 1e9}
+            out["cells"].append(cell)
+            xm, tm = cell["xla"]["ms_median"], cell["torch"]["ms_median"]
+            print(f"| {rows} | {name} | {xm:.2f} ({cell['xla']['ms_min']:.2f}) | "
+                  f"{tm:.2f} ({cell['torch']['ms_min']:.2f}) | "
+                  f"{cell['xla']['gflops_median']:.0f} | {cell['torch']['gflops_median']:.0f} | "
+                  f"{tm / xm:.2f} | {before[0]}-{cell['load_after'][0]} |", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -698,18 +698,28 @@ def _brute_force_drafts(acceptance, caps, base, budget, buckets, table):
     return best
 
 
-def test_allocate_drafts_equals_brute_force():
-    from jaxkv.speculative import allocate_drafts
+BUCKETS = (4, 8, 12, 16)
 
-    rng = np.random.default_rng(1)
-    buckets = (4, 8, 12, 16)
-    for case in range(300):
+
+def random_allocations(seed: int, cases: int = 300):
+    """Random draft-allocation problems over ``BUCKETS``: (case, acceptance [n], caps [n],
+    base tokens, budget, plain step time per bucket rising with the bucket, rng)."""
+    rng = np.random.default_rng(seed)
+    for case in range(cases):
         n = int(rng.integers(1, 4))
         acceptance = rng.uniform(0, 1, n).round(2)
         caps = rng.integers(0, 5, n)
         base = n + int(rng.integers(0, 4))
         budget = int(rng.choice((12, 16)))
-        cost = np.cumsum(rng.uniform(0.05, 1.0, len(buckets)))   # rising with the bucket
+        yield (case, acceptance, caps, base, budget,
+               np.cumsum(rng.uniform(0.05, 1.0, len(BUCKETS))), rng)
+
+
+def test_allocate_drafts_equals_brute_force():
+    from jaxkv.speculative import allocate_drafts
+
+    buckets = BUCKETS
+    for case, acceptance, caps, base, budget, cost, rng in random_allocations(1):
         table = {(b, d): cost[i] * (1 + d * rng.uniform(0, 0.3))
                  for i, b in enumerate(buckets) for d in (False, True)}
         step_time = lambda t, d: table[next(b for b in buckets if b >= t), d]
@@ -764,16 +774,9 @@ def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, tabl
 def test_allocate_drafts_closed_equals_brute_force():
     from jaxkv.speculative import allocate_drafts_closed, expected_tokens
 
-    rng = np.random.default_rng(2)
-    buckets = (4, 8, 12, 16)
-    for case in range(300):
-        n = int(rng.integers(1, 4))
-        acceptance = rng.uniform(0, 1, n).round(2)
-        caps = rng.integers(0, 5, n)
-        remaining = rng.integers(1, 12, n)
-        base = n + int(rng.integers(0, 4))
-        budget = int(rng.choice((12, 16)))
-        cost = np.cumsum(rng.uniform(0.05, 1.0, len(buckets)))   # rising with the bucket,
+    buckets = BUCKETS
+    for case, acceptance, caps, base, budget, cost, rng in random_allocations(2):
+        remaining = rng.integers(1, 12, len(caps))
         drafts = np.maximum.accumulate(cost * (1 + rng.uniform(0, 0.5, len(buckets))))
         table = {(b, d): (drafts if d else cost)[i]            # with drafts too
                  for i, b in enumerate(buckets) for d in (False, True)}

@@ -273,7 +273,7 @@ def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
     step's cost ratio: the slowest request sets the pace.
 
     Args: as ``allocate_drafts``, and ``remaining``: int [N], each request's tokens left
-      (``max_tokens`` minus its output).
+      (``max_tokens`` minus its output: an upper bound, as a stop token may end it sooner).
 
     Returns:
       int [N] draft lengths (all 0 when drafting does not shorten the batch's expected time);

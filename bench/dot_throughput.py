@@ -30,12 +30,13 @@ from step_timing import loadavg
 E, F = 576, 1536
 
 
-def jax_chain(dtype, layers: int):
-    """A jitted chain of ``layers`` MLP blocks: (x [R, E], ups [L, E, F], downs [L, F, E])."""
+def jax_chain(dtype):
+    """A jitted chain of MLP blocks: (x [R, E], ups: list of [E, F], downs: list of [F, E]),
+    each weight its own array (a slice of a stacked [L, E, F] one would be copied per call)."""
     @jax.jit
     def f(x, ups, downs):
-        for i in range(layers):
-            x = (jax.nn.silu(x @ ups[i]) @ downs[i]).astype(dtype)
+        for u, d in zip(ups, downs):
+            x = (jax.nn.silu(x @ u) @ d).astype(dtype)
         return x
     return f
 
@@ -67,9 +68,10 @@ def main() -> None:
         x = rng.standard_normal((rows, E), np.float32)
         for name, jdt, tdt in (("fp32", jnp.float32, torch.float32),
                                ("bf16", jnp.bfloat16, torch.bfloat16)):
-            jargs = [jnp.asarray(t, jdt) for t in (x, ups, downs)]
+            jargs = [jnp.asarray(x, jdt), [jnp.asarray(u, jdt) for u in ups],
+                     [jnp.asarray(d, jdt) for d in downs]]
             targs = [torch.from_numpy(t).to(tdt) for t in (x, ups, downs)]
-            f = jax_chain(jdt, a.layers)
+            f = jax_chain(jdt)
             runs = {"xla": lambda: jax.block_until_ready(f(*jargs)),
                     "torch": lambda: torch_chain(targs[0], targs[1], targs[2])}
             times = {k: [] for k in runs}

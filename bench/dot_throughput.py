@@ -62,7 +62,8 @@ def main() -> None:
     out = {"jax": jax.__version__, "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(), "layers": a.layers, "cells": []}
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    print("| rows | dtype | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s | XLA speed / torch's | load |")
+    print("| rows | dtype | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s "
+          "| XLA speed / torch's | load |")
     print("|---|---|---|---|---|---|---|---|")
     for rows in (int(r) for r in a.rows.split(",")):
         x = rng.standard_normal((rows, E), np.float32)

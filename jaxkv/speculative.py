@@ -66,11 +66,11 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   minimises the batch's expected remaining time instead (a one-step lookahead over the
   request with the most tokens left). At batch 4 the tokens-per-second rule drafted for the
   requests whose proposals matched while the one whose did not set the pace: every step cost
-  13% more for the same number of steps, 0.85x (BENCHMARKS.md). Drafts inside the bucket the step pads to anyway are nearly
-  free; the one that pushes the step into the next bucket pays the whole jump. Every decode is
-  asked for ``num_speculative_tokens`` drafts first (a lookup is microseconds), so a proposal's
-  real length caps its ``k``. Three guards keep an unmeasured shape from costing more than
-  no speculation would:
+  13% more for the same number of steps, 0.85x (BENCHMARKS.md). Drafts inside the bucket the
+  step pads to anyway are nearly free; the one that pushes the step into the next bucket pays
+  the whole jump. Every decode is asked for ``num_speculative_tokens`` drafts first (a lookup
+  is microseconds), so a proposal's real length caps its ``k``. Three guards keep an
+  unmeasured shape from costing more than no speculation would:
 
   - While the plain step's shape is unmeasured (or stale) the step is plain (k = 0
     everywhere): what no speculation does anyway. There is no fixed-cost guess in this rule.
@@ -105,6 +105,7 @@ proposals start matching. Two rules turn the estimates into draft lengths:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
@@ -248,11 +249,6 @@ def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_token
     return _take(gains, n, best_c)
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """``E(k) = 1 + a + ... + a^k``: tokens a sequence with ``k`` drafts emits in expectation."""
-    return float(sum(acceptance ** j for j in range(k + 1)))
-
-
 def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
                            remaining: Sequence[int], base_tokens: int, max_tokens: int,
                            token_buckets: Sequence[int],
@@ -285,23 +281,27 @@ def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
         return None
     best_ks, best_cost = [0] * n, plain * max(remaining, default=0)
     ks, used = [0] * n, 0
+    # (E_i(k_i) - remaining[i], i): the heap's top is the request furthest from done (the
+    # lowest index among ties); a draft raises its E by a^k. O(log N) a draft: this runs on
+    # the host before every step.
+    behind = [(1.0 - r, i) for i, r in enumerate(remaining)]
+    heapq.heapify(behind)
     for bucket in token_buckets:
         room = min(bucket, max_tokens) - base_tokens
         if room < 1:
             continue
         stuck = False
         while used < room:
-            left = [r - expected_tokens(a, k) for r, a, k in zip(remaining, acceptance, ks)]
-            i = max(range(n), key=left.__getitem__)
+            gap, i = behind[0]
             if ks[i] >= caps[i] or acceptance[i] <= 0:
                 stuck = True
                 break
             ks[i] += 1
             used += 1
+            heapq.heapreplace(behind, (gap + acceptance[i] ** ks[i], i))
         seconds = step_time(base_tokens + used, True) if used else None
         if seconds is not None:
-            cost = seconds + plain * max(r - expected_tokens(a, k)
-                                         for r, a, k in zip(remaining, acceptance, ks))
+            cost = seconds - plain * behind[0][0]
             if cost < best_cost:
                 best_ks, best_cost = list(ks), cost
         if stuck or bucket >= max_tokens:
@@ -493,15 +493,14 @@ class Speculator:
             warm_caps = [0 if c else cap for c, cap in zip(cold, caps)]
             step_time = lambda t, d: model.predict(t, num_seqs, d)   # noqa: E731
             if not state.waiting and not prefill:   # a closed batch: the longest sets the end
-                at = {i: j for j, i in enumerate(ids)}   # every decode counts, drafts or not
-                every = [i for i in decoding_order if i not in at] + ids
+                # every decode counts, those without a proposal (no drafts) first
+                acc, cap = dict(zip(ids, acceptance)), dict(zip(ids, warm_caps))
+                every = [i for i in decoding_order if i not in acc] + ids
                 remaining = [state.requests[i].request.stop.max_tokens
                              - len(state.requests[i].output_token_ids) for i in every]
-                pad = [0] * (len(every) - len(ids))
-                ks = allocate_drafts_closed([0.0] * len(pad) + acceptance, pad + warm_caps,
-                                            remaining, base, budget, model.token_buckets,
-                                            step_time)
-                ks = None if ks is None else ks[len(pad):]
+                ks = allocate_drafts_closed(
+                    [acc.get(i, 0.0) for i in every], [cap.get(i, 0) for i in every],
+                    remaining, base, budget, model.token_buckets, step_time)[-len(ids):]
             else:
                 ks = allocate_drafts(acceptance, warm_caps, base, budget, model.token_buckets,
                                      step_time)

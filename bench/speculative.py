@@ -24,7 +24,10 @@ lockstep, shapes of their own; the second run's tok/s is reported as ``warmup_to
 where an adaptive engine's exploration steps land), then ``--reps`` timed runs, taken
 round robin over the variants so that load drift on a shared machine hits them alike. Reported
 (medians over the runs): output tok/s (generated tokens / wall time of ``chat``), decode tok/s
-(1 / TPOT), speed-up against no speculation, acceptance rate, mean acceptance length (tokens
+(1 / TPOT), speed-up against no speculation (of the medians, and ``speedup_paired``: the
+median of each round's ratio to the run without speculation just before it, which cancels
+the drift of a shared VM's speed over minutes; ``steal_share_runs``: the CPU time the
+hypervisor took during each run), acceptance rate, mean acceptance length (tokens
 emitted per verifying sequence and step), target forwards (steps) per output token, and whether
 the outputs equal those without speculation token for token (else the first difference,
 ``[request, token]``).
@@ -165,21 +168,32 @@ def engine(batch: int, variant: tuple, args) -> LLM:
                seq_buckets=(batch,), kv_cache_dtype=args.kv_cache_dtype, **spec | sizes)
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs since boot from /proc/stat (None off Linux): the
+    share of time the hypervisor gave this VM's CPUs to others."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[7], sum(fields)
+
+
 def timed_run(llm: LLM, convs, params, keep_prefix_cache: bool = False) -> dict:
     """One greedy ``chat`` of the whole batch (prefix cache reset first, unless
-    ``keep_prefix_cache``): its wall time, tokens and the engine counters it moved, and the
-    outputs."""
+    ``keep_prefix_cache``): its wall time, tokens and the engine counters it moved, the CPU
+    steal share during it, and the outputs."""
     if not keep_prefix_cache:
         llm.reset_prefix_cache()
-    before = llm.stats()
+    before, cpu0 = llm.stats(), cpu_times()
     t0 = time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    after = llm.stats()
+    after, cpu1 = llm.stats(), cpu_times()
+    steal = ((cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1]) if cpu0 and cpu1 else None)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     keys = ("num_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_drafts",
             "spec_draft_num_steps", "spec_draft_device_time_s", "device_time_s")
-    return dict(wall_s=wall, tok_per_s=generated / wall, generated=generated,
+    return dict(wall_s=wall, tok_per_s=generated / wall, generated=generated, steal_share=steal,
                 prompt_tokens=statistics.mean(len(o.prompt_token_ids) for o in outs),
                 decode_tok_per_s=statistics.mean(1 / o.metrics.tpot for o in outs),
                 outputs=[o.outputs[0].token_ids for o in outs],
@@ -214,6 +228,8 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
         workload=workload, batch=batch, proposer=proposer, k=k, adaptive=adaptive,
         prompt_tokens=r["prompt_tokens"], generated=r["generated"], **med,
         speedup=med["tok_per_s"] / statistics.median(b["tok_per_s"] for b in base),
+        speedup_paired=statistics.median(r["tok_per_s"] / b["tok_per_s"]
+                                         for r, b in zip(runs, base)),
         steps_per_token=r["num_steps"] / r["generated"],
         acceptance_rate=accepted / drafted if drafted else None,
         mean_acceptance_length=1 + accepted / drafts if drafts else None,
@@ -224,6 +240,7 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
         draft_step_ms=(1e3 * r["spec_draft_device_time_s"] / r["spec_draft_num_steps"]
                        if r["spec_draft_num_steps"] else None),
         tok_per_s_runs=[x["tok_per_s"] for x in runs],
+        steal_share_runs=[x["steal_share"] for x in runs],
         outputs_equal=r["outputs"] == base[0]["outputs"],
         first_difference=diff,
         first_difference_top2_margin=(margins[diff[0]][diff[1]] if diff

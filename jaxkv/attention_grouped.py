@@ -12,7 +12,10 @@ computed by exactly one of two paths:
     tiles  | t0----- t1-    |    | t2---    |         |  the others, block_q tokens of ONE sequence
 
 * rows: S queries (every decode token, and the last token of each prefill chunk) against their
-  sequence's KV, gathered once per sequence. The work is a list of units, one per (row, kv
+  sequence's KV, gathered once per sequence. With ``row_queries = R > 1`` a row is the last R
+  tokens of its sequence (a speculative step's token and its drafts: ``[S, Hkv, R * G]`` query
+  rows, each masked at its own position), so verifying drafts reads the KV once as decoding
+  does. The work is a list of units, one per (row, kv
   chunk) pair, every row's visited chunks laid end to end; each loop step takes the next S
   units, gathers their chunks (``[S, C, Hkv, D]``, S units of possibly the same row), scores
   them with batched dots over (unit, kv head) and adds them to their rows' online softmax
@@ -166,7 +169,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                             sliding_window: int | None = None, num_sinks: int = 0,
                             soft_cap: float | None = None, kv_chunk_blocks: int | None = None,
                             block_q: int = 128, return_lse: bool = False,
-                            q_sinks: jax.Array | None = None):
+                            q_sinks: jax.Array | None = None, row_queries: int = 1):
     """Ragged paged attention with the KV gathered per sequence (see the module docstring).
 
     Args:
@@ -186,6 +189,10 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
       q_sinks: optional [T, num_heads, head_dim]: the queries that score the first
         ``num_sinks`` positions (StreamingLLM's positions within the cache); default q. Only
         the sink chunks compute the second set of scores.
+      row_queries: the last ``row_queries`` tokens of each sequence are rows (static): a
+        speculative step's ``1 + k`` tokens (W = 1 + k, the step's logits width) then read
+        their sequence's KV once, together, instead of the last one as a row and the drafts as
+        a mostly padding tile over the same KV.
 
     Returns:
       out [T, num_heads, head_dim] in q's dtype (zeros for padding tokens), and with
@@ -227,19 +234,27 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                             lambda: jnp.where(expand(kv_pos < num_sinks), sink_scores(), s),
                             lambda: s)
 
-    # rows: the last query token of every sequence, at kv position seq_len - 1
+    # rows: the last R query tokens of every sequence, at kv positions seq_len - R .. seq_len - 1
+    R = row_queries
     has_q = q_lens > 0                                                 # [S]
-    last = jnp.where(has_q, query_start_loc[1:] - 1, T + bq)           # [S], T + bq: dropped
-    row_q = qg[jnp.minimum(last, T - 1)]                               # [S, Hkv, G, D]
-    row_qs = qsg[jnp.minimum(last, T - 1)] if rescore else None        # [S, Hkv, G, D]
-    row_pos = seq_lens - 1                                             # [S]
+    back = R - 1 - jnp.arange(R, dtype=jnp.int32)                      # [R] tokens before the last
+    row_valid = back[None, :] < q_lens[:, None]                        # [S, R] a token of the row
+    last = jnp.where(row_valid, query_start_loc[1:, None] - 1 - back, T + bq)  # [S, R] (T+bq: none)
+
+    def row_queries_of(x):                                             # [S, Hkv, R * G, D]
+        return x[jnp.minimum(last, T - 1)].transpose(0, 2, 1, 3, 4).reshape(S, Hkv, R * G, D)
+
+    row_q = row_queries_of(qg)
+    row_qs = row_queries_of(qsg) if rescore else None
+    row_pos = seq_lens[:, None] - 1 - back                             # [S, R]
     rc = row_chunk * bs                                                # kv positions per chunk
-    sinks, first, count = visited_chunks(row_pos, seq_lens, kept_before, chunk=row_chunk,
-                                         block_size=bs, **mask_opts)
+    sinks, first, count = visited_chunks(seq_lens - jnp.minimum(q_lens, R), seq_lens,
+                                         kept_before, chunk=row_chunk, block_size=bs,
+                                         **mask_opts)
     count = jnp.where(has_q, count, 0)                                 # [S] chunks of each row
     unit_end = jnp.cumsum(count)                                       # [S] units: see below
 
-    def row_step(i, carry):                                            # carry: [S, Hkv, G] rows
+    def row_step(i, carry):                                      # carry: [S, Hkv, R * G] rows
         # units i*S .. i*S + S - 1 of the (row, chunk) list, every row's chunks end to end
         u = i * S + jnp.arange(S, dtype=jnp.int32)                     # [S] unit ids
         valid = u < unit_end[-1]
@@ -253,22 +268,26 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         ids = jnp.where(valid[:, None], ids, 0)                        # past the list: null
         k = read_sequence_blocks(k_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
         vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
-        s = jnp.einsum("shgd,srhd->srhg", row_q[r], k)                 # [S, rc, Hkv, G]
+        s = jnp.einsum("shgd,srhd->srhg", row_q[r], k)                 # [S, rc, Hkv, R * G]
         s = with_sinks(jnp.any(v < unit_sinks), s, kv_pos,
                        lambda: jnp.einsum("shgd,srhd->srhg", row_qs[r], k),
                        lambda m: m[:, :, None, None])
         kept = jnp.repeat(ids != 0, bs, axis=1)                        # [S, rc] not dropped
-        mask = visible(row_pos[r][:, None], kv_pos, **mask_opts) & valid[:, None] & kept
-        s = jnp.where(mask[:, :, None, None], cap_logits(s, soft_cap), -jnp.inf)
+        mask = (visible(row_pos[r][:, None, :], kv_pos[:, :, None], **mask_opts)
+                & (valid[:, None] & kept)[:, :, None] & row_valid[r][:, None, :])  # [S, rc, R]
+        mask = jnp.repeat(mask, G, axis=-1)[:, :, None, :]             # [S, rc, 1, R * G]
+        s = jnp.where(mask, cap_logits(s, soft_cap), -jnp.inf)
         return merge_units(carry, jnp.where(valid, r, S), s,
                            lambda p: jnp.einsum("srhg,srhd->shgd", p, vv))
 
     rows = jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
-                             softmax_init((S, Hkv, G), D))
-    row_out, row_lse = softmax_result(rows)                            # [S, Hkv, G, D], [S, Hkv, G]
+                             softmax_init((S, Hkv, R * G), D))
+    row_out, row_lse = softmax_result(rows)                # [S, Hkv, R * G, D], [S, Hkv, R * G]
+    row_out = row_out.reshape(S, Hkv, R, G, D).transpose(0, 2, 1, 3, 4)    # [S, R, Hkv, G, D]
+    row_lse = row_lse.reshape(S, Hkv, R, G).transpose(0, 2, 1, 3)          # [S, R, Hkv, G]
 
     # tiles: the other tokens of each sequence, block_q at a time
-    body = jnp.maximum(q_lens - 1, 0)                                  # [S] tokens before the last
+    body = jnp.maximum(q_lens - R, 0)                                  # [S] tokens before the rows
     per_seq = (body + bq - 1) // bq                                    # [S] tiles of each sequence
     tile_end = jnp.cumsum(per_seq)                                     # [S]
     tile_rows = jnp.arange(bq, dtype=jnp.int32)                        # [bq]

@@ -17,7 +17,8 @@ from jaxkv.config import ATTENTION_IMPLS
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-                    impl: str = "reference", interpret: bool = False, **options):
+                    impl: str = "reference", interpret: bool = False, row_queries: int = 1,
+                    **options):
     """Ragged paged attention with an explicit implementation choice.
 
     Args:
@@ -27,6 +28,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
         per sequence, jaxkv.attention_grouped; the fast path on CPU) or ``"pallas"``
         (jaxkv.pallas kernels, GPU).
       interpret: run the Pallas kernel in interpret mode (CPU).
+      row_queries: how many trailing tokens of each sequence the grouped path computes as
+        rows, with its decode tokens (static; a speculative step's ``1 + k``); a layout hint
+        that does not change the result, which the other implementations do not need.
       **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``, ``q_sinks``.
 
     Returns:
@@ -40,7 +44,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
                                          query_start_loc, **options)
     if impl == "grouped":
         return paged_attention_grouped(q, k_pages, v_pages, block_tables, seq_lens,
-                                       query_start_loc, **options)
+                                       query_start_loc, row_queries=row_queries, **options)
     if impl == "pallas":
         from jaxkv.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
 

@@ -99,7 +99,7 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                 attention_impl=attention_impl, interpret=interpret,
                                 attention=attention,
                                 attention_options=attention_options,
-                                sparse=sparse)                           # [S * W, V]
+                                sparse=sparse, row_queries=w)            # [S * W, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
             cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))

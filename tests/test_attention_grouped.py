@@ -80,7 +80,8 @@ def jitted(fn, **options):
 def assert_matches_reference(args, tol=F32, **opts):
     """out and lse of the grouped path (jitted, with ``opts``) == the reference's; padding
     tokens give zeros and -inf."""
-    grouped = {k: v for k, v in opts.items() if k in ("block_q", "kv_chunk_blocks")}
+    grouped = {k: v for k, v in opts.items()
+               if k in ("block_q", "kv_chunk_blocks", "row_queries")}
     spec = {k: v for k, v in opts.items() if k not in grouped}
     want, want_lse = jitted(paged_attention_reference, **spec)(*args)
     got, lse = jitted(paged_attention_grouped, **opts)(*args)
@@ -103,6 +104,32 @@ def test_grouped_matches_reference_on_random_ragged_batches(Hq, Hkv, bs, options
         for _ in range(2):
             args = random_batch(rng, Hq=Hq, Hkv=Hkv, bs=bs)
             assert_matches_reference(args, **OPTIONS[options], **chunking)
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_rows_of_several_trailing_tokens_match_reference(options, row_queries=3):
+    """``row_queries`` > 1 (a speculative step's token and drafts computed as rows): sequences
+    with fewer query tokens than R (decode rows), as many, and more (chunks, whose earlier
+    tokens stay tiles), under every mask, with and without several kv chunks per row."""
+    rng = np.random.default_rng(10 * row_queries + list(OPTIONS).index(options))
+    for chunking in (dict(kv_chunk_blocks=3, block_q=5), {}):
+        for _ in range(2):
+            args = random_batch(rng, Hq=9, Hkv=3, bs=4)
+            assert_matches_reference(args, row_queries=row_queries, **OPTIONS[options],
+                                     **chunking)
+
+
+def test_rows_of_several_tokens_with_sink_queries_and_dropped_blocks():
+    """StreamingLLM's sink queries and a table with dropped blocks, rows of 3 tokens."""
+    rng = np.random.default_rng(12)
+    args = random_batch(rng, Hq=4, Hkv=2, bs=4)
+    qs = jnp.asarray(rng.standard_normal(args[0].shape), jnp.float32)
+    opts = dict(sliding_window=9, num_sinks=3, q_sinks=qs, return_lse=True)
+    for want, got in zip(paged_attention_reference(*args, **opts),
+                         paged_attention_grouped(*args, row_queries=3, kv_chunk_blocks=2, **opts)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32)
+    assert_matches_reference(drop_blocks(rng, random_batch(rng, Hq=9, Hkv=3, bs=4), 0.5),
+                             row_queries=4, kv_chunk_blocks=2, block_q=3)
 
 
 def test_decode_only_prefill_only_and_empty_steps():
@@ -174,6 +201,7 @@ def test_grouped_matches_reference_on_quantized_pools(kv, residual_blocks):
         assert bool(((args[1].res_slot > 0) & args[1].sealed).any())
     assert_matches_reference(args)
     assert_matches_reference(args, kv_chunk_blocks=2, block_q=3, sliding_window=6, num_sinks=1)
+    assert_matches_reference(args, kv_chunk_blocks=2, block_q=3, row_queries=3)
 
 
 def test_kivi_stale_residual_slot_is_read_as_codes():

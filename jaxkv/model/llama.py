@@ -115,8 +115,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *,
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
-                 sparse: quest.QuestOptions | None = None):
-        """One layer's attention; ``pools`` = (k_pool, v_pool, KeyBounds or None). Returns
+                 sparse: quest.QuestOptions | None = None, row_queries: int = 1):
+        """One layer's attention; ``pools`` = (k_pool, v_pool, KeyBounds or None);
+        ``row_queries``: the attention's layout hint (``jaxkv.attention_impl``). Returns
         (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
         k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
@@ -142,12 +143,12 @@ class Attention(nnx.Module):
         elif options.observe:   # H2O's statistic: the mass each block got, from the lse
             o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens,
                                md.query_start_loc, impl=impl, interpret=interpret,
-                               return_lse=True, **kw)
+                               return_lse=True, row_queries=row_queries, **kw)
             mass = block_attention_mass(q, k_pool, md.block_tables, md.seq_lens,
                                         md.query_start_loc, lse, observe=options.observe, **kw)
         else:
             o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                          impl=impl, interpret=interpret, **kw)
+                          impl=impl, interpret=interpret, row_queries=row_queries, **kw)
         # one [T, Hq * D] @ [Hq * D, E] dot (both reshapes are bitcasts), so XLA transposes
         # the small activation, not the weight, when attention leaves o in another layout
         w_o = self.o_proj[...]
@@ -188,7 +189,7 @@ class Transformer(nnx.Module):
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
                  logits_indices, *, impl, interpret, attention=paged_attention,
                  options: AttentionOptions | None = None,
-                 sparse: quest.QuestOptions | None = None):
+                 sparse: quest.QuestOptions | None = None, row_queries: int = 1):
         c = self.config
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
@@ -200,7 +201,7 @@ class Transformer(nnx.Module):
             h, (k_pool, v_pool, bounds), layer_mass = layer.self_attn(
                 layer.input_layernorm(x), positions, (cache.k[i], cache.v[i], bounds), md,
                 inv_freq, options=options, impl=impl, interpret=interpret, attention=attention,
-                sparse=sparse)
+                sparse=sparse, row_queries=row_queries)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ks.append(k_pool)
@@ -242,7 +243,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
             interpret: bool = False, attention=paged_attention,
             attention_options: AttentionOptions | None = None,
-            sparse: quest.QuestOptions | None = None
+            sparse: quest.QuestOptions | None = None, row_queries: int = 1
             ) -> tuple[jax.Array, kvcache.PagedKVCache] | tuple[jax.Array,
                                                                 kvcache.PagedKVCache, jax.Array]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
@@ -266,6 +267,9 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       sparse: Quest sparse decode attention (static; jaxkv/sparse_attention.py): decode
         sequences attend only to their selected pages (the cache keeps ``KeyBounds`` for a
         float/fp8/int8 pool, ``KVCacheSpec.key_bounds``); None: dense attention.
+      row_queries: the attention's layout hint (static; ``jaxkv.attention_impl``): a step that
+        verifies drafts passes its logits width W = 1 + k, so each sequence's last W tokens
+        read their KV together.
 
     Returns:
       (logits float32 [S or T, vocab_size], updated cache), and with
@@ -279,7 +283,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
     model = nnx.merge(graphdef, state)
     return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
                  interpret=interpret, attention=attention, options=attention_options,
-                 sparse=sparse)
+                 sparse=sparse, row_queries=row_queries)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:

@@ -7,7 +7,8 @@ observation window) and random eviction, through ``jaxkv.eval.retained_nll``.
         --out bench/results/retention_ppl_context.json        # with SnapKV and random
 
 ``--texts`` disjoint segments of ``--tokens`` tokens from *Emma* (after ``--skip`` tokens), fed in
-``--chunk``-token steps. Without ``--context`` there is no prompt: policies drop from the first
+``--chunk``-token steps, through a pool of ``--block-size``-token blocks (the granularity at which
+every policy drops: 1 evicts single tokens, as the papers do). Without ``--context`` there is no prompt: policies drop from the first
 chunk on, every token is scored, and a budget of b% keeps ``b% x tokens`` KV tokens per sequence
 (whole blocks; at least ``--min-blocks``). With ``--context P`` the first P tokens of each text
 are a prompt computed in one forward with nothing dropped (the engine's prefill), the budget is
@@ -61,9 +62,11 @@ def main():
                     help="smallest budget in blocks (5 with SnapKV: its sinks and window span 4 "
                          "at block size 16)")
     ap.add_argument("--policies", nargs="+", default=["h2o", "streaming", "snapkv", "random"])
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block: the granularity at which policies drop")
     args = ap.parse_args()
 
-    with LLM(max_model_len=args.tokens + 16, max_num_seqs=1) as llm:
+    with LLM(max_model_len=args.tokens + 16, max_num_seqs=1, block_size=args.block_size) as llm:
         runner = llm.engine.runner
         bs = runner.cache_config.block_size
         ids = llm.tokenizer.encode((AUSTEN / "emma.txt").read_text(encoding="utf-8"))

@@ -15,8 +15,8 @@ computed by exactly one of two paths:
   sequence's KV, gathered once per sequence. With ``row_queries = R > 1`` a row is the last R
   tokens of its sequence (a speculative step's token and its drafts: ``[S, Hkv, R * G]`` query
   rows, each masked at its own position), so verifying drafts reads the KV once as decoding
-  does. The work is a list of units, one per (row, kv
-  chunk) pair, every row's visited chunks laid end to end; each loop step takes the next S
+  does. The work is a list of units, one per (row, kv chunk) pair, every row's visited
+  chunks laid end to end; each loop step takes the next S
   units, gathers their chunks (``[S, C, Hkv, D]``, S units of possibly the same row), scores
   them with batched dots over (unit, kv head) and adds them to their rows' online softmax
   (``merge_units``). So a step costs what its rows' own lengths cost, not S times the longest

@@ -8,8 +8,9 @@ observation window) and random eviction, through ``jaxkv.eval.retained_nll``.
 
 ``--texts`` disjoint segments of ``--tokens`` tokens from *Emma* (after ``--skip`` tokens), fed in
 ``--chunk``-token steps, through a pool of ``--block-size``-token blocks (the granularity at which
-every policy drops: 1 evicts single tokens, as the papers do). Without ``--context`` there is no prompt: policies drop from the first
-chunk on, every token is scored, and a budget of b% keeps ``b% x tokens`` KV tokens per sequence
+every policy drops: 1 evicts single tokens, as the papers do). Without ``--context`` there is no
+prompt: policies drop from the first chunk on, every token is scored, and a budget of b% keeps
+``b% x tokens`` KV tokens per sequence
 (whole blocks; at least ``--min-blocks``). With ``--context P`` the first P tokens of each text
 are a prompt computed in one forward with nothing dropped (the engine's prefill), the budget is
 ``b% x P``, and only the ``tokens - P`` continuation tokens are scored: H2O and random then keep

@@ -192,8 +192,9 @@ def quantized_step(kv_cache_dtype, rng, *, residual_blocks=1, bs=4, Hkv=2, D=32,
     return (q, cache.k[0], cache.v[0], tables, lens, qsl)
 
 
-@pytest.mark.parametrize("kv,residual_blocks", [("fp8_e4m3", 1), ("fp8_e5m2", 1), ("int8", 1),
-                                                ("int4", 1), ("int4", 3), ("int2", 3)])
+@pytest.mark.parametrize("kv,residual_blocks", [
+    ("fp8_e4m3", 1), pytest.param("fp8_e5m2", 1, marks=pytest.mark.slow), ("int8", 1), ("int4", 1),
+    pytest.param("int4", 3, marks=pytest.mark.slow), ("int2", 3)])
 def test_grouped_matches_reference_on_quantized_pools(kv, residual_blocks):
     rng = np.random.default_rng(5)
     args = quantized_step(kv, rng, residual_blocks=residual_blocks)

@@ -167,7 +167,7 @@ def test_own_model_as_draft_accepts_every_draft(tiny_llm, same_llm):
 
 
 @pytest.mark.parametrize("params", [
-    dict(temperature=0, max_tokens=50, ignore_eos=True),
+    pytest.param(dict(temperature=0, max_tokens=50, ignore_eos=True), marks=pytest.mark.slow),
     dict(temperature=0.9, top_k=50, seed=11, repetition_penalty=1.3, min_tokens=30,
          max_tokens=45),
     dict(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True),
@@ -213,6 +213,7 @@ def test_other_random_draft_and_adaptive_length(models, tiny_llm):
     assert 0 < verified[1] < verified[0] / 3
 
 
+@pytest.mark.slow
 def test_preemption_with_a_small_pool(models, tiny_llm):
     """A target pool too small for the batch: requests are preempted (their draft state
     released, caught up again on readmission) and the outputs stay token-exact."""

@@ -43,6 +43,7 @@ def test_perplexity_equals_hf_transformers(tiny):
     np.testing.assert_allclose(got.perplexity, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_token_agreement_of_the_fp32_cache_with_engine_greedy_is_exact(tiny):
     path, _ = tiny
     with LLM(str(path), kv_cache_dtype="fp32", **ENGINE) as llm:

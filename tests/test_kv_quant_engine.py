@@ -52,6 +52,7 @@ def agreement(a, b):
     return sum(same) / sum(len(s) for s in a)
 
 
+@pytest.mark.slow
 def test_greedy_agreement_with_fp32_cache_falls_with_bits(tiny):
     # a random tiny model's logits are nearly flat (even a bf16 cache agrees on only 0.875 of
     # the tokens), so this checks the ordering; tests/test_kv_quant_smollm2.py the real fractions
@@ -61,7 +62,8 @@ def test_greedy_agreement_with_fp32_cache_falls_with_bits(tiny):
     assert int8 >= 0.5 and int8 > int2
 
 
-@pytest.mark.parametrize("kv,window", [("int4", 1), ("int4", 3)])
+@pytest.mark.parametrize("kv,window",
+                         [("int4", 1), pytest.param("int4", 3, marks=pytest.mark.slow)])
 def test_preemption_prefix_reuse_and_forks_are_bit_exact(tiny, kv, window):
     # (int2's codes flip on the ~1e-6 float differences between a decode and a recomputing
     # prefill of the same token, so its outputs are not compared here: see tests/test_quant.py
@@ -98,6 +100,7 @@ def test_bad_kv_cache_dtype_and_geometry(tiny, monkeypatch):
         LLM(tiny, kv_cache_dtype="int4", **{**ENGINE, "block_size": 1})
 
 
+@pytest.mark.slow
 def test_residual_window_covering_the_sequence_equals_the_float_cache(tiny64):
     # with every block inside the window, nothing is ever read as codes: the int2 engine must
     # give the fp32 cache's tokens exactly, with the reference attention and the packed kernel
@@ -113,6 +116,7 @@ def test_residual_window_covering_the_sequence_equals_the_float_cache(tiny64):
     assert short != want          # a window of two blocks does read codes (and differs)
 
 
+@pytest.mark.slow
 def test_kivi_engine_with_pallas_kernels_equals_reference(tiny64):
     ps = prompts(3, seed=6)
     want, _ = greedy(tiny64, "int4", ps, kv_residual_blocks=3)

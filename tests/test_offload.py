@@ -498,7 +498,8 @@ def long_reference(tiny):
     return _run(tiny[0], num_kv_blocks=200, max_tokens=LONG)[0]
 
 
-@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["fp32", *(pytest.param(kv, marks=pytest.mark.slow)
+                                           for kv in ("int8", "int4"))])
 def test_host_tier_outputs_equal_and_fewer_tokens_are_recomputed(tiny, reference, kv):
     base, s0 = _run(tiny[0], kv_cache_dtype=kv)
     tier, s1 = _run(tiny[0], kv_cache_dtype=kv, kv_offload_bytes=4 << 20)

@@ -253,7 +253,8 @@ def assert_kernels_match_reference(args, *, num_splits=(1, 3), ragged=None, deco
         np.testing.assert_allclose(lse[live], want_lse[live], **tol)
 
 
-@pytest.mark.parametrize("options", list(DROP_OPTIONS))
+@pytest.mark.parametrize("options", [pytest.param(o, marks=pytest.mark.slow)
+                                     if o == "softcap-scale" else o for o in DROP_OPTIONS])
 @pytest.mark.parametrize("bs,block_kv", [(8, 32), (32, 16)])   # tiles of 4 blocks / half a block
 def test_kernels_match_reference_with_scattered_dropped_blocks(bs, block_kv, options):
     """30% and 90% of the blocks before each sequence's first query token null: decode rows and
@@ -284,8 +285,9 @@ def test_window_walk_with_sink_queries_and_dropped_blocks():
     np.testing.assert_allclose(out[:14], want[:14], **TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("kv,residual_blocks,D", [("fp8_e4m3", 1, 32), ("int8", 1, 32),
-                                                  ("int4", 3, 32), ("int2", 3, 64)])
+@pytest.mark.parametrize("kv,residual_blocks,D", [
+    pytest.param("fp8_e4m3", 1, 32, marks=pytest.mark.slow), ("int8", 1, 32), ("int4", 3, 32),
+    pytest.param("int2", 3, 64, marks=pytest.mark.slow)])
 def test_kernels_match_reference_on_quantized_pools_with_dropped_blocks(kv, residual_blocks, D):
     """fp8/int8 codes and packed KIVI int4/int2 (residual window of 3 blocks) with half the
     blocks before the queries dropped: the residual window is placed by each run entry's logical
@@ -542,6 +544,7 @@ def test_configs_lower_to_cuda():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     path = os.path.join(ROOT, "bench", "gpu_check.py")
     spec = importlib.util.spec_from_file_location("gpu_check", path)

@@ -38,7 +38,8 @@ def _tokens(path, prompts, params=GREEDY, **kw):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["auto", *(pytest.param(kv, marks=pytest.mark.slow)
+                                           for kv in ("int8", "int4"))])
 def test_full_budget_equals_dense(tiny, kv):
     prompts = _prompts()
     dense = _tokens(tiny[0], prompts, kv_cache_dtype=kv)
@@ -117,7 +118,7 @@ def test_small_budget_matches_quest_oracle(tiny):
     assert best_dense > 1e-2        # the selection really dropped pages that mattered
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 def test_pallas_sparse_kernel_in_the_engine(tiny, kv):
     """impl="pallas" (interpret mode) runs jaxkv.pallas.sparse_paged_decode_attention on the
     decode rows: the same tokens and logprobs as the jnp spec's grouped engine."""
@@ -138,7 +139,7 @@ def test_pallas_sparse_kernel_in_the_engine(tiny, kv):
 
 # ------------------------------------------------------------------ the cache's key bounds
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("kv", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 def test_bounds_equal_key_bounds_from_scratch(tiny, kv):
     """After every step, on every block of every running sequence, through prefix hits
     (radix: partial blocks copied) and forks (n = 2: copy-on-write of the last block)."""

@@ -47,6 +47,7 @@ def test_grouped_attention_under_tp_gives_the_reference_tokens(tiny):
     assert r["tp1"] == r["tp2"] == r["tp4"] == ref
 
 
+@pytest.mark.slow
 def test_streaming_retention_under_tp_gives_the_tokens_of_one_device(tiny):
     """Sinks + window with dropped blocks and sink queries (split over heads under shard_map)
     at TP 2 and 4 give TP 1's tokens, past the window (prompts ~10 tokens + 40 generated)."""
@@ -56,6 +57,7 @@ def test_streaming_retention_under_tp_gives_the_tokens_of_one_device(tiny):
     assert r["tp2"] == r["tp4"] == r["tp1"]
 
 
+@pytest.mark.slow
 def test_scored_retention_under_tp_gives_the_tokens_of_one_device(tiny):
     """H2O and SnapKV rank blocks by attention mass summed over every head, so under TP (heads
     split over devices) they drop the same blocks and give TP 1's tokens."""
@@ -69,6 +71,7 @@ def test_scored_retention_under_tp_gives_the_tokens_of_one_device(tiny):
             r[f"{policy}_tp1_dropped"]
 
 
+@pytest.mark.slow
 def test_host_kv_tier_under_tp_gives_the_tokens_of_one_device(tiny):
     """Swap preemption and prefix blocks demoted to the host tier and promoted back, with the
     cache split over kv heads (tp 2; tp 4 repeats llama's 2 kv heads): TP 1's tokens."""
@@ -82,6 +85,7 @@ def test_host_kv_tier_under_tp_gives_the_tokens_of_one_device(tiny):
         assert r[f"{key}_stats"] == r["tp1_stats"]
 
 
+@pytest.mark.slow
 def test_quantized_kv_under_tp_gives_the_tokens_of_one_device(tiny):
     """int8 and KIVI int4 pools sharded over kv heads (tp 2; tp 4 repeats llama's 2 kv heads):
     the greedy tokens of one device, with every pool-shaped array split and the KIVI

@@ -21,6 +21,7 @@ def llama(tmp_path_factory):
     return write_tiny(tmp_path_factory.mktemp("llama"), "llama")
 
 
+@pytest.mark.slow
 def test_two_process_jax_distributed_matches_one_process(llama):
     ref = run_worker("parity", llama, "--tp", 1, devices=1)["tp1"]
     port = free_port()

@@ -361,6 +361,7 @@ def test_snapkv_hit_leaves_the_observation_window_to_compute(tiny):
         assert rs.num_cached_tokens == 40
 
 
+@pytest.mark.slow
 def test_retained_nll_prompt_phase(tiny):
     # a budget covering the prompt == full retention; a small one differs and fits the pool
     path, _ = tiny

@@ -469,8 +469,8 @@ def run_stepwise(llm, prompts, params, check=None):
 
 @pytest.mark.parametrize("params", [
     dict(temperature=0, max_tokens=40, ignore_eos=True),
-    dict(temperature=0.9, top_k=50, seed=11, repetition_penalty=1.3, min_tokens=30,
-         max_tokens=40),
+    pytest.param(dict(temperature=0.9, top_k=50, seed=11, repetition_penalty=1.3, min_tokens=30,
+                      max_tokens=40), marks=pytest.mark.slow),
 ])
 def test_random_drafts_keep_outputs_tables_and_prefix_cache(tiny_llm, spec_llm, monkeypatch,
                                                             params):

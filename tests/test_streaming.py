@@ -81,7 +81,9 @@ def test_the_two_position_modes_differ_past_the_window(tiny):
     assert np.abs(a[SINKS + WINDOW:] - b[SINKS + WINDOW:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("kv_cache_dtype, residual", [("int8", 1), ("int4", 1), ("int4", 3)])
+@pytest.mark.parametrize("kv_cache_dtype, residual", [
+    pytest.param("int8", 1, marks=pytest.mark.slow), ("int4", 1),
+    pytest.param("int4", 3, marks=pytest.mark.slow)])
 def test_quantized_streaming_grouped_equals_the_reference(tiny, kv_cache_dtype, residual):
     # the KIVI residual window (R blocks) lies inside the streaming window; dropped blocks
     # never own a residual slot, and both implementations read the same pool the same way

@@ -23,7 +23,8 @@ def tiny(tmp_path_factory):
     return {kind: write_tiny(tmp_path_factory.mktemp(kind), kind) for kind in TINY}
 
 
-@pytest.mark.parametrize("kind", list(TINY))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "qwen2" else k
+                                  for k in TINY])
 def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
     r = run_worker("parity", tiny[kind], "--tp", 1, 2, 4, 8, "--dp-tp", 2, 4)
     ref = r["tp1"]

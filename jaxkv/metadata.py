@@ -14,7 +14,8 @@ import jax
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["slot_mapping", "query_start_loc", "seq_lens", "block_tables"], meta_fields=[])
+         data_fields=["slot_mapping", "query_start_loc", "seq_lens", "block_tables", "num_drafts"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token's K/V goes and what each sequence attends to.
@@ -24,9 +25,13 @@ class AttentionMetadata:
       query_start_loc: int32 [S + 1] cumulative query lengths (padding sequences have q_len 0).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens (padding 0).
       block_tables: int32 [S, B] physical block ids (padding 0, the null block).
+      num_drafts: optional int32 [S]: how many of each sequence's query tokens are speculative
+        drafts (its last ones; jaxkv/batch.py); None: no drafts. Quest attends drafts sparsely
+        as the decode steps they stand for (``jaxkv.sparse_attention.sparse_rows``).
     """
 
     slot_mapping: jax.Array     # [T]
     query_start_loc: jax.Array  # [S + 1]
     seq_lens: jax.Array         # [S]
     block_tables: jax.Array     # [S, B]
+    num_drafts: jax.Array | None = None  # [S]

@@ -43,7 +43,8 @@ full-precision residual lie inside the sequence's residual window, which ``selec
 selects (``residual_blocks``).
 
 In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool;
-jaxkv/model/llama.py ``quest_attention`` runs exactly this for the decode rows of a step):
+jaxkv/model/llama.py ``quest_attention`` runs exactly this for the decode tokens of a step,
+and for verified drafts, each at its own length: ``sparse_rows``):
 
     pool = cache.write_layer(pool, k, slot_mapping, md)                        # every step
     bounds = refresh_key_bounds(bounds, pool, slot_mapping, num_seqs)      # exact bounds
@@ -70,7 +71,7 @@ __all__ = ["KeyBounds", "init_key_bounds", "written_keys", "update_key_bounds",
            "refresh_key_bounds", "copy_key_bounds",
            "key_bounds", "page_bounds", "page_scores", "min_budget", "select_pages",
            "quest_select", "check_selection", "sparse_decode_reference",
-           "quest_decode_reference", "QuestOptions", "decode_rows"]
+           "quest_decode_reference", "QuestOptions", "sparse_rows"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -91,18 +92,38 @@ class QuestOptions:
     recent: int = 1
 
 
-def decode_rows(query_start_loc: jax.Array, seq_lens: jax.Array):
-    """The decode sequences of a ragged step: those whose query is one token.
+def sparse_rows(query_start_loc: jax.Array, seq_lens: jax.Array,
+                num_drafts: jax.Array | None = None, width: int = 1):
+    """The query tokens of a ragged step that attend to a Quest selection: the ones a run
+    without speculation computes as decode steps (a step whose query is one token).
+
+    A sequence's drafts (its last ``num_drafts`` query tokens) each stand for a later decode
+    step, so each attends to its own selection at its own length; the token before them does
+    too when it is the sequence's only other query token (a decode that verifies drafts), and
+    stays dense when it ends a prefill chunk. Only the last ``width`` tokens of a sequence are
+    candidates (``width`` >= 1 + every ``num_drafts``: the step's logits width).
 
     Args:
       query_start_loc: int32 [S + 1] cumulative query lengths.
       seq_lens: int32 [S] kv lengths (0: a padding sequence).
+      num_drafts: int32 [S] drafts per sequence, or None (no drafts).
+      width: candidates per sequence (static).
 
     Returns:
-      (rows int32 [S]: the token row of each sequence's first query token, is_decode bool [S]).
+      ``(rows, lens, all_sparse)``: int32 [S * width] the token row of each sequence's last
+      ``width`` tokens (in order; out of range below its first token), int32 [S * width] the kv
+      length each such token attends to (its position + 1), 0 where it stays dense or is no
+      token; bool [S] whether every query token of the sequence is sparse.
     """
-    rows = query_start_loc[:-1]
-    return rows, (query_start_loc[1:] - rows == 1) & (seq_lens > 0)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                        # [S]
+    base = q_lens if num_drafts is None else q_lens - num_drafts            # [S] before drafts
+    all_sparse = (base == 1) & (seq_lens > 0)
+    back = width - 1 - jnp.arange(width, dtype=jnp.int32)                   # [W] tokens after
+    t = q_lens[:, None] - 1 - back                                          # [S, W] query index
+    sparse = (t >= 0) & ((t >= base[:, None]) | all_sparse[:, None]) & (seq_lens[:, None] > 0)
+    rows = query_start_loc[1:, None] - 1 - back                             # [S, W]
+    lens = jnp.where(sparse, seq_lens[:, None] - back, 0)
+    return rows.reshape(-1), lens.reshape(-1), all_sparse
 
 
 def key_bounds(k_pages: Pages, block_tables: jax.Array, seq_lens: jax.Array) -> KeyBounds:

@@ -92,7 +92,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
              rng: jax.Array, *, num_logprobs: int = 0):
         md = AttentionMetadata(slot_mapping=inputs.slot_mapping,
                                query_start_loc=inputs.query_start_loc,
-                               seq_lens=inputs.seq_lens, block_tables=inputs.block_tables)
+                               seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
+                               num_drafts=inputs.num_drafts)
         s, w = inputs.logits_indices.shape
         logits, cache, *mass = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),

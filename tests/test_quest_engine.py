@@ -8,6 +8,8 @@
   ``max_g sum_c max(q_c kmin_c, q_c kmax_c)``, the sink / recent pages forced, the top pages,
   attention over exactly those; prefill queries stay dense. The engine's logprobs of its own
   greedy tokens must match the oracle's, and differ from the dense oracle's (the budget bites).
+* Speculative steps: verified drafts attend to their own selections, so greedy tokens and
+  logprobs equal non-speculative Quest's.
 * The ``KeyBounds`` the cache keeps (updated on every write, copied with forked and radix
   partially-copied blocks) equal ``key_bounds`` recomputed from the pool, bit for bit.
 * Bad arguments are refused naming the field.
@@ -116,6 +118,36 @@ def test_small_budget_matches_quest_oracle(tiny):
         best_dense = max(best_dense, np.abs(got - dense[rows, out.token_ids]).max())
     assert worst_sparse < 2e-4
     assert best_dense > 1e-2        # the selection really dropped pages that mattered
+
+
+def test_verified_drafts_attend_to_their_own_selection(tiny, monkeypatch):
+    """Speculative steps under Quest: each draft verified in a multi-token step attends to its
+    own selection at its own length, as the decode step that would have computed it does, so
+    greedy tokens and their logprobs equal non-speculative Quest's (drafts from the known
+    continuation, 30% replaced at random; a 6-page budget that bites, as in the oracle test)."""
+    from oracle_proposer import OracleProposer
+
+    prompts = _prompts(n=2, lo=70, seed=1)
+    params = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, logprobs=0)
+    kw = dict(sparse_attention="quest", sparse_budget_tokens=6 * BS, kv_sink_tokens=4,
+              sparse_recent_tokens=8)
+
+    def run(llm):
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [o.token_ids for o in outs], [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+                                             for o in outs]
+
+    with LLM(str(tiny[0]), **TINY_ENGINE, **kw) as llm:
+        want, want_lp = run(llm)
+    references = {tuple(p["prompt_token_ids"]): tuple(t) for p, t in zip(prompts, want)}
+    with LLM(str(tiny[0]), **TINY_ENGINE, **kw, speculative="ngram", num_speculative_tokens=4,
+             speculative_adaptive=False) as llm:
+        monkeypatch.setattr(llm.engine.speculator, "proposer", OracleProposer(references, 0.3))
+        got, got_lp = run(llm)
+        stats = llm.stats()
+    assert got == want
+    np.testing.assert_allclose(np.array(got_lp), np.array(want_lp), atol=2e-4, rtol=0)
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
 
 
 @pytest.mark.parametrize("kv", ["auto", pytest.param("int8", marks=pytest.mark.slow)])

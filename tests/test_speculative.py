@@ -15,6 +15,7 @@ import pytest
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import (Request, StopSpec, accepted_tokens, add_request, check_invariants,
                              decoding_ids, init_state, schedule, update)
+from oracle_proposer import OracleProposer
 
 VOCAB = 40
 
@@ -404,25 +405,6 @@ def spec_llm(tiny):
     with LLM(str(tiny[0]), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=4,
              speculative_adaptive=False) as llm:
         yield llm
-
-
-class OracleProposer:
-    """Drafts from known continuations (prompt -> the tokens non-speculative decoding
-    generates), each replaced by a random token with probability ``p_wrong``."""
-
-    def __init__(self, references, p_wrong, seed=0):
-        self.references = references
-        self.p_wrong = p_wrong
-        self.rng = random.Random(seed)
-
-    def propose(self, token_ids, num_drafts):
-        tokens = tuple(token_ids.tolist())
-        for prompt, output in self.references.items():
-            if tokens[:len(prompt)] == prompt:
-                cont = output[len(tokens) - len(prompt):][:self.rng.randint(0, num_drafts)]
-                return [self.rng.randrange(400) if self.rng.random() < self.p_wrong else t
-                        for t in cont]
-        return []
 
 
 def token_lists(outs):

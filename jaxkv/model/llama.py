@@ -67,36 +67,41 @@ def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, inter
 
 def quest_attention(q, k_pool, v_pool, bounds, md: AttentionMetadata, *,
                     sparse: quest.QuestOptions, impl, interpret, attention=paged_attention,
-                    **options):
-    """Ragged attention whose decode sequences attend only to their Quest pages.
+                    row_queries: int = 1, **options):
+    """Ragged attention whose decode tokens (and verified drafts) attend only to their Quest
+    pages (``quest.sparse_rows``: each at its own length, as the decode step it stands for).
 
     Args:
       q: [T, Hq, D] rotated queries of the step.
       k_pool, v_pool: the layer's pools, this step's K/V already written.
       bounds: the layer's ``KeyBounds`` (updated with this step's keys), or None for a KIVI
         pool (bounds from its scale/zero).
-      md: the step's metadata.
+      md: the step's metadata (``md.num_drafts``: the drafts of each sequence, or None).
       sparse: budget (pages), sinks and recent window (static).
       impl, interpret, attention, options: the dense attention of the prefill chunks.
+      row_queries: the step's logits width W (static): the last W tokens of each sequence are
+        the candidates for sparse attention, and the dense attention's layout hint.
 
     Returns:
-      (o [T, Hq, D], (pages int32 [S, Hkv, budget], count int32 [S, Hkv]) the selection,
-      count 0 for sequences that are not decodes).
+      (o [T, Hq, D], (pages int32 [S * W, Hkv, budget], count int32 [S * W, Hkv]) the
+      selection of each sequence's last W tokens, count 0 for tokens that stay dense).
     """
     T = q.shape[0]
-    rows, is_decode = quest.decode_rows(md.query_start_loc, md.seq_lens)
-    dense_lens = jnp.where(is_decode, 1, md.seq_lens)           # decode rows: null block only
-    dense_tables = jnp.where(is_decode[:, None], 0, md.block_tables)
+    rows, lens, all_sparse = quest.sparse_rows(md.query_start_loc, md.seq_lens, md.num_drafts,
+                                               row_queries)                 # [S * W], [S]
+    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    dense_lens = jnp.where(all_sparse, q_lens, md.seq_lens)     # all sparse: null blocks only
+    dense_tables = jnp.where(all_sparse[:, None], 0, md.block_tables)
     o = attention(q, k_pool, v_pool, dense_tables, dense_lens, md.query_start_loc, impl=impl,
-                  interpret=interpret, **options)
-    q_dec = q[jnp.clip(rows, 0, T - 1)]                                          # [S, Hq, D]
-    lens = jnp.where(is_decode, md.seq_lens, 0)
-    pages, count = quest.quest_select(q_dec, k_pool, md.block_tables, lens,
+                  interpret=interpret, row_queries=row_queries, **options)
+    tables = jnp.repeat(md.block_tables, row_queries, axis=0)                   # [S * W, B]
+    q_rows = q[jnp.clip(rows, 0, T - 1)]                                         # [S * W, Hq, D]
+    pages, count = quest.quest_select(q_rows, k_pool, tables, lens,
                                       budget=sparse.budget, bounds=bounds,
                                       num_sinks=sparse.num_sinks, recent=sparse.recent)
-    out = _sparse_decode(q_dec, k_pool, v_pool, md.block_tables, lens, pages, count, impl=impl,
+    out = _sparse_decode(q_rows, k_pool, v_pool, tables, lens, pages, count, impl=impl,
                          interpret=interpret)
-    o = o.at[jnp.where(is_decode, rows, T)].set(out.astype(o.dtype), mode="drop")
+    o = o.at[jnp.where(lens > 0, rows, T)].set(out.astype(o.dtype), mode="drop")
     return o, (pages, count)
 
 
@@ -139,7 +144,8 @@ class Attention(nnx.Module):
         mass = None
         if sparse is not None:
             o, _ = quest_attention(q, k_pool, v_pool, bounds, md, sparse=sparse, impl=impl,
-                                   interpret=interpret, attention=attention, **kw)
+                                   interpret=interpret, attention=attention,
+                                   row_queries=row_queries, **kw)
         elif options.observe:   # H2O's statistic: the mass each block got, from the lse
             o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens,
                                md.query_start_loc, impl=impl, interpret=interpret,

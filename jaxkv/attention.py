@@ -80,6 +80,25 @@ def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: in
     return seq_idx, q_pos, valid
 
 
+def last_tokens(query_start_loc: jax.Array, seq_lens: jax.Array, width: int):
+    """The last ``width`` query tokens of every sequence of a ragged batch (a speculative
+    step's token and its drafts when ``width`` is the step's logits width).
+
+    Args:
+      query_start_loc: int32 [S + 1].
+      seq_lens: int32 [S].
+      width: W (static).
+
+    Returns:
+      (rows int32 [S, W] token rows, in order; positions int32 [S, W] their kv positions;
+      valid bool [S, W]: a query token of the sequence, not before its first one).
+    """
+    back = width - 1 - jnp.arange(width, dtype=jnp.int32)              # [W] tokens after it
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
+    return (query_start_loc[1:, None] - 1 - back, seq_lens[:, None] - 1 - back,
+            back[None, :] < q_lens[:, None])
+
+
 def visible(q_pos: jax.Array, kv_pos: jax.Array, *, sliding_window: int | None,
             num_sinks: int) -> jax.Array:
     """Mask of kv positions a query at ``q_pos`` attends to (broadcasting; both int32)."""

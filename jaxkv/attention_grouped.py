@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_tile_range,
-                             online_softmax_step, softmax_init, softmax_result, tile_index,
-                             visible)
+                             last_tokens, online_softmax_step, softmax_init, softmax_result,
+                             tile_index, visible)
 from jaxkv.cache import Pages, read_sequence_blocks
 
 
@@ -237,16 +237,14 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     # rows: the last R query tokens of every sequence, at kv positions seq_len - R .. seq_len - 1
     R = row_queries
     has_q = q_lens > 0                                                 # [S]
-    back = R - 1 - jnp.arange(R, dtype=jnp.int32)                      # [R] tokens before the last
-    row_valid = back[None, :] < q_lens[:, None]                        # [S, R] a token of the row
-    last = jnp.where(row_valid, query_start_loc[1:, None] - 1 - back, T + bq)  # [S, R] (T+bq: none)
+    last, row_pos, row_valid = last_tokens(query_start_loc, seq_lens, R)   # [S, R] each
+    last = jnp.where(row_valid, last, T + bq)                          # (T + bq: no token)
 
     def row_queries_of(x):                                             # [S, Hkv, R * G, D]
         return x[jnp.minimum(last, T - 1)].transpose(0, 2, 1, 3, 4).reshape(S, Hkv, R * G, D)
 
     row_q = row_queries_of(qg)
     row_qs = row_queries_of(qsg) if rescore else None
-    row_pos = seq_lens[:, None] - 1 - back                             # [S, R]
     rc = row_chunk * bs                                                # kv positions per chunk
     sinks, first, count = visited_chunks(seq_lens - jnp.minimum(q_lens, R), seq_lens,
                                          kept_before, chunk=row_chunk, block_size=bs,

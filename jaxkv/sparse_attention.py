@@ -61,8 +61,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention import (cap_logits, check_shapes, online_softmax_step, softmax_init,
-                             softmax_result)
+from jaxkv.attention import (cap_logits, check_shapes, last_tokens, online_softmax_step,
+                             softmax_init, softmax_result)
 from jaxkv.cache import (KeyBounds, Pages, QuantizedPages, copy_key_bounds, init_key_bounds,
                          read_pages, refresh_key_bounds, take_blocks, update_key_bounds,
                          window_first, written_keys)
@@ -115,14 +115,13 @@ def sparse_rows(query_start_loc: jax.Array, seq_lens: jax.Array,
       length each such token attends to (its position + 1), 0 where it stays dense or is no
       token; bool [S] whether every query token of the sequence is sparse.
     """
+    drafts = 0 if num_drafts is None else num_drafts                           # [S]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                        # [S]
-    base = q_lens if num_drafts is None else q_lens - num_drafts            # [S] before drafts
-    all_sparse = (base == 1) & (seq_lens > 0)
-    back = width - 1 - jnp.arange(width, dtype=jnp.int32)                   # [W] tokens after
-    t = q_lens[:, None] - 1 - back                                          # [S, W] query index
-    sparse = (t >= 0) & ((t >= base[:, None]) | all_sparse[:, None]) & (seq_lens[:, None] > 0)
-    rows = query_start_loc[1:, None] - 1 - back                             # [S, W]
-    lens = jnp.where(sparse, seq_lens[:, None] - back, 0)
+    all_sparse = (q_lens - drafts == 1) & (seq_lens > 0)
+    rows, pos, valid = last_tokens(query_start_loc, seq_lens, width)          # [S, W] each
+    draft = pos >= (seq_lens - drafts)[:, None]
+    sparse = valid & (draft | all_sparse[:, None]) & (seq_lens[:, None] > 0)
+    lens = jnp.where(sparse, pos + 1, 0)
     return rows.reshape(-1), lens.reshape(-1), all_sparse
 
 

@@ -15,6 +15,7 @@ optimized HLO of the step with a count of its copies, scatters, transposes and d
 
     python3 bench/decode_step.py --batch 8 --batch 64 [--dtype bfloat16] [--hlo /tmp/hlo]
     python3 bench/decode_step.py --batch 8 --batch 64 --batch 256 --prompt 64 --iters 5
+    python3 bench/decode_step.py --batch 1 --batch 2 --prompt 4000 --max-model-len 8192
 
 XLA flags: pass them as usual (``XLA_FLAGS=... python3 bench/decode_step.py``); one process
 per setting, so the numbers of several settings come from several runs.
@@ -109,6 +110,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="running sequences (repeatable)")
     ap.add_argument("--prompt", type=int, default=500, help="prompt tokens per request")
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="the engine's max_model_len (block tables max_model_len / 16 wide)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--token-buckets", help="comma list (default: the engine's)")
@@ -121,9 +124,10 @@ def main() -> None:
     out: dict = {"load_start": loadavg(), "dtype": args.dtype, "jax": jax.__version__,
                  "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
     t0 = time.perf_counter()
-    llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=1024,
+    llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=args.max_model_len,
               max_num_batched_tokens=512, max_num_seqs=max(batches),
-              num_kv_blocks=1 + max(batches) * -(-(args.prompt + args.iters + 60) // 16),
+              num_kv_blocks=1 + max(max(batches) * -(-(args.prompt + args.iters + 60) // 16),
+                                    -(-args.max_model_len // 16)),
               **({"token_buckets": tuple(int(x) for x in args.token_buckets.split(","))}
                  if args.token_buckets else {}))
     out["start_s"] = time.perf_counter() - t0

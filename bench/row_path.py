@@ -1,11 +1,11 @@
 """The grouped attention's decode rows at the throughput workload's shapes, against a git revision.
 
 One layer of ``jaxkv.attention_grouped.paged_attention_grouped`` at SmolLM2-135M's shapes (9 q
-heads, 3 kv heads, head_dim 64, block 16, fp32, tables 64 blocks wide = max_model_len 1024,
-random permuted blocks): decode steps of ``n`` rows in a sequence bucket of ``S`` whose kv
-lengths are drawn uniformly from a range, as in bench/throughput.py's 128-request workload
-(prompts 32-512 tokens, outputs 16-256: contexts ~50-770), and the same rows at one length (no
-raggedness). Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
+heads, 3 kv heads, head_dim 64, block 16, fp32, random permuted blocks): decode steps of ``n``
+rows in a sequence bucket of ``S`` whose kv lengths are drawn uniformly from a range, as in
+bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-256: contexts
+~50-770; tables 64 blocks wide = max_model_len 1024), the same rows at one length (no
+raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192). Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
 with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
 each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
 (``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
@@ -38,14 +38,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from ragged_batches import table_batch  # noqa: E402  (the tests' block-table builder)
 
-HQ, HKV, D, BS, MAX_BLOCKS = 9, 3, 64, 16, 64
-# name: (S bucket, rows, kv length range)
+HQ, HKV, D, BS = 9, 3, 64, 16
+# name: (S bucket, rows, kv length range, table width in blocks: 64 = max_model_len 1024)
 CASES = {
-    "8 rows, 300-620": (8, 7, (300, 620)),
-    "32 rows, 48-770": (32, 28, (48, 770)),
-    "64 rows, 48-770": (64, 60, (48, 770)),
-    "128 rows, 48-770": (128, 104, (48, 770)),
-    "128 rows, 400 each": (128, 128, (400, 400)),
+    "8 rows, 300-620": (8, 7, (300, 620), 64),
+    "32 rows, 48-770": (32, 28, (48, 770), 64),
+    "64 rows, 48-770": (64, 60, (48, 770), 64),
+    "128 rows, 48-770": (128, 104, (48, 770), 64),
+    "128 rows, 400 each": (128, 128, (400, 400), 64),
+    # batch 1 and 2 at SmolLM2's whole context (8,192: tables 512 wide)
+    "1 row, 64": (1, 1, (64, 64), 512),
+    "1 row, 256": (1, 1, (256, 256), 512),
+    "1 row, 1024": (1, 1, (1024, 1024), 512),
+    "1 row, 4000": (1, 1, (4000, 4000), 512),
+    "2 rows, 4000": (2, 2, (4000, 4000), 512),
 }
 
 
@@ -75,10 +81,10 @@ def variant(module: types.ModuleType, chunk_bytes: int | None):
     return jax.jit(f)
 
 
-def case_args(rng, S, n, lo, hi):
+def case_args(rng, S, n, lo, hi, max_blocks):
     kv = [int(x) for x in rng.integers(lo, hi + 1, n)]
     nb = 2 + sum(-(-x // BS) for x in kv)
-    tables, lens, qsl = table_batch(rng, [1] * n, kv, T=S, S=S, max_blocks=MAX_BLOCKS,
+    tables, lens, qsl = table_batch(rng, [1] * n, kv, T=S, S=S, max_blocks=max_blocks,
                                     num_blocks=nb, bs=BS)
 
     def normal(*shape):
@@ -96,8 +102,10 @@ def main() -> None:
                     "budgets, comma list (256K,1M,...)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="", help="only these cases (names separated by ;)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    cases = {k: CASES[k] for k in a.cases.split(";")} if a.cases else CASES
     variants = {f"@{a.rev}": variant(module_at(a.rev), None),
                 "today": variant(attention_grouped, None)}
     for cb in filter(None, a.chunk_bytes.split(",")):
@@ -106,8 +114,8 @@ def main() -> None:
     out = {"rev": a.rev, "repeats": a.repeats, "rounds": a.rounds, "cases": {}}
     print("| case | mean kv | " + " | ".join(f"{v} ms" for v in variants) + " | load |")
     print("|---|---|" + "---|" * len(variants) + "---|")
-    for name, (S, n, (lo, hi)) in CASES.items():
-        args, mean_kv = case_args(rng, S, n, lo, hi)
+    for name, (S, n, (lo, hi), max_blocks) in cases.items():
+        args, mean_kv = case_args(rng, S, n, lo, hi, max_blocks)
         ref = np.asarray(paged_attention_reference(*args))[:n]
         times = {v: [] for v in variants}
         diff = {v: float(np.abs(np.asarray(f(*args))[:n] - ref).max())

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from step_timing import loadavg
+from step_timing import alternating_times, loadavg, ms_summary
 
 E, F = 576, 1536
 
@@ -75,22 +74,15 @@ def main() -> None:
             f = jax_chain(jdt)
             runs = {"xla": lambda: jax.block_until_ready(f(*jargs)),
                     "torch": lambda: torch_chain(targs[0], targs[1], targs[2])}
-            times = {k: [] for k in runs}
             for fn in runs.values():
                 fn()                                   # compile / warm up
             before = loadavg()
             with torch.inference_mode():
-                for _ in range(a.rounds):
-                    for k, fn in runs.items():
-                        for _ in range(a.repeats):
-                            t = time.perf_counter()
-                            fn()
-                            times[k].append(time.perf_counter() - t)
+                times = alternating_times(runs, a.rounds, a.repeats)
             flops = 4 * rows * E * F * a.layers
             cell = {"rows": rows, "dtype": name, "load_before": before, "load_after": loadavg()}
             for k, ts in times.items():
-                cell[k] = {"ms_median": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts),
-                           "gflops_median": flops / statistics.median(ts) / 1e9}
+                cell[k] = {**ms_summary(ts), "gflops_median": flops / statistics.median(ts) / 1e9}
             out["cells"].append(cell)
             xm, tm = cell["xla"]["ms_median"], cell["torch"]["ms_median"]
             print(f"| {rows} | {name} | {xm:.2f} ({cell['xla']['ms_min']:.2f}) | "

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from step_timing import loadavg
+from step_timing import alternating_times, loadavg, ms_summary
 
 BS, HKV, G, D = 16, 3, 3, 64
 CASES = [(128, 2, 20), (128, 1, 40), (64, 2, 20), (8, 4, 20), (1, 16, 16)]   # (S, n, steps)
@@ -89,15 +88,13 @@ def main() -> None:
         want = np.asarray(variants["NHD"](q, k, v, ids))
         np.testing.assert_allclose(np.asarray(variants["HND"](q, *pools["HND"], ids)), want,
                                    rtol=1e-4, atol=1e-3)
-        before, times = loadavg(), {name: [] for name in variants}
-        for _ in range(a.rounds):
-            for name, f in variants.items():
-                for _ in range(a.repeats):
-                    t = time.perf_counter()
-                    jax.block_until_ready(f(q, *pools[name], ids))
-                    times[name].append(time.perf_counter() - t)
-        med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        low = {name: 1e3 * min(ts) for name, ts in times.items()}
+        before = loadavg()
+        times = alternating_times(
+            {name: partial(lambda f, pk, pv: jax.block_until_ready(f(q, pk, pv, ids)), f,
+                           *pools[name]) for name, f in variants.items()}, a.rounds, a.repeats)
+        summary = {name: ms_summary(ts) for name, ts in times.items()}
+        med = {name: x["ms_median"] for name, x in summary.items()}
+        low = {name: x["ms_min"] for name, x in summary.items()}
         mb = 2 * S * n * steps * BS * HKV * D * 4 / 1e6
         row = {"S": S, "n": n, "steps": steps, "kv_mb": mb, "ms_median": med, "ms_min": low,
                "load_before": before, "load_after": loadavg()}

@@ -5,7 +5,8 @@ heads, 3 kv heads, head_dim 64, block 16, fp32, random permuted blocks): decode 
 rows in a sequence bucket of ``S`` whose kv lengths are drawn uniformly from a range, as in
 bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-256: contexts
 ~50-770; tables 64 blocks wide = max_model_len 1024), the same rows at one length (no
-raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192). Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
+raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192).
+Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
 with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
 each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
 (``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
@@ -19,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 import types
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxkv import attention_grouped
 from jaxkv.attention import paged_attention_reference
-from step_timing import loadavg
+from step_timing import alternating_times, loadavg, ms_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -117,21 +117,15 @@ def main() -> None:
     for name, (S, n, (lo, hi), max_blocks) in cases.items():
         args, mean_kv = case_args(rng, S, n, lo, hi, max_blocks)
         ref = np.asarray(paged_attention_reference(*args))[:n]
-        times = {v: [] for v in variants}
         diff = {v: float(np.abs(np.asarray(f(*args))[:n] - ref).max())
                 for v, f in variants.items()}                     # also compiles each
         before = loadavg()
-        for _ in range(a.rounds):
-            for v, f in variants.items():
-                for _ in range(a.repeats):
-                    t = time.perf_counter()
-                    jax.block_until_ready(f(*args))
-                    times[v].append(time.perf_counter() - t)
+        times = alternating_times({v: partial(lambda f: jax.block_until_ready(f(*args)), f)
+                                   for v, f in variants.items()}, a.rounds, a.repeats)
         row = {"S": S, "rows": n, "kv_range": [lo, hi], "mean_kv": mean_kv,
                "load_before": before, "load_after": loadavg(), "variants": {}}
         for v, ts in times.items():
-            row["variants"][v] = {"ms_median": 1e3 * statistics.median(ts),
-                                  "ms_min": 1e3 * min(ts), "max_abs_diff": diff[v]}
+            row["variants"][v] = {**ms_summary(ts), "max_abs_diff": diff[v]}
         out["cases"][name] = row
         cells = " | ".join(f"{r['ms_median']:.2f} ({r['ms_min']:.2f})"
                            for r in row["variants"].values())

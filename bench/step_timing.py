@@ -15,7 +15,9 @@ engine's imports are available.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
+from typing import Callable
 
 
 def loadavg() -> list[float]:
@@ -40,6 +42,26 @@ class StepTime:
     def host_share(self) -> float:
         """Fraction of the step's wall time not spent inside the jitted device step."""
         return self.host_s / self.wall_s
+
+
+def alternating_times(calls: dict[str, Callable[[], object]], rounds: int,
+                      repeats: int) -> dict[str, list[float]]:
+    """Seconds of every call of each variant: ``repeats`` back-to-back calls of one variant,
+    then the next, for ``rounds`` rounds (against load drift). Each call must block until its
+    result is ready (``jax.block_until_ready``)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            for _ in range(repeats):
+                t = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def ms_summary(seconds: list[float]) -> dict[str, float]:
+    """``{"ms_median", "ms_min"}`` of a list of seconds."""
+    return {"ms_median": 1e3 * statistics.median(seconds), "ms_min": 1e3 * min(seconds)}
 
 
 def decoding(llm) -> bool:

@@ -105,7 +105,10 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="only these cases (names separated by ;)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    cases = {k: CASES[k] for k in a.cases.split(";")} if a.cases else CASES
+    names = a.cases.split(";") if a.cases else list(CASES)
+    if unknown := [k for k in names if k not in CASES]:
+        ap.error(f"--cases: unknown {unknown}; the cases are {list(CASES)}")
+    cases = {k: CASES[k] for k in names}
     variants = {f"@{a.rev}": variant(module_at(a.rev), None),
                 "today": variant(attention_grouped, None)}
     for cb in filter(None, a.chunk_bytes.split(",")):

@@ -14,8 +14,8 @@ bench/retention_ppl.py's texts (``--texts`` segments of ``--tokens`` tokens of *
 * ``head``: a kept set per (layer, kv head), scores summed over the kv head's 3 query heads (the
   paper's per-head choice under GQA: K and V exist per kv head).
 
-Every variant keeps 4 sink positions and a recent window of half the budget; the rest of the
-budget holds the positions of highest accumulated mass (every query's attention weights added
+Every variant keeps 4 sink positions and a recent window of half the budget (``--recent``);
+the rest of the budget holds the positions of highest accumulated mass (every query's attention weights added
 after it attends; ties evict the older). Before each token, each set is cut back to the budget,
 so a query attends to at most ``budget + 1`` positions (as the engine's step, ``budget + one
 step``). ``full`` (no eviction) is checked against the engine's own full-cache perplexity on
@@ -83,8 +83,10 @@ def kept_units(mode: str, L: int, Hkv: int) -> tuple[int, ...]:
     return {"full": (1, 1), "shared": (1, 1), "layer": (L, 1), "head": (L, Hkv)}[mode]
 
 
-def run(model: Model, tokens: np.ndarray, mode: str, budget: int | None) -> np.ndarray:
-    """NLL [T] of ``tokens[1:]`` given ``tokens[:-1]`` under ``mode``'s H2O at ``budget``."""
+def run(model: Model, tokens: np.ndarray, mode: str, budget: int | None,
+        recent_frac: float = 0.5) -> np.ndarray:
+    """NLL [T] of ``tokens[1:]`` given ``tokens[:-1]`` under ``mode``'s H2O at ``budget``
+    with a recent window of ``recent_frac`` of the budget."""
     c = model.c
     L, H, Hkv, D = c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim
     G, T = H // Hkv, len(tokens) - 1
@@ -93,7 +95,7 @@ def run(model: Model, tokens: np.ndarray, mode: str, budget: int | None) -> np.n
     units = kept_units(mode, L, Hkv)
     kept = np.zeros((*units, T), bool)                      # [UL, UH, T]
     score = np.zeros((*units, T), np.float64)
-    recent = 0 if budget is None else budget // 2
+    recent = 0 if budget is None else int(budget * recent_frac)
     hidden = np.zeros((T, c.hidden_size), np.float32)
     scale = np.float32(1.0 / np.sqrt(D))
     for t in range(T):
@@ -150,23 +152,30 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2000)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.2])
     ap.add_argument("--modes", nargs="+", default=["shared", "layer", "head"])
+    ap.add_argument("--recent", type=float, default=0.5,
+                    help="the recent window's share of the budget (H2O's paper: half)")
+    ap.add_argument("--full-ppl", type=float, help="the full cache's perplexity from an "
+                    "earlier run on the same texts (skips computing it again)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/h2o_heads.json")
     a = ap.parse_args()
     model = Model(GGUF)
     ids = model.tokenizer.encode((AUSTEN / "emma.txt").read_text(encoding="utf-8"))
     texts = [np.asarray(ids[a.skip + i * a.tokens: a.skip + (i + 1) * a.tokens + 1], np.int64)
              for i in range(a.texts)]
-    configs = [("full", None, None)] + [
+    configs = [("full", None, None)] * (a.full_ppl is None) + [
         (m, b, int(b * a.tokens)) for b in a.budgets for m in a.modes]
+    full = a.full_ppl
     rows = []
     for mode, frac, budget in tqdm(configs, desc="configs"):
         t0 = time.perf_counter()
-        nll = np.concatenate([run(model, x, mode, budget) for x in texts])
+        nll = np.concatenate([run(model, x, mode, budget, a.recent) for x in texts])
         rows.append({"mode": mode, "budget": frac, "budget_tokens": budget,
+                     "recent_tokens": None if budget is None else int(budget * a.recent),
                      "ppl": float(np.exp(nll.mean())), "tokens": len(nll),
                      "seconds": time.perf_counter() - t0,
                      "loadavg": [round(x, 2) for x in os.getloadavg()]})
-        rows[-1]["vs_full"] = rows[-1]["ppl"] / rows[0]["ppl"]
+        full = full or rows[-1]["ppl"]
+        rows[-1]["vs_full"] = rows[-1]["ppl"] / full
         print(rows[-1], flush=True)
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
                                  "rows": rows}, indent=1))

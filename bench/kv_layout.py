@@ -9,9 +9,9 @@ BENCHMARKS.md's row-path profile). With an HND pool, ``[num_blocks, Hkv, block_s
 gathered block is already ``[Hkv, block_size, D]``, and dots batched over (unit, block, kv head)
 read it as it lies.
 
-Both variants run the same loop, a model of the row path's core: ``--steps`` loop steps, each
-gathering ``S`` units of ``n`` random blocks of K and V (rows of the pool's flat block view, as
-``jaxkv.cache.take_blocks`` does), q·k, a max-subtracted exp, p·v, accumulated. SmolLM2-135M's
+Both variants run the same loop, a model of the row path's core: each case's loop steps each
+gather ``S`` units of ``n`` random blocks of K and V (``jaxkv.cache.take_blocks``, as the engine
+does), then q·k, a max-subtracted exp, p·v, accumulated (``CASES``). SmolLM2-135M's
 shapes (3 kv heads, 3 q heads per kv head, head_dim 64, block 16, fp32). The outputs are checked
 equal; then each variant runs ``--repeats`` calls per round, alternating for ``--rounds``
 rounds; median and min ms and the load average::
@@ -30,15 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.cache import take_blocks
 from step_timing import alternating_times, loadavg, ms_summary
 
 BS, HKV, G, D = 16, 3, 3, 64
 CASES = [(128, 2, 20), (128, 1, 40), (64, 2, 20), (8, 4, 20), (1, 16, 16)]   # (S, n, steps)
-
-
-def take(pool: jax.Array, ids: jax.Array) -> jax.Array:
-    """``pool[ids]`` as rows of the flat block view (jaxkv.cache.take_blocks)."""
-    return pool.reshape(pool.shape[0], -1)[ids].reshape(*ids.shape, *pool.shape[1:])
 
 
 def nhd(q, k_pool, v_pool, ids):
@@ -46,8 +42,8 @@ def nhd(q, k_pool, v_pool, ids):
     S, n = ids.shape[1:]
 
     def step(t, acc):
-        k = take(k_pool, ids[t]).reshape(S, n * BS, HKV, D)
-        v = take(v_pool, ids[t]).reshape(S, n * BS, HKV, D)
+        k = take_blocks(k_pool, ids[t]).reshape(S, n * BS, HKV, D)
+        v = take_blocks(v_pool, ids[t]).reshape(S, n * BS, HKV, D)
         s = jnp.einsum("shgd,srhd->srhg", q, k)
         p = jnp.exp(s - s.max(1, keepdims=True))
         return acc + jnp.einsum("srhg,srhd->shgd", p, v)
@@ -58,7 +54,7 @@ def nhd(q, k_pool, v_pool, ids):
 def hnd(q, k_pool, v_pool, ids):
     """q [S, Hkv, G, D]; pools [N, Hkv, BS, D]; ids [steps, S, n] -> [S, Hkv, G, D]."""
     def step(t, acc):
-        k, v = take(k_pool, ids[t]), take(v_pool, ids[t])              # [S, n, Hkv, BS, D]
+        k, v = take_blocks(k_pool, ids[t]), take_blocks(v_pool, ids[t])   # [S, n, Hkv, BS, D]
         s = jnp.einsum("shgd,snhbd->snhgb", q, k)
         p = jnp.exp(s - s.max((1, 4), keepdims=True))
         return acc + jnp.einsum("snhgb,snhbd->shgd", p, v)

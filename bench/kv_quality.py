@@ -52,7 +52,8 @@ def free_running(llm, kv, options, prompt_ids, n, logprobs=None):
     the same pool (``options``: KVCacheSpec fields; one sequence's residual slots)."""
     runner = llm.engine.runner
     runner.cache = init_cache(dataclasses.replace(runner.kv_spec, kv_cache_dtype=kv,
-                                                  num_residual_slots=None, **options))
+                                                  num_residual_slots=None, layout="nhd",
+                                                  **options))
     out = llm.generate([{"prompt_token_ids": prompt_ids}],
                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
                                       logprobs=logprobs), use_tqdm=False)

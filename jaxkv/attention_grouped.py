@@ -16,11 +16,11 @@ computed by exactly one of two paths:
   tokens of its sequence (a speculative step's token and its drafts: ``[S, Hkv, R * G]`` query
   rows, each masked at its own position), so verifying drafts reads the KV once as decoding
   does. The work is a list of units, one per (row, kv chunk) pair, every row's visited
-  chunks laid end to end; each loop step takes the next S
-  units, gathers their chunks (``[S, C, Hkv, D]``, S units of possibly the same row), scores
-  them with batched dots over (unit, kv head) and adds them to their rows' online softmax
-  (``merge_units``). So a step costs what its rows' own lengths cost, not S times the longest
-  row's::
+  chunks laid end to end; each loop step takes the next S units, gathers their chunks
+  (``[S, n, Hkv, bs, D]``: n blocks each, head-major, as an HND pool, ``jaxkv.cache.HNDPages``,
+  stores them), scores them with batched dots over (unit, block, kv head) and adds them to
+  their rows' online softmax (``merge_units``). So a step costs what its rows' own lengths
+  cost, not S times the longest row's::
 
       rows    r0: 3 chunks   r1: 1 chunk   r2: 2 chunks        (S = 3)
       units   r0c0 r0c1 r0c2 | r1c0 r2c0 r2c1 |                 2 loop steps, not 3 x 3 units
@@ -264,19 +264,21 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                                           bs)                          # [S, chunk], [S, rc]
         ids = jnp.take_along_axis(tables[r], logical, axis=1, mode="clip")
         ids = jnp.where(valid[:, None], ids, 0)                        # past the list: null
-        k = read_sequence_blocks(k_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
-        vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[r]).reshape(S, rc, Hkv, D)
-        s = jnp.einsum("shgd,srhd->srhg", row_q[r], k)                 # [S, rc, Hkv, R * G]
-        s = with_sinks(jnp.any(v < unit_sinks), s, kv_pos,
-                       lambda: jnp.einsum("shgd,srhd->srhg", row_qs[r], k),
-                       lambda m: m[:, :, None, None])
+        k, vv = (read_sequence_blocks(p, ids, logical, seq_lens[r], heads_first=True)
+                 for p in (k_pages, v_pages))                          # [S, n, Hkv, bs, D]
+
+        def scores(qr):                                                # [S, rc, Hkv, R * G]
+            return jnp.einsum("shgd,snhbd->snbhg", qr, k).reshape(S, rc, Hkv, R * G)
+
+        s = with_sinks(jnp.any(v < unit_sinks), scores(row_q[r]), kv_pos,
+                       lambda: scores(row_qs[r]), lambda m: m[:, :, None, None])
         kept = jnp.repeat(ids != 0, bs, axis=1)                        # [S, rc] not dropped
         mask = (visible(row_pos[r][:, None, :], kv_pos[:, :, None], **mask_opts)
                 & (valid[:, None] & kept)[:, :, None] & row_valid[r][:, None, :])  # [S, rc, R]
         mask = jnp.repeat(mask, G, axis=-1)[:, :, None, :]             # [S, rc, 1, R * G]
         s = jnp.where(mask, cap_logits(s, soft_cap), -jnp.inf)
-        return merge_units(carry, jnp.where(valid, r, S), s,
-                           lambda p: jnp.einsum("srhg,srhd->shgd", p, vv))
+        return merge_units(carry, jnp.where(valid, r, S), s, lambda p: jnp.einsum(
+            "snbhg,snhbd->shgd", p.reshape(S, row_chunk, bs, Hkv, R * G), vv))
 
     rows = jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
                              softmax_init((S, Hkv, R * G), D))
@@ -311,16 +313,19 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
             c = tile_index(v, t_sinks, t_first)
             logical, kv_pos = chunk_positions(seq_order, c, chunk, bs)  # [chunk], [C]
             ids = tables[seq][logical]
-            k = read_sequence_blocks(k_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
-            vv = read_sequence_blocks(v_pages, ids, logical, seq_lens[seq]).reshape(C, Hkv, D)
-            s = jnp.einsum("qhgd,nhd->hqgn", qt, k)                    # [Hkv, bq, G, C]
-            s = with_sinks(v < t_sinks, s, kv_pos,
-                           lambda: jnp.einsum("qhgd,nhd->hqgn", qst, k), lambda m: m)
+            k, vv = (read_sequence_blocks(p, ids, logical, seq_lens[seq], heads_first=True)
+                     for p in (k_pages, v_pages))                      # [chunk, Hkv, bs, D]
+
+            def scores(qx):                                            # [Hkv, bq, G, C]
+                return jnp.einsum("qhgd,nhbd->hqgnb", qx, k).reshape(Hkv, bq, G, C)
+
+            s = with_sinks(v < t_sinks, scores(qt), kv_pos, lambda: scores(qst), lambda m: m)
             kept = jnp.repeat(ids != 0, bs)                            # [C] not dropped
             mask = visible(q_pos[:, None], kv_pos[None, :], **mask_opts) & row_ok[:, None] \
                 & kept[None, :]
             return online_softmax_step(carry, cap_logits(s, soft_cap), mask[None, :, None, :],
-                                       lambda p: jnp.einsum("hqgn,nhd->hqgd", p, vv))
+                                       lambda p: jnp.einsum("hqgnb,nhbd->hqgd",
+                                                            p.reshape(Hkv, bq, G, chunk, bs), vv))
 
         o, l = softmax_result(jax.lax.fori_loop(0, t_count, kv_step,
                                                 softmax_init((Hkv, bq, G), D)))

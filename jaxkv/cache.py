@@ -5,6 +5,12 @@ is donated and the kernels read one whole-array pool without slicing a stacked t
 
     k[layer]: [num_blocks, block_size, num_kv_heads, head_dim]     (v the same)
 
+or, for a float cache with ``KVCacheSpec.layout = "hnd"`` (the CPU path's default), an
+``HNDPages`` holding [num_blocks, num_kv_heads, block_size, head_dim]: each kv head's tokens of
+a block contiguous, which is how the grouped path's dots read a gathered block. Every pool's
+``shape`` is the logical NHD shape; ``write_layer`` / ``read_pages`` are the only code that
+indexes the stored order.
+
 A token's KV lives at a *slot* ``slot = block_id * block_size + offset``:
 
     block_table of a sequence (logical block -> physical block):  [7, 2, 9]
@@ -141,7 +147,35 @@ class QuantizedPages:
         return get_format(self.fmt)
 
 
-Pages = jax.Array | QuantizedPages
+@partial(jax.tree_util.register_dataclass, data_fields=["data"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HNDPages:
+    """One layer's float K (or V) pool laid out head-major (``KVCacheSpec.layout = "hnd"``).
+
+    A block's tokens of one kv head are contiguous, so a gathered block ``[Hkv, bs, D]`` is
+    already in the order of dots batched over (sequence, block, kv head) (the CPU path,
+    ``read_pages(..., heads_first=True)``). ``shape`` is the logical NHD shape, like every pool's.
+
+    Attributes:
+      data: [num_blocks, num_kv_heads, block_size, head_dim] in the format's storage dtype.
+    """
+
+    data: jax.Array   # [N, Hkv, bs, D]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Logical pool shape [num_blocks, block_size, kv_heads, head_dim]."""
+        n, h, bs, d = self.data.shape
+        return (n, bs, h, d)
+
+    ndim = 4
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+
+Pages = jax.Array | QuantizedPages | HNDPages
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["kmin", "kmax"], meta_fields=[])
@@ -171,8 +205,8 @@ class PagedKVCache:
     """Paged K/V pools of every layer.
 
     Attributes:
-      k: one pool per layer: an array [num_blocks, block_size, num_kv_heads, head_dim] for a
-        float cache, a ``QuantizedPages`` for a quantized one.
+      k: one pool per layer: an array [num_blocks, block_size, num_kv_heads, head_dim] (or an
+        ``HNDPages``) for a float cache, a ``QuantizedPages`` for a quantized one.
       v: same as ``k``.
       bounds: one ``KeyBounds`` per layer (Quest sparse attention over a float/fp8/int8 pool,
         ``KVCacheSpec.key_bounds``), or empty.
@@ -224,15 +258,19 @@ class PagedKVCache:
 # Logical axis names of a pool-shaped cache array (codes, scales, zero points, residual:
 # [blocks or residual slots, tokens or 1, kv_heads, channels]), for the sharding rules.
 CACHE_LOGICAL_AXES = (None, None, "kv_heads", "head_dim")
+HND_LOGICAL_AXES = (None, "kv_heads", None, "head_dim")   # an HNDPages' data
 
 
 def logical_axes(leaf) -> tuple[str | None, ...]:
     """Logical axis names of one cache array (an array, tracer or ``jax.ShapeDtypeStruct``).
 
-    The pool-shaped (4-D) arrays split over their kv heads (``CACHE_LOGICAL_AXES``), as do
+    The pool-shaped (4-D) arrays split over their kv heads (``CACHE_LOGICAL_AXES``; an
+    ``HNDPages`` passed whole: ``HND_LOGICAL_AXES`` of its data), as do
     Quest's key bounds (3-D: [num_blocks, kv_heads, head_dim]); the KIVI bookkeeping (``res_slot``, ``sealed`` [num_blocks], ``res_owner``, ``res_stamp`` [num_res],
     ``clock`` []) describes whole blocks, shared by all heads, and is replicated.
     """
+    if isinstance(leaf, HNDPages):
+        return HND_LOGICAL_AXES
     if leaf.ndim == 4:
         return CACHE_LOGICAL_AXES
     return CACHE_LOGICAL_AXES[1:] if leaf.ndim == 3 else (None,) * leaf.ndim
@@ -244,7 +282,7 @@ def _zeros_pool(spec: KVCacheSpec, axis: str) -> Pages:
     arrays = {name: jnp.zeros(shape, dtype) for name, (shape, dtype)
               in {**spec.block_arrays(axis), **spec.residual_arrays()}.items()}
     if not spec.format.quantized:
-        return arrays["data"]
+        return HNDPages(arrays["data"]) if spec.layout == "hnd" else arrays["data"]
     return QuantizedPages(**{f: arrays.get(f) for f in _POOL_FIELDS}, fmt=spec.kv_cache_dtype,
                           axis=axis, group_size=spec.token_group_size,
                           residual_full_precision=spec.residual_full_precision,
@@ -329,20 +367,34 @@ def take_blocks(a: jax.Array, ids: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0], -1)[ids].reshape(*ids.shape, *a.shape[1:])
 
 
-def read_pages(pages: Pages, ids: jax.Array, in_window: jax.Array | None = None) -> jax.Array:
+def read_pages(pages: Pages, ids: jax.Array, in_window: jax.Array | None = None, *,
+               heads_first: bool = False) -> jax.Array:
     """Whole blocks ``ids`` of one pool as f32 values (dequantized; KIVI blocks that hold a
     residual slot from the full-precision residual).
 
     Args:
-      pages: one layer's K or V pool (array or ``QuantizedPages``).
+      pages: one layer's K or V pool (array, ``HNDPages`` or ``QuantizedPages``).
       ids: int32 [...] block ids.
       in_window: bool like ``ids``: the block is inside its reader's residual window
         (``residual_window``); a block outside it is read as codes even if it still holds a slot
         (a stale or shared one). None: every block with a slot reads the residual.
+      heads_first: return each block head-major (free for an ``HNDPages`` pool, a transpose of
+        the gathered blocks for the others).
 
     Returns:
-      f32 [..., block_size, num_kv_heads, head_dim].
+      f32 [..., block_size, num_kv_heads, head_dim], or with ``heads_first``
+      [..., num_kv_heads, block_size, head_dim].
     """
+    if isinstance(pages, HNDPages):
+        out = take_blocks(pages.data, ids).astype(jnp.float32)
+        return out if heads_first else out.swapaxes(-3, -2)
+    out = _read_nhd(pages, ids, in_window)
+    return out.swapaxes(-3, -2) if heads_first else out
+
+
+def _read_nhd(pages: jax.Array | QuantizedPages, ids: jax.Array,
+              in_window: jax.Array | None) -> jax.Array:
+    """``read_pages`` of an NHD pool: f32 [..., block_size, num_kv_heads, head_dim]."""
     if not isinstance(pages, QuantizedPages):
         return take_blocks(pages, ids).astype(jnp.float32)
     sc = None if pages.scale is None else take_blocks(pages.scale, ids)
@@ -373,14 +425,15 @@ def window_first(seq_lens: jax.Array, block_size: int, residual_blocks: int) -> 
 
 
 def read_sequence_blocks(pages: Pages, ids: jax.Array, logical: jax.Array,
-                         seq_lens: jax.Array) -> jax.Array:
+                         seq_lens: jax.Array, *, heads_first: bool = False) -> jax.Array:
     """f32 [..., n, block_size, Hkv, D] blocks ``ids`` (int32 [..., n]) at logical block indices
     ``logical`` (like ``ids``) of sequences of kv length ``seq_lens`` (int32 [...]): a KIVI
-    block reads its residual only inside its sequence's residual window (``read_pages``)."""
+    block reads its residual only inside its sequence's residual window (``read_pages``).
+    ``heads_first``: [..., n, Hkv, block_size, D]."""
     if not isinstance(pages, QuantizedPages):
-        return read_pages(pages, ids)
+        return read_pages(pages, ids, heads_first=heads_first)
     first = window_first(seq_lens, pages.shape[1], pages.residual_blocks)
-    return read_pages(pages, ids, logical >= first[..., None])
+    return read_pages(pages, ids, logical >= first[..., None], heads_first=heads_first)
 
 
 def _assign_slots(p: QuantizedPages, blocks: jax.Array, need: jax.Array, touched: jax.Array
@@ -504,7 +557,8 @@ def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array,
     """Scatters new K (or V) rows of one layer into its pool by slot (quantizing on write).
 
     Args:
-      pool: [num_blocks, block_size, num_kv_heads, head_dim] array or ``QuantizedPages``.
+      pool: [num_blocks, block_size, num_kv_heads, head_dim] array, ``HNDPages`` or
+        ``QuantizedPages``.
       new: [T, num_kv_heads, head_dim], cast to the pool dtype (or quantized).
       slot_mapping: int32 [T], ``block_id * block_size + offset``; padding tokens point into block 0.
       md: the step's metadata; needed by KIVI pools with ``residual_blocks > 1`` (each token's
@@ -515,6 +569,8 @@ def write_layer(pool: Pages, new: jax.Array, slot_mapping: jax.Array,
     """
     block_size = pool.shape[1]
     blk, off = slot_mapping // block_size, slot_mapping % block_size
+    if isinstance(pool, HNDPages):
+        return HNDPages(pool.data.at[blk, :, off].set(new.astype(pool.dtype)))
     if not isinstance(pool, QuantizedPages):
         return pool.at[blk, off].set(new.astype(pool.dtype))
     if pool.residual is None:
@@ -553,7 +609,7 @@ def gather(cache: PagedKVCache, layer: int, block_table: jax.Array,
     blocks = block_table[pos // cache.block_size]
     off = pos % cache.block_size
     if not isinstance(cache.k[layer], QuantizedPages):
-        return cache.k[layer][blocks, off], cache.v[layer][blocks, off]
+        return tuple(_float_tokens(p[layer], blocks, off) for p in (cache.k, cache.v))
     nb = -(-length // cache.block_size)
     ids = block_table[:nb]
     k, v = (read_pages(p, ids).reshape(nb * cache.block_size, *p.shape[2:])[:length]
@@ -561,7 +617,17 @@ def gather(cache: PagedKVCache, layer: int, block_table: jax.Array,
     return k, v
 
 
+def _float_tokens(pool: jax.Array | HNDPages, blk: jax.Array, off: jax.Array) -> jax.Array:
+    """[T, Hkv, D] the tokens of a float pool at blocks ``blk`` and offsets ``off`` (int32 [T]),
+    in the pool's dtype."""
+    if isinstance(pool, HNDPages):
+        return pool.data[blk, :, off]
+    return pool[blk, off]
+
+
 def _copy_pool(p: Pages, src: jax.Array, dst: jax.Array) -> Pages:
+    if isinstance(p, HNDPages):
+        return HNDPages(_copy_pool(p.data, src, dst))
     if not isinstance(p, QuantizedPages):
         return p.at[dst].set(p[src])
     out = dataclasses.replace(p, data=p.data.at[dst].set(p.data[src]))
@@ -610,7 +676,8 @@ def written_keys(k_pages: Pages, slot_mapping: jax.Array) -> jax.Array:
     not the model's: every score then bounds the logits attention computes.
 
     Args:
-      k_pages: [num_blocks, block_size, Hkv, D] float pool, or an fp8/int8 ``QuantizedPages``.
+      k_pages: [num_blocks, block_size, Hkv, D] float pool (or ``HNDPages``), or an fp8/int8
+        ``QuantizedPages``.
       slot_mapping: int32 [T] ``block_id * block_size + offset``.
 
     Returns:
@@ -623,7 +690,7 @@ def written_keys(k_pages: Pages, slot_mapping: jax.Array) -> jax.Array:
     bs = k_pages.shape[1]
     blk, off = slot_mapping // bs, slot_mapping % bs
     if not isinstance(k_pages, QuantizedPages):
-        return k_pages[blk, off].astype(jnp.float32)
+        return _float_tokens(k_pages, blk, off).astype(jnp.float32)
     if k_pages.format.kivi:
         raise ValueError(f"{k_pages.fmt} pools need no KeyBounds: pass the pool to page_bounds")
     scale = None if k_pages.scale is None else k_pages.scale[blk, off]          # [T, Hkv, 1]

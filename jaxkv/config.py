@@ -33,7 +33,7 @@ import types
 import typing
 
 from jaxkv.checks import check_number, check_type
-from jaxkv.kv_spec import MODEL_DTYPES
+from jaxkv.kv_spec import LAYOUTS, MODEL_DTYPES
 from jaxkv.retention import FullRetention, Retention
 from jaxkv.retention.streaming import POSITIONS
 
@@ -268,6 +268,10 @@ class CacheArgs:
 
     kv_cache_dtype: str = option("auto", "KV format (auto = the model dtype); the formats are "
                                  "listed in jaxkv/kv_spec.py")
+    kv_layout: str = option("auto", "float KV pools' memory order: nhd [blocks, tokens, heads, "
+                            "dim] or hnd [blocks, heads, tokens, dim] (auto: hnd for the CPU "
+                            "paths, nhd for pallas and quantized formats)",
+                            choices=("auto", *LAYOUTS))
     kv_residual_blocks: int = option(1, "int4/int2 (KIVI): residual window in blocks kept in "
                                      "full precision", minimum=1)
     kv_group_size: int | None = option(None, "int4/int2 (KIVI): channels per value scale/zero "

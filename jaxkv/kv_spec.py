@@ -23,7 +23,8 @@ that stores them, ``fp8`` is ``fp8_e4m3``; ``"auto"`` follows the model dtype
 One layer's K (or V) pool of a ``KVCacheSpec`` (N = num_blocks, bs = block_size, H = num_kv_heads,
 D = head_dim, G = group_size, R = num_residual_slots + 1 with slot 0 the null slot):
 
-    float:     data  [N, bs, H, D]              the format's storage dtype
+    float:     data  [N, bs, H, D]              the format's storage dtype (layout "nhd")
+                  or [N, H, bs, D]              (layout "hnd": the CPU path's default)
     fp8/int8:  data  [N, bs, H, D]              codes
                scale [N, bs, H, 1]              bf16 (absent with a static scale)
     int4/int2: data  [N, bs, H, D / per_byte]   packed codes
@@ -107,6 +108,7 @@ SCALE_STORAGE = KV_FORMATS["bf16"].storage
 # KIVI's value group G: the default group is the largest divisor of head_dim up to this.
 KIVI_MAX_GROUP_SIZE = 32
 AXES = ("channel", "token")
+LAYOUTS = ("nhd", "hnd")   # float pools: [N, bs, Hkv, D] or [N, Hkv, bs, D] (KVCacheSpec.layout)
 _ITEMSIZE = {"int32": 4, "bool": 1, "uint8": 1,
              **{f.storage: f.bits // 8 for f in KV_FORMATS.values() if f.bits >= 8}}
 
@@ -187,6 +189,10 @@ class KVCacheSpec:
         ``supports_static_scale``: fp8), or None.
       key_bounds: keep Quest's per-block key bounds beside every K pool (``bounds_arrays``;
         nothing for KIVI formats, whose scale/zero give the bounds).
+      layout: how a float pool lies in memory (``LAYOUTS``): ``"nhd"`` [num_blocks, block_size,
+        num_kv_heads, head_dim] (what the Pallas kernels read) or ``"hnd"`` [num_blocks,
+        num_kv_heads, block_size, head_dim], where a gathered block is already in the order
+        the CPU path's batched dots read it (bench/kv_layout.py). Quantized pools are NHD.
 
     Raises:
       ValueError: naming the field, for any value the cache cannot be built with.
@@ -207,6 +213,7 @@ class KVCacheSpec:
     residual_full_precision: bool = True
     static_scale: float | None = None
     key_bounds: bool = False
+    layout: str = "nhd"
 
     def __post_init__(self):
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
@@ -236,6 +243,11 @@ class KVCacheSpec:
             scale = self.static_scale
             if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
                 raise ValueError(f"static_scale={scale!r} must be a finite float > 0")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"kv_layout={self.layout!r} is not one of {LAYOUTS}")
+        if self.layout != "nhd" and fmt.quantized:
+            raise ValueError(f"kv_layout={self.layout!r} holds float pools only; "
+                             f"kv_cache_dtype={fmt.name!r} pools are 'nhd'")
         if self.head_dim % fmt.per_byte:
             raise ValueError(f"head_dim={self.head_dim} must be a multiple of {fmt.per_byte} for "
                              f"kv_cache_dtype={fmt.name!r} ({fmt.per_byte} codes per byte)")
@@ -276,6 +288,8 @@ class KVCacheSpec:
         """The arrays with a leading ``num_blocks`` axis of one layer's K (``axis`` =
         ``axes[0]``) or V pool: name -> (shape, numpy dtype name); see the module docstring."""
         fmt, (n, bs, h, d) = self.format, self.pool_shape
+        if self.layout == "hnd":
+            return {"data": ((n, h, bs, d), fmt.storage)}
         out = {"data": ((n, bs, h, d // fmt.per_byte), fmt.storage)}
         if not fmt.quantized or self.static_scale is not None:
             return out

@@ -43,12 +43,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import KeyBounds, PagedKVCache, QuantizedPages
+from jaxkv.cache import HNDPages, KeyBounds, PagedKVCache, QuantizedPages
 
 _UNIT_FIELDS = ("data", "scale", "zero", "sealed")   # the per-block arrays of a QuantizedPages
 
 
 def _pool_units(p, ids: jax.Array) -> list[jax.Array]:
+    if isinstance(p, HNDPages):
+        return [p.data[ids]]
     if not isinstance(p, QuantizedPages):
         return [p[ids]]
     out = [getattr(p, f)[ids] for f in _UNIT_FIELDS if getattr(p, f) is not None]
@@ -66,6 +68,8 @@ def block_units(cache: PagedKVCache, ids: jax.Array) -> list[jax.Array]:
 
 
 def _put_pool(p, ids: jax.Array, units: list[jax.Array]):
+    if isinstance(p, HNDPages):
+        return HNDPages(p.data.at[ids].set(units.pop(0)))
     if not isinstance(p, QuantizedPages):
         return p.at[ids].set(units.pop(0))
     new = {}

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.attention_impl import paged_attention
-from jaxkv.cache import PagedKVCache, abstract_cache
+from jaxkv.cache import HNDPages, PagedKVCache, abstract_cache
 from jaxkv.cache import logical_axes as cache_logical_axes
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.model.config import ModelConfig
@@ -170,8 +170,13 @@ def cache_specs(tree, *, rules=LOGICAL_AXIS_RULES):
     """The ``PartitionSpec`` of every array of a cache, a pool or a ``QuantizedPages`` (arrays,
     tracers or ``jax.ShapeDtypeStruct``s), in the same structure: pool-shaped arrays (float
     pages, codes, scales, zero points, the KIVI residual) split over their kv-head axis, the
-    KIVI bookkeeping replicated (``jaxkv.cache.logical_axes``)."""
-    return jax.tree.map(lambda x: spec(cache_logical_axes(x), rules=rules), tree)
+    KIVI bookkeeping replicated (``jaxkv.cache.logical_axes``; an ``HNDPages`` over the head
+    axis of its data)."""
+    def leaf_spec(x):
+        out = spec(cache_logical_axes(x), rules=rules)
+        return HNDPages(out) if isinstance(x, HNDPages) else out
+
+    return jax.tree.map(leaf_spec, tree, is_leaf=lambda x: isinstance(x, HNDPages))
 
 
 def cache_shardings(cache: PagedKVCache | KVCacheSpec, mesh: Mesh, *,

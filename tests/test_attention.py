@@ -133,6 +133,41 @@ def test_cache_write_gather_bit_exact_and_copy_blocks():
                           np.asarray(cache.v[1][table[:2]]))
 
 
+def test_hnd_pools_hold_the_nhd_pools_transposed():
+    """An HND cache (``KVCacheSpec.layout="hnd"``) and an NHD cache fed the same writes, block
+    copies and Quest key bounds: every HND pool equals its NHD twin with heads and tokens
+    swapped, and every read (gather, read_pages either way round, written_keys) is equal."""
+    rng = np.random.default_rng(5)
+    bs, Hkv, D, N = 4, 3, 8, 14
+    spec = dict(num_layers=2, num_blocks=N, block_size=bs, num_kv_heads=Hkv, head_dim=D,
+                key_bounds=True)
+    nhd, hnd = (kvcache.init_cache(KVCacheSpec(**spec, layout=x)) for x in ("nhd", "hnd"))
+    assert isinstance(hnd.k[0], kvcache.HNDPages) and hnd.k[0].data.shape == (N, Hkv, bs, D)
+    assert hnd.k[0].shape == nhd.k[0].shape and hnd.nbytes == nhd.nbytes
+    table = np.array(rng.permutation(np.arange(1, N))[:4], np.int32)
+    for lo, hi in ((0, 6), (6, 7), (7, 14)):               # a chunk, a decode token, a chunk
+        pos = np.arange(lo, hi)
+        slots = jnp.asarray(table[pos // bs] * bs + pos % bs)
+        k, v = (jnp.asarray(rng.standard_normal((hi - lo, Hkv, D)), jnp.float32)
+                for _ in range(2))
+        nhd, hnd = (kvcache.write(c, 1, k, v, slots) for c in (nhd, hnd))
+        assert np.array_equal(kvcache.written_keys(hnd.k[1], slots),
+                              kvcache.written_keys(nhd.k[1], slots))
+    src, dst = jnp.asarray(table[:2]), jnp.asarray(np.setdiff1d(np.arange(1, N), table)[:2])
+    nhd, hnd = (kvcache.copy_blocks(c, src, dst) for c in (nhd, hnd))
+    for a, b in zip(nhd.k + nhd.v, hnd.k + hnd.v):
+        assert np.array_equal(np.asarray(b.data), np.asarray(a).transpose(0, 2, 1, 3))
+    for a, b in zip(nhd.bounds, hnd.bounds):
+        assert np.array_equal(np.asarray(a.kmin), np.asarray(b.kmin))
+        assert np.array_equal(np.asarray(a.kmax), np.asarray(b.kmax))
+    for a, b in zip(*(kvcache.gather(c, 1, jnp.asarray(table), 14) for c in (nhd, hnd))):
+        assert np.array_equal(a, b)
+    ids = jnp.asarray(np.concatenate([table, np.asarray(dst)]).reshape(2, 3))
+    for heads_first in (False, True):
+        assert np.array_equal(kvcache.read_pages(hnd.v[1], ids, heads_first=heads_first),
+                              kvcache.read_pages(nhd.v[1], ids, heads_first=heads_first))
+
+
 def test_cache_rejects_bad_geometry():
     with pytest.raises(ValueError, match="num_blocks=1"):
         KVCacheSpec(num_layers=1, num_blocks=1, block_size=16, num_kv_heads=2, head_dim=8)

@@ -77,20 +77,31 @@ def jitted(fn, **options):
     return _jitted(fn, tuple(sorted(options.items())))
 
 
+def hnd(pool: jax.Array) -> kvcache.HNDPages:
+    """The HND copy of an NHD float pool [N, bs, Hkv, D]."""
+    return kvcache.HNDPages(jnp.asarray(pool.transpose(0, 2, 1, 3)))
+
+
 def assert_matches_reference(args, tol=F32, **opts):
     """out and lse of the grouped path (jitted, with ``opts``) == the reference's; padding
-    tokens give zeros and -inf."""
+    tokens give zeros and -inf. Float pools are also read as their HND copies (``hnd``)
+    against the same reference over the NHD pools."""
     grouped = {k: v for k, v in opts.items()
                if k in ("block_q", "kv_chunk_blocks", "row_queries")}
     spec = {k: v for k, v in opts.items() if k not in grouped}
     want, want_lse = jitted(paged_attention_reference, **spec)(*args)
-    got, lse = jitted(paged_attention_grouped, **opts)(*args)
-    assert got.dtype == args[0].dtype and got.shape == want.shape
     n = int(args[5][-1])
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
-    np.testing.assert_allclose(np.asarray(lse[:n]), np.asarray(want_lse[:n]), **tol)
-    assert np.all(np.asarray(got[n:], np.float32) == 0), "padding tokens must produce zeros"
-    assert np.all(np.isneginf(np.asarray(lse[n:])))
+    layouts = [args]
+    if isinstance(args[1], jax.Array):
+        layouts.append((args[0], hnd(args[1]), hnd(args[2]), *args[3:]))
+    for pools in layouts:
+        got, lse = jitted(paged_attention_grouped, **opts)(*pools)
+        assert got.dtype == args[0].dtype and got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   **tol)
+        np.testing.assert_allclose(np.asarray(lse[:n]), np.asarray(want_lse[:n]), **tol)
+        assert np.all(np.asarray(got[n:], np.float32) == 0), "padding tokens must produce zeros"
+        assert np.all(np.isneginf(np.asarray(lse[n:])))
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
@@ -272,9 +283,9 @@ def counting_reads(monkeypatch, module):
     of every read (2: the row path's [S, chunk], 1: a tile's [chunk]); returns the record."""
     reads = []
 
-    def counting(pages, ids, logical, seq_lens):
+    def counting(pages, ids, logical, seq_lens, **kw):
         jax.debug.callback(lambda x: reads.append(x.ndim), ids)
-        return kvcache.read_sequence_blocks(pages, ids, logical, seq_lens)
+        return kvcache.read_sequence_blocks(pages, ids, logical, seq_lens, **kw)
 
     monkeypatch.setattr(module, "read_sequence_blocks", counting)
     return reads

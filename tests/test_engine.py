@@ -59,6 +59,29 @@ def test_tiny_kv_budget_preempts_and_matches_unconstrained(tiny, llm):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def test_kv_layouts_give_the_same_tokens(tiny, llm):
+    """The CPU default (HND pools) and NHD pools give the same greedy tokens; the resolved
+    layout follows the attention implementation and the format."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.engine.runner import resolve
+
+    assert llm.engine.runner.kv_spec.layout == "hnd"
+    ps = prompts(4, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    with LLM(str(tiny[0]), **{**ENGINE, "kv_layout": "nhd"}) as nhd:
+        assert nhd.engine.runner.kv_spec.layout == "nhd"
+        assert [o.outputs[0].token_ids for o in nhd.generate(ps, params, use_tqdm=False)] == want
+    config = llm.engine.runner.model_config
+    for kwargs, layout in ((dict(attention_impl="pallas"), "nhd"),
+                           (dict(kv_cache_dtype="int8"), "nhd"),
+                           (dict(attention_impl="reference"), "hnd")):
+        engine = EngineConfig.from_kwargs(model=str(tiny[0]), **kwargs)
+        assert resolve(engine, config).kv_layout == layout
+    with pytest.raises(ValueError, match="kv_layout='hnd' holds float pools only"):
+        LLM(str(tiny[0]), **{**ENGINE, "kv_cache_dtype": "int8", "kv_layout": "hnd"})
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
     ps = prompts(5, seed=2)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24,

@@ -102,6 +102,8 @@ def test_kivi_spec_with_the_default_group_fits_any_head_dim(head_dim, kv):
     (dict(value_axis=None), "value_axis=None"),
     (dict(kv_cache_dtype="int8", static_scale=0.1), "static_scale applies to"),
     (dict(kv_cache_dtype="fp8", static_scale=-1.0), "static_scale=-1.0"),
+    (dict(layout="hdn"), "kv_layout='hdn'"),
+    (dict(kv_cache_dtype="int8", layout="hnd"), "kv_layout='hnd' holds float pools only"),
 ])
 def test_bad_specs_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match="^" + re.escape(field)):
@@ -177,6 +179,8 @@ def test_pallas_support_is_checked_on_the_spec():
 
     check_pallas_support(spec(head_dim=64, kv_cache_dtype="int4"))
     check_pallas_support(spec(head_dim=128, kv_cache_dtype="fp8_e4m3", static_scale=1.0))
+    with pytest.raises(ValueError, match="kv_layout='hnd': the Pallas kernels read NHD"):
+        check_pallas_support(spec(head_dim=64, layout="hnd"))
     with pytest.raises(ValueError, match="head_dim=80 must be a power of two"):
         check_pallas_support(spec(head_dim=80))
     with pytest.raises(ValueError, match="8-channel chunks"):

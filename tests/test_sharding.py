@@ -120,9 +120,10 @@ def test_param_and_cache_shardings_follow_the_rules_and_two_all_reduces_per_laye
     assert attn["o_proj"] == ["tp", None, None]               # heads, head_dim, embed
     assert mlp["gate_proj"] == mlp["up_proj"] == [None, "tp"]
     assert mlp["down_proj"] == ["tp", None]
-    assert r["cache_specs"] == [[None, None, "tp", None]] * 2
-    # 2 kv heads repeated to 4: each device holds one [48 blocks, 8, 1 head, 16] pool shard
-    assert r["cache_shard_shape"] == [48, 8, 1, 16]
+    assert r["kv_layout"] == "hnd"                            # [blocks, kv_heads, tokens, dim]
+    assert r["cache_specs"] == [[None, "tp", None, None]] * 2
+    # 2 kv heads repeated to 4: each device holds one [48 blocks, 1 head, 8, 16] pool shard
+    assert r["cache_shard_shape"] == [48, 1, 8, 16]
     # o_proj and down_proj all-reduce once each per layer; +1 for the vocab-split embedding lookup
     assert r["all_reduces"] == 2 * r["num_layers"] + 1
 

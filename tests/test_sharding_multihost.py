@@ -53,4 +53,4 @@ def test_forks_and_prefix_hits_under_tp_match_one_device(llama):
     r = run_worker("forks", llama, "--tp", 1, 4, devices=4)
     assert r["tp4"] == r["tp1"]
     assert r["tp4_prefix_hits"] == r["tp1_prefix_hits"] > 0
-    assert r["tp4_cache_spec"] == [None, None, "tp"]
+    assert r["tp4_cache_spec"] == [None, "tp"]

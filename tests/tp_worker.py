@@ -165,7 +165,8 @@ def cmd_forks(a) -> dict:
             outs = llm.generate(prompts, sp, use_tqdm=False)
             out[f"tp{tp}"] = [[c.token_ids for c in o.outputs] for o in outs]
             out[f"tp{tp}_prefix_hits"] = llm.stats()["prefix_cache_hits"]
-            out[f"tp{tp}_cache_spec"] = list(getattr(llm.engine.runner.cache.k[0].sharding, "spec", ()))
+            pool = llm.engine.runner.cache.k[0].data      # HNDPages: [blocks, heads, tokens, dim]
+            out[f"tp{tp}_cache_spec"] = list(getattr(pool.sharding, "spec", ()))
     return out
 
 
@@ -178,9 +179,11 @@ def cmd_inspect(a) -> dict:
     with LLM(a.model, tensor_parallel_size=a.tp[0], **ENGINE) as llm:
         hlo = llm.compiled_step_text(32, 4)
         cache = llm.engine.runner.cache
+        k, v = cache.k[0].data, cache.v[-1].data         # the CPU default: HNDPages
         return {"param_specs": _specs(llm.engine.runner.params),
-                "cache_specs": [_specs(cache.k[0]), _specs(cache.v[-1])],
-                "cache_shard_shape": list(cache.k[0].addressable_shards[0].data.shape),
+                "kv_layout": llm.engine.runner.kv_spec.layout,
+                "cache_specs": [_specs(k), _specs(v)],
+                "cache_shard_shape": list(k.addressable_shards[0].data.shape),
                 "mesh": dict(llm.engine.runner.mesh.shape),
                 "num_layers": llm.model_config.num_layers,
                 "all_reduces": sharding.count_all_reduces(hlo)}

@@ -30,7 +30,7 @@ from jaxkv import batch, kv_disk, planner, sharding
 from jaxkv.cache import copy_blocks, init_cache
 from jaxkv.kv_transfer import HostKVPool
 from jaxkv.config import CacheConfig, EngineConfig
-from jaxkv.kv_spec import (KVCacheSpec, default_group_size, kivi_residual_slots,
+from jaxkv.kv_spec import (KV_FORMATS, KVCacheSpec, default_group_size, kivi_residual_slots,
                             resolve_kv_cache_dtype)
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
@@ -95,6 +95,9 @@ class Resolved:
       attention_impl: ``"pallas"`` on GPU, ``"grouped"`` on CPU unless chosen (the
         reference's results to float rounding, 2-5x faster there: bench/attention_cpu.py).
       kv_cache_dtype: the canonical KV format name.
+      kv_layout: the pools' layout (``KVCacheSpec.layout``): ``"hnd"`` for a float format read
+        by the CPU paths (its gathered blocks need no transpose: bench/kv_layout.py), else
+        ``"nhd"`` unless chosen.
       kv_group_size: KIVI's value group (default: the largest divisor of head_dim <= 32).
       max_model_len: default ``min(model context, 8192)``.
     """
@@ -102,6 +105,7 @@ class Resolved:
     dtype: str
     attention_impl: str
     kv_cache_dtype: str
+    kv_layout: str
     kv_group_size: int
     max_model_len: int
 
@@ -112,10 +116,13 @@ def resolve(config: EngineConfig, model_config) -> Resolved:
     dtype = config.model.dtype
     if dtype == "auto":
         dtype = "bfloat16" if on_gpu else "float32"
+    impl = config.runtime.attention_impl or ("pallas" if on_gpu else "grouped")
+    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+    layout = config.cache.kv_layout
+    if layout == "auto":
+        layout = "nhd" if impl == "pallas" or KV_FORMATS[kv_cache_dtype].quantized else "hnd"
     return Resolved(
-        dtype=dtype,
-        attention_impl=config.runtime.attention_impl or ("pallas" if on_gpu else "grouped"),
-        kv_cache_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype),
+        dtype=dtype, attention_impl=impl, kv_cache_dtype=kv_cache_dtype, kv_layout=layout,
         kv_group_size=config.cache.kv_group_size or default_group_size(model_config.head_dim),
         max_model_len=(config.scheduler.max_model_len
                        or min(model_config.max_position_embeddings, 8192)))
@@ -268,7 +275,7 @@ class ModelRunner:
                            residual_blocks=cc.kv_residual_blocks,
                            num_residual_slots=kivi_residual_slots(
                                self.sched_config.max_num_seqs, cc.kv_residual_blocks),
-                           key_bounds=cc.sparse_attention is not None)
+                           key_bounds=cc.sparse_attention is not None, layout=r.kv_layout)
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.summary())
         if not self.memory_plan.runs:
@@ -338,7 +345,8 @@ class ModelRunner:
                 model=kv_disk.model_identity(self.model_path), config=repr(self.model_config),
                 kv_cache_dtype=s.kv_cache_dtype, dtype=s.dtype, block_size=s.block_size,
                 num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                group_size=s.group_size, key_bounds=s.key_bounds, tensor_parallel_size=tp,
+                group_size=s.group_size, key_bounds=s.key_bounds, layout=s.layout,
+                tensor_parallel_size=tp,
                 unit=repr([(f[0], f[1], f[3]) for f in self.host_pool.fields]),
                 devices=len(self.host_pool.devices))
             self.disk = kv_disk.DiskKVStore(cc.kv_cache_dir, ns, self.host_pool.block_bytes)

@@ -115,7 +115,10 @@ def check_pallas_support(spec: KVCacheSpec) -> None:
     """Raises ValueError if the Pallas kernels cannot read the pools of ``spec`` (checked on the
     spec, before anything is allocated): head_dim must be a power of two >= 16; KIVI pools need
     head-dim chunks of >= 16 channels and the full-precision residual (``kivi_chunk_width``);
-    no 1-byte array may be of 2-4 GiB (``check_offsets``)."""
+    no 1-byte array may be of 2-4 GiB (``check_offsets``); the pools must be NHD."""
+    if spec.layout != "nhd":
+        raise ValueError(f"kv_layout={spec.layout!r}: the Pallas kernels read NHD pools; use "
+                         f"kv_layout='nhd' (the default with attention_impl='pallas')")
     check_head_dim(spec.head_dim)
     if spec.format.kivi:
         kivi_chunk_width(spec.format, spec.head_dim, spec.group_size,
@@ -154,8 +157,10 @@ def kv_operands(k_pages, v_pages):
         head_dim chunks narrower than 16 channels (e.g. int2 with head_dim < 64), and for code
         pools ``check_offsets`` refuses.
     """
-    from jaxkv.cache import QuantizedPages   # the cache pytree only; no engine import
+    from jaxkv.cache import HNDPages, QuantizedPages   # the cache pytree only; no engine import
 
+    if isinstance(k_pages, HNDPages):
+        raise ValueError("the Pallas kernels read NHD pools, not HNDPages (kv_layout='hnd')")
     if not isinstance(k_pages, QuantizedPages):
         return [k_pages, v_pages], float_layout(k_pages.shape[-1])
     d = k_pages.head_dim

@@ -6,7 +6,8 @@ rows in a sequence bucket of ``S`` whose kv lengths are drawn uniformly from a r
 bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-256: contexts
 ~50-770; tables 64 blocks wide = max_model_len 1024), the same rows at one length (no
 raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192).
-Today's tree runs against the module as it was at ``--rev`` (loaded from git), and
+Today's tree runs against the module as it was at ``--rev`` (loaded from git), on the same
+pools laid out NHD and, as the engine's CPU default holds them, HND (``jaxkv.cache.HNDPages``);
 with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
 each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
 (``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
@@ -32,6 +33,7 @@ import numpy as np
 
 from jaxkv import attention_grouped
 from jaxkv.attention import paged_attention_reference
+from jaxkv.cache import HNDPages
 from step_timing import alternating_times, loadavg, ms_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +96,12 @@ def case_args(rng, S, n, lo, hi, max_blocks):
             tables, lens, qsl), float(np.mean(kv))
 
 
+def hnd_args(args):
+    """``case_args``' arguments with the K and V pools as their HND copies."""
+    q, k, v, *rest = args
+    return (q, *(HNDPages(jnp.array(p.transpose(0, 2, 1, 3))) for p in (k, v)), *rest)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,22 +117,26 @@ def main() -> None:
     if unknown := [k for k in names if k not in CASES]:
         ap.error(f"--cases: unknown {unknown}; the cases are {list(CASES)}")
     cases = {k: CASES[k] for k in names}
-    variants = {f"@{a.rev}": variant(module_at(a.rev), None),
-                "today": variant(attention_grouped, None)}
+    # name: (jitted attention, reads the HND pools)
+    variants = {f"@{a.rev}": (variant(module_at(a.rev), None), False),
+                "today": (variant(attention_grouped, None), False),
+                "today, HND": (variant(attention_grouped, None), True)}
     for cb in filter(None, a.chunk_bytes.split(",")):
-        variants[f"today, {cb} chunks"] = variant(attention_grouped, parse_bytes(cb))
+        variants[f"today, {cb} chunks"] = (variant(attention_grouped, parse_bytes(cb)), False)
     rng = np.random.default_rng(0)
     out = {"rev": a.rev, "repeats": a.repeats, "rounds": a.rounds, "cases": {}}
     print("| case | mean kv | " + " | ".join(f"{v} ms" for v in variants) + " | load |")
     print("|---|---|" + "---|" * len(variants) + "---|")
     for name, (S, n, (lo, hi), max_blocks) in cases.items():
         args, mean_kv = case_args(rng, S, n, lo, hi, max_blocks)
+        layouts = {False: args, True: hnd_args(args)}
         ref = np.asarray(paged_attention_reference(*args))[:n]
-        diff = {v: float(np.abs(np.asarray(f(*args))[:n] - ref).max())
-                for v, f in variants.items()}                     # also compiles each
+        diff = {v: float(np.abs(np.asarray(f(*layouts[h]))[:n] - ref).max())
+                for v, (f, h) in variants.items()}                # also compiles each
         before = loadavg()
-        times = alternating_times({v: partial(lambda f: jax.block_until_ready(f(*args)), f)
-                                   for v, f in variants.items()}, a.rounds, a.repeats)
+        times = alternating_times(
+            {v: partial(lambda f, xs: jax.block_until_ready(f(*xs)), f, layouts[h])
+             for v, (f, h) in variants.items()}, a.rounds, a.repeats)
         row = {"S": S, "rows": n, "kv_range": [lo, hi], "mean_kv": mean_kv,
                "load_before": before, "load_after": loadavg(), "variants": {}}
         for v, ts in times.items():

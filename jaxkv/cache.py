@@ -8,8 +8,8 @@ is donated and the kernels read one whole-array pool without slicing a stacked t
 or, for a float cache with ``KVCacheSpec.layout = "hnd"`` (the CPU path's default), an
 ``HNDPages`` holding [num_blocks, num_kv_heads, block_size, head_dim]: each kv head's tokens of
 a block contiguous, which is how the grouped path's dots read a gathered block. Every pool's
-``shape`` is the logical NHD shape; ``write_layer`` / ``read_pages`` are the only code that
-indexes the stored order.
+``shape`` is the logical NHD shape; only this module's writes, reads and block copies (and
+jaxkv/kv_transfer.py's block units) index the stored order.
 
 A token's KV lives at a *slot* ``slot = block_id * block_size + offset``:
 

@@ -50,7 +50,7 @@ _UNIT_FIELDS = ("data", "scale", "zero", "sealed")   # the per-block arrays of a
 
 def _pool_units(p, ids: jax.Array) -> list[jax.Array]:
     if isinstance(p, HNDPages):
-        return [p.data[ids]]
+        return _pool_units(p.data, ids)
     if not isinstance(p, QuantizedPages):
         return [p[ids]]
     out = [getattr(p, f)[ids] for f in _UNIT_FIELDS if getattr(p, f) is not None]
@@ -69,7 +69,7 @@ def block_units(cache: PagedKVCache, ids: jax.Array) -> list[jax.Array]:
 
 def _put_pool(p, ids: jax.Array, units: list[jax.Array]):
     if isinstance(p, HNDPages):
-        return HNDPages(p.data.at[ids].set(units.pop(0)))
+        return HNDPages(_put_pool(p.data, ids, units))
     if not isinstance(p, QuantizedPages):
         return p.at[ids].set(units.pop(0))
     new = {}

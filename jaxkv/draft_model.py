@@ -159,8 +159,8 @@ class DraftModelProposer:
       block_manager: the draft pool's owner (tables exist exactly for the requests with
         draft state).
       probe_interval: the adaptive draft length asks for a request it gives no drafts (k = 0)
-        once per this many steps only (``Speculator.drafts``): every proposal costs a draft
-        forward.
+        once per this many steps only, more rarely after probes that miss
+        (``Speculator.drafts``): every proposal costs a draft forward.
     """
 
     probe_interval = 8

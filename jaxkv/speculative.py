@@ -100,7 +100,11 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   asked for ``max(1, k)`` tokens, so a ``k = 0`` request keeps measuring with one proposed
   token; a proposer whose proposals cost a forward pass (the draft model) sets
   ``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
-  many steps (its draft cache catches up then, in one chunk).
+  many steps (its draft cache catches up then, in one chunk). Each probe whose token misses
+  doubles that request's interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a
+  probe that matches, or a step that drafts, resets it. So a request the draft cannot help
+  costs O(log n) draft forwards over n tokens instead of n / ``probe_interval``, and one whose
+  proposals start matching is asked every ``probe_interval`` steps again.
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
 _PRIOR_TRIALS = 2.0
 _EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
+_MAX_PROBE_BACKOFF = 16  # a k = 0 request's probe interval grows to this many base intervals
 
 
 class Proposer(Protocol):
@@ -356,6 +361,8 @@ class Speculator:
         self.proposer = proposer
         self._held: set[Hashable] = set()   # requests proposed for since their last release
         self._idle: dict[Hashable, int] = {}  # k = 0 steps since a request was last asked
+        self._probe_every: dict[Hashable, int] = {}   # a k = 0 request's interval, if not the base
+        self._probes: set[Hashable] = set()   # this step's k = 0 requests asked for one token
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
@@ -417,20 +424,24 @@ class Speculator:
         self.forget(state)
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
+        self._probe_every = {i: n for i, n in self._probe_every.items() if i in state.requests}
         if self.step_cost is not None and self.draft_cost is not None:
             return self._drafts_by_step_time(state)
         probe_interval = getattr(self.proposer, "probe_interval", 1)
-        self._proposals, out = {}, {}
+        self._proposals, self._probes, out = {}, set(), {}
         wanted, lengths = {}, {}
         for request_id in scheduler.decoding_ids(state):
             rs = state.requests[request_id]
             room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
             k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
                 self.acceptance(request_id), self.num_speculative_tokens, self.draft_cost))
-            if k == 0:   # asked for one token to keep measuring, once per probe_interval steps
+            if k == 0:   # asked for one token to keep measuring, once per its interval
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
-                if self._idle[request_id] < probe_interval:
+                if self._idle[request_id] < self._probe_every.get(request_id, probe_interval):
                     continue
+                self._probes.add(request_id)
+            else:
+                self._probe_every.pop(request_id, None)
             self._idle[request_id] = 0
             n = min(max(k, 1), room)
             if n > 0:
@@ -554,6 +565,7 @@ class Speculator:
                 self._measured_s += seconds
                 if self._exploring is not None:   # charged: its time above the plain step's
                     self._charged_s += max(0.0, seconds - self._exploring)
+        probe_interval = getattr(self.proposer, "probe_interval", 1)
         for row, seq in enumerate(plan.seqs):
             n = int(num_accepted[row])
             if seq.num_drafts:
@@ -566,6 +578,11 @@ class Speculator:
                 matched = next((j for j, (p, e) in enumerate(zip(proposal, emitted)) if p != e),
                                None)
                 trials = min(len(proposal), n) if matched is None else matched + 1
+                if seq.request_id in self._probes and probe_interval > 1:   # back off on a miss
+                    every = self._probe_every.get(seq.request_id, probe_interval)
+                    self._probe_every[seq.request_id] = (
+                        probe_interval if matched is None
+                        else min(2 * every, _MAX_PROBE_BACKOFF * probe_interval))
                 accepted, total = self._acceptance.get(seq.request_id,
                                                        (_PRIOR_ACCEPTED, _PRIOR_TRIALS))
                 self._acceptance[seq.request_id] = (

@@ -596,6 +596,54 @@ def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
     assert spec.stats()["spec_num_accepted_tokens"] > 0
 
 
+class ProbedProposer(SwitchingProposer):
+    """A ``SwitchingProposer`` whose proposals cost a forward (as a draft model's): asked for a
+    k = 0 request once per ``probe_interval`` steps; records the steps it was asked at."""
+
+    probe_interval = 2
+
+    def __init__(self, right: bool):
+        super().__init__(right)
+        self.asked_at: list[int] = []
+        self.step = 0
+
+    def propose(self, token_ids, num_drafts):
+        self.asked_at.append(self.step)
+        return super().propose(token_ids, num_drafts)
+
+
+def test_probes_back_off_while_they_miss_and_resume_when_they_match():
+    """A draft the fixed-cost rule turns off (c = 0.9): a request is first probed on its second
+    decode step, then 4, 8, 16, 32, 32 steps later while the probes miss (the interval doubles
+    up to 16 base intervals), then, once the proposals match, every 2 steps again until it
+    drafts."""
+    from jaxkv.speculative import Speculator
+
+    proposer = ProbedProposer(right=False)
+    spec = Speculator(proposer, 4, draft_cost=0.9)
+    cc, sc = configs(num_blocks=128, max_model_len=512)
+    state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
+    lengths = []
+    for step in range(200):
+        proposer.step, proposer.right = step, step >= 130
+        state, plan = schedule(state, sc, spec.drafts(state))
+        tokens = verify(state, plan)
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        width = max(map(len, rows))
+        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                    np.array([len(r) for r in rows]))
+        state = update(state, plan, tokens)
+        lengths.append(plan.seqs[0].num_drafts)
+    asked = proposer.asked_at
+    wrong = [t for t in asked if t < 130]
+    assert wrong[0] == 2 and np.diff(wrong).tolist() == [4, 8, 16, 32, 32, 32]
+    assert lengths[:130] == [0] * 130
+    first_right = next(t for t in asked if t >= 130)
+    right = [t for t in asked if t >= first_right]
+    assert set(np.diff(right[:6]).tolist()) == {2}         # back to the base interval
+    assert lengths[-1] > 0 and spec.acceptance("a") > 0.9  # and drafting once it pays
+
+
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
     """On the random tiny model n-gram drafts are almost never right: adaptive k verifies a
     fraction of the drafts fixed k does, with the same outputs."""

@@ -1,11 +1,13 @@
-"""The grouped attention's decode rows at the throughput workload's shapes, against a git revision.
+"""The grouped attention's decode rows and prefill tiles at the throughput workload's shapes.
 
 One layer of ``jaxkv.attention_grouped.paged_attention_grouped`` at SmolLM2-135M's shapes (9 q
 heads, 3 kv heads, head_dim 64, block 16, fp32, random permuted blocks): decode steps of ``n``
 rows in a sequence bucket of ``S`` whose kv lengths are drawn uniformly from a range, as in
 bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-256: contexts
 ~50-770; tables 64 blocks wide = max_model_len 1024), the same rows at one length (no
-raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192).
+raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192);
+and prefill steps (the tile path): 512-token chunks of one prompt, fresh or after a cached
+prefix, four 128-token prompts, and the workload's mixed step of one chunk beside decode rows.
 Today's tree runs against the module as it was at ``--rev`` (loaded from git), on the same
 pools laid out NHD and, as the engine's CPU default holds them, HND (``jaxkv.cache.HNDPages``);
 with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
@@ -55,6 +57,13 @@ CASES = {
     "1 row, 4000": (1, 1, (4000, 4000), 512),
     "2 rows, 4000": (2, 2, (4000, 4000), 512),
 }
+# name: (S bucket, T tokens, [(query tokens, kv length) of each sequence], table width)
+PREFILL_CASES = {
+    "prefill 512": (1, 512, [(512, 512)], 64),
+    "prefill 512 after 512": (1, 512, [(512, 1024)], 64),
+    "prefill 4 x 128": (4, 512, [(128, 128)] * 4, 64),
+    "prefill 452 + 60 rows": (64, 512, [(452, 452)] + [(1, 48 + 12 * i) for i in range(60)], 64),
+}
 
 
 def module_at(rev: str) -> types.ModuleType:
@@ -83,17 +92,27 @@ def variant(module: types.ModuleType, chunk_bytes: int | None):
     return jax.jit(f)
 
 
-def case_args(rng, S, n, lo, hi, max_blocks):
-    kv = [int(x) for x in rng.integers(lo, hi + 1, n)]
+def case_args(rng, S, T, q_lens, kv, max_blocks):
+    """Random queries and pools for sequences of ``q_lens`` query tokens at kv lengths ``kv``."""
     nb = 2 + sum(-(-x // BS) for x in kv)
-    tables, lens, qsl = table_batch(rng, [1] * n, kv, T=S, S=S, max_blocks=max_blocks,
+    tables, lens, qsl = table_batch(rng, q_lens, kv, T=T, S=S, max_blocks=max_blocks,
                                     num_blocks=nb, bs=BS)
 
     def normal(*shape):
         return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
-    return (normal(S, HQ, D), normal(nb, BS, HKV, D), normal(nb, BS, HKV, D),
+    return (normal(T, HQ, D), normal(nb, BS, HKV, D), normal(nb, BS, HKV, D),
             tables, lens, qsl), float(np.mean(kv))
+
+
+def all_cases(rng) -> dict:
+    """name: (S, T, query lengths, kv lengths, table width) of every case."""
+    out = {}
+    for name, (S, n, (lo, hi), max_blocks) in CASES.items():
+        out[name] = (S, S, [1] * n, [int(x) for x in rng.integers(lo, hi + 1, n)], max_blocks)
+    for name, (S, T, seqs, max_blocks) in PREFILL_CASES.items():
+        out[name] = (S, T, [q for q, _ in seqs], [kv for _, kv in seqs], max_blocks)
+    return out
 
 
 def hnd_args(args):
@@ -113,23 +132,25 @@ def main() -> None:
     ap.add_argument("--cases", default="", help="only these cases (names separated by ;)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    names = a.cases.split(";") if a.cases else list(CASES)
-    if unknown := [k for k in names if k not in CASES]:
-        ap.error(f"--cases: unknown {unknown}; the cases are {list(CASES)}")
-    cases = {k: CASES[k] for k in names}
+    rng = np.random.default_rng(0)
+    known = all_cases(rng)
+    names = a.cases.split(";") if a.cases else list(known)
+    if unknown := [k for k in names if k not in known]:
+        ap.error(f"--cases: unknown {unknown}; the cases are {list(known)}")
     # name: (jitted attention, reads the HND pools)
     variants = {f"@{a.rev}": (variant(module_at(a.rev), None), False),
                 "today": (variant(attention_grouped, None), False),
                 "today, HND": (variant(attention_grouped, None), True)}
     for cb in filter(None, a.chunk_bytes.split(",")):
         variants[f"today, {cb} chunks"] = (variant(attention_grouped, parse_bytes(cb)), False)
-    rng = np.random.default_rng(0)
     out = {"rev": a.rev, "repeats": a.repeats, "rounds": a.rounds, "cases": {}}
     print("| case | mean kv | " + " | ".join(f"{v} ms" for v in variants) + " | load |")
     print("|---|---|" + "---|" * len(variants) + "---|")
-    for name, (S, n, (lo, hi), max_blocks) in cases.items():
-        args, mean_kv = case_args(rng, S, n, lo, hi, max_blocks)
+    for name in names:
+        S, T, q_lens, kv, max_blocks = known[name]
+        args, mean_kv = case_args(rng, S, T, q_lens, kv, max_blocks)
         layouts = {False: args, True: hnd_args(args)}
+        n = sum(q_lens)                                                # tokens with an output
         ref = np.asarray(paged_attention_reference(*args))[:n]
         diff = {v: float(np.abs(np.asarray(f(*layouts[h]))[:n] - ref).max())
                 for v, (f, h) in variants.items()}                # also compiles each
@@ -137,7 +158,7 @@ def main() -> None:
         times = alternating_times(
             {v: partial(lambda f, xs: jax.block_until_ready(f(*xs)), f, layouts[h])
              for v, (f, h) in variants.items()}, a.rounds, a.repeats)
-        row = {"S": S, "rows": n, "kv_range": [lo, hi], "mean_kv": mean_kv,
+        row = {"S": S, "T": T, "query_lens": q_lens, "kv_lens": kv, "mean_kv": mean_kv,
                "load_before": before, "load_after": loadavg(), "variants": {}}
         for v, ts in times.items():
             row["variants"][v] = {**ms_summary(ts), "max_abs_diff": diff[v]}

@@ -425,8 +425,8 @@ class SpeculativeArgs:
         True, "choose each sequence's draft length (0 included) from its measured acceptance "
         "and (ngram) the measured step time by padded shape")
     speculative_draft_cost: float = option(
-        0.1, "adaptive, draft model (and ngram until the step times are measured): the cost of "
-        "verifying one more draft token, as a fraction of a decode step", minimum=0.0)
+        0.1, "adaptive, draft model: the cost of verifying one more draft token, as a fraction "
+        "of a decode step (the draft's own forward is measured and added)", minimum=0.0)
 
     def __post_init__(self):
         check_fields(self)

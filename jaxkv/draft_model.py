@@ -38,7 +38,9 @@ Cost. Every draft forward is one engine step of the draft (a jitted call and a h
 for its tokens): ``1 + (k - 1)`` per target step, plus the draft's own prefill of each prompt. On
 SmolLM2-135M (CPU) layer-subset drafts accept too little for their cost (BENCHMARKS.md: 0.6-2%
 for its first 8 layers, 9-26% for the best 24); the machinery's ceiling, the target as its own
-draft, accepts every draft.
+draft, accepts every draft. Each forward's device time goes into ``forward_cost`` (by padded
+shape), which the adaptive draft length weighs against the target's plain step
+(``Speculator.draft_step_cost``): a draft that costs about what the target does stops drafting.
 
 Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
 sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
@@ -72,6 +74,7 @@ from jaxkv.model.llama import params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.sampling import SamplingParams
 from jaxkv.scheduler import ScheduledSeq, StepPlan
+from jaxkv.step_cost import StepCostModel
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -161,6 +164,9 @@ class DraftModelProposer:
       probe_interval: the adaptive draft length asks for a request it gives no drafts (k = 0)
         once per this many steps only, more rarely after probes that miss
         (``Speculator.drafts``): every proposal costs a draft forward.
+      forward_cost: the device time of the draft's forwards by padded shape (a
+        ``StepCostModel`` over the draft's buckets): the adaptive draft length's cost of a draft
+        (``Speculator.draft_step_cost``).
     """
 
     probe_interval = 8
@@ -171,6 +177,8 @@ class DraftModelProposer:
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size)
         self._cached: dict[Hashable, np.ndarray] = {}   # int32 [n]: tokens whose K/V is cached
         self._num_steps = 0   # draft forwards (catch-up chunks and decodes)
+        sc = runner.sched_config
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: ModelRunner,
@@ -289,7 +297,10 @@ class DraftModelProposer:
 
     def _run(self, seqs: Sequence[ScheduledSeq]) -> dict[Hashable, int]:
         """One draft forward of ``seqs``; the greedy token of each sampling sequence."""
+        before = self.runner.device_time
         out = self.runner.execute(StepPlan(tuple(seqs)), [RowInput(_GREEDY, (), ())] * len(seqs))
+        self.forward_cost.observe(sum(len(s.token_ids) for s in seqs), len(seqs), False,
+                                  self.runner.device_time - before)
         self._num_steps += 1
         return {s.request_id: int(out.tokens[row, 0]) for row, s in enumerate(seqs) if s.sample}
 

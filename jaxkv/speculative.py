@@ -92,11 +92,20 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   proposed the fixed-cost rule's k = 2 for all 64 cold requests (256 tokens, 4x): 0.63x.
 * The fixed-cost rule (the draft-model proposer, whose own forwards are not in the target's
   step time, and any speculator without a step-time model): per request, the ``k`` in ``[0,
-  num_speculative_tokens]`` that maximises ``E(k) / (1 + c k)``, ``c = speculative_draft_cost``
-  the cost of one more token as a fraction of a decode step (for a draft model, add one draft
-  forward's share of a target step). So ``k = 0`` exactly when ``a <= c`` (Leviathan et al.'s
-  condition for a gain is ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)``
-  tokens costs much more than one of ``B``: the reason for the step-time rule. The proposer is
+  num_speculative_tokens]`` that maximises ``E(k) / (1 + c k)``, ``c`` the cost of one more
+  draft as a fraction of a decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et
+  al.'s condition for a gain is ``a > c``). ``c = speculative_draft_cost`` (verifying one more
+  token) for a proposer whose proposals are free; for a draft model (a proposer with a
+  ``forward_cost``, its own ``StepCostModel``) ``c = speculative_draft_cost + t_draft /
+  t_plain``, both measured at the step's number of decodes: ``t_draft`` the draft's forward
+  over them, ``t_plain`` the target's plain decode step. While ``t_plain`` is unmeasured the
+  step is plain (no proposals at all); while ``t_draft`` is, the draft counts as free, so it
+  drafts and gets measured. A draft as costly as the target (``t_draft ~ t_plain``) then never
+  drafts, whatever its acceptance, without the user having to know what it costs. (In a
+  server whose every step at a batch size carries a prefill chunk, that batch's plain decode
+  step is never measured, so the draft model does not draft there: the conservative side.)
+  The rule is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more than
+  one of ``B``: the reason for the step-time rule. The proposer is
   asked for ``max(1, k)`` tokens, so a ``k = 0`` request keeps measuring with one proposed
   token; a proposer whose proposals cost a forward pass (the draft model) sets
   ``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
@@ -343,11 +352,11 @@ class Speculator:
       num_speculative_tokens: most drafts proposed per sequence and step.
       draft_cost: the fixed-cost rule's cost of one more draft token (a fraction of a decode
         step), or None: always propose ``num_speculative_tokens``.
-      step_cost: the step-time model the adaptive draft lengths maximise emitted tokens per
-        second with (``allocate_drafts`` over the shapes it has measured, with bounded
-        exploration: the module docstring), or None: the fixed-cost rule alone. Only for a
-        proposer without ``probe_interval`` (one whose proposals cost no device time of their
-        own).
+      step_cost: the target's step-time model. For a proposer whose proposals are free, the
+        adaptive draft lengths maximise emitted tokens per second with it (``allocate_drafts``
+        over the shapes it has measured, with bounded exploration: the module docstring); for
+        one with a ``forward_cost`` (the draft model) it gives the fixed-cost rule's plain step
+        time. None: the fixed-cost rule with ``c = draft_cost``.
       max_num_batched_tokens: the step's token budget (with ``step_cost``).
 
     Attributes:
@@ -366,6 +375,7 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
+        self._forward_cost: StepCostModel | None = getattr(proposer, "forward_cost", None)
         self._budget = max_num_batched_tokens
         self._measured_s = 0.0   # kept step durations, summed (the step-time rule)
         self._charged_s = 0.0    # kept exploration steps' time above the plain step's
@@ -395,10 +405,6 @@ class Speculator:
         proposer = step_cost = budget = None
         if args.speculative == "ngram":
             proposer = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
-            if args.speculative_adaptive and config is not None:
-                sc = config.scheduler
-                step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
-                budget = sc.max_num_batched_tokens
         elif args.speculative == "draft":
             if config is None or target is None:
                 raise ValueError('speculative="draft" needs the engine config and its target '
@@ -406,6 +412,10 @@ class Speculator:
             from jaxkv.draft_model import DraftModelProposer
 
             proposer = DraftModelProposer.from_config(config, target)
+        if args.speculative and args.speculative_adaptive and config is not None:
+            sc = config.scheduler
+            step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+            budget = sc.max_num_batched_tokens
         return cls(proposer, args.num_speculative_tokens,
                    args.speculative_draft_cost if args.speculative_adaptive else None,
                    step_cost, budget)
@@ -425,16 +435,21 @@ class Speculator:
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
         self._probe_every = {i: n for i, n in self._probe_every.items() if i in state.requests}
-        if self.step_cost is not None and self.draft_cost is not None:
+        if (self.step_cost is not None and self.draft_cost is not None
+                and self._forward_cost is None):
             return self._drafts_by_step_time(state)
         probe_interval = getattr(self.proposer, "probe_interval", 1)
         self._proposals, self._probes, out = {}, set(), {}
         wanted, lengths = {}, {}
-        for request_id in scheduler.decoding_ids(state):
+        decoding = scheduler.decoding_ids(state)
+        cost = None if self.draft_cost is None else self.draft_step_cost(len(decoding))
+        if self.draft_cost is not None and cost is None:   # measure the plain step first
+            return out
+        for request_id in decoding:
             rs = state.requests[request_id]
             room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
             k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
-                self.acceptance(request_id), self.num_speculative_tokens, self.draft_cost))
+                self.acceptance(request_id), self.num_speculative_tokens, cost))
             if k == 0:   # asked for one token to keep measuring, once per its interval
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
                 if self._idle[request_id] < self._probe_every.get(request_id, probe_interval):
@@ -456,6 +471,19 @@ class Speculator:
                 out[request_id] = proposal[:k]
                 self._proposed += k
         return out
+
+    def draft_step_cost(self, num_decodes: int) -> float | None:
+        """The fixed-cost rule's ``c`` in a step of ``num_decodes`` decodes (the module
+        docstring; an adaptive speculator: ``draft_cost`` set): ``draft_cost``, plus for a
+        proposer with a ``forward_cost`` its measured forward time over the target's plain step
+        time (0 while the forward is unmeasured); None while that plain step is unmeasured."""
+        if self._forward_cost is None or self.step_cost is None:
+            return self.draft_cost
+        plain = self.step_cost.predict(num_decodes, num_decodes, False)
+        if plain is None:
+            return None
+        forward = self._forward_cost.predict(num_decodes, num_decodes, False)
+        return self.draft_cost + (0.0 if forward is None else forward / plain)
 
     def _drafts_by_step_time(self, state: scheduler.SchedulerState
                              ) -> dict[Hashable, tuple[int, ...]]:

@@ -644,6 +644,65 @@ def test_probes_back_off_while_they_miss_and_resume_when_they_match():
     assert lengths[-1] > 0 and spec.acceptance("a") > 0.9  # and drafting once it pays
 
 
+class CostlyProposer(ProbedProposer):
+    """A ``ProbedProposer`` that reports a draft forward of ``forward_seconds`` per proposed
+    token into its ``forward_cost`` (as the draft model measures its forwards)."""
+
+    def __init__(self, right: bool, forward_seconds: float, sc):
+        from jaxkv.step_cost import StepCostModel
+
+        super().__init__(right)
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+        self.forward_seconds = forward_seconds
+
+    def propose(self, token_ids, num_drafts):
+        for _ in range(num_drafts):
+            self.forward_cost.observe(1, 1, False, self.forward_seconds)
+        return super().propose(token_ids, num_drafts)
+
+
+@pytest.mark.parametrize("forward_seconds, drafts", [(0.05, True), (1.0, False)])
+def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, drafts):
+    """Always-right drafts on a target whose plain step takes 1 s: the first steps are plain
+    (measuring the plain step: its first time holds the compilation), the next drafts (the
+    draft's forward is unmeasured, so free); then a draft whose forward takes 5% of a step
+    drafts the full length (c = 0.1 + 0.05), and one as costly as the target (c = 1.1 > a)
+    never verifies a draft again, probing instead."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    cc, sc = configs(num_blocks=128, max_model_len=512)
+    proposer = CostlyProposer(True, forward_seconds, sc)
+    spec = Speculator(proposer, 4, draft_cost=0.1,
+                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
+    lengths, costs = [], []
+    for step in range(40):
+        proposer.step = step
+        costs.append(spec.draft_step_cost(1))
+        state, plan = schedule(state, sc, spec.drafts(state))
+        tokens = verify(state, plan)
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        width = max(map(len, rows))
+        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                    np.array([len(r) for r in rows]), 1.0 + 0.01 * plan.num_drafts)
+        state = update(state, plan, tokens)
+        lengths.append(plan.seqs[0].num_drafts)
+    # the prefill and the first decode pad to one shape: its first time is dropped, so the
+    # plain step is measured from step 2 on
+    assert costs[:2] == [None, None] and lengths[:2] == [0, 0]
+    assert costs[2] == pytest.approx(0.1) and lengths[2] > 0   # the forward unmeasured: free
+    assert costs[-1] == pytest.approx(0.1 + forward_seconds)
+    if drafts:
+        assert lengths[-1] == 4 and spec.stats()["spec_num_accepted_tokens"] > 0
+    else:
+        assert lengths[3:] == [0] * 37
+        assert spec.stats()["spec_num_draft_tokens"] == lengths[2]
+        # probed once per probe_interval (the probes match, so the interval stays the base)
+        assert set(np.diff(proposer.asked_at[1:]).tolist()) == {2}
+
+
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
     """On the random tiny model n-gram drafts are almost never right: adaptive k verifies a
     fraction of the drafts fixed k does, with the same outputs."""

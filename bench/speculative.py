@@ -36,10 +36,11 @@ the outputs equal those without speculation token for token (else the first diff
 
 The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
 ``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K, with
-``--draft-cost``), where NAME is ``self`` (the target as its own draft: every draft accepted,
+``--draft-cost``, the verify cost of a token: the engine measures the draft's forwards
+itself), where NAME is ``self`` (the target as its own draft: every draft accepted,
 the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
 but ``[A, B)``), each written once by ``jaxkv.draft_model.write_truncated_draft`` under
-``--draft-dir``. Greedy outputs are compared with no speculation; at a first difference the
+``--draft-dir``, or a draft checkpoint's directory (bench/train_draft.py writes one). Greedy outputs are compared with no speculation; at a first difference the
 fp32 top-2 logprob margin of the non-speculative run there is reported.
 
     python3 bench/speculative.py --proposer draft --batch-sizes 1,4 \
@@ -107,6 +108,8 @@ def draft_path(name: str, args) -> str:
 
     if name == "self":
         return args.model
+    if Path(name).expanduser().is_dir():   # a draft checkpoint (e.g. bench/train_draft.py's)
+        return str(Path(name).expanduser())
     n = load_config(args.model).num_layers
     if name.startswith("first"):
         layers = list(range(int(name[5:])))
@@ -114,7 +117,8 @@ def draft_path(name: str, args) -> str:
         a, b = map(int, name[4:].split("-"))
         layers = [i for i in range(n) if not a <= i < b]
     else:
-        raise SystemExit(f"--drafts: unknown draft {name!r} (self, firstN, skipA-B)")
+        raise SystemExit(f"--drafts: unknown draft {name!r} (self, firstN, skipA-B or a "
+                         f"checkpoint directory)")
     path = Path(args.draft_dir) / f"{Path(args.model).stem}-{name}"
     if not path.exists():
         write_truncated_draft(args.model, str(path), layers)
@@ -263,9 +267,9 @@ def main():
     ap.add_argument("--proposer", default="ngram", choices=("ngram", "draft"))
     ap.add_argument("--drafts", default="self:4,first8:2,skip12-18:3,skip12-18:a4",
                     help="draft proposer rows NAME:K or NAME:aK (see the module docstring)")
-    ap.add_argument("--draft-cost", type=float, default=0.9, help="draft rows: "
-                    "speculative_draft_cost of the adaptive ones (a draft forward's share of a "
-                    "target step + the verify cost)")
+    ap.add_argument("--draft-cost", type=float, default=0.1, help="draft rows: "
+                    "speculative_draft_cost of the adaptive ones (the verify cost of a draft "
+                    "token; the engine adds the draft forward's measured share of a step)")
     ap.add_argument("--draft-dir", default=str(Path.home() / ".cache" / "jaxkv" / "drafts"))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
@@ -286,7 +290,7 @@ def main():
         variants += [("ngram", int(k), True) for k in args.adaptive.split(",") if k]
     else:
         for entry in args.drafts.split(","):
-            name, k = entry.split(":")
+            name, k = entry.rsplit(":", 1)
             variants.append((name, int(k.lstrip("a")), k.startswith("a")))
     rows, load = [], os.getloadavg()
     for workload in args.workloads.split(","):

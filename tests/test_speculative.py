@@ -571,6 +571,25 @@ def test_best_num_drafts():
         assert best_num_drafts(a, 8, 0.1) == int(np.argmax(value))
 
 
+def step_one_request(spec, state, sc, steps, before=None, seconds=None) -> list[int]:
+    """``steps`` steps of the oracle scheduler with ``spec``'s drafts, every step's tokens
+    recorded (``seconds(plan)``: its synthetic device time, else untimed); ``before(step)``
+    runs before each schedule. Returns the drafts the first sequence verified per step."""
+    lengths = []
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        state, plan = schedule(state, sc, spec.drafts(state))
+        tokens = verify(state, plan)
+        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        width = max(map(len, rows))
+        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
+                    np.array([len(r) for r in rows]), None if seconds is None else seconds(plan))
+        state = update(state, plan, tokens)
+        lengths.append(plan.seqs[0].num_drafts)
+    return lengths
+
+
 def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
     """A proposer that is wrong for a while: the request stops getting drafts (its proposals
     are still compared with what it emits), then drafts again once they match."""
@@ -580,17 +599,11 @@ def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
     spec = Speculator(proposer, 4, draft_cost=0.1)
     cc, sc = configs(max_model_len=256)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=200), sc)
-    lengths = []
-    for step in range(35):
+
+    def switch(step):
         proposer.right = step >= 20
-        state, plan = schedule(state, sc, spec.drafts(state))
-        tokens = verify(state, plan)
-        rows = [t if isinstance(t, list) else [t] for t in tokens]
-        width = max(map(len, rows))
-        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
-                    np.array([len(r) for r in rows]))
-        state = update(state, plan, tokens)
-        lengths.append(plan.seqs[0].num_drafts)
+
+    lengths = step_one_request(spec, state, sc, 35, switch)
     assert lengths[1] > 0 and lengths[10:20] == [0] * 10     # stopped after a few misses
     assert spec.acceptance("a") > 0.5 and lengths[-1] == 4   # back to the full length
     assert spec.stats()["spec_num_accepted_tokens"] > 0
@@ -623,17 +636,11 @@ def test_probes_back_off_while_they_miss_and_resume_when_they_match():
     spec = Speculator(proposer, 4, draft_cost=0.9)
     cc, sc = configs(num_blocks=128, max_model_len=512)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
-    lengths = []
-    for step in range(200):
+
+    def switch(step):
         proposer.step, proposer.right = step, step >= 130
-        state, plan = schedule(state, sc, spec.drafts(state))
-        tokens = verify(state, plan)
-        rows = [t if isinstance(t, list) else [t] for t in tokens]
-        width = max(map(len, rows))
-        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
-                    np.array([len(r) for r in rows]))
-        state = update(state, plan, tokens)
-        lengths.append(plan.seqs[0].num_drafts)
+
+    lengths = step_one_request(spec, state, sc, 200, switch)
     asked = proposer.asked_at
     wrong = [t for t in asked if t < 130]
     assert wrong[0] == 2 and np.diff(wrong).tolist() == [4, 8, 16, 32, 32, 32]
@@ -677,18 +684,14 @@ def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, draf
                       step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
                       max_num_batched_tokens=sc.max_num_batched_tokens)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
-    lengths, costs = [], []
-    for step in range(40):
+    costs = []
+
+    def note(step):
         proposer.step = step
         costs.append(spec.draft_step_cost(1))
-        state, plan = schedule(state, sc, spec.drafts(state))
-        tokens = verify(state, plan)
-        rows = [t if isinstance(t, list) else [t] for t in tokens]
-        width = max(map(len, rows))
-        spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
-                    np.array([len(r) for r in rows]), 1.0 + 0.01 * plan.num_drafts)
-        state = update(state, plan, tokens)
-        lengths.append(plan.seqs[0].num_drafts)
+
+    lengths = step_one_request(spec, state, sc, 40, note,
+                               lambda plan: 1.0 + 0.01 * plan.num_drafts)
     # the prefill and the first decode pad to one shape: its first time is dropped, so the
     # plain step is measured from step 2 on
     assert costs[:2] == [None, None] and lengths[:2] == [0, 0]

@@ -193,8 +193,8 @@ def test_truncated_draft_keeps_greedy_and_seeded_outputs(deep_llm, cut_llm, para
 
 def test_other_random_draft_and_adaptive_length(models, tiny_llm):
     """A different random model (same vocabulary): drafts almost never accepted, outputs equal;
-    with the adaptive length (the default) too, verifying fewer drafts (none once the draft's
-    forward, as costly as the target's step, is measured)."""
+    with the adaptive length (the default) too, verifying fewer drafts, its cost measured in
+    the engine (the draft's forwards against the target's plain steps)."""
     from jaxkv import LLM
     from jaxkv.sampling import SamplingParams
     from tiny_models import austen_prompts
@@ -211,8 +211,12 @@ def test_other_random_draft_and_adaptive_length(models, tiny_llm):
             assert token_lists(llm.generate(prompts, params, use_tqdm=False)) == want
             verified.append(spec_delta(llm, before)["spec_num_draft_tokens"])
         assert draft_of(llm).stats()["spec_draft_blocks_used"] == 0
-        # a draft as large as its target: its forward is measured at about a plain step
-        assert llm.engine.speculator.draft_step_cost(len(prompts)) > 0.6
+        # the adaptive rule's c: the draft's measured forward over the target's plain step
+        spec, n = llm.engine.speculator, len(prompts)
+        plain = spec.step_cost.predict(n, n, False)
+        forward = draft_of(llm).forward_cost.predict(n, n, False)
+        assert plain > 0 and forward > 0
+        assert spec.draft_step_cost(n) == pytest.approx(0.1 + forward / plain)
     assert verified[1] < verified[0] / 3
 
 

@@ -169,7 +169,8 @@ def engine(batch: int, variant: tuple, args) -> LLM:
         sizes = dict(max_model_len=max_len, num_kv_blocks=batch * (max_len // 16 + 2) + 1)
     return LLM(args.model, dtype="float32", max_num_seqs=batch,
                max_num_batched_tokens=1024, token_buckets=(16, 64, 256, 1024),
-               seq_buckets=(batch,), kv_cache_dtype=args.kv_cache_dtype, **spec | sizes)
+               seq_buckets=(batch,), kv_cache_dtype=args.kv_cache_dtype, warmup=args.warmup,
+               **spec | sizes)
 
 
 def cpu_times() -> tuple[int, int] | None:
@@ -273,6 +274,9 @@ def main():
     ap.add_argument("--draft-dir", default=str(Path.home() / ".cache" / "jaxkv" / "drafts"))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", action="store_true", help="compile every step bucket of each "
+                    "engine (and its draft's) at start: a draft's catch-up chunks of new "
+                    "lengths otherwise compile inside the timed runs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
     ap.add_argument("--agreement", default=None, metavar="HF_DIR", help="instead: the "
                     "teacher-forced agreement of the --agreement-subsets layer subsets of the HF "

@@ -375,7 +375,6 @@ class Speculator:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
-        self._forward_cost: StepCostModel | None = getattr(proposer, "forward_cost", None)
         self._budget = max_num_batched_tokens
         self._measured_s = 0.0   # kept step durations, summed (the step-time rule)
         self._charged_s = 0.0    # kept exploration steps' time above the plain step's
@@ -471,6 +470,12 @@ class Speculator:
                 out[request_id] = proposal[:k]
                 self._proposed += k
         return out
+
+    @property
+    def _forward_cost(self) -> StepCostModel | None:
+        """The proposer's own forward-time model (the draft model's), read from the proposer
+        (tests swap it) rather than kept."""
+        return getattr(self.proposer, "forward_cost", None)
 
     def draft_step_cost(self, num_decodes: int) -> float | None:
         """The fixed-cost rule's ``c`` in a step of ``num_decodes`` decodes (the module

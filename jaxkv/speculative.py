@@ -43,7 +43,8 @@ then emit ``E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` tokens in expec
 (Leviathan et al.). The estimate needs no verification: the proposer is asked every step, and
 its proposal is compared with the tokens the step emitted, verified or not; a comparison counts
 its positions up to and including the first mismatch (trials) and the matches (successes), both
-decayed by ``_DECAY`` per step from a prior of ``_PRIOR_ACCEPTED`` out of ``_PRIOR_TRIALS``. A
+decayed by ``_DECAY`` per comparison from a prior (the engine's pooled rate, below, with the
+weight of ``_PRIOR_TRIALS`` trials). A
 request whose proposals stopped being accepted stops drafting at once, and starts again when its
 proposals start matching. Two rules turn the estimates into draft lengths:
 
@@ -109,11 +110,26 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   asked for ``max(1, k)`` tokens, so a ``k = 0`` request keeps measuring with one proposed
   token; a proposer whose proposals cost a forward pass (the draft model) sets
   ``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
-  many steps (its draft cache catches up then, in one chunk). Each probe whose token misses
-  doubles that request's interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a
-  probe that matches, or a step that drafts, resets it. So a request the draft cannot help
-  costs O(log n) draft forwards over n tokens instead of n / ``probe_interval``, and one whose
-  proposals start matching is asked every ``probe_interval`` steps again.
+  many steps (its draft cache catches up then, in one chunk). Each probe after which the
+  request still does not draft doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times
+  ``probe_interval``; a step that drafts resets it. So a request the draft cannot help costs
+  O(log n) draft forwards over n tokens instead of n / ``probe_interval`` (also when its probes
+  match: a draft as costly as the target that agrees with it never pays), and one whose
+  proposals start matching drafts after the probes that lift its estimate above ``c`` (two,
+  from an estimate near 0, at ``c = 0.3``).
+
+Under the fixed-cost rule what the engine learned carries over to new requests (the step-time
+rule keeps the prior 1/2: a cold request never chooses its step's shape there, and its prior
+only orders the drafts that fill the room). A request's estimate starts from the
+engine's pooled acceptance (every comparison of every request, decayed by ``_POOL_DECAY`` per
+comparison, from 1/2; it weighs as ``_PRIOR_TRIALS`` trials) instead of a fixed 1/2, and a new
+request of a costly proposer starts at the probe interval the engine's latest probe outcome
+left (the base once any request drafts). So once a draft has been found not to pay, new
+requests neither draft at once on an optimistic prior nor pay a draft prefill of their prompt
+at their first probe; with every request shorter than the interval no request would probe
+again, so when no request has been asked for ``_MAX_PROBE_BACKOFF`` times ``probe_interval``
+steps, the one left unasked longest is (one draft catch-up per that many steps), and the
+engine notices a workload the draft does help.
 """
 
 from __future__ import annotations
@@ -129,8 +145,8 @@ from jaxkv.config import EngineConfig, SpeculativeArgs
 from jaxkv.step_cost import StepCostModel
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
-_PRIOR_ACCEPTED = 1.0   # a new request starts at acceptance 1 / 2 (with weight 2)
-_PRIOR_TRIALS = 2.0
+_PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)
+_POOL_DECAY = 0.9       # per comparison, of the engine's pooled acceptance counts
 _EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
 _MAX_PROBE_BACKOFF = 16  # a k = 0 request's probe interval grows to this many base intervals
 
@@ -202,6 +218,11 @@ class NgramProposer:
             return ()
         p = ends[np.flatnonzero(matched == best)[-1]]   # the most recent of the longest
         return tuple(a[p + 1:p + 1 + num_drafts].tolist())
+
+
+def _history(rs: scheduler.RequestState) -> np.ndarray:
+    """int32 [L]: a request's prompt and output so far (what a proposer sees)."""
+    return np.asarray(rs.token_ids(0, rs.num_tokens), np.int32)
 
 
 def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> int:
@@ -372,6 +393,9 @@ class Speculator:
         self._idle: dict[Hashable, int] = {}  # k = 0 steps since a request was last asked
         self._probe_every: dict[Hashable, int] = {}   # a k = 0 request's interval, if not the base
         self._probes: set[Hashable] = set()   # this step's k = 0 requests asked for one token
+        self._pool_probe_every: int | None = None   # a new request's interval (None: the base)
+        self._quiet = 0   # steps since any request was asked for a proposal (fixed-cost rule)
+        self._pool = (1.0, 2.0)   # every request's comparisons, decayed: (accepted, trials)
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
@@ -420,9 +444,22 @@ class Speculator:
                    step_cost, budget)
 
     def acceptance(self, request_id: Hashable) -> float:
-        """The request's estimated draft acceptance (the prior 1/2 before any measurement)."""
-        accepted, trials = self._acceptance.get(request_id, (_PRIOR_ACCEPTED, _PRIOR_TRIALS))
+        """The request's estimated draft acceptance (before any measurement of its own:
+        ``_prior``)."""
+        accepted, trials = self._acceptance.get(request_id, self._prior())
         return accepted / trials
+
+    def _prior(self) -> tuple[float, float]:
+        """A new request's (accepted, trials): the pooled rate (1/2 under the step-time rule),
+        weighing ``_PRIOR_TRIALS``."""
+        accepted, trials = (1.0, 2.0) if self._by_step_time else self._pool
+        return _PRIOR_TRIALS * accepted / trials, _PRIOR_TRIALS
+
+    @property
+    def _by_step_time(self) -> bool:
+        """Whether the draft lengths follow the step-time rule (else the fixed-cost rule)."""
+        return (self.step_cost is not None and self.draft_cost is not None
+                and self._forward_cost is None)
 
     def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
         """Draft tokens for the running decodes of ``state`` (``scheduler.schedule``'s
@@ -434,12 +471,12 @@ class Speculator:
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
         self._probe_every = {i: n for i, n in self._probe_every.items() if i in state.requests}
-        if (self.step_cost is not None and self.draft_cost is not None
-                and self._forward_cost is None):
+        if self._by_step_time:
             return self._drafts_by_step_time(state)
         probe_interval = getattr(self.proposer, "probe_interval", 1)
-        self._proposals, self._probes, out = {}, set(), {}
-        wanted, lengths = {}, {}
+        most = _MAX_PROBE_BACKOFF * probe_interval
+        probed, self._proposals, self._probes, out = self._probes, {}, set(), {}
+        wanted, lengths, unasked = {}, {}, []
         decoding = scheduler.decoding_ids(state)
         cost = None if self.draft_cost is None else self.draft_step_cost(len(decoding))
         if self.draft_cost is not None and cost is None:   # measure the plain step first
@@ -447,20 +484,37 @@ class Speculator:
         for request_id in decoding:
             rs = state.requests[request_id]
             room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
+            if request_id not in self._idle and self._pool_probe_every is not None:
+                self._probe_every[request_id] = self._pool_probe_every   # a new request
             k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
                 self.acceptance(request_id), self.num_speculative_tokens, cost))
             if k == 0:   # asked for one token to keep measuring, once per its interval
+                every = self._probe_every.get(request_id, probe_interval)
+                if request_id in probed and probe_interval > 1:   # the probe did not pay
+                    every = self._probe_every[request_id] = self._pool_probe_every = min(
+                        2 * every, most)
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
-                if self._idle[request_id] < self._probe_every.get(request_id, probe_interval):
+                if self._idle[request_id] < every:
+                    if room > 0:
+                        unasked.append(request_id)
                     continue
                 self._probes.add(request_id)
             else:
                 self._probe_every.pop(request_id, None)
+                if probe_interval > 1:
+                    self._pool_probe_every = None
             self._idle[request_id] = 0
             n = min(max(k, 1), room)
             if n > 0:
-                wanted[request_id] = (np.asarray(rs.token_ids(0, rs.num_tokens), np.int32), n)
+                wanted[request_id] = (_history(rs), n)
                 lengths[request_id] = min(k, n)
+        self._quiet = 0 if wanted else self._quiet + 1
+        if unasked and self._quiet >= most:   # the engine's own probe: the longest unasked
+            request_id = max(unasked, key=lambda i: self._idle[i])
+            self._probes.add(request_id)
+            self._idle[request_id], self._quiet = 0, 0
+            wanted[request_id] = (_history(state.requests[request_id]), 1)
+            lengths[request_id] = 0
         self._held |= wanted.keys()
         for request_id, proposal in propose_batch(self.proposer, wanted).items():
             proposal = tuple(int(t) for t in proposal[:wanted[request_id][1]])
@@ -510,7 +564,7 @@ class Speculator:
             n = min(self.num_speculative_tokens,
                     rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
             if n > 0:
-                wanted[request_id] = (np.asarray(rs.token_ids(0, rs.num_tokens), np.int32), n)
+                wanted[request_id] = (_history(rs), n)
         self._held |= wanted.keys()
         self._proposals = {i: tuple(int(t) for t in p[:wanted[i][1]])
                            for i, p in propose_batch(self.proposer, wanted).items()}
@@ -598,7 +652,6 @@ class Speculator:
                 self._measured_s += seconds
                 if self._exploring is not None:   # charged: its time above the plain step's
                     self._charged_s += max(0.0, seconds - self._exploring)
-        probe_interval = getattr(self.proposer, "probe_interval", 1)
         for row, seq in enumerate(plan.seqs):
             n = int(num_accepted[row])
             if seq.num_drafts:
@@ -611,16 +664,12 @@ class Speculator:
                 matched = next((j for j, (p, e) in enumerate(zip(proposal, emitted)) if p != e),
                                None)
                 trials = min(len(proposal), n) if matched is None else matched + 1
-                if seq.request_id in self._probes and probe_interval > 1:   # back off on a miss
-                    every = self._probe_every.get(seq.request_id, probe_interval)
-                    self._probe_every[seq.request_id] = (
-                        probe_interval if matched is None
-                        else min(2 * every, _MAX_PROBE_BACKOFF * probe_interval))
-                accepted, total = self._acceptance.get(seq.request_id,
-                                                       (_PRIOR_ACCEPTED, _PRIOR_TRIALS))
-                self._acceptance[seq.request_id] = (
-                    _DECAY * accepted + (trials if matched is None else matched),
-                    _DECAY * total + trials)
+                accepted, total = self._acceptance.get(seq.request_id, self._prior())
+                successes = trials if matched is None else matched
+                self._acceptance[seq.request_id] = (_DECAY * accepted + successes,
+                                                    _DECAY * total + trials)
+                self._pool = (_POOL_DECAY * self._pool[0] + successes,
+                              _POOL_DECAY * self._pool[1] + trials)
 
     def stats(self) -> dict:
         """Counters since start (vLLM's ``spec_decode`` names).

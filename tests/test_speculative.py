@@ -571,22 +571,26 @@ def test_best_num_drafts():
         assert best_num_drafts(a, 8, 0.1) == int(np.argmax(value))
 
 
-def step_one_request(spec, state, sc, steps, before=None, seconds=None) -> list[int]:
+def step_one_request(spec, state, sc, steps, before=None, seconds=None, arrivals=None
+                     ) -> list[int]:
     """``steps`` steps of the oracle scheduler with ``spec``'s drafts, every step's tokens
     recorded (``seconds(plan)``: its synthetic device time, else untimed); ``before(step)``
-    runs before each schedule. Returns the drafts the first sequence verified per step."""
+    runs before each schedule, and ``arrivals[step]`` (a ``Request``) is added then. Returns
+    the drafts the first scheduled sequence verified per step (0 in an empty step)."""
     lengths = []
     for step in range(steps):
         if before is not None:
             before(step)
+        if arrivals and step in arrivals:
+            state = add_request(state, arrivals[step], sc)
         state, plan = schedule(state, sc, spec.drafts(state))
         tokens = verify(state, plan)
-        rows = [t if isinstance(t, list) else [t] for t in tokens]
+        rows = [t if isinstance(t, list) else [t] for t in tokens] or [[0]]
         width = max(map(len, rows))
         spec.record(plan, np.array([r + [0] * (width - len(r)) for r in rows]),
                     np.array([len(r) for r in rows]), None if seconds is None else seconds(plan))
         state = update(state, plan, tokens)
-        lengths.append(plan.seqs[0].num_drafts)
+        lengths.append(plan.seqs[0].num_drafts if plan.seqs else 0)
     return lengths
 
 
@@ -625,15 +629,17 @@ class ProbedProposer(SwitchingProposer):
         return super().propose(token_ids, num_drafts)
 
 
-def test_probes_back_off_while_they_miss_and_resume_when_they_match():
-    """A draft the fixed-cost rule turns off (c = 0.9): a request is first probed on its second
-    decode step, then 4, 8, 16, 32, 32 steps later while the probes miss (the interval doubles
-    up to 16 base intervals), then, once the proposals match, every 2 steps again until it
-    drafts."""
+def test_probes_back_off_until_the_request_drafts():
+    """A draft at c = 0.3 that is wrong for 130 steps, then right: the request drafts on its
+    first steps (the prior 1/2 > c), stops at the first misses, and is probed 2, 4, 8, 16, 32,
+    32, ... steps apart (the interval doubles after every probe that leaves it at k = 0, up to
+    16 base intervals); once the proposals match, the interval stays (a matching probe that
+    does not lift the estimate above c is no reason to probe more often) until the second
+    matching probe makes it draft, then it drafts every step."""
     from jaxkv.speculative import Speculator
 
     proposer = ProbedProposer(right=False)
-    spec = Speculator(proposer, 4, draft_cost=0.9)
+    spec = Speculator(proposer, 4, draft_cost=0.3)
     cc, sc = configs(num_blocks=128, max_model_len=512)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
 
@@ -643,12 +649,66 @@ def test_probes_back_off_while_they_miss_and_resume_when_they_match():
     lengths = step_one_request(spec, state, sc, 200, switch)
     asked = proposer.asked_at
     wrong = [t for t in asked if t < 130]
-    assert wrong[0] == 2 and np.diff(wrong).tolist() == [4, 8, 16, 32, 32, 32]
-    assert lengths[:130] == [0] * 130
-    first_right = next(t for t in asked if t >= 130)
-    right = [t for t in asked if t >= first_right]
-    assert set(np.diff(right[:6]).tolist()) == {2}         # back to the base interval
-    assert lengths[-1] > 0 and spec.acceptance("a") > 0.9  # and drafting once it pays
+    assert wrong[:2] == [1, 2] and lengths[1] > 0 and lengths[2] > 0
+    assert np.diff(wrong[1:]).tolist() == [2, 4, 8, 16, 32, 32, 32]
+    assert lengths[3:130] == [0] * 127
+    right = [t for t in asked if t >= 130]
+    assert np.diff(right[:3]).tolist() == [32, 1]   # two probes, then every step
+    assert lengths[right[1] + 1] > 0 and lengths[-1] == 4 and spec.acceptance("a") > 0.9
+
+
+def test_new_requests_start_from_what_the_engine_learned():
+    """After a request whose draft never matched (c = 0.3), a new one starts at the pooled
+    acceptance (near 0, not the prior 1/2: it does not draft on its first step) and at the
+    probe interval the first one reached (32 steps, not 2). On a fresh engine the same request
+    drafts at once."""
+    from jaxkv.speculative import Speculator
+
+    cc, sc = configs(num_blocks=128, max_model_len=512)
+    proposer = ProbedProposer(right=False)
+    spec = Speculator(proposer, 4, draft_cost=0.3)
+    first = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=120), sc)
+    step_one_request(spec, first, sc, 121, lambda step: setattr(proposer, "step", step))
+    assert proposer.asked_at[-2:] == [64, 96]   # "a" finishes in step 120, probed last at 96
+    assert spec.acceptance("b") < 0.1
+    proposer.asked_at = []
+    second = add_request(init_state(cc), req("b", (4, 5, 6), max_tokens=100), sc)
+    lengths = step_one_request(spec, second, sc, 60, lambda step: setattr(proposer, "step", step))
+    # the prefill is step 0; at step 7 no request has been asked for 32 steps (96 .. 120, 1 ..
+    # 7): the engine's own probe; then "b"'s interval is 32
+    assert lengths == [0] * 60 and proposer.asked_at == [7, 39]
+
+    fresh = Speculator(ProbedProposer(right=False), 4, draft_cost=0.3)
+    second = add_request(init_state(cc), req("b", (4, 5, 6), max_tokens=100), sc)
+    assert step_one_request(fresh, second, sc, 2)[1] > 0
+
+
+def test_engine_probes_requests_shorter_than_the_interval():
+    """Requests of 12 tokens arriving every 8 steps, proposals wrong until step 200: once the
+    interval has grown past a request's life (32 steps) no request is probed on its own, so
+    the engine probes the longest unasked one every 32 quiet steps; after the proposals turn
+    right, the first such probe makes its request draft, and new requests are asked from their
+    first decode again (and draft)."""
+    from jaxkv.speculative import Speculator
+
+    cc, sc = configs(num_blocks=256, max_model_len=512)
+    proposer = ProbedProposer(right=False)
+    spec = Speculator(proposer, 4, draft_cost=0.3)
+    arrivals = {8 * n: req(f"r{n}", (1 + n % 5, 2, 3), max_tokens=12) for n in range(40)}
+
+    def switch(step):
+        proposer.step, proposer.right = step, step >= 200
+
+    step_one_request(spec, init_state(cc), sc, 320, switch, arrivals=arrivals)
+    asked = np.array(proposer.asked_at)
+    quiet = asked[(asked > 100) & (asked < 200)]
+    assert len(quiet) >= 2 and set(np.diff(quiet).tolist()) == {32}
+    resumed = asked[asked >= 200]
+    assert resumed[0] - quiet[-1] == 32
+    later = [t + 1 for t in arrivals if t > resumed[0]]   # each one's first decode step
+    assert later and set(later) <= set(asked.tolist())
+    lengths = step_one_request(spec, init_state(cc), sc, 2, arrivals={0: req("x", (1, 2, 3))})
+    assert lengths[1] > 0 and spec.stats()["spec_num_accepted_tokens"] > 50
 
 
 class CostlyProposer(ProbedProposer):
@@ -702,8 +762,8 @@ def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, draf
     else:
         assert lengths[3:] == [0] * 37
         assert spec.stats()["spec_num_draft_tokens"] == lengths[2]
-        # probed once per probe_interval (the probes match, so the interval stays the base)
-        assert set(np.diff(proposer.asked_at[1:]).tolist()) == {2}
+        # the probes match, but the draft never pays: they back off all the same
+        assert np.diff(proposer.asked_at).tolist() == [2, 4, 8, 16]
 
 
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):

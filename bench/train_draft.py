@@ -19,6 +19,13 @@ target's tokenizer, loadable as ``speculative_model=``:
     python3 bench/speculative.py --proposer draft --batch-sizes 1,4 \\
         --drafts ~/.cache/jaxkv/drafts/SmolLM2-135M-Instruct-trained2:a4
 
+``--data FILE.npz`` keeps the target's generations (the 10 minutes of the first run) for a
+later run, and ``--init DIR`` continues from an earlier run's draft (more epochs):
+
+    python3 bench/train_draft.py --data ~/.cache/jaxkv/drafts/generations.npz \
+        --init ~/.cache/jaxkv/drafts/SmolLM2-135M-Instruct-trained2 --epochs 4 \
+        --out ~/.cache/jaxkv/drafts/SmolLM2-135M-Instruct-trained3
+
 Prints the generation and training times, the loss curve and the agreement, and writes them as
 JSON next to the checkpoint (``train_draft.json``).
 """
@@ -87,6 +94,22 @@ def generate(model: str, convs, max_tokens: int) -> list[tuple[list[int], int]]:
             for o in outs]
 
 
+def save_generations(path: Path, seqs) -> None:
+    """Writes ``generate``'s sequences as .npz (tokens concatenated, with their lengths)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, tokens=np.concatenate([np.asarray(ids, np.int32) for ids, _ in seqs]),
+             lengths=np.asarray([len(ids) for ids, _ in seqs]),
+             prompt_lengths=np.asarray([p for _, p in seqs]))
+
+
+def load_generations(path: Path) -> list[tuple[list[int], int]]:
+    """``save_generations``'s sequences back."""
+    z = np.load(path)
+    ends = np.cumsum(z["lengths"])
+    return [(z["tokens"][end - n:end].tolist(), int(p))
+            for end, n, p in zip(ends, z["lengths"], z["prompt_lengths"])]
+
+
 def batches(seqs, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Padded int32 tokens [N, length], targets [N, length] (the next token) and float32 loss
     weights [N, length] (1 at the output positions whose next token is an output token)."""
@@ -148,13 +171,18 @@ def loss_fn(trained, embed, tokens, targets, weights, *, config, inv_freq):
     return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def agreement(params, data, *, config, inv_freq, batch: int) -> float:
-    """Share of the output positions where the model's argmax equals the target's token."""
+def agreement(params, data, *, config, inv_freq, batch: int, head_ids=None) -> float:
+    """Share of the output positions where the model's argmax (among ``head_ids`` only, int
+    [N], when given: a reduced head's) equals the target's token."""
     fwd = jax.jit(partial(forward, config=config, inv_freq=inv_freq))
     tokens, targets, weights = data
     hit = total = 0.0
     for i in range(0, len(tokens), batch):
-        pred = np.asarray(jnp.argmax(fwd(params, jnp.asarray(tokens[i:i + batch])), axis=-1))
+        logits = fwd(params, jnp.asarray(tokens[i:i + batch]))
+        if head_ids is None:
+            pred = np.asarray(jnp.argmax(logits, axis=-1))
+        else:
+            pred = np.asarray(head_ids)[np.asarray(jnp.argmax(logits[..., head_ids], axis=-1))]
         w = weights[i:i + batch]
         hit += float(((pred == targets[i:i + batch]) * w).sum())
         total += float(w.sum())
@@ -184,12 +212,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--init", type=Path, default=None, help="start from this draft checkpoint "
+                    "(e.g. an earlier run's --out: more epochs) instead of --layers")
+    ap.add_argument("--data", type=Path, default=None, help="the target's generations as .npz: "
+                    "read when the file exists, else generated and written there")
+    ap.add_argument("--head-vocab", type=int, default=None, help="also write OUT-vN: the "
+                    "draft with an LM head over the N tokens most frequent in the target's "
+                    "training outputs (FR-Spec; jaxkv.draft_model.write_reduced_head_draft)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args()
 
     t0 = time.perf_counter()
-    convs = conversations(a.stories, a.passages)
-    seqs = generate(a.model, convs, a.max_tokens)
+    if a.data is not None and a.data.exists():
+        seqs = load_generations(a.data)
+    else:
+        seqs = generate(a.model, conversations(a.stories, a.passages), a.max_tokens)
+        if a.data is not None:
+            save_generations(a.data, seqs)
     gen_s = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     order = rng.permutation(len(seqs))
@@ -202,11 +241,17 @@ def main() -> None:
     loaded = load_model_files(a.model)
     target_config = loaded.config
     target = params_from_hf(target_config, loaded.tensors, jnp.float32, source=loaded.source)
-    keep = [int(x) for x in a.layers.split(",")]
-    config = dataclasses.replace(target_config, num_layers=len(keep))
+    if a.init is not None:
+        config = checkpoint.read_config(a.init)
+        draft = jax.tree_util.tree_map(jnp.asarray, checkpoint.restore_params(a.init))
+        draft["layers"] = {int(i): layer for i, layer in draft["layers"].items()}
+        keep = checkpoint.read_metadata(a.init)["layers"]
+    else:
+        keep = [int(x) for x in a.layers.split(",")]
+        config = dataclasses.replace(target_config, num_layers=len(keep))
+        draft = {"embed_tokens": target["embed_tokens"], "norm": target["norm"],
+                 "layers": {i: target["layers"][j] for i, j in enumerate(keep)}}
     inv_freq = inv_frequencies(config)
-    draft = {"embed_tokens": target["embed_tokens"], "norm": target["norm"],
-             "layers": {i: target["layers"][j] for i, j in enumerate(keep)}}
     kw = dict(inv_freq=inv_freq, batch=a.batch)
     target_agree = agreement(target, held_data, config=target_config, **kw)
     before = agreement(draft, held_data, config=config, **kw)
@@ -244,8 +289,32 @@ def main() -> None:
               "held_out_output_tokens": int(held_data[2].sum()), "steps": step,
               "losses": losses, "agreement": {"target": target_agree, "before": before,
                                               "after": after}}
+    if a.head_vocab:
+        report["reduced_head"] = reduced_head(a, draft, train_data, held_data, config,
+                                              loaded.tokenizer.eos_token_ids, **kw)
     (a.out / "train_draft.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {a.out}")
+
+
+def reduced_head(a, draft, train_data, held_data, config, eos_ids, **kw) -> dict:
+    """Writes ``OUT-vN`` (``--head-vocab N``): the trained draft with a head over the N tokens
+    most frequent among the training outputs (the eos ids always among them); returns the
+    held-out coverage (share of the target's output tokens among them) and agreement."""
+    from jaxkv.draft_model import write_reduced_head_draft
+
+    tokens, weights = train_data[1], train_data[2] > 0
+    counts = np.bincount(tokens[weights], minlength=config.vocab_size)
+    counts[list(eos_ids)] = counts.max() + 1
+    ids = np.sort(np.argsort(-counts, kind="stable")[:a.head_vocab])
+    held_targets = held_data[1][held_data[2] > 0]
+    coverage = float(np.isin(held_targets, ids).mean())
+    agree = agreement(draft, held_data, config=config, head_ids=ids, **kw)
+    path = a.out.with_name(f"{a.out.name}-v{a.head_vocab}")
+    write_reduced_head_draft(str(a.out), str(path), ids.tolist(), overwrite=True)
+    print(f"reduced head over {a.head_vocab} tokens: held-out coverage {coverage:.3f}, "
+          f"agreement {agree:.3f}; wrote {path}", flush=True)
+    return {"path": str(path), "tokens": a.head_vocab, "held_out_coverage": coverage,
+            "agreement": agree}
 
 
 if __name__ == "__main__":

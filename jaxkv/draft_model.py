@@ -7,6 +7,7 @@ the target's tokenizer, run by the engine's own device machinery over its own pa
 
     write_truncated_draft("SmolLM2-135M-Instruct", "drafts/smollm2-skip12-18",
                           [*range(12), *range(18, 30)])   # a draft: 24 of the 30 layers
+    write_reduced_head_draft("drafts/trained2", "drafts/trained2-v8k", frequent_ids)
 
 The device side is a second ``jaxkv.engine.runner.ModelRunner`` (the draft's params, donated
 cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
@@ -46,6 +47,15 @@ Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which 
 sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
 seeded outputs equal non-speculative decoding, and sampled outputs keep the target's
 distribution, whatever the draft model (it only changes how many drafts are accepted).
+
+A reduced LM head (FR-Spec, Zhao et al. 2025). A small draft's forward is mostly its LM head
+(SmolLM2's 49,152 x 576 is 28M weights; a 2-layer trunk is 7M). ``write_reduced_head_draft``
+keeps the head's columns for a set of frequent tokens only (``ModelConfig.draft_vocab_size``;
+the input embedding stays whole), and the proposer maps the draft's argmax column back to its
+token id (the checkpoint's ``head_token_ids``). Its greedy draft is the full draft's argmax
+among those tokens: unchanged wherever that argmax is among them, and a token outside them is
+never proposed (it would be rejected or accepted exactly as any other draft: exactness does
+not depend on the draft).
 
 The draft's pool. By default ``num_blocks = target blocks + max_num_seqs x (cdiv(k, block_size) +
 1)`` (the target's pool, which bounds the tokens of its running requests, plus room for every
@@ -145,6 +155,47 @@ def write_truncated_draft(model: str, path: str, layers: int | Sequence[int], *,
     return Path(path)
 
 
+def write_reduced_head_draft(draft: str, path: str, token_ids: Sequence[int], *,
+                             overwrite: bool = False) -> Path:
+    """Writes ``draft`` with an LM head over ``token_ids`` only (the module docstring: the
+    head's columns for those tokens, untied; the input embedding, trunk and tokenizer as they
+    are), loadable as ``speculative_model=path``.
+
+    Args:
+      draft: a draft checkpoint (``write_truncated_draft``'s, bench/train_draft.py's), GGUF
+        file, HF directory or store name.
+      path: the checkpoint directory.
+      token_ids: the tokens the head scores (distinct, in ``[0, vocab_size)``; order = column).
+
+    Returns:
+      The checkpoint directory.
+
+    Raises:
+      ValueError: naming ``token_ids`` (empty, repeated or out of range).
+    """
+    if checkpoint.is_checkpoint(draft):
+        config, params = checkpoint.read_config(draft), checkpoint.restore_params(draft)
+        metadata, tokenizer = checkpoint.read_metadata(draft), checkpoint.read_tokenizer(draft)
+    else:
+        loaded = load_model_files(draft)
+        config, metadata, tokenizer = loaded.config, {"source": loaded.source}, loaded.tokenizer
+        params = params_from_hf(config, loaded.tensors, jnp.float32, source=loaded.source)
+    ids = np.asarray(token_ids, np.int64)
+    if (ids.ndim != 1 or not ids.size or len(np.unique(ids)) != ids.size
+            or ids.min() < 0 or ids.max() >= config.vocab_size):
+        raise ValueError(f"token_ids must be 1 to {config.vocab_size} distinct ids in "
+                         f"[0, {config.vocab_size}); got {ids.size} (min {ids.min(initial=0)}, "
+                         f"max {ids.max(initial=0)})")
+    full_head = (np.asarray(params["embed_tokens"]).T if config.tie_word_embeddings
+                 else np.asarray(params["lm_head"]))                  # [E, vocab_size]
+    params = {**params, "lm_head": full_head[:, ids]}                 # [E, len(ids)]
+    config = dataclasses.replace(config, tie_word_embeddings=False, draft_vocab_size=ids.size)
+    checkpoint.save_params(path, params, {**metadata, "head_token_ids": ids.tolist()},
+                           config=config, overwrite=overwrite)
+    checkpoint.write_tokenizer(path, tokenizer)
+    return Path(path)
+
+
 def _read_config(model: str):
     return checkpoint.read_config(model) if checkpoint.is_checkpoint(model) else load_config(model)
 
@@ -156,6 +207,8 @@ class DraftModelProposer:
     Args:
       runner: the draft's ``ModelRunner`` (its config's scheduler group bounds a draft step:
         ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens).
+      head_token_ids: int [num_logits], the token id of each of the draft's logit columns when
+        its LM head is reduced (``write_reduced_head_draft``), else None.
 
     Attributes:
       runner: as given.
@@ -171,8 +224,10 @@ class DraftModelProposer:
 
     probe_interval = 8
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, head_token_ids: Sequence[int] | None = None):
         self.runner = runner
+        self._head_token_ids = (None if head_token_ids is None
+                                else np.asarray(head_token_ids, np.int64))
         cc = runner.cache_config
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size)
         self._cached: dict[Hashable, np.ndarray] = {}   # int32 [n]: tokens whose K/V is cached
@@ -206,7 +261,9 @@ class DraftModelProposer:
                              f"from the target model's")
         if config.runtime.warmup:
             runner.warmup()
-        return cls(runner)
+        head = (checkpoint.read_metadata(model).get("head_token_ids")
+                if checkpoint.is_checkpoint(model) else None)
+        return cls(runner, head)
 
     def propose_batch(self, requests: Mapping[Hashable, tuple[np.ndarray, int]]
                       ) -> dict[Hashable, tuple[int, ...]]:
@@ -302,7 +359,10 @@ class DraftModelProposer:
         self.forward_cost.observe(sum(len(s.token_ids) for s in seqs), len(seqs), False,
                                   self.runner.device_time - before)
         self._num_steps += 1
-        return {s.request_id: int(out.tokens[row, 0]) for row, s in enumerate(seqs) if s.sample}
+        tokens = out.tokens[:len(seqs), 0]
+        if self._head_token_ids is not None:   # the reduced head's columns -> token ids
+            tokens = self._head_token_ids[tokens]
+        return {s.request_id: int(tokens[row]) for row, s in enumerate(seqs) if s.sample}
 
     def release(self, request_id: Hashable) -> None:
         """Frees ``request_id``'s draft blocks and state (a no-op for an unknown id)."""

@@ -66,7 +66,8 @@ def _split_problems(config: ModelConfig, n: int) -> list[str]:
     """Why ``config`` cannot be split over ``n`` tp devices (empty when it can)."""
     out = []
     for name, size in (("num_heads", config.num_heads), ("intermediate_size",
-                       config.intermediate_size), ("vocab_size", config.vocab_size)):
+                       config.intermediate_size), ("vocab_size", config.vocab_size),
+                       ("draft_vocab_size", config.draft_vocab_size or n)):
         if size % n:
             out.append(f"{name}={size} is not divisible by {n}")
     kv = config.num_kv_heads

@@ -273,6 +273,58 @@ def test_draft_blocks_follow_the_requests(same_llm):
     core.check_invariants()
 
 
+def test_reduced_head_draft_proposes_the_argmax_among_its_tokens(models, tiny, tiny_llm,
+                                                                 tmp_path):
+    """The tiny model as its own draft with an LM head over a third of the vocabulary
+    (``write_reduced_head_draft``): its greedy drafts, chained, are the float64 reference's
+    argmax among those tokens (mapped back to token ids), at every position whose top-2 gap
+    among them is not a near-tie; with a head over every token the target emits, they are the
+    target's greedy continuation."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.draft_model import DraftModelProposer, write_reduced_head_draft
+    from jaxkv.sampling import SamplingParams
+    from numpy_llama import attend_heads, llama_logprobs
+    from tiny_models import austen_prompts
+
+    def dense(t, q, k, v, rope):
+        keys = np.arange(t + 1)
+        return attend_heads(rope(q[t], t), rope(k[keys], keys[:, None]), v[keys], keys)
+
+    vocab = tiny[1].config.vocab_size
+    outs = tiny_llm.generate(austen_prompts(3, seed=7, max_chars=60),
+                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                             use_tqdm=False)
+    histories = [np.array(o.prompt_token_ids, np.int32) for o in outs]
+    continuations = [list(o.outputs[0].token_ids) for o in outs]
+    rng = np.random.default_rng(3)
+    third = rng.permutation(vocab)[:vocab // 3]
+    emitted = np.unique(np.concatenate([third, *map(np.asarray, continuations)]))
+    for ids, follows_target in ((third, False), (rng.permutation(emitted), True)):
+        path = write_reduced_head_draft(str(models["tiny"]), str(tmp_path / f"h{len(ids)}"), ids)
+        config = EngineConfig.from_kwargs(model=str(models["tiny"]), **ENGINE,
+                                          speculative="draft", speculative_model=str(path))
+        proposer = DraftModelProposer.from_config(config, tiny_llm.engine.runner)
+        try:
+            assert proposer.runner.model_config.num_logits == len(ids)
+            got = proposer.propose_batch({i: (h, 4) for i, h in enumerate(histories)})
+        finally:
+            proposer.close()
+        checked = 0
+        for i, history in enumerate(histories):
+            tokens = list(history)
+            for draft in got[i]:
+                scores = llama_logprobs(tiny[1], np.array(tokens), dense)[-1][ids]
+                top2 = np.sort(scores)[-2:]
+                if top2[1] - top2[0] < 1e-4:   # a near-tie: fp32 may pick either
+                    break
+                assert draft == ids[np.argmax(scores)]
+                checked += 1
+                tokens.append(draft)
+            if follows_target:
+                assert list(got[i]) == continuations[i][:4]
+        assert checked >= 10
+
+
 def test_configuration_errors_name_speculative_model(models, tmp_path):
     from jaxkv import LLM
     from jaxkv.config import EngineConfig
@@ -290,6 +342,11 @@ def test_configuration_errors_name_speculative_model(models, tmp_path):
     save_tiny_model(retrained)
     with pytest.raises(ValueError, match=r"speculative_model=.*tokenizer"):
         LLM(str(models["tiny"]), **ENGINE, speculative="draft", speculative_model=str(retrained))
+    from jaxkv.draft_model import write_reduced_head_draft
+
+    for ids in ([1, 1, 2], [0, 400], []):
+        with pytest.raises(ValueError, match="token_ids"):
+            write_reduced_head_draft(str(models["tiny"]), str(tmp_path / "head"), ids)
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     config = EngineConfig.from_cli(parser.parse_args(

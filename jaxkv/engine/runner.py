@@ -450,7 +450,7 @@ class ModelRunner:
             seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),
             logits_indices=np.zeros((s, w), np.int32), num_drafts=np.zeros(s, np.int32),
             sample_mask=np.zeros(s, bool))
-        sampling = SamplingTensors.from_params([], vocab_size=self.model_config.vocab_size,
+        sampling = SamplingTensors.from_params([], vocab_size=self.model_config.num_logits,
                                                prompt_token_ids=[], output_token_ids=[],
                                                pad_to=s * w)
         return self._to_device((inputs, sampling, step_rng(self._seed, 0)))
@@ -464,10 +464,12 @@ class ModelRunner:
         rounded up to a power of two, so a sequence growing past a length bucket never
         recompiles the step (the price: ``S x width`` int32 per penalised step)."""
         return SamplingTensors.from_params(
-            [r.params for r in rows], vocab_size=self.model_config.vocab_size,
+            [r.params for r in rows], vocab_size=self.model_config.num_logits,
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
-            eos_token_ids=self.tokenizer.eos_token_ids, pad_to=pad_to,
+            eos_token_ids=(self.tokenizer.eos_token_ids   # a draft's reduced head: columns,
+                           if self.model_config.draft_vocab_size is None else ()),   # not ids
+            pad_to=pad_to,
             history_pad_to=1 << max(4, (self.sched_config.max_model_len - 1).bit_length()))
 
     def execute(self, plan: StepPlan, rows: Sequence[RowInput]) -> StepOutput:

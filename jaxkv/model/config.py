@@ -51,6 +51,9 @@ class ModelConfig:
       rope_scaling: optional Llama-3 frequency scaling.
       max_position_embeddings: the model's trained context length.
       tie_word_embeddings: LM head reuses the embedding table.
+      draft_vocab_size: columns of an untied LM head that scores a subset of the vocabulary (a
+        draft model's reduced head, jaxkv/draft_model.py, which maps its columns back to token
+        ids), or None: every token (``vocab_size``).
       attention_bias: q/k/v projections carry a bias (Qwen2).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
@@ -73,6 +76,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -92,6 +96,15 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        if self.draft_vocab_size is not None and (
+                self.tie_word_embeddings or not 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} needs an untied LM head "
+                             f"and 1 <= draft_vocab_size <= vocab_size={self.vocab_size}")
+
+    @property
+    def num_logits(self) -> int:
+        """The LM head's width ``V``: ``draft_vocab_size`` or ``vocab_size``."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def num_queries_per_kv(self) -> int:

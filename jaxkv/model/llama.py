@@ -190,7 +190,7 @@ class Transformer(nnx.Module):
         self.layers = _List([DecoderLayer(c, dtype) for _ in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = _param((c.hidden_size, c.vocab_size), dtype, ("embed", "vocab"))
+            self.lm_head = _param((c.hidden_size, c.num_logits), dtype, ("embed", "vocab"))
 
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
                  logits_indices, *, impl, interpret, attention=paged_attention,
@@ -278,7 +278,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
         read their KV together.
 
     Returns:
-      (logits float32 [S or T, vocab_size], updated cache), and with
+      (logits float32 [S or T, num_logits], updated cache), and with
       ``attention_options.observe`` also the attention mass per KV block f32 [S, max_blocks]
       (``jaxkv.attention_mass``, summed over layers).
     """

@@ -128,13 +128,17 @@ left (the base once any request drafts). So once a draft has been found not to p
 requests neither draft at once on an optimistic prior nor pay a draft prefill of their prompt
 at their first probe; with every request shorter than the interval no request would probe
 again, so when no request has been asked for ``_MAX_PROBE_BACKOFF`` times ``probe_interval``
-steps, the one left unasked longest is (one draft catch-up per that many steps), and the
-engine notices a workload the draft does help.
+steps, the one left unasked longest is, and the engine notices a workload the draft does help.
+Such a probe catches the draft up on that request's whole history (for a draft as large as
+skip12-18, a second or more: 13% of the device time at one per 128 steps, BENCHMARKS.md), so
+with measured step times it is also held to ``_EXPLORE_SHARE`` of them: the engine's probes'
+wall time is at most that share of the measured target step time (plus one probe).
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
@@ -395,12 +399,13 @@ class Speculator:
         self._probes: set[Hashable] = set()   # this step's k = 0 requests asked for one token
         self._pool_probe_every: int | None = None   # a new request's interval (None: the base)
         self._quiet = 0   # steps since any request was asked for a proposal (fixed-cost rule)
+        self._engine_probe_s = 0.0   # wall time of the engine's own probes
         self._pool = (1.0, 2.0)   # every request's comparisons, decayed: (accepted, trials)
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
         self._budget = max_num_batched_tokens
-        self._measured_s = 0.0   # kept step durations, summed (the step-time rule)
+        self._measured_s = 0.0   # kept step durations, summed (exploration and probe budgets)
         self._charged_s = 0.0    # kept exploration steps' time above the plain step's
         self._exploring: float | None = None   # this step explores: the plain step's time
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
@@ -509,13 +514,16 @@ class Speculator:
                 wanted[request_id] = (_history(rs), n)
                 lengths[request_id] = min(k, n)
         self._quiet = 0 if wanted else self._quiet + 1
-        if unasked and self._quiet >= most:   # the engine's own probe: the longest unasked
+        engine_probe = unasked and self._quiet >= most and (
+            self.step_cost is None or self._engine_probe_s <= _EXPLORE_SHARE * self._measured_s)
+        if engine_probe:   # the engine's own probe: the longest unasked
             request_id = max(unasked, key=lambda i: self._idle[i])
             self._probes.add(request_id)
             self._idle[request_id], self._quiet = 0, 0
             wanted[request_id] = (_history(state.requests[request_id]), 1)
             lengths[request_id] = 0
         self._held |= wanted.keys()
+        start = time.perf_counter()
         for request_id, proposal in propose_batch(self.proposer, wanted).items():
             proposal = tuple(int(t) for t in proposal[:wanted[request_id][1]])
             self._proposals[request_id] = proposal
@@ -523,6 +531,8 @@ class Speculator:
             if k:
                 out[request_id] = proposal[:k]
                 self._proposed += k
+        if engine_probe:
+            self._engine_probe_s += time.perf_counter() - start
         return out
 
     @property

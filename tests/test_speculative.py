@@ -728,6 +728,33 @@ class CostlyProposer(ProbedProposer):
         return super().propose(token_ids, num_drafts)
 
 
+def test_engine_probes_cost_at_most_their_share_of_the_step_time():
+    """As above with a draft as costly as the target (c > 1: it never drafts) whose proposals
+    take 50 ms of wall time against 10 ms target steps: the engine's own probes are held to 5%
+    of the measured step time, so after the first one they come at least 100 steps apart (50
+    ms / (5% of 10 ms)) instead of every 32."""
+    import time
+
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    class SlowProposer(CostlyProposer):
+        def propose(self, token_ids, num_drafts):
+            time.sleep(0.05)
+            return super().propose(token_ids, num_drafts)
+
+    cc, sc = configs(num_blocks=256, max_model_len=512)
+    proposer = SlowProposer(False, 1.0, sc)
+    spec = Speculator(proposer, 4, draft_cost=0.1,
+                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    arrivals = {8 * n: req(f"r{n}", (1 + n % 5, 2, 3), max_tokens=12) for n in range(60)}
+    step_one_request(spec, init_state(cc), sc, 480, lambda step: setattr(proposer, "step", step),
+                     lambda plan: 0.01, arrivals)
+    engine = np.array([t for t in proposer.asked_at if t > 150])
+    assert len(engine) >= 2 and np.diff(engine).min() >= 90
+
+
 @pytest.mark.parametrize("forward_seconds, drafts", [(0.05, True), (1.0, False)])
 def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, drafts):
     """Always-right drafts on a target whose plain step takes 1 s: the first steps are plain

@@ -151,6 +151,7 @@ from jaxkv.step_cost import StepCostModel
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)
 _POOL_DECAY = 0.9       # per comparison, of the engine's pooled acceptance counts
+_HALF = (1.0, 2.0)      # (accepted, trials) of acceptance 1/2: the pool's start, the step-time prior
 _EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
 _MAX_PROBE_BACKOFF = 16  # a k = 0 request's probe interval grows to this many base intervals
 
@@ -400,7 +401,7 @@ class Speculator:
         self._pool_probe_every: int | None = None   # a new request's interval (None: the base)
         self._quiet = 0   # steps since any request was asked for a proposal (fixed-cost rule)
         self._engine_probe_s = 0.0   # wall time of the engine's own probes
-        self._pool = (1.0, 2.0)   # every request's comparisons, decayed: (accepted, trials)
+        self._pool = _HALF   # every request's comparisons, decayed: (accepted, trials)
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
         self.step_cost = step_cost
@@ -457,7 +458,7 @@ class Speculator:
     def _prior(self) -> tuple[float, float]:
         """A new request's (accepted, trials): the pooled rate (1/2 under the step-time rule),
         weighing ``_PRIOR_TRIALS``."""
-        accepted, trials = (1.0, 2.0) if self._by_step_time else self._pool
+        accepted, trials = _HALF if self._by_step_time else self._pool
         return _PRIOR_TRIALS * accepted / trials, _PRIOR_TRIALS
 
     @property
@@ -514,7 +515,7 @@ class Speculator:
                 wanted[request_id] = (_history(rs), n)
                 lengths[request_id] = min(k, n)
         self._quiet = 0 if wanted else self._quiet + 1
-        engine_probe = unasked and self._quiet >= most and (
+        engine_probe = bool(unasked) and self._quiet >= most and (
             self.step_cost is None or self._engine_probe_s <= _EXPLORE_SHARE * self._measured_s)
         if engine_probe:   # the engine's own probe: the longest unasked
             request_id = max(unasked, key=lambda i: self._idle[i])

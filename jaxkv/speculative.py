@@ -13,7 +13,7 @@ output so far) and returns up to ``k`` guesses of what follows; the scheduler al
 many of them fit the step (the budget and free blocks its own work leaves, ``max_tokens``), the
 jitted step verifies them (jaxkv/rejection_sampler.py) and ``scheduler.update`` keeps the
 accepted ones and rewinds over the rest. So the scheduler stays pure and model-free, proposing
-needs no scheduler internals, and a new proposer is one class here. The alternative seam, the
+needs no scheduler internals, and a new proposer is one class. The alternative seam, the
 scheduler calling the proposer while it plans, would put proposer state (and for a draft model,
 device work) inside the pure scheduler. The cost of this seam: drafts are proposed for every
 running decode, also those the step will not have room for (an n-gram lookup is microseconds;
@@ -21,10 +21,9 @@ a draft model's forwards for them are wasted when a step's budget or the free bl
 
 Proposers:
 
-* ``"ngram"`` (prompt lookup; Saxena 2023, vLLM's ``ngram``): find the longest suffix of the tokens,
-  ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, that also occurs earlier in
-  them; propose the ``k`` tokens that followed its most recent earlier occurrence. Host-side
-  numpy, no model. Its drafts are point masses, which the rejection sampler verifies exactly.
+* ``"ngram"`` (prompt lookup, jaxkv/ngram_proposer.py): the ``k`` tokens that followed the most
+  recent earlier occurrence of the longest suffix of the tokens, ``n`` from
+  ``prompt_lookup_max`` down to ``prompt_lookup_min``. Host-side numpy, no model.
 * ``"draft"`` (``speculative_model=...``, jaxkv/draft_model.py): a small model with the target's
   tokenizer, run by the engine's own ``ModelRunner`` over its own paged KV cache; greedy drafts
   (point masses, verified exactly as the n-gram ones), batched across requests.
@@ -40,7 +39,8 @@ preempted), from ``forget``, which the engine calls after every step and abort, 
 Adaptive draft length (``speculative_adaptive``, on by default). Each request keeps an estimate
 ``a`` of the probability that a draft is accepted given the ones before it were; ``k`` drafts
 then emit ``E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` tokens in expectation
-(Leviathan et al.). The estimate needs no verification: the proposer is asked every step, and
+(Leviathan et al.). (The arithmetic of the rules below, pure functions, is
+jaxkv/draft_allocation.py.) The estimate needs no verification: the proposer is asked every step, and
 its proposal is compared with the tokens the step emitted, verified or not; a comparison counts
 its positions up to and including the first mismatch (trials) and the matches (successes), both
 decayed by ``_DECAY`` per comparison from a prior (the engine's pooled rate, below, with the
@@ -137,15 +137,17 @@ wall time is at most that share of the measured target step time (plus one probe
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from jaxkv import scheduler
 from jaxkv.config import EngineConfig, SpeculativeArgs
+from jaxkv.draft_allocation import (allocate_drafts, allocate_drafts_closed, best_num_drafts,
+                                    fill_drafts)
+from jaxkv.ngram_proposer import NgramProposer
 from jaxkv.step_cost import StepCostModel
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
@@ -186,187 +188,9 @@ def propose_batch(proposer: Proposer | BatchProposer,
     return {i: proposer.propose(tokens, k) for i, (tokens, k) in requests.items()}
 
 
-class NgramProposer:
-    """Prompt lookup: the tokens after the most recent earlier occurrence of the longest
-    matching suffix.
-
-    Args:
-      min_n, max_n: the suffix lengths tried (``1 <= min_n <= max_n``).
-    """
-
-    def __init__(self, min_n: int, max_n: int):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"ngram sizes min_n={min_n}, max_n={max_n} need 1 <= min_n <= max_n")
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, token_ids: np.ndarray, num_drafts: int) -> tuple[int, ...]:
-        """Up to ``num_drafts`` tokens that followed the suffix earlier (see the class).
-
-        Every earlier position ``p`` holding the last token (and followed by at least one token)
-        is a candidate; its match is extended backwards while it equals the suffix, up to
-        ``max_n`` tokens: O(L + candidates x max_n) numpy work.
-        """
-        a = np.asarray(token_ids)
-        length = len(a)
-        ends = np.flatnonzero(a[:-1] == a[-1]) if length > 1 else np.zeros(0, np.int64)
-        if num_drafts < 1 or ends.size == 0:
-            return ()
-        matched = np.ones(ends.size, np.int64)   # [C] suffix tokens matched ending at ends
-        for t in range(1, min(self.max_n, length)):
-            grow = (matched == t) & (ends >= t)
-            grow[grow] = a[ends[grow] - t] == a[length - 1 - t]
-            if not grow.any():
-                break
-            matched += grow
-        best = matched.max()
-        if best < self.min_n:
-            return ()
-        p = ends[np.flatnonzero(matched == best)[-1]]   # the most recent of the longest
-        return tuple(a[p + 1:p + 1 + num_drafts].tolist())
-
-
 def _history(rs: scheduler.RequestState) -> np.ndarray:
     """int32 [L]: a request's prompt and output so far (what a proposer sees)."""
     return np.asarray(rs.token_ids(0, rs.num_tokens), np.int32)
-
-
-def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> int:
-    """The draft length in ``[0, max_drafts]`` that maximises ``E(k) / (1 + draft_cost k)``
-    (the fixed-cost rule of the module docstring), the shortest among equals."""
-    best, best_value, expected = 0, 1.0, 1.0
-    for k in range(1, max_drafts + 1):
-        expected += acceptance ** k
-        if expected / (1 + draft_cost * k) > best_value:
-            best, best_value = k, expected / (1 + draft_cost * k)
-    return best
-
-
-def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_tokens: int,
-                    max_tokens: int, token_buckets: Sequence[int],
-                    step_time: Callable[[int, bool], float | None]) -> list[int] | None:
-    """The draft lengths of a whole step that maximise its expected emitted tokens per second.
-
-    Request ``i`` (acceptance ``a_i``) with ``k_i`` drafts emits ``E_i(k_i) = 1 + a_i + ... +
-    a_i^k_i`` tokens in expectation; the step of ``base_tokens + sum(k)`` tokens takes
-    ``step_time(tokens, sum(k) > 0)`` seconds, a function of the token bucket the step pads to.
-    Maximised: ``sum_i E_i(k_i) / step_time``. For a fixed total ``c`` the best ``k`` takes the
-    ``c`` largest marginal gains ``a_i^j`` (each ``E_i`` is concave), and ``step_time`` only
-    changes where the total crosses a bucket, so the candidates are ``c = 0`` and, per bucket,
-    the most drafts that still fit it: exact, in O(sum(caps) log sum(caps) + buckets).
-
-    Args:
-      acceptance: float [N], each decoding request's estimated acceptance in ``[0, 1]``.
-      caps: int [N], the most drafts each may carry (its proposal's length).
-      base_tokens: tokens of the step without drafts (``>= N``).
-      max_tokens: the step's token budget (drafts beyond it are not scheduled).
-      token_buckets: the sizes a step pads to (strictly increasing).
-      step_time: ``(num_tokens, has_drafts) -> seconds``, or None for an unmeasured shape
-        (not a candidate).
-
-    Returns:
-      int [N] draft lengths (all 0 when drafting does not pay; between buckets of equal value,
-      the fewer drafts); None when the step without drafts has no time.
-    """
-    n = len(acceptance)
-    base_time = step_time(base_tokens, False)
-    if base_time is None:
-        return None
-    gains = _gains(acceptance, caps)
-    if not gains:
-        return [0] * n
-    prefix = np.concatenate([[0.0], np.cumsum([g for g, _, _ in gains])])
-    best_c, best_value = 0, n / base_time
-    for bucket in token_buckets:
-        c = min(bucket, max_tokens) - base_tokens
-        if c < 1:
-            continue
-        c = min(c, len(gains))
-        seconds = step_time(base_tokens + c, True)
-        if seconds is not None and (n + prefix[c]) / seconds > best_value:
-            best_c, best_value = c, (n + prefix[c]) / seconds
-        if c == len(gains) or bucket >= max_tokens:
-            break
-    return _take(gains, n, best_c)
-
-
-def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
-                           remaining: Sequence[int], base_tokens: int, max_tokens: int,
-                           token_buckets: Sequence[int],
-                           step_time: Callable[[int, bool], float | None]) -> list[int] | None:
-    """The draft lengths of a step of a closed batch: one that ends when its longest request
-    does (nothing waits, every running request decodes), so a token emitted early by a request
-    that still has to wait for the others buys nothing.
-
-    Request ``i`` may emit ``remaining[i]`` more tokens; the batch needs ``M = max_i
-    remaining[i]`` more plain steps. After this step, taken with drafts ``k`` and then plain
-    steps, the rest costs ``T(base + sum(k), sum(k) > 0) + T_plain * max_i (remaining[i] -
-    E_i(k_i))`` against ``T_plain * M`` for the plain step: minimised, a one-step lookahead.
-    Per bucket the drafts go one at a time to the request furthest from done (the minimax of
-    ``remaining[i] - E_i(k_i)``, exact because each ``E_i`` rises), until the bucket is full or
-    that request can take no more (then no draft lowers the maximum): the minimum over every
-    ``k`` when a step padded to a larger bucket is not faster. In a lockstep batch of
-    equal budgets a draft step thus pays only when every request's expected tokens beat the
-    step's cost ratio: the slowest request sets the pace.
-
-    Args: as ``allocate_drafts``, and ``remaining``: int [N], each request's tokens left
-      (``max_tokens`` minus its output: an upper bound, as a stop token may end it sooner).
-
-    Returns:
-      int [N] draft lengths (all 0 when drafting does not shorten the batch's expected time);
-      None when the step without drafts has no time.
-    """
-    n = len(acceptance)
-    plain = step_time(base_tokens, False)
-    if plain is None:
-        return None
-    best_ks, best_cost = [0] * n, plain * max(remaining, default=0)
-    ks, used = [0] * n, 0
-    # (E_i(k_i) - remaining[i], i): the heap's top is the request furthest from done (the
-    # lowest index among ties); a draft raises its E by a^k. O(log N) a draft: this runs on
-    # the host before every step.
-    behind = [(1.0 - r, i) for i, r in enumerate(remaining)]
-    heapq.heapify(behind)
-    for bucket in token_buckets:
-        room = min(bucket, max_tokens) - base_tokens
-        if room < 1:
-            continue
-        stuck = False
-        while used < room:
-            gap, i = behind[0]
-            if ks[i] >= caps[i] or acceptance[i] <= 0:
-                stuck = True
-                break
-            ks[i] += 1
-            used += 1
-            heapq.heapreplace(behind, (gap + acceptance[i] ** ks[i], i))
-        seconds = step_time(base_tokens + used, True) if used else None
-        if seconds is not None:
-            cost = seconds - plain * behind[0][0]
-            if cost < best_cost:
-                best_ks, best_cost = list(ks), cost
-        if stuck or bucket >= max_tokens:
-            break
-    return best_ks
-
-
-def _gains(acceptance: Sequence[float], caps: Sequence[int]) -> list[tuple[float, int, int]]:
-    """Every draft's marginal gain ``(a_i^j, -i, j)``, most valuable first (ties: lower i)."""
-    return sorted(((a ** j, -i, j) for i, (a, cap) in enumerate(zip(acceptance, caps))
-                   for j in range(1, cap + 1) if a > 0), reverse=True)
-
-
-def _take(gains: list[tuple[float, int, int]], n: int, c: int) -> list[int]:
-    """The draft lengths of the ``c`` first ``gains`` over ``n`` requests."""
-    ks = [0] * n
-    for _, i, _ in gains[:c]:
-        ks[-i] += 1
-    return ks
-
-
-def fill_drafts(acceptance: Sequence[float], caps: Sequence[int], num_drafts: int) -> list[int]:
-    """The draft lengths (int [N]) of at most ``num_drafts`` drafts in all that maximise the
-    expected emitted tokens (``allocate_drafts``'s order: the largest marginal gains)."""
-    return _take(_gains(acceptance, caps), len(acceptance), max(num_drafts, 0))
 
 
 class Speculator:

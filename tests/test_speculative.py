@@ -370,13 +370,13 @@ def test_rejection_sampling_keeps_the_target_distribution():
     ((1, 2, 3), 3, (1, 4), ()),
 ])
 def test_ngram_proposals(tokens, k, n, want):
-    from jaxkv.speculative import NgramProposer
+    from jaxkv.ngram_proposer import NgramProposer
 
     assert NgramProposer(*n).propose(np.array(tokens, np.int32), k) == want
 
 
 def test_ngram_equals_a_brute_force_lookup():
-    from jaxkv.speculative import NgramProposer
+    from jaxkv.ngram_proposer import NgramProposer
 
     def brute(a, k, min_n, max_n):
         for n in range(min(max_n, len(a) - 1), min_n - 1, -1):
@@ -556,7 +556,7 @@ def test_stats_and_cli_flags(spec_llm):
 
 
 def test_best_num_drafts():
-    from jaxkv.speculative import best_num_drafts
+    from jaxkv.draft_allocation import best_num_drafts
 
     assert best_num_drafts(1.0, 8, 0.1) == 8
     assert best_num_drafts(0.0, 8, 0.1) == 0
@@ -895,7 +895,7 @@ def random_allocations(seed: int, cases: int = 300):
 
 
 def test_allocate_drafts_equals_brute_force():
-    from jaxkv.speculative import allocate_drafts
+    from jaxkv.draft_allocation import allocate_drafts
 
     buckets = BUCKETS
     for case, acceptance, caps, base, budget, cost, rng in random_allocations(1):
@@ -913,7 +913,7 @@ def test_allocate_drafts_equals_brute_force():
 def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
     """Drafts are free inside the bucket the step pads to and cost the jump beyond it; an
     unmeasured shape is never chosen; no time for the plain step: None."""
-    from jaxkv.speculative import allocate_drafts
+    from jaxkv.draft_allocation import allocate_drafts
 
     buckets = (16, 64)
     flat = lambda t, d: 1.0 if t <= 16 else 4.0   # next bucket 4x
@@ -951,7 +951,7 @@ def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, tabl
 
 
 def test_allocate_drafts_closed_equals_brute_force():
-    from jaxkv.speculative import allocate_drafts_closed
+    from jaxkv.draft_allocation import allocate_drafts_closed
 
     buckets = BUCKETS
     for case, acceptance, caps, base, budget, cost, rng in random_allocations(2):
@@ -978,7 +978,7 @@ def test_closed_batch_drafts_only_when_the_slowest_request_gains():
     beats 4 per 1), the closed-batch rule does not (the fourth sets the end, and gains 0
     tokens); when all four match, both draft; a request far shorter than the others does not
     count (only the longest sets the end)."""
-    from jaxkv.speculative import allocate_drafts, allocate_drafts_closed
+    from jaxkv.draft_allocation import allocate_drafts, allocate_drafts_closed
 
     buckets = (8, 16)
     step = lambda t, d: 1.0 if t <= 8 else 1.4

@@ -303,6 +303,15 @@ class Speculator:
         self._probe_every = {i: n for i, n in self._probe_every.items() if i in state.requests}
         if self._by_step_time:
             return self._drafts_by_step_time(state)
+        return self._drafts_by_fixed_cost(state)
+
+    def _drafts_by_fixed_cost(self, state: scheduler.SchedulerState
+                              ) -> dict[Hashable, tuple[int, ...]]:
+        """``drafts`` under the fixed-cost rule: per request the ``best_num_drafts`` of its
+        estimate (every request ``num_speculative_tokens`` when not adaptive), a ``k = 0``
+        request asked for one token once per its probe interval, and the engine's own probe of
+        the longest-unasked request when none has been asked for ``_MAX_PROBE_BACKOFF``
+        intervals (the module docstring)."""
         probe_interval = getattr(self.proposer, "probe_interval", 1)
         most = _MAX_PROBE_BACKOFF * probe_interval
         probed, self._proposals, self._probes, out = self._probes, {}, set(), {}

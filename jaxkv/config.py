@@ -40,7 +40,7 @@ from jaxkv.retention.streaming import POSITIONS
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
 ATTENTION_IMPLS = ("reference", "grouped", "pallas")
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 RETENTION_MODES = ("full", "streaming", "h2o", "snapkv", "random")
 OFFLOAD_POLICIES = ("lru",)
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -410,6 +410,7 @@ class SpeculativeArgs:
 
     speculative: str | None = option(
         None, "draft proposer: ngram (prompt lookup in the request's own prompt + output), "
+        "suffix (lookup in every request's prompt + output, running or recent: SuffixDecoding), "
         "draft (a small model with the same tokenizer: speculative_model) or none",
         choices=SPECULATIVE_METHODS, parse=lambda s: None if s.lower() == "none" else s)
     speculative_model: str | None = option(
@@ -421,9 +422,16 @@ class SpeculativeArgs:
                                     minimum=1)
     prompt_lookup_min: int = option(1, "ngram: shortest suffix of the tokens looked up",
                                     minimum=1)
+    suffix_max_depth: int = option(16, "suffix: longest substring counted (the longest suffix "
+                                   "matched is one shorter)", minimum=2)
+    suffix_cache_tokens: int = option(16384, "suffix: most tokens of requests no longer running "
+                                      "kept indexed (oldest out)", minimum=0)
+    suffix_min_probability: float = option(
+        0.1, "suffix: drafting stops where the draft's estimated probability (the product of its "
+        "tokens' observed continuation frequencies) falls below this", minimum=0.0, maximum=1.0)
     speculative_adaptive: bool = option(
         True, "choose each sequence's draft length (0 included) from its measured acceptance "
-        "and (ngram) the measured step time by padded shape")
+        "and (ngram, suffix) the measured step time by padded shape")
     speculative_draft_cost: float = option(
         0.1, "adaptive, draft model: the cost of verifying one more draft token, as a fraction "
         "of a decode step (the draft's own forward is measured and added)", minimum=0.0)

@@ -24,6 +24,9 @@ Proposers:
 * ``"ngram"`` (prompt lookup, jaxkv/ngram_proposer.py): the ``k`` tokens that followed the most
   recent earlier occurrence of the longest suffix of the tokens, ``n`` from
   ``prompt_lookup_max`` down to ``prompt_lookup_min``. Host-side numpy, no model.
+* ``"suffix"`` (SuffixDecoding, jaxkv/suffix_proposer.py): the same lookup over a suffix trie of
+  every running request's tokens and of recent requests' (a bounded cache), continued by the
+  most frequent next tokens while their estimated probability holds. Host-side, no model.
 * ``"draft"`` (``speculative_model=...``, jaxkv/draft_model.py): a small model with the target's
   tokenizer, run by the engine's own ``ModelRunner`` over its own paged KV cache; greedy drafts
   (point masses, verified exactly as the n-gram ones), batched across requests.
@@ -149,6 +152,7 @@ from jaxkv.draft_allocation import (allocate_drafts, allocate_drafts_closed, bes
                                     fill_drafts)
 from jaxkv.ngram_proposer import NgramProposer
 from jaxkv.step_cost import StepCostModel
+from jaxkv.suffix_proposer import SuffixProposer
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)
@@ -258,6 +262,9 @@ class Speculator:
         proposer = step_cost = budget = None
         if args.speculative == "ngram":
             proposer = NgramProposer(args.prompt_lookup_min, args.prompt_lookup_max)
+        elif args.speculative == "suffix":
+            proposer = SuffixProposer(args.suffix_max_depth, args.suffix_cache_tokens,
+                                      args.suffix_min_probability)
         elif args.speculative == "draft":
             if config is None or target is None:
                 raise ValueError('speculative="draft" needs the engine config and its target '

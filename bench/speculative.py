@@ -1,4 +1,4 @@
-"""Speculative decoding with the n-gram or draft-model proposer on SmolLM2-135M (fp32, CPU), greedy.
+"""Speculative decoding with the n-gram, suffix or draft-model proposer on SmolLM2-135M (fp32, CPU), greedy.
 
 Workloads (``--workloads``, default both):
 
@@ -34,6 +34,15 @@ the outputs equal those without speculation token for token (else the first diff
 
     python3 bench/speculative.py --out bench/results/speculative.json
 
+``--proposer suffix`` gives the same rows for the suffix proposer (``speculative="suffix"``),
+which also drafts from earlier requests' tokens: timed runs that re-send the warm-up's prompts
+would then draft from their own earlier outputs. ``--fresh-prompts`` sends every timed round
+prompts no earlier run sent (the next passages; stories about topics of ``MORE_STORIES``),
+the same prompts to every variant of the round, and resets the prefix cache as usual:
+
+    python3 bench/speculative.py --proposer suffix --fresh-prompts --workloads free,summary \
+        --batch-sizes 1,4 --max-tokens 128
+
 The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
 ``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K, with
 ``--draft-cost``, the verify cost of a token: the engine measures the draft's forwards
@@ -66,20 +75,36 @@ AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 STORIES = ["a lighthouse keeper who finds a message in a bottle",
            "a girl who learns to talk to crows", "a clockmaker's last clock",
            "a dragon that is afraid of the dark"]
+MORE_STORIES = STORIES + [   # --fresh-prompts: a new topic for every request of every run
+    "a baker who bakes bread for ghosts", "a robot that collects bottle caps",
+    "a river that flows uphill", "a painter who paints only doors", "a cat who runs a library",
+    "a lost glove looking for its pair", "a violin that plays at midnight",
+    "an astronaut who misses the rain", "a fox who guards a lighthouse",
+    "a village where it always snows", "a postman who delivers dreams",
+    "a whale that sings to ships", "a garden that grows overnight",
+    "a girl who trades with the moon", "a snowman in the desert", "a map that draws itself",
+    "a tortoise who wants to fly", "a chef who cooks with starlight", "a door at the bottom of a lake",
+    "a kite that will not come down", "a mirror that shows tomorrow",
+    "a shepherd counting falling stars", "a spider who weaves letters", "a clock that runs backwards",
+    "a sparrow who befriends a giant", "a lantern that follows a child",
+    "a pirate afraid of water", "a forest where the trees whisper",
+]
 
 
-def passages(n: int, n_chars: int = 700, context: int | None = None) -> list[str]:
+def passages(n: int, n_chars: int = 700, context: int | None = None, start: int = 0
+             ) -> list[str]:
     """``n`` paragraphs of Pride and Prejudice of about ``n_chars`` characters, or with
     ``context``, ``n`` runs of consecutive paragraphs of about ``context`` tokens each (4.2
-    characters a token), each starting at a different paragraph."""
+    characters a token), each starting at a different paragraph; ``start`` skips that many
+    passages (``--fresh-prompts``)."""
     text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
     paras = [" ".join(p.split()) for p in text.split("\n\n")]
     if context is None:
         paras = [p for p in paras if n_chars // 2 <= len(p) <= n_chars and p[0].isalpha()]
-        return paras[10:10 + n]
+        return paras[10 + start:10 + start + n]
     paras = [p for p in paras if len(p) > 80 and p[0].isalpha()]
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         run, j = "", 10 + 7 * i
         while len(run) < 4.2 * context:
             run, j = f"{run}\n\n{paras[j]}".strip(), j + 1
@@ -87,18 +112,27 @@ def passages(n: int, n_chars: int = 700, context: int | None = None) -> list[str
     return out
 
 
-def conversations(workload: str, n: int, context: int | None = None) -> list[list[dict]]:
-    """The batch's chat conversations of a workload (see the module docstring)."""
+def conversations(workload: str, n: int, context: int | None = None, start: int | None = None
+                  ) -> list[list[dict]]:
+    """The batch's chat conversations of a workload (see the module docstring); with
+    ``start`` (``--fresh-prompts``), other passages (from the ``start``-th on) and stories about
+    ``MORE_STORIES[start:start + n]``, no topic twice in a batch."""
+    first = start or 0
     if workload == "extractive":
         return [[{"role": "user", "content": "Repeat the following passage exactly, word for "
-                  f"word:\n\n{p}"}] for p in passages(n, context=context)]
+                  f"word:\n\n{p}"}] for p in passages(n, context=context, start=first)]
     if workload == "summary":
         return [[{"role": "user", "content": "Summarise the following passage, quoting its key "
-                  f"sentences word for word:\n\n{p}"}] for p in passages(n, context=context)]
-    background = passages(n, context=context) if context else [""] * n
+                  f"sentences word for word:\n\n{p}"}] for p in passages(n, context=context,
+                                                                       start=first)]
+    background = passages(n, context=context, start=first) if context else [""] * n
+    if start is not None and start + n > len(MORE_STORIES):
+        raise ValueError(f"--fresh-prompts: {start + n} story topics needed, "
+                         f"{len(MORE_STORIES)} written")
+    topics = [MORE_STORIES[start + i] if start is not None else STORIES[i % 4] for i in range(n)]
     return [[{"role": "user", "content": (f"Background:\n\n{background[i]}\n\n"
                                           if background[i] else "")
-              + f"Write a short story about {STORIES[i % 4]}."}] for i in range(n)]
+              + f"Write a short story about {topics[i]}."}] for i in range(n)]
 
 
 def draft_path(name: str, args) -> str:
@@ -157,8 +191,8 @@ def engine(batch: int, variant: tuple, args) -> LLM:
     its KV pool holds the batch's prompts and outputs (and a block per sequence to spare)."""
     proposer, k, adaptive = variant
     spec = {}
-    if proposer == "ngram":
-        spec = dict(speculative="ngram", num_speculative_tokens=k, speculative_adaptive=adaptive)
+    if proposer in ("ngram", "suffix"):
+        spec = dict(speculative=proposer, num_speculative_tokens=k, speculative_adaptive=adaptive)
     elif proposer:
         spec = dict(speculative="draft", speculative_model=draft_path(proposer, args),
                     num_speculative_tokens=k, speculative_adaptive=adaptive,
@@ -265,7 +299,11 @@ def main():
     ap.add_argument("--ks", default="2,4,8", help="fixed draft lengths (no speculation is "
                     "always measured)")
     ap.add_argument("--adaptive", default="8", help="maximum draft lengths of adaptive rows")
-    ap.add_argument("--proposer", default="ngram", choices=("ngram", "draft"))
+    ap.add_argument("--proposer", default="ngram", choices=("ngram", "suffix", "draft"))
+    ap.add_argument("--fresh-prompts", action="store_true", help="every timed run sends "
+                    "prompts no earlier run sent (other passages and story topics; the same "
+                    "for every variant of a round): what a proposer that learns across "
+                    "requests (suffix) may use is then earlier requests, never the same one")
     ap.add_argument("--drafts", default="self:4,first8:2,skip12-18:3,skip12-18:a4",
                     help="draft proposer rows NAME:K or NAME:aK (see the module docstring)")
     ap.add_argument("--draft-cost", type=float, default=0.1, help="draft rows: "
@@ -289,9 +327,12 @@ def main():
                                                 args.agreement_subsets.split(",")), indent=2))
         return
     variants = [(None, 0, False)]
-    if args.proposer == "ngram":
-        variants += [("ngram", int(k), False) for k in args.ks.split(",") if int(k)]
-        variants += [("ngram", int(k), True) for k in args.adaptive.split(",") if k]
+    if args.fresh_prompts and args.keep_prefix_cache:
+        ap.error("--fresh-prompts sends prompts the prefix cache does not hold: drop "
+                 "--keep-prefix-cache")
+    if args.proposer != "draft":
+        variants += [(args.proposer, int(k), False) for k in args.ks.split(",") if int(k)]
+        variants += [(args.proposer, int(k), True) for k in args.adaptive.split(",") if k]
     else:
         for entry in args.drafts.split(","):
             name, k = entry.rsplit(":", 1)
@@ -308,10 +349,12 @@ def main():
                 if args.keep_prefix_cache:   # ... and those of decodes in lockstep
                     warmup[v] = timed_run(llm, convs, params, True)["tok_per_s"]
             runs = {v: [] for v in variants}
-            for _ in range(args.reps):   # round robin: load drift hits every variant alike
+            timed = [conversations(workload, batch, args.context, start=batch * (rep + 1))
+                     if args.fresh_prompts else convs for rep in range(args.reps)]
+            for rep_convs in timed:   # round robin: load drift hits every variant alike
                 for v, llm in engines.items():
-                    runs[v].append(timed_run(llm, convs, params, args.keep_prefix_cache))
-            margins = top2_margins(engines[(None, 0, False)], convs, params)
+                    runs[v].append(timed_run(llm, rep_convs, params, args.keep_prefix_cache))
+            margins = top2_margins(engines[(None, 0, False)], timed[0], params)
             for v, llm in engines.items():
                 llm.close()
                 rows.append(summary(workload, batch, v, runs[v], runs[(None, 0, False)],

@@ -40,7 +40,7 @@ would then draft from their own earlier outputs. ``--fresh-prompts`` sends every
 prompts no earlier run sent (the next passages; stories about topics of ``MORE_STORIES``),
 the same prompts to every variant of the round, and resets the prefix cache as usual:
 
-    python3 bench/speculative.py --proposer suffix --fresh-prompts --workloads free,summary \
+    python3 bench/speculative.py --proposer ngram,suffix --fresh-prompts --workloads free,summary \
         --batch-sizes 1,4 --max-tokens 128
 
 The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
@@ -299,7 +299,8 @@ def main():
     ap.add_argument("--ks", default="2,4,8", help="fixed draft lengths (no speculation is "
                     "always measured)")
     ap.add_argument("--adaptive", default="8", help="maximum draft lengths of adaptive rows")
-    ap.add_argument("--proposer", default="ngram", choices=("ngram", "suffix", "draft"))
+    ap.add_argument("--proposer", default="ngram", help="ngram, suffix, both as ngram,suffix "
+                    "(rows of each, round robin in one run), or draft")
     ap.add_argument("--fresh-prompts", action="store_true", help="every timed run sends "
                     "prompts no earlier run sent (other passages and story topics; the same "
                     "for every variant of a round): what a proposer that learns across "
@@ -330,13 +331,16 @@ def main():
     if args.fresh_prompts and args.keep_prefix_cache:
         ap.error("--fresh-prompts sends prompts the prefix cache does not hold: drop "
                  "--keep-prefix-cache")
-    if args.proposer != "draft":
-        variants += [(args.proposer, int(k), False) for k in args.ks.split(",") if int(k)]
-        variants += [(args.proposer, int(k), True) for k in args.adaptive.split(",") if k]
-    else:
+    if args.proposer == "draft":
         for entry in args.drafts.split(","):
             name, k = entry.rsplit(":", 1)
             variants.append((name, int(k.lstrip("a")), k.startswith("a")))
+    elif set(args.proposer.split(",")) <= {"ngram", "suffix"}:
+        for proposer in args.proposer.split(","):
+            variants += [(proposer, int(k), False) for k in args.ks.split(",") if int(k)]
+            variants += [(proposer, int(k), True) for k in args.adaptive.split(",") if k]
+    else:
+        ap.error(f"--proposer {args.proposer}: ngram, suffix, ngram,suffix or draft")
     rows, load = [], os.getloadavg()
     for workload in args.workloads.split(","):
         for batch in map(int, args.batch_sizes.split(",")):

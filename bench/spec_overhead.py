@@ -59,6 +59,7 @@ def main():
         for _ in range(2):
             llm.chat(convs, params, use_tqdm=False)
     load = os.getloadavg()
+    before = {name: llm.stats().get("spec_num_draft_tokens", 0) for name, llm in engines.items()}
     runs = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, llm in engines.items():
@@ -70,7 +71,8 @@ def main():
             device, steps = runner.device_time - device, runner.num_steps - steps
             runs[name].append(dict(wall_s=wall, device_ms_per_step=1e3 * device / steps,
                                    host_ms_per_step=1e3 * (wall - device) / steps, steps=steps))
-    drafted = {name: llm.stats().get("spec_num_draft_tokens", 0) for name, llm in engines.items()}
+    drafted = {name: llm.stats().get("spec_num_draft_tokens", 0) - before[name]   # timed rounds
+               for name, llm in engines.items()}
     for llm in engines.values():
         llm.close()
     result = dict(args=vars(args), load_average_start_end=[load, os.getloadavg()],

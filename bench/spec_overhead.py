@@ -7,8 +7,9 @@ milliseconds of three engines on the same batch, round robin.
 * ``empty``: the same engine with a proposer that never proposes (the speculator's bookkeeping
   without the lookups).
 
-The batch is bench/speculative.py's ``--workload`` at ``--context`` tokens, decoded from the
-prefix cache (two untimed runs first: compile, then fill the cache); each timed run reports
+The batch is bench/speculative.py's ``--workload`` at ``--context`` tokens, on engines built by
+its ``engine`` and decoded from the prefix cache (two untimed runs first: compile, then fill
+the cache); each timed run reports
 device ms per step (the jitted step's wall time, ``ModelRunner.device_time``) and host ms per
 step (the rest of ``chat``'s wall time). Greedy; SmolLM2-135M-Instruct fp32.
 
@@ -24,9 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-from speculative import conversations
+from speculative import conversations, engine
 
-from jaxkv import LLM, SamplingParams
+from jaxkv import SamplingParams
 
 
 class NoProposals:
@@ -45,15 +46,15 @@ def main():
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.set_defaults(kv_cache_dtype="auto", warmup=False)   # read by speculative.engine
     args = ap.parse_args()
     convs = conversations(args.workload, args.batch, args.context)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    max_len = args.context + args.max_tokens + 256
-    kw = dict(dtype="float32", max_num_seqs=args.batch, max_num_batched_tokens=1024,
-              token_buckets=(16, 64, 256, 1024), seq_buckets=(args.batch,),
-              max_model_len=max_len, num_kv_blocks=args.batch * (max_len // 16 + 2) + 1)
-    spec = dict(speculative="ngram", num_speculative_tokens=args.k)
-    engines = {"none": LLM(**kw), "ngram": LLM(**kw, **spec), "empty": LLM(**kw, **spec)}
+    adaptive = ("ngram", args.k, True)   # bench/speculative.py's engines, sized alike
+    engines = {"none": engine(args.batch, (None, 0, False), args),
+               "ngram": engine(args.batch, adaptive, args),
+               "empty": engine(args.batch, adaptive, args)}
     engines["empty"].engine.speculator.proposer = NoProposals()
     for llm in engines.values():
         for _ in range(2):

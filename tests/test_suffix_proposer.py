@@ -64,7 +64,7 @@ def test_suffix_proposals_equal_a_brute_force_count(seed):
             tokens += [rng.randrange(vocab) for _ in range(rng.randint(0, 3))]
         k = rng.randint(1, 7)
         got = proposer.propose_batch({i: (np.array(t, np.int32), k) for i, t in running.items()})
-        sequences = list(running.values()) + [t for t in cached]
+        sequences = list(running.values()) + cached
         for i, tokens in running.items():
             assert got[i] == brute_force(sequences, tokens, k, max_depth, min_probability), i
         for i in [i for i in running if rng.random() < 0.2]:

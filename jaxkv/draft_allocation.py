@@ -6,10 +6,11 @@ Three rules turn estimates of ``a`` into draft lengths; jaxkv/speculative.py's `
 decides which applies and where the estimates and step times come from:
 
 * ``best_num_drafts``: per request, under a fixed cost ``c`` of a draft as a fraction of a
-  decode step, the ``k`` maximising ``E(k) / (1 + c k)`` (the draft-model proposer).
+  decode step, the ``k`` maximising ``E(k) / (1 + c k)`` (a speculator without step times).
 * ``allocate_drafts``: a whole step's draft lengths maximising expected emitted tokens per
-  second under measured step times by padded shape (the n-gram proposer, a batch that stays
-  full); ``fill_drafts`` fills a given number of drafts in the same order.
+  second under measured step times by padded shape (a batch that stays full), the proposals'
+  own time included when they cost any (a draft model's forwards); ``fill_drafts`` fills a
+  given number of drafts in the same order.
 * ``allocate_drafts_closed``: the same for a closed batch (nothing waits), minimising the
   batch's expected remaining time.
 
@@ -37,7 +38,8 @@ def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> in
 
 def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_tokens: int,
                     max_tokens: int, token_buckets: Sequence[int],
-                    step_time: Callable[[int, bool], float | None]) -> list[int] | None:
+                    step_time: Callable[[int, bool], float | None],
+                    proposal_time: Callable[[int], float] | None = None) -> list[int] | None:
     """The draft lengths of a whole step that maximise its expected emitted tokens per second.
 
     Request ``i`` (acceptance ``a_i``) with ``k_i`` drafts emits ``E_i(k_i) = 1 + a_i + ... +
@@ -48,6 +50,12 @@ def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_token
     changes where the total crosses a bucket, so the candidates are ``c = 0`` and, per bucket,
     the most drafts that still fit it: exact, in O(sum(caps) log sum(caps) + buckets).
 
+    Proposals that cost time (a draft model's forwards, one per draft position) add
+    ``proposal_time(max_i k_i)`` to a drafting step's time. Then the same search runs once per
+    longest draft ``m`` (every cap cut to ``m``), and the best of them is exact too: for a given
+    ``m`` and total, the largest marginal gains under the cut caps are best, and the step costs
+    at most ``proposal_time(m)``, exactly that at its own longest draft's candidate.
+
     Args:
       acceptance: float [N], each decoding request's estimated acceptance in ``[0, 1]``.
       caps: int [N], the most drafts each may carry (its proposal's length).
@@ -56,37 +64,41 @@ def allocate_drafts(acceptance: Sequence[float], caps: Sequence[int], base_token
       token_buckets: the sizes a step pads to (strictly increasing).
       step_time: ``(num_tokens, has_drafts) -> seconds``, or None for an unmeasured shape
         (not a candidate).
+      proposal_time: ``longest draft -> seconds`` of proposing the drafts (non-decreasing), or
+        None: proposals are free.
 
     Returns:
-      int [N] draft lengths (all 0 when drafting does not pay; between buckets of equal value,
-      the fewer drafts); None when the step without drafts has no time.
+      int [N] draft lengths (all 0 when drafting does not pay; between candidates of equal
+      value, the shorter longest draft, then the fewer drafts); None when the step without
+      drafts has no time.
     """
     n = len(acceptance)
     base_time = step_time(base_tokens, False)
     if base_time is None:
         return None
-    gains = _gains(acceptance, caps)
-    if not gains:
-        return [0] * n
-    prefix = np.concatenate([[0.0], np.cumsum([g for g, _, _ in gains])])
-    best_c, best_value = 0, n / base_time
-    for bucket in token_buckets:
-        c = min(bucket, max_tokens) - base_tokens
-        if c < 1:
-            continue
-        c = min(c, len(gains))
-        seconds = step_time(base_tokens + c, True)
-        if seconds is not None and (n + prefix[c]) / seconds > best_value:
-            best_c, best_value = c, (n + prefix[c]) / seconds
-        if c == len(gains) or bucket >= max_tokens:
-            break
-    return _take(gains, n, best_c)
+    best, best_value = [0] * n, n / base_time
+    for longest, proposing in _longest_drafts(caps, proposal_time):
+        gains = _gains(acceptance, [min(cap, longest) for cap in caps])
+        prefix = np.concatenate([[0.0], np.cumsum([g for g, _, _ in gains])])
+        for bucket in token_buckets:
+            c = min(bucket, max_tokens) - base_tokens
+            if c < 1 or not gains:
+                continue
+            c = min(c, len(gains))
+            seconds = step_time(base_tokens + c, True)
+            if seconds is not None and (n + prefix[c]) / (seconds + proposing) > best_value:
+                best, best_value = _take(gains, n, c), (n + prefix[c]) / (seconds + proposing)
+            if c == len(gains) or bucket >= max_tokens:
+                break
+    return best
 
 
 def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
                            remaining: Sequence[int], base_tokens: int, max_tokens: int,
                            token_buckets: Sequence[int],
-                           step_time: Callable[[int, bool], float | None]) -> list[int] | None:
+                           step_time: Callable[[int, bool], float | None],
+                           proposal_time: Callable[[int], float] | None = None
+                           ) -> list[int] | None:
     """The draft lengths of a step of a closed batch: one that ends when its longest request
     does (nothing waits, every running request decodes), so a token emitted early by a request
     that still has to wait for the others buys nothing.
@@ -100,7 +112,9 @@ def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
     that request can take no more (then no draft lowers the maximum): the minimum over every
     ``k`` when a step padded to a larger bucket is not faster. In a lockstep batch of
     equal budgets a draft step thus pays only when every request's expected tokens beat the
-    step's cost ratio: the slowest request sets the pace.
+    step's cost ratio: the slowest request sets the pace. Costly proposals: as
+    ``allocate_drafts``, the search runs once per longest draft ``m``, its drafting steps
+    costing ``proposal_time(m)`` more.
 
     Args: as ``allocate_drafts``, and ``remaining``: int [N], each request's tokens left
       (``max_tokens`` minus its output: an upper bound, as a stop token may end it sooner).
@@ -114,33 +128,45 @@ def allocate_drafts_closed(acceptance: Sequence[float], caps: Sequence[int],
     if plain is None:
         return None
     best_ks, best_cost = [0] * n, plain * max(remaining, default=0)
-    ks, used = [0] * n, 0
-    # (E_i(k_i) - remaining[i], i): the heap's top is the request furthest from done (the
-    # lowest index among ties); a draft raises its E by a^k. O(log N) a draft: this runs on
-    # the host before every step.
-    behind = [(1.0 - r, i) for i, r in enumerate(remaining)]
-    heapq.heapify(behind)
-    for bucket in token_buckets:
-        room = min(bucket, max_tokens) - base_tokens
-        if room < 1:
-            continue
-        stuck = False
-        while used < room:
-            gap, i = behind[0]
-            if ks[i] >= caps[i] or acceptance[i] <= 0:
-                stuck = True
+    for longest, proposing in _longest_drafts(caps, proposal_time):
+        ks, used = [0] * n, 0
+        # (E_i(k_i) - remaining[i], i): the heap's top is the request furthest from done (the
+        # lowest index among ties); a draft raises its E by a^k. O(log N) a draft: this runs
+        # on the host before every step.
+        behind = [(1.0 - r, i) for i, r in enumerate(remaining)]
+        heapq.heapify(behind)
+        for bucket in token_buckets:
+            room = min(bucket, max_tokens) - base_tokens
+            if room < 1:
+                continue
+            stuck = False
+            while used < room:
+                gap, i = behind[0]
+                if ks[i] >= min(caps[i], longest) or acceptance[i] <= 0:
+                    stuck = True
+                    break
+                ks[i] += 1
+                used += 1
+                heapq.heapreplace(behind, (gap + acceptance[i] ** ks[i], i))
+            seconds = step_time(base_tokens + used, True) if used else None
+            if seconds is not None:
+                cost = seconds + proposing - plain * behind[0][0]
+                if cost < best_cost:
+                    best_ks, best_cost = list(ks), cost
+            if stuck or bucket >= max_tokens:
                 break
-            ks[i] += 1
-            used += 1
-            heapq.heapreplace(behind, (gap + acceptance[i] ** ks[i], i))
-        seconds = step_time(base_tokens + used, True) if used else None
-        if seconds is not None:
-            cost = seconds - plain * behind[0][0]
-            if cost < best_cost:
-                best_ks, best_cost = list(ks), cost
-        if stuck or bucket >= max_tokens:
-            break
     return best_ks
+
+
+def _longest_drafts(caps: Sequence[int], proposal_time: Callable[[int], float] | None
+                    ) -> list[tuple[int, float]]:
+    """The candidate longest draft lengths ``m`` of a step and what proposing them costs:
+    ``[(max(caps), 0.0)]`` for free proposals, else ``(m, proposal_time(m))`` for every ``m`` in
+    ``[1, max(caps)]``."""
+    longest = max(caps, default=0)
+    if proposal_time is None:
+        return [(longest, 0.0)]
+    return [(m, proposal_time(m)) for m in range(1, longest + 1)]
 
 
 def _gains(acceptance: Sequence[float], caps: Sequence[int]) -> list[tuple[float, int, int]]:

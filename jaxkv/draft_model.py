@@ -40,8 +40,9 @@ for its tokens): ``1 + (k - 1)`` per target step, plus the draft's own prefill o
 SmolLM2-135M (CPU) layer-subset drafts accept too little for their cost (BENCHMARKS.md: 0.6-2%
 for its first 8 layers, 9-26% for the best 24); the machinery's ceiling, the target as its own
 draft, accepts every draft. Each forward's device time goes into ``forward_cost`` (by padded
-shape), which the adaptive draft length weighs against the target's plain step
-(``Speculator.draft_step_cost``): a draft that costs about what the target does stops drafting.
+shape), which the adaptive draft length adds to the target's step time when it chooses the
+step's draft lengths, before the draft runs (``Speculator.proposal_time``): a draft that costs
+about what the target does stops drafting.
 
 Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
 sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
@@ -218,8 +219,8 @@ class DraftModelProposer:
         once per this many steps only, more rarely after probes that miss
         (``Speculator.drafts``): every proposal costs a draft forward.
       forward_cost: the device time of the draft's forwards by padded shape (a
-        ``StepCostModel`` over the draft's buckets): the adaptive draft length's cost of a draft
-        (``Speculator.draft_step_cost``).
+        ``StepCostModel`` over the draft's buckets): the adaptive draft length's cost of
+        proposing (``Speculator.proposal_time``).
     """
 
     probe_interval = 8

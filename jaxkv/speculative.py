@@ -43,27 +43,30 @@ Adaptive draft length (``speculative_adaptive``, on by default). Each request ke
 ``a`` of the probability that a draft is accepted given the ones before it were; ``k`` drafts
 then emit ``E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` tokens in expectation
 (Leviathan et al.). (The arithmetic of the rules below, pure functions, is
-jaxkv/draft_allocation.py.) The estimate needs no verification: the proposer is asked every step, and
-its proposal is compared with the tokens the step emitted, verified or not; a comparison counts
+jaxkv/draft_allocation.py.) The estimate needs no verification: the proposer is asked every
+step (a costly one less often: probes, below), and its proposal is compared with the tokens the
+step emitted, verified or not; a comparison counts
 its positions up to and including the first mismatch (trials) and the matches (successes), both
 decayed by ``_DECAY`` per comparison from a prior (the engine's pooled rate, below, with the
 weight of ``_PRIOR_TRIALS`` trials). A
 request whose proposals stopped being accepted stops drafting at once, and starts again when its
 proposals start matching. Two rules turn the estimates into draft lengths:
 
-* The step-time rule (n-gram proposer). What a step costs depends on the shape it pads to, not
-  on its tokens one by one: ``B`` decodes with ``k`` drafts each are ``B (1 + k)`` tokens, padded
-  to the next token bucket, and verifying widens the sampled rows from 1 to ``1 +
-  num_speculative_tokens`` per sequence (jaxkv/batch.py). A ``StepCostModel``
+* The step-time rule (every adaptive speculator of an engine). What a step costs depends on
+  the shape it pads to, not on its tokens one by one: ``B`` decodes with ``k`` drafts each are
+  ``B (1 + k)`` tokens, padded to the next token bucket, and verifying widens the sampled rows
+  from 1 to ``1 + num_speculative_tokens`` per sequence (jaxkv/batch.py). A ``StepCostModel``
   (jaxkv/step_cost.py), fitted online to the engine's measured step times by padded shape, gives
   ``T(tokens, drafts?)``, and ``allocate_drafts`` chooses the whole step's lengths, each in ``[0,
   its proposal's length]``, to maximise expected emitted tokens per second::
 
-      sum_i E_i(k_i) / T(base + sum_i k_i, sum_i k_i > 0)
+      sum_i E_i(k_i) / (T(base + sum_i k_i, sum_i k_i > 0) + P(max_i k_i))
 
-  exactly (the largest marginal gains ``a_i^j`` first, one candidate per bucket, and ``k = 0``
-  everywhere, the plain step, is always a candidate: by the model's measurements speculation is
-  never chosen when it is slower). That is the throughput of a batch that stays full (a request
+  exactly (the largest marginal gains ``a_i^j`` first, one candidate per bucket and longest
+  draft, and ``k = 0`` everywhere, the plain step, is always a candidate: by the model's
+  measurements speculation is never chosen when it is slower). ``P(m)`` is what proposing
+  costs: 0 for the n-gram and suffix lookups (microseconds on the host), ``m`` forwards of the
+  draft model (below). That is the throughput of a batch that stays full (a request
   that finishes early makes room for a waiting one). A closed batch (nothing waits, every
   running request decodes) ends when its longest request does, and a token emitted early by
   a request that then waits for the others buys nothing: there ``allocate_drafts_closed``
@@ -72,9 +75,9 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   requests whose proposals matched while the one whose did not set the pace: every step cost
   13% more for the same number of steps, 0.85x (BENCHMARKS.md). Drafts inside the bucket the
   step pads to anyway are nearly free; the one that pushes the step into the next bucket pays
-  the whole jump. Every decode is asked for ``num_speculative_tokens`` drafts first (a lookup
-  is microseconds), so a proposal's real length caps its ``k``. Three guards keep an
-  unmeasured shape from costing more than no speculation would:
+  the whole jump. A free proposer is asked for ``num_speculative_tokens`` drafts for every
+  decode first, so a proposal's real length caps its ``k``. Three guards keep an unmeasured
+  shape from costing more than no speculation would:
 
   - While the plain step's shape is unmeasured (or stale) the step is plain (k = 0
     everywhere): what no speculation does anyway. There is no fixed-cost guess in this rule.
@@ -82,48 +85,56 @@ proposals start matching. Two rules turn the estimates into draft lengths:
     only when it is at most one bucket above the plain step's bucket (drafts inside the plain
     bucket, or the next bucket up; larger jumps are never tried, so never chosen), and only
     while the exploration spending is paid for: each kept exploration's time above the plain
-    step's is charged, and a new one is planned only while the charges are at most
-    ``_EXPLORE_SHARE`` of all measured step time (a shape's first, compiling, step is
-    neither charged nor counted). So exploring costs at most that share of the device time,
-    plus one exploration step and each shape's first visit.
-  - A cold request (no proposal of its compared with emitted tokens yet: its acceptance is
-    the prior) does not take part in choosing the step's shape; it only fills the room the
-    chosen draft step pads to anyway. So the priors of a batch of new requests cannot push
-    the step into a larger bucket.
+    step's (its proposals' time included) is charged, and a new one is planned only while the
+    charges are at most ``_EXPLORE_SHARE`` of all measured step time (a shape's first,
+    compiling, step is neither charged nor counted). So exploring costs at most that share of
+    the device time, plus one exploration step and each shape's first visit.
+  - A cold request of a free proposer (no proposal of its compared with emitted tokens yet:
+    its acceptance is the prior 1/2) does not take part in choosing the step's shape; it only
+    fills the room the chosen draft step pads to anyway. So the priors of a batch of new
+    requests cannot push the step into a larger bucket.
 
   At batch 64 on a 512-token context (BENCHMARKS.md) the earlier rule explored the 1024-token
   bucket from a 64-token plain step (12x its time) and, with the plain step unmeasured,
   proposed the fixed-cost rule's k = 2 for all 64 cold requests (256 tokens, 4x): 0.63x.
-* The fixed-cost rule (the draft-model proposer, whose own forwards are not in the target's
-  step time, and any speculator without a step-time model): per request, the ``k`` in ``[0,
-  num_speculative_tokens]`` that maximises ``E(k) / (1 + c k)``, ``c`` the cost of one more
-  draft as a fraction of a decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et
-  al.'s condition for a gain is ``a > c``). ``c = speculative_draft_cost`` (verifying one more
-  token) for a proposer whose proposals are free; for a draft model (a proposer with a
-  ``forward_cost``, its own ``StepCostModel``) ``c = speculative_draft_cost + t_draft /
-  t_plain``, both measured at the step's number of decodes: ``t_draft`` the draft's forward
-  over them, ``t_plain`` the target's plain decode step. While ``t_plain`` is unmeasured the
-  step is plain (no proposals at all); while ``t_draft`` is, the draft counts as free, so it
-  drafts and gets measured. A draft as costly as the target (``t_draft ~ t_plain``) then never
-  drafts, whatever its acceptance, without the user having to know what it costs. (In a
-  server whose every step at a batch size carries a prefill chunk, that batch's plain decode
-  step is never measured, so the draft model does not draft there: the conservative side.)
-  The rule is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more than
-  one of ``B``: the reason for the step-time rule. The proposer is
-  asked for ``max(1, k)`` tokens, so a ``k = 0`` request keeps measuring with one proposed
-  token; a proposer whose proposals cost a forward pass (the draft model) sets
-  ``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
-  many steps (its draft cache catches up then, in one chunk). Each probe after which the
-  request still does not draft doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times
-  ``probe_interval``; a step that drafts resets it. So a request the draft cannot help costs
-  O(log n) draft forwards over n tokens instead of n / ``probe_interval`` (also when its probes
-  match: a draft as costly as the target that agrees with it never pays), and one whose
-  proposals start matching drafts after the probes that lift its estimate above ``c`` (two,
-  from an estimate near 0, at ``c = 0.3``).
 
-Under the fixed-cost rule what the engine learned carries over to new requests (the step-time
-rule keeps the prior 1/2: a cold request never chooses its step's shape there, and its prior
-only orders the drafts that fill the room). A request's estimate starts from the
+  Costly proposals (a proposer with a ``forward_cost``, its own ``StepCostModel``: the draft
+  model, whose every draft position is a forward over the requests it drafts for). The
+  lengths are chosen before anything is proposed, from the estimates alone, and the proposer
+  is then asked for exactly those. ``P(m) = m t_draft``, ``t_draft`` the draft's measured
+  forward over the step's decodes (0 while unmeasured, so it drafts and gets measured); the
+  search runs over every longest draft ``m`` (jaxkv/draft_allocation.py). A draft as costly as
+  the target then never drafts, whatever its acceptance, without the user having to know what
+  it costs; and in a lockstep batch the draft's forwards for requests that finish early are
+  weighed against the request that sets the end. A draft shape is explored only where the
+  drafts would pay if it cost no more than the plain step (a proposal costs a forward), and
+  its charge includes the exploration's proposal time. (In a server whose every step at a
+  batch size carries a prefill chunk, that batch's plain decode step is never measured, so the
+  draft model does not draft there: the conservative side.) The previous rule for the draft
+  model, the fixed-cost rule below with ``c = speculative_draft_cost + t_draft / t_plain`` per
+  request, drafted at batch 4 on stories (acceptance 0.28 > c = 0.18) where the draft steps'
+  larger bucket and the lockstep made it 0.79x (BENCHMARKS.md).
+* The fixed-cost rule (a speculator without a step-time model, as built without an engine
+  config): per request, the ``k`` in ``[0, num_speculative_tokens]`` that maximises ``E(k) /
+  (1 + c k)``, ``c = speculative_draft_cost`` the cost of one more draft as a fraction of a
+  decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et al.'s condition for a gain is
+  ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more
+  than one of ``B``: the reason for the step-time rule.
+
+Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
+rule), a ``k = 0`` request is still asked for one token, so it keeps measuring; a proposer
+whose proposals cost a forward pass (the draft model) sets ``probe_interval``: a ``k = 0``
+request is then asked for its one token only once per that many steps (its draft cache
+catches up then, in one chunk). Each probe after which the request still does not draft
+doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a step that drafts
+resets it. So a request the draft cannot help costs O(log n) draft forwards over n tokens
+instead of n / ``probe_interval`` (also when its probes match: a draft as costly as the target
+that agrees with it never pays), and one whose proposals start matching drafts after the
+probes that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``).
+
+For such proposers what the engine learned carries over to new requests (the step-time rule
+of a free proposer keeps the prior 1/2: a cold request never chooses its step's shape there,
+and its prior only orders the drafts that fill the room). A request's estimate starts from the
 engine's pooled acceptance (every comparison of every request, decayed by ``_POOL_DECAY`` per
 comparison, from 1/2; it weighs as ``_PRIOR_TRIALS`` trials) instead of a fixed 1/2, and a new
 request of a costly proposer starts at the probe interval the engine's latest probe outcome
@@ -141,7 +152,7 @@ wall time is at most that share of the measured target step time (plus one probe
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -157,7 +168,8 @@ from jaxkv.suffix_proposer import SuffixProposer
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)
 _POOL_DECAY = 0.9       # per comparison, of the engine's pooled acceptance counts
-_HALF = (1.0, 2.0)      # (accepted, trials) of acceptance 1/2: the pool's start, the step-time prior
+_HALF = (1.0, 2.0)      # (accepted, trials) of acceptance 1/2: the pool's start, a free
+                        # proposer's prior under the step-time rule
 _EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
 _MAX_PROBE_BACKOFF = 16  # a k = 0 request's probe interval grows to this many base intervals
 
@@ -206,11 +218,10 @@ class Speculator:
       num_speculative_tokens: most drafts proposed per sequence and step.
       draft_cost: the fixed-cost rule's cost of one more draft token (a fraction of a decode
         step), or None: always propose ``num_speculative_tokens``.
-      step_cost: the target's step-time model. For a proposer whose proposals are free, the
-        adaptive draft lengths maximise emitted tokens per second with it (``allocate_drafts``
-        over the shapes it has measured, with bounded exploration: the module docstring); for
-        one with a ``forward_cost`` (the draft model) it gives the fixed-cost rule's plain step
-        time. None: the fixed-cost rule with ``c = draft_cost``.
+      step_cost: the target's step-time model: the adaptive draft lengths maximise emitted
+        tokens per second with it (``allocate_drafts`` over the shapes it has measured, with
+        bounded exploration, a costly proposer's measured forwards added: the module
+        docstring). None: the fixed-cost rule with ``c = draft_cost``.
       max_num_batched_tokens: the step's token budget (with ``step_cost``).
 
     Attributes:
@@ -236,7 +247,9 @@ class Speculator:
         self._budget = max_num_batched_tokens
         self._measured_s = 0.0   # kept step durations, summed (exploration and probe budgets)
         self._charged_s = 0.0    # kept exploration steps' time above the plain step's
-        self._exploring: float | None = None   # this step explores: the plain step's time
+        # this step explores: the time it is charged above (the plain step's, less the
+        # exploration's proposal time)
+        self._exploring: float | None = None
         self._proposals: dict[Hashable, tuple[int, ...]] = {}   # this step's, by request
         self._acceptance: dict[Hashable, tuple[float, float]] = {}   # (accepted, trials)
         self._proposed = 0   # draft tokens proposed
@@ -289,14 +302,20 @@ class Speculator:
     def _prior(self) -> tuple[float, float]:
         """A new request's (accepted, trials): the pooled rate (1/2 under the step-time rule),
         weighing ``_PRIOR_TRIALS``."""
-        accepted, trials = _HALF if self._by_step_time else self._pool
+        accepted, trials = (_HALF if self._by_step_time and self._forward_cost is None
+                            else self._pool)
         return _PRIOR_TRIALS * accepted / trials, _PRIOR_TRIALS
 
     @property
     def _by_step_time(self) -> bool:
         """Whether the draft lengths follow the step-time rule (else the fixed-cost rule)."""
-        return (self.step_cost is not None and self.draft_cost is not None
-                and self._forward_cost is None)
+        return self.step_cost is not None and self.draft_cost is not None
+
+    @property
+    def _forward_cost(self) -> StepCostModel | None:
+        """The proposer's own forward-time model (the draft model's: its proposals cost device
+        time), read from the proposer (tests swap it) rather than kept."""
+        return getattr(self.proposer, "forward_cost", None)
 
     def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
         """Draft tokens for the running decodes of ``state`` (``scheduler.schedule``'s
@@ -308,32 +327,34 @@ class Speculator:
         self._acceptance = {i: a for i, a in self._acceptance.items() if i in state.requests}
         self._idle = {i: n for i, n in self._idle.items() if i in state.requests}
         self._probe_every = {i: n for i, n in self._probe_every.items() if i in state.requests}
-        if self._by_step_time:
-            return self._drafts_by_step_time(state)
-        return self._drafts_by_fixed_cost(state)
+        self._exploring = None
+        if self._by_step_time and self._forward_cost is None:
+            return self._drafts_of_free_proposals(state)
+        return self._drafts_of_chosen_lengths(state)
 
-    def _drafts_by_fixed_cost(self, state: scheduler.SchedulerState
-                              ) -> dict[Hashable, tuple[int, ...]]:
-        """``drafts`` under the fixed-cost rule: per request the ``best_num_drafts`` of its
-        estimate (every request ``num_speculative_tokens`` when not adaptive), a ``k = 0``
-        request asked for one token once per its probe interval, and the engine's own probe of
-        the longest-unasked request when none has been asked for ``_MAX_PROBE_BACKOFF``
-        intervals (the module docstring)."""
+    def _drafts_of_chosen_lengths(self, state: scheduler.SchedulerState
+                                  ) -> dict[Hashable, tuple[int, ...]]:
+        """``drafts`` with the lengths chosen before proposing (for a proposer whose proposals
+        cost a forward, and any speculator without step times): by the step-time rule with the
+        proposer's forwards in the step's time, by the fixed-cost rule, or every request
+        ``num_speculative_tokens`` when not adaptive; a ``k = 0`` request asked for one token
+        once per its probe interval, and the engine's own probe of the longest-unasked request
+        when none has been asked for ``_MAX_PROBE_BACKOFF`` intervals (the module
+        docstring)."""
         probe_interval = getattr(self.proposer, "probe_interval", 1)
         most = _MAX_PROBE_BACKOFF * probe_interval
         probed, self._proposals, self._probes, out = self._probes, {}, set(), {}
         wanted, lengths, unasked = {}, {}, []
         decoding = scheduler.decoding_ids(state)
-        cost = None if self.draft_cost is None else self.draft_step_cost(len(decoding))
-        if self.draft_cost is not None and cost is None:   # measure the plain step first
+        room = {i: state.requests[i].request.stop.max_tokens
+                - len(state.requests[i].output_token_ids) - 1 for i in decoding}
+        chosen = self._chosen_lengths(state, [i for i in decoding if room[i] > 0])
+        if chosen is None:   # measure the plain step first
             return out
         for request_id in decoding:
-            rs = state.requests[request_id]
-            room = rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
             if request_id not in self._idle and self._pool_probe_every is not None:
                 self._probe_every[request_id] = self._pool_probe_every   # a new request
-            k = (self.num_speculative_tokens if self.draft_cost is None else best_num_drafts(
-                self.acceptance(request_id), self.num_speculative_tokens, cost))
+            k = chosen.get(request_id, 0)
             if k == 0:   # asked for one token to keep measuring, once per its interval
                 every = self._probe_every.get(request_id, probe_interval)
                 if request_id in probed and probe_interval > 1:   # the probe did not pay
@@ -341,7 +362,7 @@ class Speculator:
                         2 * every, most)
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
                 if self._idle[request_id] < every:
-                    if room > 0:
+                    if room[request_id] > 0:
                         unasked.append(request_id)
                     continue
                 self._probes.add(request_id)
@@ -350,9 +371,9 @@ class Speculator:
                 if probe_interval > 1:
                     self._pool_probe_every = None
             self._idle[request_id] = 0
-            n = min(max(k, 1), room)
+            n = min(max(k, 1), room[request_id])
             if n > 0:
-                wanted[request_id] = (_history(rs), n)
+                wanted[request_id] = (_history(state.requests[request_id]), n)
                 lengths[request_id] = min(k, n)
         self._quiet = 0 if wanted else self._quiet + 1
         engine_probe = bool(unasked) and self._quiet >= most and (
@@ -372,45 +393,48 @@ class Speculator:
             if k:
                 out[request_id] = proposal[:k]
                 self._proposed += k
+        seconds = time.perf_counter() - start
         if engine_probe:
-            self._engine_probe_s += time.perf_counter() - start
+            self._engine_probe_s += seconds
+        if self._exploring is not None:   # an exploration is charged its proposals' time too
+            self._exploring -= seconds
         return out
 
-    @property
-    def _forward_cost(self) -> StepCostModel | None:
-        """The proposer's own forward-time model (the draft model's), read from the proposer
-        (tests swap it) rather than kept."""
-        return getattr(self.proposer, "forward_cost", None)
+    def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable]
+                        ) -> dict[Hashable, int] | None:
+        """``_drafts_of_chosen_lengths``'s draft length of each decode in ``ids`` (those with
+        room for a draft), before anything is proposed; None while the step-time rule's plain
+        step is unmeasured (no proposals at all then)."""
+        if self.draft_cost is None:
+            return {i: self.num_speculative_tokens for i in ids}
+        if self.step_cost is None:
+            return {i: best_num_drafts(self.acceptance(i), self.num_speculative_tokens,
+                                       self.draft_cost) for i in ids}
+        caps = [min(self.num_speculative_tokens, state.requests[i].request.stop.max_tokens
+                    - len(state.requests[i].output_token_ids) - 1) for i in ids]
+        ks = self._step_lengths(state, ids, [self.acceptance(i) for i in ids], caps,
+                                [False] * len(ids),
+                                lambda longest: self.proposal_time(len(ids), longest))
+        return None if ks is None else dict(zip(ids, ks))
 
-    def draft_step_cost(self, num_decodes: int) -> float | None:
-        """The fixed-cost rule's ``c`` in a step of ``num_decodes`` decodes (the module
-        docstring; an adaptive speculator: ``draft_cost`` set): ``draft_cost``, plus for a
-        proposer with a ``forward_cost`` its measured forward time over the target's plain step
-        time (0 while the forward is unmeasured); None while that plain step is unmeasured."""
-        if self._forward_cost is None or self.step_cost is None:
-            return self.draft_cost
-        plain = self.step_cost.predict(num_decodes, num_decodes, False)
-        if plain is None:
-            return None
-        forward = self._forward_cost.predict(num_decodes, num_decodes, False)
-        return self.draft_cost + (0.0 if forward is None else forward / plain)
+    def proposal_time(self, num_decodes: int, longest: int) -> float:
+        """Seconds of proposing drafts at most ``longest`` long for ``num_decodes`` decodes:
+        ``longest`` forwards of the proposer's ``forward_cost`` over them (the catch-up of each
+        request's new tokens and the draft decodes), each at its measured time for that many
+        decodes; 0 while that is unmeasured (so it drafts, and gets measured) and for a
+        proposer without a ``forward_cost``."""
+        model = self._forward_cost
+        forward = None if model is None else model.predict(num_decodes, num_decodes, False)
+        return longest * (forward or 0.0)
 
-    def _drafts_by_step_time(self, state: scheduler.SchedulerState
-                             ) -> dict[Hashable, tuple[int, ...]]:
-        """``drafts`` under the step-time model: every decode is asked for its full length
-        (cheap proposals), then the whole step's lengths come from the step's estimated shape
-        (its decodes and the running prefills' next chunks; requests the scheduler will admit
-        from the queue are not foreseen) by the module docstring's guards: no drafts while the
-        plain step is unmeasured; else a paid-for exploration of a shape at most one bucket
-        above it; else ``allocate_drafts`` (``allocate_drafts_closed`` for a closed batch)
-        over the measured shapes among the requests with a measured acceptance, the cold ones
-        filling the chosen bucket's room."""
-        model, budget = self.step_cost, self._budget
-        self._exploring = None
+    def _drafts_of_free_proposals(self, state: scheduler.SchedulerState
+                                  ) -> dict[Hashable, tuple[int, ...]]:
+        """``drafts`` of a proposer whose proposals are free (no ``forward_cost``) under the
+        step-time rule: every decode is asked for its full length, then ``_step_lengths`` cuts
+        the proposals, requests without a measured acceptance only filling the room of the
+        chosen bucket."""
         wanted = {}
-        ids = decoding_order = scheduler.decoding_ids(state)
-        decoding = set(ids)
-        for request_id in ids:
+        for request_id in scheduler.decoding_ids(state):
             rs = state.requests[request_id]
             n = min(self.num_speculative_tokens,
                     rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
@@ -419,11 +443,35 @@ class Speculator:
         self._held |= wanted.keys()
         self._proposals = {i: tuple(int(t) for t in p[:wanted[i][1]])
                            for i, p in propose_batch(self.proposer, wanted).items()}
-        ids = [i for i in ids if self._proposals.get(i)]
+        ids = [i for i in wanted if self._proposals.get(i)]
         if not ids:
             return {}
-        acceptance = [self.acceptance(i) for i in ids]
-        caps = [len(self._proposals[i]) for i in ids]
+        ks = self._step_lengths(state, ids, [self.acceptance(i) for i in ids],
+                                [len(self._proposals[i]) for i in ids],
+                                [i not in self._acceptance for i in ids])
+        out = {i: self._proposals[i][:k] for i, k in zip(ids, ks or []) if k}
+        self._proposed += sum(ks or [])
+        return out
+
+    def _step_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable],
+                      acceptance: Sequence[float], caps: Sequence[int], cold: Sequence[bool],
+                      proposal_time: Callable[[int], float] | None = None) -> list[int] | None:
+        """The step-time rule's draft lengths (int [N]) of the decodes ``ids`` (acceptance
+        float [N], at most caps int [N] drafts each) from the step's estimated shape (its
+        decodes and the running prefills' next chunks; requests the scheduler will admit from
+        the queue are not foreseen), by the module docstring's guards:
+
+        * None while the plain step is unmeasured or stale (this step measures it);
+        * else a paid-for exploration of a shape at most one bucket above it (with costly
+          proposals, only of a shape where they would pay if it took no longer than the plain
+          step);
+        * else ``allocate_drafts`` (``allocate_drafts_closed`` for a closed batch) with
+          ``proposal_time`` (longest draft -> seconds; None: free) over the measured shapes
+          among the requests not ``cold``, the cold ones filling the chosen bucket's room.
+        """
+        model, budget = self.step_cost, self._budget
+        decoding_order = scheduler.decoding_ids(state)
+        decoding = set(decoding_order)
         prefill = sum(state.requests[i].num_tokens - state.requests[i].num_computed_tokens
                       for i in state.running if i not in decoding)
         base = min(budget, len(decoding) + prefill)
@@ -431,36 +479,38 @@ class Speculator:
         plain = model.predict(base, num_seqs, False)
         if plain is None or model.wants(base, num_seqs, False):
             model.tried(base, num_seqs, False)
-            ks = [0] * len(ids)
-        elif (explore := self._exploration(base, num_seqs, sum(caps))) is not None:
+            return None
+        explore = self._exploration(base, num_seqs, sum(caps))
+        if explore is not None and proposal_time is not None and not sum(allocate_drafts(
+                acceptance, caps, base, min(explore, budget), model.token_buckets,
+                lambda t, d: plain, proposal_time)):
+            explore = None   # costly proposals that would not pay even at the plain step's time
+        if explore is not None:
             model.tried(explore, num_seqs, True)
             self._exploring = plain
-            ks = fill_drafts(   # the most drafts that fit it (they pad to it)
+            return fill_drafts(   # the most drafts that fit it (they pad to it)
                 acceptance, caps, min(explore, budget) - base)
+        warm_caps = [0 if c else cap for c, cap in zip(cold, caps)]
+        step_time = lambda t, d: model.predict(t, num_seqs, d)   # noqa: E731
+        if not state.waiting and not prefill:   # a closed batch: the longest sets the end
+            # every decode counts, those without a proposal (no drafts) first
+            acc, cap = dict(zip(ids, acceptance)), dict(zip(ids, warm_caps))
+            every = [i for i in decoding_order if i not in acc] + list(ids)
+            remaining = [state.requests[i].request.stop.max_tokens
+                         - len(state.requests[i].output_token_ids) for i in every]
+            ks = allocate_drafts_closed(
+                [acc.get(i, 0.0) for i in every], [cap.get(i, 0) for i in every], remaining,
+                base, budget, model.token_buckets, step_time, proposal_time)
+            ks = ks[len(every) - len(ids):]
         else:
-            cold = [i not in self._acceptance for i in ids]
-            warm_caps = [0 if c else cap for c, cap in zip(cold, caps)]
-            step_time = lambda t, d: model.predict(t, num_seqs, d)   # noqa: E731
-            if not state.waiting and not prefill:   # a closed batch: the longest sets the end
-                # every decode counts, those without a proposal (no drafts) first
-                acc, cap = dict(zip(ids, acceptance)), dict(zip(ids, warm_caps))
-                every = [i for i in decoding_order if i not in acc] + ids
-                remaining = [state.requests[i].request.stop.max_tokens
-                             - len(state.requests[i].output_token_ids) for i in every]
-                ks = allocate_drafts_closed(
-                    [acc.get(i, 0.0) for i in every], [cap.get(i, 0) for i in every],
-                    remaining, base, budget, model.token_buckets, step_time)[-len(ids):]
-            else:
-                ks = allocate_drafts(acceptance, warm_caps, base, budget, model.token_buckets,
-                                     step_time)
-            if sum(ks):   # cold requests fill the room of the bucket the step pads to anyway
-                room = min(model.key(base + sum(ks), num_seqs, True)[0], budget) - base - sum(ks)
-                ks = [k + f for k, f in zip(ks, fill_drafts(
-                    [a if c else 0.0 for a, c in zip(acceptance, cold)],
-                    [cap - k for cap, k in zip(caps, ks)], room))]
-        out = {i: self._proposals[i][:k] for i, k in zip(ids, ks) if k}
-        self._proposed += sum(ks)
-        return out
+            ks = allocate_drafts(acceptance, warm_caps, base, budget, model.token_buckets,
+                                 step_time, proposal_time)
+        if sum(ks):   # cold requests fill the room of the bucket the step pads to anyway
+            room = min(model.key(base + sum(ks), num_seqs, True)[0], budget) - base - sum(ks)
+            ks = [k + f for k, f in zip(ks, fill_drafts(
+                [a if c else 0.0 for a, c in zip(acceptance, cold)],
+                [cap - k for cap, k in zip(caps, ks)], room))]
+        return ks
 
     def _exploration(self, base: int, num_seqs: int, num_proposed: int) -> int | None:
         """The token bucket of the draft step to explore now, or None: the smallest unmeasured

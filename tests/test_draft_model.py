@@ -211,12 +211,12 @@ def test_other_random_draft_and_adaptive_length(models, tiny_llm):
             assert token_lists(llm.generate(prompts, params, use_tqdm=False)) == want
             verified.append(spec_delta(llm, before)["spec_num_draft_tokens"])
         assert draft_of(llm).stats()["spec_draft_blocks_used"] == 0
-        # the adaptive rule's c: the draft's measured forward over the target's plain step
+        # the adaptive rule weighs the target's measured steps and the draft's forwards
         spec, n = llm.engine.speculator, len(prompts)
         plain = spec.step_cost.predict(n, n, False)
         forward = draft_of(llm).forward_cost.predict(n, n, False)
         assert plain > 0 and forward > 0
-        assert spec.draft_step_cost(n) == pytest.approx(0.1 + forward / plain)
+        assert spec.proposal_time(n, 3) == pytest.approx(3 * forward)
     assert verified[1] < verified[0] / 3
 
 

@@ -755,13 +755,14 @@ def test_engine_probes_cost_at_most_their_share_of_the_step_time():
     assert len(engine) >= 2 and np.diff(engine).min() >= 90
 
 
-@pytest.mark.parametrize("forward_seconds, drafts", [(0.05, True), (1.0, False)])
-def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, drafts):
+@pytest.mark.parametrize("forward_seconds, drafts", [(0.05, True), (1.5, False)])
+def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, drafts):
     """Always-right drafts on a target whose plain step takes 1 s: the first steps are plain
     (measuring the plain step: its first time holds the compilation), the next drafts (the
-    draft's forward is unmeasured, so free); then a draft whose forward takes 5% of a step
-    drafts the full length (c = 0.1 + 0.05), and one as costly as the target (c = 1.1 > a)
-    never verifies a draft again, probing instead."""
+    draft's forward is unmeasured, so free: the draft step is explored); then a draft whose
+    forward takes 5% of a step drafts the full length (5 tokens in 1.04 + 4 x 0.05 s), and
+    one costlier than the target (2 tokens in 1.01 + 1.5 s at best) never verifies a draft
+    again, probing instead, ever more rarely."""
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
 
@@ -775,22 +776,21 @@ def test_fixed_cost_rule_weighs_the_measured_draft_forward(forward_seconds, draf
 
     def note(step):
         proposer.step = step
-        costs.append(spec.draft_step_cost(1))
+        costs.append(spec.proposal_time(1, 4))
 
     lengths = step_one_request(spec, state, sc, 40, note,
                                lambda plan: 1.0 + 0.01 * plan.num_drafts)
     # the prefill and the first decode pad to one shape: its first time is dropped, so the
     # plain step is measured from step 2 on
-    assert costs[:2] == [None, None] and lengths[:2] == [0, 0]
-    assert costs[2] == pytest.approx(0.1) and lengths[2] > 0   # the forward unmeasured: free
-    assert costs[-1] == pytest.approx(0.1 + forward_seconds)
+    assert lengths[:2] == [0, 0] and proposer.asked_at[0] == 2
+    assert costs[2] == 0.0 and lengths[2] > 0   # the forward unmeasured: free
+    assert costs[-1] == pytest.approx(4 * forward_seconds)
     if drafts:
-        assert lengths[-1] == 4 and spec.stats()["spec_num_accepted_tokens"] > 0
+        assert lengths[2:] == [4] * 38 and spec.stats()["spec_num_accepted_tokens"] > 0
     else:
-        assert lengths[3:] == [0] * 37
-        assert spec.stats()["spec_num_draft_tokens"] == lengths[2]
+        assert lengths == [0, 0, 4] + [0] * 37
         # the probes match, but the draft never pays: they back off all the same
-        assert np.diff(proposer.asked_at).tolist() == [2, 4, 8, 16]
+        assert proposer.asked_at == [2, 4, 8, 16, 32]
 
 
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
@@ -862,8 +862,9 @@ def test_step_cost_model_fits_synthetic_timings():
     assert model.predict(16, 8, False) is not None
 
 
-def _brute_force_drafts(acceptance, caps, base, budget, buckets, table):
-    """max over every k vector of sum E_i(k_i) / step time (padded-bucket table)."""
+def _brute_force_drafts(acceptance, caps, base, budget, buckets, table, proposing):
+    """max over every k vector of sum E_i(k_i) / (step time (padded-bucket table) + proposal
+    time ``proposing[max k]`` of a drafting step)."""
     import itertools
 
     best = 0.0
@@ -873,8 +874,15 @@ def _brute_force_drafts(acceptance, caps, base, budget, buckets, table):
             continue
         bucket = next(b for b in buckets if b >= total)
         expected = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(acceptance, ks))
-        best = max(best, expected / table[bucket, sum(ks) > 0])
+        best = max(best, expected / (table[bucket, sum(ks) > 0] + proposing[max(ks)]))
     return best
+
+
+def random_proposal_times(rng, costly: bool) -> np.ndarray:
+    """float [5]: the proposal time of a step whose longest draft is 0..4 (0 when not
+    ``costly``), rising with it."""
+    per_draft = rng.uniform(0.0, 0.5) if costly else 0.0
+    return np.concatenate([[0.0], np.cumsum(per_draft * rng.uniform(0.5, 1.5, 4))])
 
 
 BUCKETS = (4, 8, 12, 16)
@@ -894,20 +902,25 @@ def random_allocations(seed: int, cases: int = 300):
                np.cumsum(rng.uniform(0.05, 1.0, len(BUCKETS))), rng)
 
 
-def test_allocate_drafts_equals_brute_force():
+@pytest.mark.parametrize("costly", [False, True])
+def test_allocate_drafts_equals_brute_force(costly):
+    """Free proposals, and costly ones (a draft model's: ``proposal_time`` of the longest
+    draft): the exact optimum of every case."""
     from jaxkv.draft_allocation import allocate_drafts
 
     buckets = BUCKETS
-    for case, acceptance, caps, base, budget, cost, rng in random_allocations(1):
+    for case, acceptance, caps, base, budget, cost, rng in random_allocations(1 + costly):
         table = {(b, d): cost[i] * (1 + d * rng.uniform(0, 0.3))
                  for i, b in enumerate(buckets) for d in (False, True)}
         step_time = lambda t, d: table[next(b for b in buckets if b >= t), d]
-        ks = allocate_drafts(acceptance, caps, base, budget, buckets, step_time)
+        proposing = random_proposal_times(rng, costly)
+        ks = allocate_drafts(acceptance, caps, base, budget, buckets, step_time,
+                             (lambda m: proposing[m]) if costly else None)
         assert all(0 <= k <= c for k, c in zip(ks, caps)) and base + sum(ks) <= budget
         expected = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(acceptance, ks))
-        value = expected / step_time(base + sum(ks), sum(ks) > 0)
-        assert value == pytest.approx(
-            _brute_force_drafts(acceptance, caps, base, budget, buckets, table), rel=1e-12), case
+        value = expected / (step_time(base + sum(ks), sum(ks) > 0) + proposing[max(ks)])
+        assert value == pytest.approx(_brute_force_drafts(
+            acceptance, caps, base, budget, buckets, table, proposing), rel=1e-12), case
 
 
 def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
@@ -934,8 +947,9 @@ def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
     assert allocate_drafts([1.0], [4], 1, 64, buckets, lambda t, d: None) is None
 
 
-def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table):
-    """min over every k vector of T(step) + T_plain * max_i(remaining_i - E_i(k_i))."""
+def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table, proposing):
+    """min over every k vector of T(step) + proposing[max k] + T_plain * max_i(remaining_i -
+    E_i(k_i))."""
     import itertools
 
     plain = table[next(b for b in buckets if b >= base), False]
@@ -946,28 +960,32 @@ def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, tabl
             continue
         left = max(r - sum(a ** j for j in range(k + 1))
                    for a, k, r in zip(acceptance, ks, remaining))
-        best = min(best, table[next(b for b in buckets if b >= total), True] + plain * left)
+        best = min(best, table[next(b for b in buckets if b >= total), True]
+                   + proposing[max(ks)] + plain * left)
     return best
 
 
-def test_allocate_drafts_closed_equals_brute_force():
+@pytest.mark.parametrize("costly", [False, True])
+def test_allocate_drafts_closed_equals_brute_force(costly):
     from jaxkv.draft_allocation import allocate_drafts_closed
 
     buckets = BUCKETS
-    for case, acceptance, caps, base, budget, cost, rng in random_allocations(2):
+    for case, acceptance, caps, base, budget, cost, rng in random_allocations(3 + costly):
         remaining = rng.integers(1, 12, len(caps))
         drafts = np.maximum.accumulate(cost * (1 + rng.uniform(0, 0.5, len(buckets))))
         table = {(b, d): (drafts if d else cost)[i]            # with drafts too
                  for i, b in enumerate(buckets) for d in (False, True)}
         step_time = lambda t, d: table[next(b for b in buckets if b >= t), d]
+        proposing = random_proposal_times(rng, costly)
         ks = allocate_drafts_closed(acceptance, caps, remaining, base, budget, buckets,
-                                    step_time)
+                                    step_time, (lambda m: proposing[m]) if costly else None)
         assert all(0 <= k <= c for k, c in zip(ks, caps)) and base + sum(ks) <= budget
         plain = step_time(base, False)
-        got = (step_time(base + sum(ks), True) if sum(ks) else 0.0) + plain * max(
-            r - sum(a ** j for j in range(k + 1)) if sum(ks) else r
-            for a, k, r in zip(acceptance, ks, remaining))
-        want = _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table)
+        got = (step_time(base + sum(ks), True) + proposing[max(ks)] if sum(ks) else 0.0) + (
+            plain * max(r - sum(a ** j for j in range(k + 1)) if sum(ks) else r
+                        for a, k, r in zip(acceptance, ks, remaining)))
+        want = _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, table,
+                                   proposing)
         assert got == pytest.approx(want, rel=1e-12), case
 
 
@@ -1044,6 +1062,74 @@ def test_speculator_measures_shapes_then_maximises_tokens_per_second():
     assert cheap[7:] == [(16, 12)] * 25
     # draft steps at 3x: bucket 8's exploration is charged 24 ms over 48 ms measured (> 5%)
     assert drive(3.0, True)[5:] == drive(3.0, False)[5:] == [(4, 0)] * 27
+
+
+class CostlyBatchProposer:
+    """A ``BatchProposer`` of the oracle's tokens for the requests in ``right`` (else a token
+    outside the vocabulary) whose proposals cost ``forward_seconds`` a draft position, recorded
+    in its ``forward_cost`` as a draft model's forwards are (one per position over all the
+    requests asked); counts the draft forwards."""
+
+    probe_interval = 8
+
+    def __init__(self, right: set, forward_seconds: float, sc):
+        from jaxkv.step_cost import StepCostModel
+
+        self.right, self.forward_seconds = right, forward_seconds
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+        self.num_forwards = 0
+
+    def propose_batch(self, requests):
+        out = {}
+        for request_id, (token_ids, k) in requests.items():
+            history = list(token_ids)
+            out[request_id] = []
+            for _ in range(k):
+                out[request_id].append(oracle(history + out[request_id])
+                                       if request_id in self.right else VOCAB + 1)
+        for _ in range(max((k for _, k in requests.values()), default=0)):
+            self.forward_cost.observe(len(requests), len(requests), False, self.forward_seconds)
+            self.num_forwards += 1
+        return out
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("right", [{"r0", "r1", "r2"}, {"r0", "r1", "r2", "r3"}])
+def test_costly_proposer_in_a_lockstep_batch(right):
+    """Issue 15's batch-4 draft-model cell in miniature: four requests of 60 tokens decode in
+    lockstep (a 4-token plain step, 1 s), a step with drafts pads to 8 or 16 tokens (1 or 1.4
+    s), and each draft position costs a 0.1 s forward. With one request's drafts always wrong,
+    the fixed-cost rule (c = 0.1 + 0.1 per draft) keeps drafting for the other three, which
+    finish early while the fourth sets the batch's end: 19% more time than no speculation.
+    The step-time rule stops drafting once that request's misses are measured (it gains
+    nothing), losing only its bounded exploration. With all four right both draft, the
+    step-time rule for less (3 drafts each fill 16 tokens: 1.4 + 0.3 s for 4 tokens each)."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
+                         token_buckets=(8, 16, 32), seq_buckets=(8,))
+    cost = lambda bucket, has_drafts: {8: 1.0, 16: 1.4, 32: 2.2}[bucket]
+
+    def run(speculator):
+        """(steps, total seconds: the target's steps and the draft forwards)."""
+        steps, spec = drive_step_time(sc, cost, max_tokens=60, steps=100, spec=speculator)
+        forwards = spec.proposer.num_forwards if spec.proposer is not None else 0
+        return steps, sum(s for _, _, s in steps) + 0.1 * forwards
+
+    steps, adaptive = run(Speculator(CostlyBatchProposer(right, 0.1, sc), 4, draft_cost=0.1,
+                                     step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                                     max_num_batched_tokens=sc.max_num_batched_tokens))
+    _, fixed = run(Speculator(CostlyBatchProposer(right, 0.1, sc), 4, draft_cost=0.2))
+    _, plain = run(Speculator(None, 4))
+    assert adaptive < fixed
+    if len(right) == 3:
+        assert fixed > 1.15 * plain and adaptive < 1.06 * plain
+        assert [d for _, d, _ in steps[15:]] == [0] * (len(steps) - 15)
+    else:
+        assert adaptive < 0.55 * plain and steps[-3:] == [(16, 12, 1.4)] * 3
 
 
 BATCH64 = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256,

@@ -39,7 +39,7 @@ Cost. Every draft forward is one engine step of the draft (a jitted call and a h
 for its tokens): ``1 + (k - 1)`` per target step, plus the draft's own prefill of each prompt. On
 SmolLM2-135M (CPU) layer-subset drafts accept too little for their cost (BENCHMARKS.md: 0.6-2%
 for its first 8 layers, 9-26% for the best 24); the machinery's ceiling, the target as its own
-draft, accepts every draft. Each forward's device time goes into ``forward_cost`` (by padded
+draft, accepts every draft. Each forward's wall time goes into ``forward_cost`` (by padded
 shape), which the adaptive draft length adds to the target's step time when it chooses the
 step's draft lengths, before the draft runs (``Speculator.proposal_time``): a draft that costs
 about what the target does stops drafting.
@@ -71,6 +71,7 @@ step (with the default size that happens only when the target shares many prefix
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 
@@ -218,9 +219,10 @@ class DraftModelProposer:
       probe_interval: the adaptive draft length asks for a request it gives no drafts (k = 0)
         once per this many steps only, more rarely after probes that miss
         (``Speculator.drafts``): every proposal costs a draft forward.
-      forward_cost: the device time of the draft's forwards by padded shape (a
-        ``StepCostModel`` over the draft's buckets): the adaptive draft length's cost of
-        proposing (``Speculator.proposal_time``).
+      forward_cost: the wall time of the draft's forwards (its batch built on the host, the
+        device step, its tokens back) by padded shape (a ``StepCostModel`` over the draft's
+        buckets): the adaptive draft length's cost of proposing (``Speculator.proposal_time``).
+        Wall time, not device time: all of a draft forward is on the step's critical path.
     """
 
     probe_interval = 8
@@ -355,14 +357,14 @@ class DraftModelProposer:
 
     def _run(self, seqs: Sequence[ScheduledSeq]) -> dict[Hashable, int]:
         """One draft forward of ``seqs``; the greedy token of each sampling sequence."""
-        before = self.runner.device_time
+        start = time.perf_counter()
         out = self.runner.execute(StepPlan(tuple(seqs)), [RowInput(_GREEDY, (), ())] * len(seqs))
-        self.forward_cost.observe(sum(len(s.token_ids) for s in seqs), len(seqs), False,
-                                  self.runner.device_time - before)
         self._num_steps += 1
         tokens = out.tokens[:len(seqs), 0]
         if self._head_token_ids is not None:   # the reduced head's columns -> token ids
             tokens = self._head_token_ids[tokens]
+        self.forward_cost.observe(sum(len(s.token_ids) for s in seqs), len(seqs), False,
+                                  time.perf_counter() - start)
         return {s.request_id: int(tokens[row]) for row, s in enumerate(seqs) if s.sample}
 
     def release(self, request_id: Hashable) -> None:

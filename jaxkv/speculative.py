@@ -130,7 +130,14 @@ doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a s
 resets it. So a request the draft cannot help costs O(log n) draft forwards over n tokens
 instead of n / ``probe_interval`` (also when its probes match: a draft as costly as the target
 that agrees with it never pays), and one whose proposals start matching drafts after the
-probes that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``).
+probes that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``). With
+measured step times probes have a budget: the time of the proposals of steps that drafted
+nothing (probes alone) is held to ``_EXPLORE_SHARE`` of the measured step time (plus one
+probe: none is made while it is over), and the back-off applies only while it is over. A
+cheap draft (the 2-layer trained3-v4096: a 4 ms forward against a 55 ms
+target step at batch 1) thus keeps probing every ``probe_interval`` steps, and a request whose
+estimate fell on a run of misses (at acceptance 0.3, four in a row a quarter of the time)
+drafts again after its next matching probe instead of backing off for the rest of its life.
 
 For such proposers what the engine learned carries over to new requests (the step-time rule
 of a free proposer keeps the prior 1/2: a cold request never chooses its step's shape there,
@@ -145,8 +152,8 @@ again, so when no request has been asked for ``_MAX_PROBE_BACKOFF`` times ``prob
 steps, the one left unasked longest is, and the engine notices a workload the draft does help.
 Such a probe catches the draft up on that request's whole history (for a draft as large as
 skip12-18, a second or more: 13% of the device time at one per 128 steps, BENCHMARKS.md), so
-with measured step times it is also held to ``_EXPLORE_SHARE`` of them: the engine's probes'
-wall time is at most that share of the measured target step time (plus one probe).
+with measured step times it is also held to the probes' budget: it is made only while the
+probes' wall time is at most ``_EXPLORE_SHARE`` of the measured target step time.
 """
 
 from __future__ import annotations
@@ -239,7 +246,7 @@ class Speculator:
         self._probes: set[Hashable] = set()   # this step's k = 0 requests asked for one token
         self._pool_probe_every: int | None = None   # a new request's interval (None: the base)
         self._quiet = 0   # steps since any request was asked for a proposal (fixed-cost rule)
-        self._engine_probe_s = 0.0   # wall time of the engine's own probes
+        self._probe_s = 0.0   # wall time of the proposals of steps that drafted nothing
         self._pool = _HALF   # every request's comparisons, decayed: (accepted, trials)
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
@@ -357,11 +364,13 @@ class Speculator:
             k = chosen.get(request_id, 0)
             if k == 0:   # asked for one token to keep measuring, once per its interval
                 every = self._probe_every.get(request_id, probe_interval)
-                if request_id in probed and probe_interval > 1:   # the probe did not pay
+                # the probe did not pay: back off, once probes cost more than their share
+                if request_id in probed and probe_interval > 1 and self._probes_over_budget:
                     every = self._probe_every[request_id] = self._pool_probe_every = min(
                         2 * every, most)
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
-                if self._idle[request_id] < every:
+                if self._idle[request_id] < every or (self.step_cost is not None
+                                                      and self._probes_over_budget):
                     if room[request_id] > 0:
                         unasked.append(request_id)
                     continue
@@ -377,7 +386,7 @@ class Speculator:
                 lengths[request_id] = min(k, n)
         self._quiet = 0 if wanted else self._quiet + 1
         engine_probe = bool(unasked) and self._quiet >= most and (
-            self.step_cost is None or self._engine_probe_s <= _EXPLORE_SHARE * self._measured_s)
+            self.step_cost is None or not self._probes_over_budget)
         if engine_probe:   # the engine's own probe: the longest unasked
             request_id = max(unasked, key=lambda i: self._idle[i])
             self._probes.add(request_id)
@@ -386,6 +395,7 @@ class Speculator:
             lengths[request_id] = 0
         self._held |= wanted.keys()
         start = time.perf_counter()
+        forwards_before = None if self._forward_cost is None else self._forward_cost.total_s
         for request_id, proposal in propose_batch(self.proposer, wanted).items():
             proposal = tuple(int(t) for t in proposal[:wanted[request_id][1]])
             self._proposals[request_id] = proposal
@@ -393,12 +403,22 @@ class Speculator:
             if k:
                 out[request_id] = proposal[:k]
                 self._proposed += k
-        seconds = time.perf_counter() - start
-        if engine_probe:
-            self._engine_probe_s += seconds
+        # what proposing took: the proposer's own measured forwards, else the wall time
+        seconds = (time.perf_counter() - start if forwards_before is None
+                   else self._forward_cost.total_s - forwards_before)
+        if not out:   # nothing drafted: the proposals were probes
+            self._probe_s += seconds
         if self._exploring is not None:   # an exploration is charged its proposals' time too
             self._exploring -= seconds
         return out
+
+    @property
+    def _probes_over_budget(self) -> bool:
+        """Whether probes have cost more than their share: always without step times (the
+        fixed-cost rule: a probe that does not pay backs off), else when the proposals of the
+        steps that drafted nothing took more than ``_EXPLORE_SHARE`` of the measured step
+        time."""
+        return self.step_cost is None or self._probe_s > _EXPLORE_SHARE * self._measured_s
 
     def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable]
                         ) -> dict[Hashable, int] | None:

@@ -43,6 +43,7 @@ class StepCostModel:
     Attributes:
       token_buckets, seq_buckets: as given.
       num_observations: durations observed so far (every key, the dropped ones included).
+      total_s: their sum, in seconds.
     """
 
     def __init__(self, token_buckets: Sequence[int], seq_buckets: Sequence[int], *,
@@ -50,6 +51,7 @@ class StepCostModel:
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
         self.refresh = refresh
         self.num_observations = 0
+        self.total_s = 0.0
         self._time: dict[tuple[int, int, bool], float] = {}   # key -> EMA seconds
         self._seen: dict[tuple[int, int, bool], int] = {}     # key -> index of its last duration
         self._tried: dict[tuple[int, int, bool], int] = {}    # key -> index when last asked for
@@ -70,6 +72,7 @@ class StepCostModel:
             self._time[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
         self._seen[key] = self.num_observations
         self.num_observations += 1
+        self.total_s += seconds
         return kept
 
     def predict(self, num_tokens: int, num_seqs: int, drafts: bool) -> float | None:

@@ -729,10 +729,10 @@ class CostlyProposer(ProbedProposer):
 
 
 def test_engine_probes_cost_at_most_their_share_of_the_step_time():
-    """As above with a draft as costly as the target (c > 1: it never drafts) whose proposals
-    take 50 ms of wall time against 10 ms target steps: the engine's own probes are held to 5%
-    of the measured step time, so after the first one they come at least 100 steps apart (50
-    ms / (5% of 10 ms)) instead of every 32."""
+    """As above with a draft whose proposals take 50 ms (of wall time, and its measured
+    forwards) against 10 ms target steps: the probes are held to 5% of the measured step time,
+    so after the first engine probe they come at least 100 steps apart (50 ms / (5% of 10 ms))
+    instead of every 32."""
     import time
 
     from jaxkv.speculative import Speculator
@@ -744,7 +744,7 @@ def test_engine_probes_cost_at_most_their_share_of_the_step_time():
             return super().propose(token_ids, num_drafts)
 
     cc, sc = configs(num_blocks=256, max_model_len=512)
-    proposer = SlowProposer(False, 1.0, sc)
+    proposer = SlowProposer(False, 0.05, sc)
     spec = Speculator(proposer, 4, draft_cost=0.1,
                       step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
                       max_num_batched_tokens=sc.max_num_batched_tokens)
@@ -762,7 +762,7 @@ def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, draft
     draft's forward is unmeasured, so free: the draft step is explored); then a draft whose
     forward takes 5% of a step drafts the full length (5 tokens in 1.04 + 4 x 0.05 s), and
     one costlier than the target (2 tokens in 1.01 + 1.5 s at best) never verifies a draft
-    again, probing instead, ever more rarely."""
+    again, probing instead, within the probes' budget."""
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
 
@@ -789,8 +789,33 @@ def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, draft
         assert lengths[2:] == [4] * 38 and spec.stats()["spec_num_accepted_tokens"] > 0
     else:
         assert lengths == [0, 0, 4] + [0] * 37
-        # the probes match, but the draft never pays: they back off all the same
-        assert proposer.asked_at == [2, 4, 8, 16, 32]
+        # the probes match, but the draft never pays; they are held to 5% of the measured
+        # step time: after the one at step 4 (1.5 s) the next waits for 30 s of steps
+        assert proposer.asked_at == [2, 4, 32]
+
+
+@pytest.mark.parametrize("forward_seconds, backs_off", [(0.05, False), (0.3, True)])
+def test_probes_back_off_only_over_their_budget(forward_seconds, backs_off):
+    """Wrong drafts on a target whose plain step takes 1 s, probed once per 2 steps: a probe
+    whose forward takes 0.05 s costs 2.5% of the step time and keeps that interval; one of 0.3
+    s (15%, over the 5% share) backs off as under the fixed-cost rule."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    cc, sc = configs(num_blocks=128, max_model_len=512)
+    proposer = CostlyProposer(False, forward_seconds, sc)
+    spec = Speculator(proposer, 4, draft_cost=0.1,
+                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
+    lengths = step_one_request(spec, state, sc, 60, lambda step: setattr(proposer, "step", step),
+                               lambda plan: 1.0 + 0.01 * plan.num_drafts)
+    assert sum(lengths[10:]) == 0
+    gaps = np.diff([t for t in proposer.asked_at if t >= 10]).tolist()
+    if backs_off:
+        assert max(gaps) >= 16
+    else:
+        assert gaps == [2] * len(gaps) and len(gaps) >= 20
 
 
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
@@ -1104,7 +1129,8 @@ def test_costly_proposer_in_a_lockstep_batch(right):
     the fixed-cost rule (c = 0.1 + 0.1 per draft) keeps drafting for the other three, which
     finish early while the fourth sets the batch's end: 19% more time than no speculation.
     The step-time rule stops drafting once that request's misses are measured (it gains
-    nothing), losing only its bounded exploration. With all four right both draft, the
+    nothing), losing only its bounded exploration and probes (at most 5% of the step time
+    each). With all four right both draft, the
     step-time rule for less (3 drafts each fill 16 tokens: 1.4 + 0.3 s for 4 tokens each)."""
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
@@ -1126,10 +1152,11 @@ def test_costly_proposer_in_a_lockstep_batch(right):
     _, plain = run(Speculator(None, 4))
     assert adaptive < fixed
     if len(right) == 3:
-        assert fixed > 1.15 * plain and adaptive < 1.06 * plain
+        assert fixed > 1.15 * plain and adaptive < 1.1 * plain
         assert [d for _, d, _ in steps[15:]] == [0] * (len(steps) - 15)
     else:
-        assert adaptive < 0.55 * plain and steps[-3:] == [(16, 12, 1.4)] * 3
+        # the last step is plain: every request has one token left
+        assert adaptive < 0.55 * plain and steps[-4:] == [(16, 12, 1.4)] * 3 + [(4, 0, 1.0)]
 
 
 BATCH64 = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256,

@@ -133,7 +133,10 @@ that agrees with it never pays), and one whose proposals start matching drafts a
 probes that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``). With
 measured step times probes have a budget: the time of the proposals of steps that drafted
 nothing (probes alone) is held to ``_EXPLORE_SHARE`` of the measured step time (plus one
-probe: none is made while it is over), and the back-off applies only while it is over. A
+probe: none is made while it is over), and the back-off applies only while it is over. Nor
+is any made while a draft forward over the step's decodes takes at least the target's plain
+step: then no draft could pay, were every one accepted and its verification free (skip12-18,
+a 24-layer draft, at 350 ms against 58). A
 cheap draft (the 2-layer trained3-v4096: a 4 ms forward against a 55 ms
 target step at batch 1) thus keeps probing every ``probe_interval`` steps, and a request whose
 estimate fell on a run of misses (at acceptance 0.3, four in a row a quarter of the time)
@@ -358,6 +361,7 @@ class Speculator:
         chosen = self._chosen_lengths(state, [i for i in decoding if room[i] > 0])
         if chosen is None:   # measure the plain step first
             return out
+        chosen, probe = chosen
         for request_id in decoding:
             if request_id not in self._idle and self._pool_probe_every is not None:
                 self._probe_every[request_id] = self._pool_probe_every   # a new request
@@ -369,8 +373,7 @@ class Speculator:
                     every = self._probe_every[request_id] = self._pool_probe_every = min(
                         2 * every, most)
                 self._idle[request_id] = self._idle.get(request_id, 0) + 1
-                if self._idle[request_id] < every or (self.step_cost is not None
-                                                      and self._probes_over_budget):
+                if self._idle[request_id] < every or not probe:
                     if room[request_id] > 0:
                         unasked.append(request_id)
                     continue
@@ -385,8 +388,7 @@ class Speculator:
                 wanted[request_id] = (_history(state.requests[request_id]), n)
                 lengths[request_id] = min(k, n)
         self._quiet = 0 if wanted else self._quiet + 1
-        engine_probe = bool(unasked) and self._quiet >= most and (
-            self.step_cost is None or not self._probes_over_budget)
+        engine_probe = bool(unasked) and self._quiet >= most and probe
         if engine_probe:   # the engine's own probe: the longest unasked
             request_id = max(unasked, key=lambda i: self._idle[i])
             self._probes.add(request_id)
@@ -421,21 +423,38 @@ class Speculator:
         return self.step_cost is None or self._probe_s > _EXPLORE_SHARE * self._measured_s
 
     def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable]
-                        ) -> dict[Hashable, int] | None:
+                        ) -> tuple[dict[Hashable, int], bool] | None:
         """``_drafts_of_chosen_lengths``'s draft length of each decode in ``ids`` (those with
-        room for a draft), before anything is proposed; None while the step-time rule's plain
-        step is unmeasured (no proposals at all then)."""
+        room for a draft), before anything is proposed, and whether its ``k = 0`` requests may
+        be probed: always under the fixed-cost rule; under the step-time rule while the probes
+        are within their budget and a draft forward over the step's decodes takes less than
+        the target's plain step (else no draft could pay, were every one accepted and its
+        verification free). None while the step-time rule's plain step is unmeasured (no
+        proposals at all then)."""
         if self.draft_cost is None:
-            return {i: self.num_speculative_tokens for i in ids}
+            return {i: self.num_speculative_tokens for i in ids}, True
         if self.step_cost is None:
             return {i: best_num_drafts(self.acceptance(i), self.num_speculative_tokens,
-                                       self.draft_cost) for i in ids}
+                                       self.draft_cost) for i in ids}, True
         caps = [min(self.num_speculative_tokens, state.requests[i].request.stop.max_tokens
                     - len(state.requests[i].output_token_ids) - 1) for i in ids]
         ks = self._step_lengths(state, ids, [self.acceptance(i) for i in ids], caps,
                                 [False] * len(ids),
                                 lambda longest: self.proposal_time(len(ids), longest))
-        return None if ks is None else dict(zip(ids, ks))
+        if ks is None:
+            return None
+        plain = self.step_cost.predict(*self._step_shape(state), False)
+        probe = not self._probes_over_budget and self.proposal_time(len(ids), 1) < plain
+        return dict(zip(ids, ks)), probe
+
+    def _step_shape(self, state: scheduler.SchedulerState) -> tuple[int, int]:
+        """The estimated ``(tokens, sequences)`` of the next step without drafts: its decodes
+        and the running prefills' next chunks (within the token budget; requests the
+        scheduler will admit from the queue are not foreseen)."""
+        decoding = set(scheduler.decoding_ids(state))
+        prefill = sum(state.requests[i].num_tokens - state.requests[i].num_computed_tokens
+                      for i in state.running if i not in decoding)
+        return min(self._budget, len(decoding) + prefill), len(state.running)
 
     def proposal_time(self, num_decodes: int, longest: int) -> float:
         """Seconds of proposing drafts at most ``longest`` long for ``num_decodes`` decodes:
@@ -490,12 +509,9 @@ class Speculator:
           among the requests not ``cold``, the cold ones filling the chosen bucket's room.
         """
         model, budget = self.step_cost, self._budget
+        base, num_seqs = self._step_shape(state)
         decoding_order = scheduler.decoding_ids(state)
-        decoding = set(decoding_order)
-        prefill = sum(state.requests[i].num_tokens - state.requests[i].num_computed_tokens
-                      for i in state.running if i not in decoding)
-        base = min(budget, len(decoding) + prefill)
-        num_seqs = len(state.running)
+        prefill = len(decoding_order) < num_seqs   # a running request is not decoding
         plain = model.predict(base, num_seqs, False)
         if plain is None or model.wants(base, num_seqs, False):
             model.tried(base, num_seqs, False)

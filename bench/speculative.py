@@ -6,7 +6,11 @@ Workloads (``--workloads``, default both):
   where prompt lookup finds most of the output in the prompt;
 * ``summary``: "summarise this passage, quoting its key sentences word for word" (quote-heavy:
   some of the output is in the prompt);
-* ``free``: a free story (control): little to look up.
+* ``free``: a free story (control): little to look up;
+* ``agentic``: an agent's tool call: "call the search_flights tool ... as a JSON object" for a
+  different trip in every request. The JSON scaffolding of the answer is not in the prompt but
+  is the same in every answer: what a proposer that learns across requests (suffix) can draft
+  and prompt lookup cannot.
 
 ``--context N`` lengthens every prompt to about N tokens: the extractive and summary passages are
 that many tokens of consecutive Pride and Prejudice paragraphs, the free story gets them as
@@ -44,9 +48,8 @@ the same prompts to every variant of the round, and resets the prefix cache as u
         --batch-sizes 1,4 --max-tokens 128
 
 The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
-``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K, with
-``--draft-cost``, the verify cost of a token: the engine measures the draft's forwards
-itself), where NAME is ``self`` (the target as its own draft: every draft accepted,
+``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K: the engine measures
+the draft's forwards itself), where NAME is ``self`` (the target as its own draft: every draft accepted,
 the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
 but ``[A, B)``), each written once by ``jaxkv.draft_model.write_truncated_draft`` under
 ``--draft-dir``, or a draft checkpoint's directory (bench/train_draft.py writes one). Greedy outputs are compared with no speculation; at a first difference the
@@ -112,12 +115,31 @@ def passages(n: int, n_chars: int = 700, context: int | None = None, start: int 
     return out
 
 
+CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Lisbon", "Vienna", "Prague", "Dublin", "Oslo",
+          "Athens", "Warsaw", "Zurich", "Brussels", "Amsterdam", "Stockholm", "Budapest"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August",
+          "September", "October", "November", "December"]
+
+
+def trip_request(i: int) -> str:
+    """The ``agentic`` workload's ``i``-th request: a tool-call instruction for a trip that
+    differs from every other ``i`` below 16 x 12 x 28 (origin, month, day)."""
+    origin, destination = CITIES[i % 16], CITIES[(i + 1 + i // 16 % 15) % 16]
+    people = f"{1 + i % 4} people want" if i % 4 else "One person wants"
+    return ("Call the search_flights tool for the request below: answer with a JSON object "
+            "with the keys name and arguments (origin, destination, date, passengers) and "
+            f"nothing else.\n\nRequest: {people} to fly from {origin} to "
+            f"{destination} on {1 + (i * 11) % 28} {MONTHS[i // 16 % 12]}.")
+
+
 def conversations(workload: str, n: int, context: int | None = None, start: int | None = None
                   ) -> list[list[dict]]:
     """The batch's chat conversations of a workload (see the module docstring); with
-    ``start`` (``--fresh-prompts``), other passages (from the ``start``-th on) and stories about
-    ``MORE_STORIES[start:start + n]``, no topic twice in a batch."""
+    ``start`` (``--fresh-prompts``), other passages (from the ``start``-th on), stories about
+    ``MORE_STORIES[start:start + n]`` and other trips, no topic twice in a batch."""
     first = start or 0
+    if workload == "agentic":
+        return [[{"role": "user", "content": trip_request(first + i)}] for i in range(n)]
     if workload == "extractive":
         return [[{"role": "user", "content": "Repeat the following passage exactly, word for "
                   f"word:\n\n{p}"}] for p in passages(n, context=context, start=first)]
@@ -195,8 +217,7 @@ def engine(batch: int, variant: tuple, args) -> LLM:
         spec = dict(speculative=proposer, num_speculative_tokens=k, speculative_adaptive=adaptive)
     elif proposer:
         spec = dict(speculative="draft", speculative_model=draft_path(proposer, args),
-                    num_speculative_tokens=k, speculative_adaptive=adaptive,
-                    speculative_draft_cost=args.draft_cost)
+                    num_speculative_tokens=k, speculative_adaptive=adaptive)
     sizes = dict(max_model_len=2048)
     if args.context:
         max_len = args.context + args.max_tokens + 256   # the chat template and instruction
@@ -289,7 +310,8 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--workloads", default="extractive,free", help="extractive, summary, free")
+    ap.add_argument("--workloads", default="extractive,free", help="extractive, summary, "
+                    "free, agentic")
     ap.add_argument("--context", type=int, default=None, help="prompts of about this many "
                     "tokens (see the module docstring)")
     ap.add_argument("--keep-prefix-cache", action="store_true", help="time decoding alone: "
@@ -307,9 +329,6 @@ def main():
                     "requests (suffix) may use is then earlier requests, never the same one")
     ap.add_argument("--drafts", default="self:4,first8:2,skip12-18:3,skip12-18:a4",
                     help="draft proposer rows NAME:K or NAME:aK (see the module docstring)")
-    ap.add_argument("--draft-cost", type=float, default=0.1, help="draft rows: "
-                    "speculative_draft_cost of the adaptive ones (the verify cost of a draft "
-                    "token; the engine adds the draft forward's measured share of a step)")
     ap.add_argument("--draft-dir", default=str(Path.home() / ".cache" / "jaxkv" / "drafts"))
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)

@@ -430,11 +430,8 @@ class SpeculativeArgs:
         0.1, "suffix: drafting stops where the draft's estimated probability (the product of its "
         "tokens' observed continuation frequencies) falls below this", minimum=0.0, maximum=1.0)
     speculative_adaptive: bool = option(
-        True, "choose each sequence's draft length (0 included) from its measured acceptance "
-        "and (ngram, suffix) the measured step time by padded shape")
-    speculative_draft_cost: float = option(
-        0.1, "adaptive, draft model: the cost of verifying one more draft token, as a fraction "
-        "of a decode step (the draft's own forward is measured and added)", minimum=0.0)
+        True, "choose each step's draft lengths (0 included) from the measured acceptance, the "
+        "measured step time by padded shape and (draft) the draft's measured forwards")
 
     def __post_init__(self):
         check_fields(self)

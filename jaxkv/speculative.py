@@ -111,14 +111,13 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   its charge includes the exploration's proposal time. (In a server whose every step at a
   batch size carries a prefill chunk, that batch's plain decode step is never measured, so the
   draft model does not draft there: the conservative side.) The previous rule for the draft
-  model, the fixed-cost rule below with ``c = speculative_draft_cost + t_draft / t_plain`` per
-  request, drafted at batch 4 on stories (acceptance 0.28 > c = 0.18) where the draft steps'
+  model, the fixed-cost rule below with ``c = 0.1 + t_draft / t_plain`` per request, drafted at batch 4 on stories (acceptance 0.28 > c = 0.18) where the draft steps'
   larger bucket and the lockstep made it 0.79x (BENCHMARKS.md).
 * The fixed-cost rule (a speculator without a step-time model, as built without an engine
   config): per request, the ``k`` in ``[0, num_speculative_tokens]`` that maximises ``E(k) /
-  (1 + c k)``, ``c = speculative_draft_cost`` the cost of one more draft as a fraction of a
-  decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et al.'s condition for a gain is
-  ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more
+  (1 + c k)``, ``c = draft_cost`` (``_VERIFY_COST`` from the options alone) the cost of one
+  more draft as a fraction of a decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et
+  al.'s condition for a gain is ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more
   than one of ``B``: the reason for the step-time rule.
 
 Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
@@ -182,6 +181,7 @@ _HALF = (1.0, 2.0)      # (accepted, trials) of acceptance 1/2: the pool's start
                         # proposer's prior under the step-time rule
 _EXPLORE_SHARE = 0.05   # most exploration charges, as a share of all measured step time
 _MAX_PROBE_BACKOFF = 16  # a k = 0 request's probe interval grows to this many base intervals
+_VERIFY_COST = 0.1      # the fixed-cost rule's c of an adaptive speculator without step times
 
 
 class Proposer(Protocol):
@@ -227,7 +227,7 @@ class Speculator:
       proposer: a ``Proposer`` or ``BatchProposer``, or None (speculation off: no drafts).
       num_speculative_tokens: most drafts proposed per sequence and step.
       draft_cost: the fixed-cost rule's cost of one more draft token (a fraction of a decode
-        step), or None: always propose ``num_speculative_tokens``.
+        step); None: not adaptive, always propose ``num_speculative_tokens``.
       step_cost: the target's step-time model: the adaptive draft lengths maximise emitted
         tokens per second with it (``allocate_drafts`` over the shapes it has measured, with
         bounded exploration, a costly proposer's measured forwards added: the module
@@ -300,8 +300,7 @@ class Speculator:
             step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
             budget = sc.max_num_batched_tokens
         return cls(proposer, args.num_speculative_tokens,
-                   args.speculative_draft_cost if args.speculative_adaptive else None,
-                   step_cost, budget)
+                   _VERIFY_COST if args.speculative_adaptive else None, step_cost, budget)
 
     def acceptance(self, request_id: Hashable) -> float:
         """The request's estimated draft acceptance (before any measurement of its own:

@@ -121,7 +121,9 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   than one of ``B``: the reason for the step-time rule.
 
 Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
-rule), a ``k = 0`` request is still asked for one token, so it keeps measuring; a proposer
+rule), a ``k = 0`` request is still asked for one token, so it keeps measuring (two while the
+draft's decode forward is unmeasured: a probe's catch-up forward alone would never measure
+it); a proposer
 whose proposals cost a forward pass (the draft model) sets ``probe_interval``: a ``k = 0``
 request is then asked for its one token only once per that many steps (its draft cache
 catches up then, in one chunk). Each probe after which the request still does not draft
@@ -361,6 +363,11 @@ class Speculator:
         if chosen is None:   # measure the plain step first
             return out
         chosen, probe = chosen
+        # a probe asks for 2 tokens (a catch-up and a decode forward) until the draft's decode
+        # forward is measured: the catch-up alone never measures what a draft costs
+        forward = self._forward_cost
+        probe_len = 2 if forward is not None and forward.predict(
+            len(decoding), len(decoding), False) is None else 1
         for request_id in decoding:
             if request_id not in self._idle and self._pool_probe_every is not None:
                 self._probe_every[request_id] = self._pool_probe_every   # a new request
@@ -382,7 +389,7 @@ class Speculator:
                 if probe_interval > 1:
                     self._pool_probe_every = None
             self._idle[request_id] = 0
-            n = min(max(k, 1), room[request_id])
+            n = min(max(k, probe_len), room[request_id])
             if n > 0:
                 wanted[request_id] = (_history(state.requests[request_id]), n)
                 lengths[request_id] = min(k, n)
@@ -392,7 +399,8 @@ class Speculator:
             request_id = max(unasked, key=lambda i: self._idle[i])
             self._probes.add(request_id)
             self._idle[request_id], self._quiet = 0, 0
-            wanted[request_id] = (_history(state.requests[request_id]), 1)
+            wanted[request_id] = (_history(state.requests[request_id]),
+                                  min(probe_len, room[request_id]))
             lengths[request_id] = 0
         self._held |= wanted.keys()
         start = time.perf_counter()

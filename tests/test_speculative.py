@@ -728,19 +728,26 @@ class CostlyProposer(ProbedProposer):
         return super().propose(token_ids, num_drafts)
 
 
+def step_time_speculator(proposer, sc):
+    """An adaptive speculator (at most 4 drafts) of ``proposer`` with a step-time model over
+    the scheduler config ``sc``'s buckets: as ``Speculator.from_args`` builds an engine's."""
+    from jaxkv.speculative import Speculator
+    from jaxkv.step_cost import StepCostModel
+
+    return Speculator(proposer, 4, draft_cost=0.1,
+                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                      max_num_batched_tokens=sc.max_num_batched_tokens)
+
+
 def test_probes_cost_at_most_their_share_of_the_step_time():
     """As above, with step times: wrong drafts whose forward takes 50 ms against 100 ms target
     steps. The probes, the requests' own and the engine's, are held to 5% of the measured
     step time (plus one probe), where 12-token requests probed every 2 steps would spend 25%;
     they do go on (the engine notices when the drafts turn right)."""
-    from jaxkv.speculative import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     cc, sc = configs(num_blocks=256, max_model_len=512)
     proposer = CostlyProposer(False, 0.05, sc)
-    spec = Speculator(proposer, 4, draft_cost=0.1,
-                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    spec = step_time_speculator(proposer, sc)
     arrivals = {8 * n: req(f"r{n}", (1 + n % 5, 2, 3), max_tokens=12) for n in range(60)}
     lengths = step_one_request(spec, init_state(cc), sc, 480,
                                lambda step: setattr(proposer, "step", step),
@@ -758,14 +765,10 @@ def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, draft
     forward takes 5% of a step drafts the full length (5 tokens in 1.04 + 4 x 0.05 s), and
     one costlier than the target (2 tokens in 1.01 + 1.5 s at best) never verifies a draft
     again, nor is it probed."""
-    from jaxkv.speculative import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     cc, sc = configs(num_blocks=128, max_model_len=512)
     proposer = CostlyProposer(True, forward_seconds, sc)
-    spec = Speculator(proposer, 4, draft_cost=0.1,
-                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    spec = step_time_speculator(proposer, sc)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
     costs = []
 
@@ -794,14 +797,10 @@ def test_probes_back_off_only_over_their_budget(forward_seconds, backs_off):
     """Wrong drafts on a target whose plain step takes 1 s, probed once per 2 steps: a probe
     whose forward takes 0.05 s costs 2.5% of the step time and keeps that interval; one of 0.3
     s (15%, over the 5% share) backs off as under the fixed-cost rule."""
-    from jaxkv.speculative import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     cc, sc = configs(num_blocks=128, max_model_len=512)
     proposer = CostlyProposer(False, forward_seconds, sc)
-    spec = Speculator(proposer, 4, draft_cost=0.1,
-                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                      max_num_batched_tokens=sc.max_num_batched_tokens)
+    spec = step_time_speculator(proposer, sc)
     state = add_request(init_state(cc), req("a", (1, 2, 3), max_tokens=400), sc)
     lengths = step_one_request(spec, state, sc, 60, lambda step: setattr(proposer, "step", step),
                                lambda plan: 1.0 + 0.01 * plan.num_drafts)
@@ -1034,13 +1033,9 @@ def drive_step_time(sc, seconds, *, num_requests=4, right=True, steps=40, max_to
     has_drafts)`` the synthetic device time of a step padded to ``bucket`` tokens, until every
     request finished or ``steps`` steps. Returns ``[(num_tokens, num_drafts, seconds)]`` per
     step and the speculator."""
-    from jaxkv.speculative import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     cc, _ = configs(num_blocks=16 * num_requests + 64, max_model_len=256)
-    spec = spec or Speculator(SwitchingProposer(right), 4, draft_cost=0.1,
-                              step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                              max_num_batched_tokens=sc.max_num_batched_tokens)
+    spec = spec or step_time_speculator(SwitchingProposer(right), sc)
     state = init_state(cc)
     for i in range(num_requests):
         state = add_request(state, req(f"r{i}", (1, 2, 3 + i), max_tokens=max_tokens), sc)
@@ -1128,7 +1123,6 @@ def test_costly_proposer_in_a_lockstep_batch(right):
     each). With all four right both draft, the
     step-time rule for less (3 drafts each fill 16 tokens: 1.4 + 0.3 s for 4 tokens each)."""
     from jaxkv.speculative import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
                          token_buckets=(8, 16, 32), seq_buckets=(8,))
@@ -1140,9 +1134,7 @@ def test_costly_proposer_in_a_lockstep_batch(right):
         forwards = spec.proposer.num_forwards if spec.proposer is not None else 0
         return steps, sum(s for _, _, s in steps) + 0.1 * forwards
 
-    steps, adaptive = run(Speculator(CostlyBatchProposer(right, 0.1, sc), 4, draft_cost=0.1,
-                                     step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
-                                     max_num_batched_tokens=sc.max_num_batched_tokens))
+    steps, adaptive = run(step_time_speculator(CostlyBatchProposer(right, 0.1, sc), sc))
     _, fixed = run(Speculator(CostlyBatchProposer(right, 0.1, sc), 4, draft_cost=0.2))
     _, plain = run(Speculator(None, 4))
     assert adaptive < fixed

@@ -49,8 +49,8 @@ the same prompts to every variant of the round, and resets the prefix cache as u
 
 The draft-model proposer (``--proposer draft``): the rows are no speculation and one per
 ``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K: the engine measures
-the draft's forwards itself), where NAME is ``self`` (the target as its own draft: every draft accepted,
-the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
+the draft's forwards itself), where NAME is ``self`` (the target as its own draft: every draft
+accepted, the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
 but ``[A, B)``), each written once by ``jaxkv.draft_model.write_truncated_draft`` under
 ``--draft-dir``, or a draft checkpoint's directory (bench/train_draft.py writes one). Greedy outputs are compared with no speculation; at a first difference the
 fp32 top-2 logprob margin of the non-speculative run there is reported.

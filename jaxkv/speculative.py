@@ -111,14 +111,15 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   its charge includes the exploration's proposal time. (In a server whose every step at a
   batch size carries a prefill chunk, that batch's plain decode step is never measured, so the
   draft model does not draft there: the conservative side.) The previous rule for the draft
-  model, the fixed-cost rule below with ``c = 0.1 + t_draft / t_plain`` per request, drafted at batch 4 on stories (acceptance 0.28 > c = 0.18) where the draft steps'
-  larger bucket and the lockstep made it 0.79x (BENCHMARKS.md).
+  model, the fixed-cost rule below with ``c = 0.1 + t_draft / t_plain`` per request, drafted
+  at batch 4 on stories (acceptance 0.28 > c = 0.18) where the draft steps' larger bucket and
+  the lockstep made it 0.79x (BENCHMARKS.md).
 * The fixed-cost rule (a speculator without a step-time model, as built without an engine
   config): per request, the ``k`` in ``[0, num_speculative_tokens]`` that maximises ``E(k) /
   (1 + c k)``, ``c = draft_cost`` (``_VERIFY_COST`` from the options alone) the cost of one
   more draft as a fraction of a decode step. So ``k = 0`` exactly when ``a <= c`` (Leviathan et
-  al.'s condition for a gain is ``a > c``). It is wrong at large batch, where a step of ``B (1 + k)`` tokens costs much more
-  than one of ``B``: the reason for the step-time rule.
+  al.'s condition for a gain is ``a > c``). It is wrong at large batch, where a step of ``B (1
+  + k)`` tokens costs much more than one of ``B``: the reason for the step-time rule.
 
 Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
 rule), a ``k = 0`` request is still asked for one token, so it keeps measuring (two while the
@@ -216,6 +217,12 @@ def propose_batch(proposer: Proposer | BatchProposer,
     return {i: proposer.propose(tokens, k) for i, (tokens, k) in requests.items()}
 
 
+def _room(rs: scheduler.RequestState) -> int:
+    """The most drafts a request can use this step: its tokens left before ``max_tokens``,
+    less the one the step emits anyway (<= 0: none)."""
+    return rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
+
+
 def _history(rs: scheduler.RequestState) -> np.ndarray:
     """int32 [L]: a request's prompt and output so far (what a proposer sees)."""
     return np.asarray(rs.token_ids(0, rs.num_tokens), np.int32)
@@ -251,7 +258,7 @@ class Speculator:
         self._probes: set[Hashable] = set()   # this step's k = 0 requests asked for one token
         self._pool_probe_every: int | None = None   # a new request's interval (None: the base)
         self._quiet = 0   # steps since any request was asked for a proposal (fixed-cost rule)
-        self._probe_s = 0.0   # wall time of the proposals of steps that drafted nothing
+        self._probe_s = 0.0   # time of the proposals of steps that drafted nothing (probes)
         self._pool = _HALF   # every request's comparisons, decayed: (accepted, trials)
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_cost = draft_cost
@@ -311,8 +318,8 @@ class Speculator:
         return accepted / trials
 
     def _prior(self) -> tuple[float, float]:
-        """A new request's (accepted, trials): the pooled rate (1/2 under the step-time rule),
-        weighing ``_PRIOR_TRIALS``."""
+        """A new request's (accepted, trials): the pooled rate (1/2 for a free proposer under
+        the step-time rule), weighing ``_PRIOR_TRIALS``."""
         accepted, trials = (_HALF if self._by_step_time and self._forward_cost is None
                             else self._pool)
         return _PRIOR_TRIALS * accepted / trials, _PRIOR_TRIALS
@@ -324,8 +331,8 @@ class Speculator:
 
     @property
     def _forward_cost(self) -> StepCostModel | None:
-        """The proposer's own forward-time model (the draft model's: its proposals cost device
-        time), read from the proposer (tests swap it) rather than kept."""
+        """The proposer's own forward-time model (the draft model's: its proposals cost
+        forwards), read from the proposer (tests swap it) rather than kept."""
         return getattr(self.proposer, "forward_cost", None)
 
     def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
@@ -357,9 +364,9 @@ class Speculator:
         probed, self._proposals, self._probes, out = self._probes, {}, set(), {}
         wanted, lengths, unasked = {}, {}, []
         decoding = scheduler.decoding_ids(state)
-        room = {i: state.requests[i].request.stop.max_tokens
-                - len(state.requests[i].output_token_ids) - 1 for i in decoding}
-        chosen = self._chosen_lengths(state, [i for i in decoding if room[i] > 0])
+        room = {i: _room(state.requests[i]) for i in decoding}
+        ids = [i for i in decoding if room[i] > 0]
+        chosen = self._chosen_lengths(state, ids, [room[i] for i in ids])
         if chosen is None:   # measure the plain step first
             return out
         chosen, probe = chosen
@@ -367,7 +374,7 @@ class Speculator:
         # forward is measured: the catch-up alone never measures what a draft costs
         forward = self._forward_cost
         probe_len = 2 if forward is not None and forward.predict(
-            len(decoding), len(decoding), False) is None else 1
+            len(ids), len(ids), False) is None else 1
         for request_id in decoding:
             if request_id not in self._idle and self._pool_probe_every is not None:
                 self._probe_every[request_id] = self._pool_probe_every   # a new request
@@ -429,13 +436,13 @@ class Speculator:
         time."""
         return self.step_cost is None or self._probe_s > _EXPLORE_SHARE * self._measured_s
 
-    def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable]
-                        ) -> tuple[dict[Hashable, int], bool] | None:
+    def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable],
+                        rooms: Sequence[int]) -> tuple[dict[Hashable, int], bool] | None:
         """``_drafts_of_chosen_lengths``'s draft length of each decode in ``ids`` (those with
-        room for a draft), before anything is proposed, and whether its ``k = 0`` requests may
-        be probed: always under the fixed-cost rule; under the step-time rule while the probes
-        are within their budget and a draft forward over the step's decodes takes less than
-        the target's plain step (else no draft could pay, were every one accepted and its
+        room for a draft: ``rooms`` int [N], each one's ``_room``), before anything is
+        proposed, and whether its ``k = 0`` requests may be probed: always under the
+        fixed-cost rule; under the step-time rule while the probes are within their budget
+        and a draft forward over the step's decodes takes less than the target's plain step (else no draft could pay, were every one accepted and its
         verification free). None while the step-time rule's plain step is unmeasured (no
         proposals at all then)."""
         if self.draft_cost is None:
@@ -443,8 +450,7 @@ class Speculator:
         if self.step_cost is None:
             return {i: best_num_drafts(self.acceptance(i), self.num_speculative_tokens,
                                        self.draft_cost) for i in ids}, True
-        caps = [min(self.num_speculative_tokens, state.requests[i].request.stop.max_tokens
-                    - len(state.requests[i].output_token_ids) - 1) for i in ids]
+        caps = [min(self.num_speculative_tokens, r) for r in rooms]
         ks = self._step_lengths(state, ids, [self.acceptance(i) for i in ids], caps,
                                 [False] * len(ids),
                                 lambda longest: self.proposal_time(len(ids), longest))
@@ -482,8 +488,7 @@ class Speculator:
         wanted = {}
         for request_id in scheduler.decoding_ids(state):
             rs = state.requests[request_id]
-            n = min(self.num_speculative_tokens,
-                    rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
+            n = min(self.num_speculative_tokens, _room(rs))
             if n > 0:
                 wanted[request_id] = (_history(rs), n)
         self._held |= wanted.keys()

@@ -442,9 +442,9 @@ class Speculator:
         room for a draft: ``rooms`` int [N], each one's ``_room``), before anything is
         proposed, and whether its ``k = 0`` requests may be probed: always under the
         fixed-cost rule; under the step-time rule while the probes are within their budget
-        and a draft forward over the step's decodes takes less than the target's plain step (else no draft could pay, were every one accepted and its
-        verification free). None while the step-time rule's plain step is unmeasured (no
-        proposals at all then)."""
+        and a draft forward over the step's decodes takes less than the target's plain step
+        (else no draft could pay, were every one accepted and its verification free). None
+        while the step-time rule's plain step is unmeasured (no proposals at all then)."""
         if self.draft_cost is None:
             return {i: self.num_speculative_tokens for i in ids}, True
         if self.step_cost is None:

@@ -262,11 +262,13 @@ class DraftModelProposer:
             runner.close()
             raise ValueError(f"speculative_model={model!r}: its tokenizer's vocabulary differs "
                              f"from the target model's")
-        if config.runtime.warmup:
-            runner.warmup()
         head = (checkpoint.read_metadata(model).get("head_token_ids")
                 if checkpoint.is_checkpoint(model) else None)
-        return cls(runner, head)
+        proposer = cls(runner, head)
+        if config.runtime.warmup:
+            runner.warmup()
+            proposer.forward_cost.compiled()
+        return proposer
 
     def propose_batch(self, requests: Mapping[Hashable, tuple[np.ndarray, int]]
                       ) -> dict[Hashable, tuple[int, ...]]:

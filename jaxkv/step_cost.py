@@ -12,7 +12,8 @@ fed by ``EngineCore`` with the same device time per step that refits the offload
 prefill rate (``runner.device_time`` around ``runner.execute``). Two things keep it honest:
 
 * The first duration of a key is dropped: it holds that shape's compilation (or its load from
-  the persistent compilation cache).
+  the persistent compilation cache), unless every shape was compiled before (``compiled``:
+  the runner's warm-up ran), when the first duration is already a step's.
 * A key counts as measured for ``refresh`` observations after its last one; after that it is
   stale (its time is still returned, but ``wants`` asks for it to be measured again, so a
   speculator that stopped drafting re-measures the draft step, and vice versa, as contexts grow).
@@ -55,6 +56,12 @@ class StepCostModel:
         self._time: dict[tuple[int, int, bool], float] = {}   # key -> EMA seconds
         self._seen: dict[tuple[int, int, bool], int] = {}     # key -> index of its last duration
         self._tried: dict[tuple[int, int, bool], int] = {}    # key -> index when last asked for
+        self._warm = False   # every shape compiled: a key's first duration is kept
+
+    def compiled(self) -> None:
+        """Notes that every padded shape has been compiled (``ModelRunner.warmup``): from now
+        on a key's first duration is kept, so one step measures a shape."""
+        self._warm = True
 
     def key(self, num_tokens: int, num_seqs: int, drafts: bool) -> tuple[int, int, bool]:
         """The padded shape ``(T, S, drafts)`` of a step of ``num_tokens`` tokens (drafts
@@ -64,9 +71,9 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, num_seqs: int, drafts: bool, seconds: float) -> bool:
         """Records one step's measured device time; returns whether it was kept (False for the
-        first of each key, which is dropped)."""
+        first of each key, which is dropped, until ``compiled``)."""
         key = self.key(num_tokens, num_seqs, drafts)
-        kept = key in self._seen
+        kept = self._warm or key in self._seen
         if kept:
             old = self._time.get(key)
             self._time[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
@@ -77,7 +84,7 @@ class StepCostModel:
 
     def predict(self, num_tokens: int, num_seqs: int, drafts: bool) -> float | None:
         """The expected device seconds of such a step; None until its padded shape has been
-        measured (twice: the first holds the compilation)."""
+        measured (twice before ``compiled``: the first holds the compilation)."""
         return self._time.get(self.key(num_tokens, num_seqs, drafts))
 
     def wants(self, num_tokens: int, num_seqs: int, drafts: bool) -> bool:

@@ -220,6 +220,31 @@ def test_other_random_draft_and_adaptive_length(models, tiny_llm):
     assert verified[1] < verified[0] / 3
 
 
+def test_a_warm_engine_measures_each_shape_in_one_step(models):
+    """With ``warmup`` every shape is compiled at start, so the first duration of a shape is a
+    step's and is kept: after one decode step the target's plain step has a time, and after
+    one two-token proposal the draft's decode forward has one (without a warm-up both first
+    durations hold a compilation and are dropped)."""
+    from jaxkv import LLM
+    from jaxkv.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    history = np.arange(3, 23, dtype=np.int32)
+    measured = []
+    for warmup in (False, True):
+        with LLM(str(models["tiny"]), **ENGINE, speculative="draft",
+                 speculative_model=str(models["other"]), num_speculative_tokens=4,
+                 warmup=warmup) as llm:
+            llm.generate([{"prompt_token_ids": history.tolist()}], params, use_tqdm=False)
+            draft = draft_of(llm)
+            assert len(draft.propose_batch({"r": (history, 2)})["r"]) == 2
+            draft.release("r")
+            measured.append((llm.engine.speculator.step_cost.predict(1, 1, False),
+                             draft.forward_cost.predict(1, 1, False)))
+    assert measured[0] == (None, None)
+    assert all(t is not None and t > 0 for t in measured[1])
+
+
 @pytest.mark.slow
 def test_preemption_with_a_small_pool(models, tiny_llm):
     """A target pool too small for the batch: requests are preempted (their draft state

@@ -879,6 +879,9 @@ def test_step_cost_model_fits_synthetic_timings():
         model.observe(256, 32, False, 0.1)
     assert model.wants(16, 8, False) and model.wants(64, 8, True)   # stale / retry
     assert model.predict(16, 8, False) is not None
+    model.compiled()   # every shape compiled by a warm-up: a first duration is a step's
+    assert model.observe(64, 32, True, 0.05) is True
+    assert model.predict(64, 32, True) == 0.05 and not model.wants(64, 32, True)
 
 
 def _brute_force_drafts(acceptance, caps, base, budget, buckets, table, proposing):

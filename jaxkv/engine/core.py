@@ -99,7 +99,15 @@ class EngineCore:
         self._busy_time = 0.0           # seconds inside step()
         self._closed = False
         if config.runtime.warmup:
-            self.runner.warmup()
+            self.warmup()
+
+    def warmup(self) -> int:
+        """Compiles every step bucket (``ModelRunner.warmup``), so the speculator's step-time
+        model keeps each shape's first duration; returns how many step variants."""
+        num_variants = self.runner.warmup()
+        if self.speculator.step_cost is not None:
+            self.speculator.step_cost.compiled()
+        return num_variants
 
     # ------------------------------------------------------------------ requests
 

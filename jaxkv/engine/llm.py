@@ -267,9 +267,9 @@ class LLM:
             self.engine.reset_prefix_cache()
 
     def warmup(self) -> int:
-        """Compiles every step bucket (``ModelRunner.warmup``); returns how many."""
+        """Compiles every step bucket (``EngineCore.warmup``); returns how many."""
         with self._lock:
-            return self.engine.runner.warmup()
+            return self.engine.warmup()
 
     def num_compilations(self) -> int:
         """How many step variants have been compiled (a steady state adds none)."""

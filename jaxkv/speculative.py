@@ -124,10 +124,9 @@ proposals start matching. Two rules turn the estimates into draft lengths:
 Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
 rule), a ``k = 0`` request is still asked for one token, so it keeps measuring (two while the
 draft's decode forward is unmeasured: a probe's catch-up forward alone would never measure
-it); a proposer
-whose proposals cost a forward pass (the draft model) sets ``probe_interval``: a ``k = 0``
-request is then asked for its one token only once per that many steps (its draft cache
-catches up then, in one chunk). Each probe after which the request still does not draft
+it); a proposer whose proposals cost a forward pass (the draft model) sets
+``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
+many steps (its draft cache catches up then, in one chunk). Each probe after which the request still does not draft
 doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a step that drafts
 resets it. So a request the draft cannot help costs O(log n) draft forwards over n tokens
 instead of n / ``probe_interval`` (also when its probes match: a draft as costly as the target

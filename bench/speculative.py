@@ -36,6 +36,13 @@ emitted per verifying sequence and step), target forwards (steps) per output tok
 the outputs equal those without speculation token for token (else the first difference,
 ``[request, token]``).
 
+``--shared-baseline`` runs the rows without speculation on the first speculating variant's
+engine with its ``Speculator`` swapped for one without a proposer: a step without drafts is
+the same compiled width-1 step on the same KV pool and prefix cache, so the two rows share one
+prefill (at 4K tokens × batch 64 the bulk of the run) and differ by nothing but speculation.
+Two engines of identical work otherwise differ by up to 7% on these VMs (memory placement),
+which a ratio near 1.0 cannot tell from a real difference.
+
     python3 bench/speculative.py --out bench/results/speculative.json
 
 ``--proposer suffix`` gives the same rows for the suffix proposer (``speculative="suffix"``),
@@ -72,8 +79,10 @@ import time
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
+from jaxkv.speculative import Speculator
 
 ROOT = Path(__file__).resolve().parents[1]
+BASELINE = (None, 0, False)   # the variant without speculation: (proposer, k, adaptive)
 AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 STORIES = ["a lighthouse keeper who finds a message in a bottle",
            "a girl who learns to talk to crows", "a clockmaker's last clock",
@@ -335,6 +344,10 @@ def main():
     ap.add_argument("--warmup", action="store_true", help="compile every step bucket of each "
                     "engine (and its draft's) at start: a draft's catch-up chunks of new "
                     "lengths otherwise compile inside the timed runs")
+    ap.add_argument("--shared-baseline", action="store_true", help="the runs without "
+                    "speculation use the first speculating variant's engine with its "
+                    "speculator switched off: one engine, one prefill, no spread between "
+                    "engines (see the module docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "speculative.json"))
     ap.add_argument("--agreement", default=None, metavar="HF_DIR", help="instead: the "
                     "teacher-forced agreement of the --agreement-subsets layer subsets of the HF "
@@ -346,7 +359,7 @@ def main():
         print(json.dumps(layer_subset_agreement(args.agreement,
                                                 args.agreement_subsets.split(",")), indent=2))
         return
-    variants = [(None, 0, False)]
+    variants = [BASELINE]
     if args.fresh_prompts and args.keep_prefix_cache:
         ap.error("--fresh-prompts sends prompts the prefix cache does not hold: drop "
                  "--keep-prefix-cache")
@@ -365,23 +378,32 @@ def main():
         for batch in map(int, args.batch_sizes.split(",")):
             convs = conversations(workload, batch, args.context)
             params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-            engines = {v: engine(batch, v, args) for v in variants}
+            shared = args.shared_baseline and len(variants) > 1
+            engines = {v: engine(batch, v, args) for v in variants[shared:]}
+            speculators = {v: llm.engine.speculator for v, llm in engines.items()}
+            if shared:   # the first speculating engine with its speculator switched off
+                engines = {BASELINE: engines[variants[1]]} | engines
+                speculators[BASELINE] = Speculator(None, 0)
             warmup = {}
-            for v, llm in engines.items():
-                llm.chat(convs, params, use_tqdm=False)   # compiles every shape used below
+            for v in variants[shared:]:
+                engines[v].chat(convs, params, use_tqdm=False)   # compiles every shape below
                 if args.keep_prefix_cache:   # ... and those of decodes in lockstep
-                    warmup[v] = timed_run(llm, convs, params, True)["tok_per_s"]
+                    warmup[v] = timed_run(engines[v], convs, params, True)["tok_per_s"]
             runs = {v: [] for v in variants}
             timed = [conversations(workload, batch, args.context, start=batch * (rep + 1))
                      if args.fresh_prompts else convs for rep in range(args.reps)]
             for rep_convs in timed:   # round robin: load drift hits every variant alike
                 for v, llm in engines.items():
+                    llm.engine.speculator = speculators[v]
                     runs[v].append(timed_run(llm, rep_convs, params, args.keep_prefix_cache))
-            margins = top2_margins(engines[(None, 0, False)], timed[0], params)
+            engines[BASELINE].engine.speculator = speculators[BASELINE]
+            margins = top2_margins(engines[BASELINE], timed[0], params)
+            for v, llm in engines.items():   # the shared engine ends with its own speculator
+                llm.engine.speculator = speculators[v]
             for v, llm in engines.items():
                 llm.close()
-                rows.append(summary(workload, batch, v, runs[v], runs[(None, 0, False)],
-                                    margins) | {"warmup_tok_per_s": warmup.get(v)})
+                rows.append(summary(workload, batch, v, runs[v], runs[BASELINE], margins)
+                            | {"warmup_tok_per_s": warmup.get(v), "shared_baseline": shared})
                 print(rows[-1], file=sys.stderr)
     result = {"machine": platform.platform(), "processor": platform.processor(),
               "cpus": os.cpu_count(), "load_average_start_end": [load, os.getloadavg()],

@@ -40,8 +40,8 @@ the outputs equal those without speculation token for token (else the first diff
 engine with its ``Speculator`` swapped for one without a proposer: a step without drafts is
 the same compiled width-1 step on the same KV pool and prefix cache, so the two rows share one
 prefill (at 4K tokens × batch 64 the bulk of the run) and differ by nothing but speculation.
-Two engines of identical work otherwise differ by up to 7% on these VMs (memory placement),
-which a ratio near 1.0 cannot tell from a real difference.
+Two engines doing identical work otherwise differ by up to 7% on these VMs
+(bench/spec_overhead.py), which a ratio near 1.0 cannot tell from a real difference.
 
     python3 bench/speculative.py --out bench/results/speculative.json
 
@@ -132,13 +132,14 @@ MONTHS = ["January", "February", "March", "April", "May", "June", "July", "Augus
 
 def trip_request(i: int) -> str:
     """The ``agentic`` workload's ``i``-th request: a tool-call instruction for a trip that
-    differs from every other ``i`` below 16 x 12 x 28 (origin, month, day)."""
-    origin, destination = CITIES[i % 16], CITIES[(i + 1 + i // 16 % 15) % 16]
+    differs from every other ``i`` below len(CITIES) x len(MONTHS) x 28 (origin, month, day)."""
+    n = len(CITIES)
+    origin, destination = CITIES[i % n], CITIES[(i + 1 + i // n % (n - 1)) % n]
     people = f"{1 + i % 4} people want" if i % 4 else "One person wants"
     return ("Call the search_flights tool for the request below: answer with a JSON object "
             "with the keys name and arguments (origin, destination, date, passengers) and "
             f"nothing else.\n\nRequest: {people} to fly from {origin} to "
-            f"{destination} on {1 + (i * 11) % 28} {MONTHS[i // 16 % 12]}.")
+            f"{destination} on {1 + (i * 11) % 28} {MONTHS[i // n % len(MONTHS)]}.")
 
 
 def conversations(workload: str, n: int, context: int | None = None, start: int | None = None

@@ -26,12 +26,14 @@ no speculation, fixed draft lengths k (``--ks``, default 2,4,8) and adaptive k u
 twice: the first run's decodes start staggered behind the chunked prefills, the timed runs' in
 lockstep, shapes of their own; the second run's tok/s is reported as ``warmup_tok_per_s``:
 where an adaptive engine's exploration steps land), then ``--reps`` timed runs, taken
-round robin over the variants so that load drift on a shared machine hits them alike. Reported
+round robin over the variants so that load drift on a shared machine hits them alike (the
+order reversed every other round, so that no variant always runs right after another). Reported
 (medians over the runs): output tok/s (generated tokens / wall time of ``chat``), decode tok/s
 (1 / TPOT), speed-up against no speculation (of the medians, and ``speedup_paired``: the
-median of each round's ratio to the run without speculation just before it, which cancels
+median of each round's ratio to the round's run without speculation, which cancels
 the drift of a shared VM's speed over minutes; ``steal_share_runs``: the CPU time the
-hypervisor took during each run), acceptance rate, mean acceptance length (tokens
+hypervisor took during each run; ``step_ms_runs`` and ``host_ms_per_step_runs``: each run's
+target step time and the rest of its wall time, per step), acceptance rate, mean acceptance length (tokens
 emitted per verifying sequence and step), target forwards (steps) per output token, and whether
 the outputs equal those without speculation token for token (else the first difference,
 ``[request, token]``).
@@ -310,6 +312,9 @@ def summary(workload: str, batch: int, variant: tuple, runs: list[dict],
         draft_step_ms=(1e3 * r["spec_draft_device_time_s"] / r["spec_draft_num_steps"]
                        if r["spec_draft_num_steps"] else None),
         tok_per_s_runs=[x["tok_per_s"] for x in runs],
+        step_ms_runs=[1e3 * x["device_time_s"] / x["num_steps"] for x in runs],
+        host_ms_per_step_runs=[1e3 * (x["wall_s"] - x["device_time_s"]) / x["num_steps"]
+                               for x in runs],
         steal_share_runs=[x["steal_share"] for x in runs],
         outputs_equal=r["outputs"] == base[0]["outputs"],
         first_difference=diff,
@@ -393,8 +398,8 @@ def main():
             runs = {v: [] for v in variants}
             timed = [conversations(workload, batch, args.context, start=batch * (rep + 1))
                      if args.fresh_prompts else convs for rep in range(args.reps)]
-            for rep_convs in timed:   # round robin: load drift hits every variant alike
-                for v, llm in engines.items():
+            for rep, rep_convs in enumerate(timed):   # round robin, reversed every other
+                for v, llm in list(engines.items())[::(-1) ** rep]:   # round (see the docstring)
                     llm.engine.speculator = speculators[v]
                     runs[v].append(timed_run(llm, rep_convs, params, args.keep_prefix_cache))
             engines[BASELINE].engine.speculator = speculators[BASELINE]

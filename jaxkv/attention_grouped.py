@@ -67,17 +67,13 @@ from jaxkv.cache import Pages, read_sequence_blocks
 _ROW_CHUNK_BYTES = 1 << 20
 
 
-def _row_chunk_blocks(chunk: int, max_blocks: int, num_seqs: int, block_size: int,
-                      num_kv_heads: int, head_dim: int) -> int:
+def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: int,
+                      head_dim: int) -> int:
     """Blocks per kv chunk of the row path: ``chunk`` halved while the f32 K chunk of all
-    ``num_seqs`` rows exceeds ``_ROW_CHUNK_BYTES`` (at least 1), or doubled while twice it
-    stays within the budget and the table's ``max_blocks``: a few rows over a long table take
-    fewer, larger loop steps (each step's fixed cost is most of a batch-1 row's time)."""
+    ``num_seqs`` rows exceeds ``_ROW_CHUNK_BYTES`` (at least 1)."""
     rows, row_bytes = chunk, num_seqs * block_size * num_kv_heads * head_dim * 4
     while rows > 1 and rows * row_bytes > _ROW_CHUNK_BYTES:
         rows = -(-rows // 2)
-    while 2 * rows <= max_blocks and 2 * rows * row_bytes <= _ROW_CHUNK_BYTES:   # never after
-        rows *= 2                                                            # a halving
     return rows
 
 
@@ -210,8 +206,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     chunk = min(kv_chunk_blocks or max(1, 256 // bs), max_blocks)     # blocks per tile chunk
-    row_chunk = (chunk if kv_chunk_blocks
-                 else _row_chunk_blocks(chunk, max_blocks, S, bs, Hkv, D))
+    row_chunk = chunk if kv_chunk_blocks else _row_chunk_blocks(chunk, S, bs, Hkv, D)
     # pad the table so every chunk of either path is full; padded entries point at the null block
     width = -(-max_blocks // math.lcm(chunk, row_chunk)) * math.lcm(chunk, row_chunk)
     tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))

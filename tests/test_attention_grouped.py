@@ -336,49 +336,6 @@ def test_row_path_steps_cover_each_rows_own_chunks(monkeypatch):
     np.testing.assert_allclose(got[:3], paged_attention_reference(*args)[:3], **F32)
 
 
-def test_row_chunk_fills_the_byte_budget_within_the_table():
-    """``_row_chunk_blocks``: at most ``_ROW_CHUNK_BYTES`` of f32 K per loop step (or one
-    block), as large as the budget and the table allow: many rows halve the tile chunk, few
-    rows over a long table double it (SmolLM2's shapes: block 16, 3 kv heads, head dim 64)."""
-    budget = attention_grouped._ROW_CHUNK_BYTES
-    for num_seqs in (1, 2, 4, 8, 64, 128, 1024):
-        for max_blocks in (1, 8, 16, 100, 512):
-            chunk = min(16, max_blocks)
-            got = attention_grouped._row_chunk_blocks(chunk, max_blocks, num_seqs, 16, 3, 64)
-            step = num_seqs * 16 * 3 * 64 * 4                          # bytes of one block's rows
-            assert got >= 1 and (got * step <= budget or got == 1), (num_seqs, max_blocks, got)
-            if got >= chunk:   # not halved: as large as the budget and the table allow
-                assert 2 * got > max_blocks or 2 * got * step > budget, (num_seqs, max_blocks)
-                assert got % chunk == 0
-            else:              # halved: the tile chunk was over the budget
-                assert chunk * step > budget and 2 * got * step > budget
-    assert attention_grouped._row_chunk_blocks(16, 512, 1, 16, 3, 64) > 16
-
-
-@pytest.mark.parametrize("options,row_queries", [("plain", 1), ("window-sinks-cap", 3)])
-def test_few_rows_over_a_long_table_read_larger_chunks(monkeypatch, options, row_queries):
-    """Two sequences over a 160-block table (block 4, 640 positions): the row path reads kv
-    chunks of 128 blocks, twice the tiles' 64, and its rows (a decode row of 300 positions,
-    the last ``row_queries`` tokens of a chunk of 12 after 500) equal the reference."""
-    shapes = []
-
-    def recording(pages, ids, logical, seq_lens, **kw):
-        shapes.append(ids.shape)                                       # at trace time
-        return kvcache.read_sequence_blocks(pages, ids, logical, seq_lens, **kw)
-
-    monkeypatch.setattr(attention_grouped, "read_sequence_blocks", recording)
-    rng = np.random.default_rng(7)
-    bs, max_blocks, S, T = 4, 160, 2, 16
-    nb = S * max_blocks + 1
-    tables, lens, qsl = table_batch(rng, [1, 12], [300, 512], T=T, S=S, max_blocks=max_blocks,
-                                    num_blocks=nb, bs=bs)
-    q = jnp.asarray(rng.standard_normal((T, 4, 16)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((nb, bs, 2, 16)), jnp.float32) for _ in range(2))
-    assert_matches_reference((q, k, v, tables, lens, qsl), row_queries=row_queries,
-                             **OPTIONS[options])
-    assert (S, 128) in shapes and (64,) in shapes, shapes           # rows [S, 128], tiles [64]
-
-
 def test_merge_units_adds_several_units_of_a_row_in_one_step():
     """``merge_units`` with units of one row split across and within steps (and a dropped
     unit) equals a softmax over the row's positions at once."""

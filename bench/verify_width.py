@@ -8,9 +8,10 @@ all-padding arguments (``ModelRunner._padded_args``: every slot the null block's
 empty, so attention over the cache costs nothing and what is left is the width-dependent
 rest) for each batch size ``S`` (``--batches``) at the token bucket that holds ``S x max(W)``
 tokens, at every width of ``--widths``, and the plain decode step (``S`` tokens' bucket,
-``W = 1``) beside them when its bucket is smaller. After one compiling call each, ``--repeats`` back-to-back calls per
-variant in blocks alternating over ``--rounds`` rounds (bench/step_timing.py); median and min
-ms, and the load average. SmolLM2-135M-Instruct fp32 on CPU.
+``W = 1``) beside them when its bucket is smaller. After one compiling call each,
+``--repeats`` back-to-back calls per variant in blocks alternating over ``--rounds`` rounds
+(bench/step_timing.py); median and min ms, and the load average. SmolLM2-135M-Instruct fp32
+on CPU.
 
     python3 bench/verify_width.py --batches 1,4,16,64 --widths 1,3,5,9 \
         --json bench/results/verify_width.json

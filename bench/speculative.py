@@ -33,10 +33,10 @@ order reversed every other round, so that no variant always runs right after ano
 median of each round's ratio to the round's run without speculation, which cancels
 the drift of a shared VM's speed over minutes; ``steal_share_runs``: the CPU time the
 hypervisor took during each run; ``step_ms_runs`` and ``host_ms_per_step_runs``: each run's
-target step time and the rest of its wall time, per step), acceptance rate, mean acceptance length (tokens
-emitted per verifying sequence and step), target forwards (steps) per output token, and whether
-the outputs equal those without speculation token for token (else the first difference,
-``[request, token]``).
+target step time and the rest of its wall time, per step), acceptance rate, mean acceptance
+length (tokens emitted per verifying sequence and step), target forwards (steps) per output
+token, and whether the outputs equal those without speculation token for token (else the
+first difference, ``[request, token]``).
 
 ``--shared-baseline`` runs the rows without speculation on the first speculating variant's
 engine with its ``Speculator`` swapped for one without a proposer: a step without drafts is
@@ -398,8 +398,9 @@ def main():
             runs = {v: [] for v in variants}
             timed = [conversations(workload, batch, args.context, start=batch * (rep + 1))
                      if args.fresh_prompts else convs for rep in range(args.reps)]
-            for rep, rep_convs in enumerate(timed):   # round robin, reversed every other
-                for v, llm in list(engines.items())[::(-1) ** rep]:   # round (see the docstring)
+            order = list(engines.items())
+            for rep, rep_convs in enumerate(timed):   # round robin, every other round reversed
+                for v, llm in order if rep % 2 == 0 else order[::-1]:
                     llm.engine.speculator = speculators[v]
                     runs[v].append(timed_run(llm, rep_convs, params, args.keep_prefix_cache))
             engines[BASELINE].engine.speculator = speculators[BASELINE]

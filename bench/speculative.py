@@ -405,8 +405,8 @@ def main():
                     runs[v].append(timed_run(llm, rep_convs, params, args.keep_prefix_cache))
             engines[BASELINE].engine.speculator = speculators[BASELINE]
             margins = top2_margins(engines[BASELINE], timed[0], params)
-            for v, llm in engines.items():   # the shared engine ends with its own speculator
-                llm.engine.speculator = speculators[v]
+            for v in variants[shared:]:   # each engine closes with its own speculator
+                engines[v].engine.speculator = speculators[v]
             for v, llm in engines.items():
                 llm.close()
                 rows.append(summary(workload, batch, v, runs[v], runs[BASELINE], margins)

@@ -72,12 +72,13 @@ def main():
             call()   # compiles
         load0 = loadavg()
         times = alternating_times(calls, a.rounds, a.repeats)
+        load1 = loadavg()
         rows = {name: ms_summary(x) for name, x in times.items()}
-        out["batches"][s] = {"tokens": t, "load_before": load0, "load_after": loadavg(),
+        out["batches"][s] = {"tokens": t, "load_before": load0, "load_after": load1,
                              "variants": rows}
         for name, row in rows.items():
             print(f"| {s} | {t} | {name} | {row['ms_median']:.1f} ({row['ms_min']:.1f}) | "
-                  f"{load0[0]:.2f}-{loadavg()[0]:.2f} |", flush=True)
+                  f"{load0[0]:.2f}-{load1[0]:.2f} |", flush=True)
         llm.close()
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

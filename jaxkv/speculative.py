@@ -123,22 +123,21 @@ proposals start matching. Two rules turn the estimates into draft lengths:
 
 Probes. When the lengths are chosen before proposing (costly proposals, and the fixed-cost
 rule), a ``k = 0`` request is still asked for one token, so it keeps measuring (two while the
-draft's decode forward is unmeasured: a probe's catch-up forward alone would never measure
-it); a proposer whose proposals cost a forward pass (the draft model) sets
-``probe_interval``: a ``k = 0`` request is then asked for its one token only once per that
-many steps (its draft cache catches up then, in one chunk). Each probe after which the request still does not draft
+draft's decode forward is unmeasured: a probe's catch-up forward alone would never measure it);
+a proposer whose proposals cost a forward pass (the draft model) sets ``probe_interval``: a
+``k = 0`` request is then asked for its one token only once per that many steps (its draft
+cache catches up then, in one chunk). Each probe after which the request still does not draft
 doubles its interval, up to ``_MAX_PROBE_BACKOFF`` times ``probe_interval``; a step that drafts
 resets it. So a request the draft cannot help costs O(log n) draft forwards over n tokens
 instead of n / ``probe_interval`` (also when its probes match: a draft as costly as the target
-that agrees with it never pays), and one whose proposals start matching drafts after the
-probes that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``). With
-measured step times probes have a budget: the time of the proposals of steps that drafted
-nothing (probes alone) is held to ``_EXPLORE_SHARE`` of the measured step time (plus one
-probe: none is made while it is over), and the back-off applies only while it is over. Nor
-is any made while a draft forward over the step's decodes takes at least the target's plain
-step: then no draft could pay, were every one accepted and its verification free (skip12-18,
-a 24-layer draft, at 350 ms against 58). A
-cheap draft (the 2-layer trained3-v4096: a 4 ms forward against a 55 ms
+that agrees with it never pays), and one whose proposals start matching drafts after the probes
+that lift its estimate enough (two, from an estimate near 0, at ``c = 0.3``). With measured
+step times probes have a budget: the time of the proposals of steps that drafted nothing
+(probes alone) is held to ``_EXPLORE_SHARE`` of the measured step time (plus one probe: none is
+made while it is over), and the back-off applies only while it is over. Nor is any made while a
+draft forward over the step's decodes takes at least the target's plain step: then no draft
+could pay, were every one accepted and its verification free (skip12-18, a 24-layer draft, at
+350 ms against 58). A cheap draft (the 2-layer trained3-v4096: a 4 ms forward against a 55 ms
 target step at batch 1) thus keeps probing every ``probe_interval`` steps, and a request whose
 estimate fell on a run of misses (at acceptance 0.3, four in a row a quarter of the time)
 drafts again after its next matching probe instead of backing off for the rest of its life.

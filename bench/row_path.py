@@ -8,8 +8,9 @@ bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-25
 raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2's 8,192);
 and prefill steps (the tile path): 512-token chunks of one prompt, fresh or after a cached
 prefix, four 128-token prompts, and the workload's mixed step of one chunk beside decode rows.
-Today's tree runs against the module as it was at ``--rev`` (loaded from git), on the same
-pools laid out NHD and, as the engine's CPU default holds them, HND (``jaxkv.cache.HNDPages``);
+Today's tree runs against the module as it was at ``--rev`` (loaded from git), both on the same
+pools laid out NHD and, as the engine's CPU default holds them, HND (``jaxkv.cache.HNDPages``;
+today's HND rows are the C++ kernel of jaxkv/cpu_kernels where it builds);
 with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
 each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
 (``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
@@ -138,7 +139,9 @@ def main() -> None:
     if unknown := [k for k in names if k not in known]:
         ap.error(f"--cases: unknown {unknown}; the cases are {list(known)}")
     # name: (jitted attention, reads the HND pools)
-    variants = {f"@{a.rev}": (variant(module_at(a.rev), None), False),
+    old = module_at(a.rev)
+    variants = {f"@{a.rev}": (variant(old, None), False),
+                f"@{a.rev}, HND": (variant(old, None), True),
                 "today": (variant(attention_grouped, None), False),
                 "today, HND": (variant(attention_grouped, None), True)}
     for cb in filter(None, a.chunk_bytes.split(",")):

@@ -58,7 +58,8 @@ import jax.numpy as jnp
 from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_tile_range,
                              last_tokens, online_softmax_step, softmax_init, softmax_result,
                              tile_index, visible)
-from jaxkv.cache import Pages, read_sequence_blocks
+from jaxkv import cpu_kernels
+from jaxkv.cache import HNDPages, Pages, read_sequence_blocks
 
 
 # Bytes of K (or V) one step of the row path gathers: they stay in cache between the gather
@@ -75,6 +76,13 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
     while rows > 1 and rows * row_bytes > _ROW_CHUNK_BYTES:
         rows = -(-rows // 2)
     return rows
+
+
+def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
+    """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): f32
+    head-major pools, no sliding window (so no sinks either), and the kernel built."""
+    return (all(isinstance(p, HNDPages) and p.dtype == jnp.float32 for p in (k_pages, v_pages))
+            and sliding_window is None and cpu_kernels.available())
 
 
 def kept_blocks(tables: jax.Array, sliding_window: int | None = None
@@ -280,9 +288,16 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         return merge_units(carry, jnp.where(valid, r, S), s, lambda p: jnp.einsum(
             "snbhg,snhbd->shgd", p.reshape(S, row_chunk, bs, Hkv, R * G), vv))
 
-    rows = jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
-                             softmax_init((S, Hkv, R * G), D))
-    row_out, row_lse = softmax_result(rows)                # [S, Hkv, R * G, D], [S, Hkv, R * G]
+    def xla_rows():                                        # [S, Hkv, R * G, D], [S, Hkv, R * G]
+        return softmax_result(jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
+                                                softmax_init((S, Hkv, R * G), D)))
+
+    if native_rows(k_pages, v_pages, sliding_window):     # the C++ kernel on CPU
+        row_out, row_lse = jax.lax.platform_dependent(cpu=lambda: cpu_kernels.paged_rows(
+            row_q, k_pages.data, v_pages.data, tables, jnp.where(row_valid, row_pos, -1),
+            soft_cap=soft_cap), default=xla_rows)
+    else:
+        row_out, row_lse = xla_rows()
     row_out = row_out.reshape(S, Hkv, R, G, D).transpose(0, 2, 1, 3, 4)    # [S, R, Hkv, G, D]
     row_lse = row_lse.reshape(S, Hkv, R, G).transpose(0, 2, 1, 3)          # [S, R, Hkv, G]
 

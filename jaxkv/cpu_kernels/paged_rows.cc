@@ -21,6 +21,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -33,6 +34,26 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (a logit minus its row's running max), in a form the compiler vectorizes:
+// Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
+// 2 ulp of std::exp; below -87 (where expf underflows) it returns ~1e-38 rather than 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));   // not reassociated
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;   // 2^n, n >= -126
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 // One (sequence, kv head): rows [RG] of queries q [RG, D] over the sequence's blocks.
 void attend_pair(const float* q, const float* k, const float* v, const int32_t* table,
@@ -68,10 +89,10 @@ void attend_pair(const float* q, const float* k, const float* v, const int32_t* 
         block_max = std::max(block_max, dot);
       }
       const float m_new = std::max(m[rg], block_max);
-      const float alpha = std::exp(m[rg] - m_new);               // 0 while m was -inf
+      const float alpha = m[rg] == kNegInf ? 0.0f : exp_nonpositive(m[rg] - m_new);
       float sum = 0.0f;
       for (int64_t t = 0; t < visible; ++t) {
-        pr[t] = std::exp(s[t] - m_new);
+        pr[t] = exp_nonpositive(s[t] - m_new);
         sum += pr[t];
       }
       std::fill(pr + visible, pr + bs, 0.0f);

@@ -62,7 +62,14 @@ void attend_pair(const float* q, const float* k, const float* v, const int32_t* 
   const int64_t RG = R * G;
   int32_t last = -1;
   for (int64_t r = 0; r < R; ++r) last = std::max(last, row_pos[r]);
-  std::vector<float> m(RG, kNegInf), l(RG, 0.0f), acc(RG * D, 0.0f), s(bs), p(RG * bs);
+  // running max, sum, unnormalized output, a block's logits and weights: one set of buffers
+  // per thread, reused by every pair it takes (not allocated per pair and layer)
+  thread_local std::vector<float> m, l, acc, s, p;
+  m.assign(RG, kNegInf);
+  l.assign(RG, 0.0f);
+  acc.assign(RG * D, 0.0f);
+  s.resize(bs);
+  p.resize(RG * bs);
   const int64_t blocks = last < 0 ? 0 : std::min<int64_t>(width, last / bs + 1);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t phys = table[b];

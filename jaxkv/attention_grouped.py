@@ -85,6 +85,13 @@ def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> b
             and sliding_window is None and cpu_kernels.available())
 
 
+def native_tiles(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
+    """True when the tiles can run as the C++ kernel (``jaxkv.cpu_kernels.paged_tiles``): as
+    ``native_rows``, with blocks of 16 positions and a head dim of 64 or 128."""
+    _, bs, _, D = k_pages.shape
+    return bs == 16 and D in (64, 128) and native_rows(k_pages, v_pages, sliding_window)
+
+
 def kept_blocks(tables: jax.Array, sliding_window: int | None = None
                 ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     """Each row's logical block indices with its kept (non-null) blocks first.
@@ -351,10 +358,19 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         return (jax.lax.dynamic_update_slice_in_dim(out, o, tok0, 0),
                 jax.lax.dynamic_update_slice_in_dim(lse, l, tok0, 0))
 
-    acc = (jnp.zeros((T + bq, Hkv, G, D), jnp.float32),
-           jnp.full((T + bq, Hkv, G), -jnp.inf, jnp.float32))
-    out, lse = jax.lax.fori_loop(0, tile_end[-1], tile, acc)
-    out = out.at[last].set(row_out, mode="drop")[:T].reshape(T, Hq, D).astype(q.dtype)
+    def xla_tiles():                                      # [T, Hkv, G, D], [T, Hkv, G]
+        acc = (jnp.zeros((T + bq, Hkv, G, D), jnp.float32),
+               jnp.full((T + bq, Hkv, G), -jnp.inf, jnp.float32))
+        out, lse = jax.lax.fori_loop(0, tile_end[-1], tile, acc)
+        return out[:T], lse[:T]
+
+    if native_tiles(k_pages, v_pages, sliding_window):    # the C++ kernel on CPU
+        out, lse = jax.lax.platform_dependent(cpu=lambda: cpu_kernels.paged_tiles(
+            qg[:T], k_pages.data, v_pages.data, tables, query_start_loc, seq_lens, body,
+            soft_cap=soft_cap), default=xla_tiles)
+    else:
+        out, lse = xla_tiles()
+    out = out.at[last].set(row_out, mode="drop").reshape(T, Hq, D).astype(q.dtype)
     if not return_lse:
         return out
-    return out, lse.at[last].set(row_lse, mode="drop")[:T].reshape(T, Hq)
+    return out, lse.at[last].set(row_lse, mode="drop").reshape(T, Hq)

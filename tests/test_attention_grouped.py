@@ -16,7 +16,7 @@ import pytest
 
 from jaxkv import attention_grouped, cache as kvcache
 from jaxkv.attention import paged_attention_reference, softmax_init, softmax_result
-from jaxkv.attention_grouped import kept_blocks, paged_attention_grouped
+from jaxkv.attention_grouped import kept_blocks, native_tiles, paged_attention_grouped
 from jaxkv.attention_impl import paged_attention
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
@@ -141,6 +141,25 @@ def test_rows_of_several_tokens_with_sink_queries_and_dropped_blocks():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32)
     assert_matches_reference(drop_blocks(rng, random_batch(rng, Hq=9, Hkv=3, bs=4), 0.5),
                              row_queries=4, kv_chunk_blocks=2, block_q=3)
+
+
+@pytest.mark.parametrize("options", [{}, dict(soft_cap=30.0, sm_scale=0.2)])
+@pytest.mark.parametrize("row_queries", [1, 3])
+def test_native_kernels_at_the_engines_shapes(options, row_queries):
+    """Blocks of 16 and head dim 64, GQA 3: the shapes the C++ tiles and rows take over HND
+    pools (``native_tiles``); prompts of several 32-token tiles, chunks after a prefix, decode
+    rows, some blocks dropped, padding; against the reference over the NHD pools."""
+    rng = np.random.default_rng(row_queries + 10 * len(options))
+    q_lens, kv_lens = [100, 1, 37, 1, 70], [100, 150, 90, 33, 200]
+    T, S, mb, bs, D = 224, 6, 14, 16, 64
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=mb,
+                                    num_blocks=S * mb + 1, bs=bs)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+               for shape in ((T, 9, D), (S * mb + 1, bs, 3, D), (S * mb + 1, bs, 3, D)))
+    assert native_tiles(hnd(k), hnd(v), None)
+    args = (q, k, v, tables, lens, qsl)
+    assert_matches_reference(args, row_queries=row_queries, **options)
+    assert_matches_reference(drop_blocks(rng, args, 0.4), row_queries=row_queries, **options)
 
 
 def test_decode_only_prefill_only_and_empty_steps():

@@ -11,31 +11,47 @@ from jaxkv import cache as kvcache
 from jaxkv.attention_grouped import native_rows
 
 
+def numpy_attend(q, k, v, table, pos, soft_cap=None):
+    """float64 softmax(q k^T) v of one query [D] of one kv head's pools [N, bs, D] over the
+    kept positions <= ``pos`` of a table [W]; (0, -inf) if it sees none."""
+    bs = k.shape[1]
+    kv_pos = np.arange(pos + 1)
+    kv_pos = kv_pos[table[kv_pos // bs] != 0]
+    if not len(kv_pos):
+        return np.zeros(q.shape[-1]), -np.inf
+    phys = table[kv_pos // bs]
+    logits = k[phys, kv_pos % bs].astype(np.float64) @ q.astype(np.float64)
+    if soft_cap:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    m = logits.max()
+    p = np.exp(logits - m)
+    return p @ v[phys, kv_pos % bs].astype(np.float64) / p.sum(), m + np.log(p.sum())
+
+
 def numpy_rows(q, k, v, tables, row_pos, soft_cap=None):
-    """float64 softmax(q k^T) v of every row over its kept positions <= its row position."""
+    """``numpy_attend`` of every row [S, Hkv, R * G] at its row position."""
     S, Hkv, RG, D = q.shape
-    bs = k.shape[2]
-    R = row_pos.shape[1]
-    G = RG // R
+    G = RG // row_pos.shape[1]
     out = np.zeros((S, Hkv, RG, D))
     lse = np.full((S, Hkv, RG), -np.inf)
-    for s in range(S):
-        for rg in range(RG):
-            pos = np.arange(row_pos[s, rg // G] + 1)
-            pos = pos[tables[s, pos // bs] != 0]
-            if not len(pos):
-                continue
-            phys = tables[s, pos // bs]
-            for h in range(Hkv):
-                keys = k[phys, h, pos % bs].astype(np.float64)             # [n, D]
-                vals = v[phys, h, pos % bs].astype(np.float64)
-                logits = keys @ q[s, h, rg].astype(np.float64)
-                if soft_cap:
-                    logits = soft_cap * np.tanh(logits / soft_cap)
-                m = logits.max()
-                p = np.exp(logits - m)
-                out[s, h, rg] = p @ vals / p.sum()
-                lse[s, h, rg] = m + np.log(p.sum())
+    for s, h, rg in np.ndindex(S, Hkv, RG):
+        out[s, h, rg], lse[s, h, rg] = numpy_attend(q[s, h, rg], k[:, h], v[:, h], tables[s],
+                                                    row_pos[s, rg // G], soft_cap)
+    return out, lse
+
+
+def numpy_tiles(q, k, v, tables, qsl, seq_lens, body, soft_cap=None):
+    """``numpy_attend`` of the first ``body[s]`` tokens [T, Hkv, G] of every sequence, each at
+    its position in the sequence; zeros and -inf for the other tokens."""
+    T, Hkv, G, D = q.shape
+    out = np.zeros((T, Hkv, G, D))
+    lse = np.full((T, Hkv, G), -np.inf)
+    for s in range(len(seq_lens)):
+        q_len = qsl[s + 1] - qsl[s]
+        for i, h, g in np.ndindex(min(body[s], q_len), Hkv, G):
+            t = qsl[s] + i
+            out[t, h, g], lse[t, h, g] = numpy_attend(q[t, h, g], k[:, h], v[:, h], tables[s],
+                                                      seq_lens[s] - q_len + i, soft_cap)
     return out, lse
 
 
@@ -65,6 +81,32 @@ def test_paged_rows_equal_a_numpy_attention(R, G, soft_cap):
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5, rtol=1e-5)
     assert np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
+
+
+@pytest.mark.parametrize("G, D, soft_cap", [(3, 64, None), (4, 128, 30.0), (1, 64, None)])
+def test_paged_tiles_equal_a_numpy_attention(G, D, soft_cap):
+    rng = np.random.default_rng(G * 100 + D)
+    Hkv, bs, N, W = 2, 16, 96, 12
+    # a prompt's first chunk (70 tokens, 3 tiles), a chunk after a 100-token prefix whose
+    # blocks 1 and 4 were dropped, a decode token (all rows: no tile), a 3-token chunk, padding
+    q_lens = np.array([70, 45, 1, 3], np.int32)
+    seq_lens = np.array([70, 145, 60, 20], np.int32)
+    body = np.maximum(q_lens - 1, 0)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    T = int(qsl[-1]) + 5
+    S = len(q_lens)
+    q = rng.standard_normal((T, Hkv, G, D), dtype=np.float32) * 0.3
+    k = rng.standard_normal((N, Hkv, bs, D), dtype=np.float32)
+    v = rng.standard_normal((N, Hkv, bs, D), dtype=np.float32)
+    tables = rng.permutation(np.arange(1, N))[:S * W].reshape(S, W).astype(np.int32)
+    tables[1, [1, 4]] = 0
+    out, lse = jax.jit(lambda *a: cpu_kernels.paged_tiles(*a, soft_cap=soft_cap))(
+        q, k, v, tables, qsl, seq_lens, body)
+    ref_out, ref_lse = numpy_tiles(q, k, v, tables, qsl, seq_lens, body, soft_cap)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5, rtol=1e-5)
+    rows = qsl[1:] - 1                                     # each sequence's last token: not here
+    assert np.all(np.asarray(out)[rows] == 0) and np.all(np.isneginf(np.asarray(lse)[rows]))
 
 
 def test_grouped_path_takes_the_kernel_for_float_hnd_pools_only():

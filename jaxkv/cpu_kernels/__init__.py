@@ -1,12 +1,18 @@
 """Native CPU kernels: C++ behind XLA's FFI, built on this machine on first use.
 
-One kernel today, ``paged_rows`` (paged_rows.cc): the rows of the CPU attention path
-(jaxkv/attention_grouped.py: each sequence's last R query tokens against its paged KV) over a
-head-major float32 pool. XLA's own version of that loop gathers every chunk of K and V into a
-fresh buffer and runs small batched dots on it; the kernel reads each block of K and V once,
-in place, for all of a kv head's query rows.
+Two kernels over a head-major float32 pool, both in paged_attention.cc, for the two paths of the
+CPU attention (jaxkv/attention_grouped.py):
 
-Build: ``g++ -O3 -march=native`` against ``jax.ffi.include_dir()``, once per source,
+* ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
+  against its paged KV;
+* ``paged_tiles``: the other tokens of a step (prefill chunks), causal, 32 tokens of one
+  sequence and one kv head per work item, each K block transposed once so that four query rows
+  at a time score it with block-wide vector FMAs.
+
+XLA's own version of these loops gathers every chunk of K and V into a fresh buffer and runs
+small batched dots on it; the kernels read each block of K and V in place.
+
+Build: ``g++ -O3 -march=native`` of the source against ``jax.ffi.include_dir()``, once per source,
 compiler flags, jax version and CPU, into ``~/.cache/jaxkv/cpu_kernels`` (or
 ``$JAXKV_CPU_KERNELS_DIR``); a build that fails (no compiler) leaves the XLA path in place with
 one warning. ``JAXKV_CPU_KERNELS=0`` switches the kernels off (the XLA path, e.g. to compare).
@@ -30,10 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("paged_rows.cc")
+_SOURCE = Path(__file__).with_name("paged_attention.cc")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
-_TARGET = "jaxkv_paged_rows"
+_TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles"}
 
 
 def _cpu_signature() -> str:
@@ -52,11 +58,11 @@ def _library_path() -> Path:
                                     platform.machine(), _cpu_signature()]).encode())
     root = Path(os.environ.get("JAXKV_CPU_KERNELS_DIR")
                 or Path.home() / ".cache" / "jaxkv" / "cpu_kernels")
-    return root / f"paged_rows-{key.hexdigest()[:16]}.so"
+    return root / f"paged_attention-{key.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
-    """Compiles paged_rows.cc to ``path`` (atomically: concurrent builders each write their own
+    """Compiles paged_attention.cc to ``path`` (atomically: concurrent builders each write their own
     temporary file and rename it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
@@ -87,14 +93,23 @@ def available() -> bool:
         warnings.warn(f"jaxkv: the native CPU attention kernel is unavailable, using the XLA "
                       f"path ({detail.strip()[-400:]})", RuntimeWarning, stacklevel=2)
         return False
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxkvPagedRows), platform="cpu")
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
     return True
+
+
+def _require() -> None:
+    """Builds and registers the kernels if needed; a RuntimeError if they are unavailable."""
+    if not available():
+        raise RuntimeError("jaxkv: the native CPU kernels are unavailable (JAXKV_CPU_KERNELS=0 "
+                           "or their build failed; see the warning)")
 
 
 def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
                row_pos: jax.Array, *, soft_cap: float | None = None
                ) -> tuple[jax.Array, jax.Array]:
-    """Each sequence's row queries against its paged KV (the C++ kernel; ``available()`` first).
+    """Each sequence's row queries against its paged KV (the C++ kernel).
 
     Args:
       q: f32 [S, Hkv, R * G, D] row queries, already scaled; row r's head g at ``r * G + g``.
@@ -107,8 +122,39 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
       (out f32 [S, Hkv, R * G, D], lse f32 [S, Hkv, R * G]): 0 and -inf for rows that see no
       position, as ``jaxkv.attention.softmax_result``.
     """
+    _require()
     S, Hkv, RG, D = q.shape
-    call = jax.ffi.ffi_call(_TARGET, (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
+    call = jax.ffi.ffi_call("jaxkv_paged_rows", (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
                                       jax.ShapeDtypeStruct((S, Hkv, RG), jnp.float32)))
     return call(q.astype(jnp.float32), k, v, tables.astype(jnp.int32),
                 row_pos.astype(jnp.int32), soft_cap=np.float32(soft_cap or 0.0))
+
+
+def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
+                query_start_loc: jax.Array, seq_lens: jax.Array, body: jax.Array, *,
+                soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """The first ``body[s]`` query tokens of each sequence ``s``, causal over its paged KV (the
+    C++ kernel; block size 16, head dim 64 or 128).
+
+    Args:
+      q: f32 [T, Hkv, G, D] every token's queries (the step's flat ragged layout), scaled.
+      k, v: f32 [N, Hkv, 16, D] one layer's head-major pools (``HNDPages.data``).
+      tables: int32 [S, W] physical block per logical block; 0 (the null block) is skipped.
+      query_start_loc: int32 [S + 1] first token of each sequence in ``q``.
+      seq_lens: int32 [S] kv length of each sequence: its last query token is at position
+        ``seq_lens[s] - 1``, its first at ``seq_lens[s] - q_len``; each sees positions <= its own.
+      body: int32 [S] how many of each sequence's leading tokens to compute (the rest are rows).
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+
+    Returns:
+      (out f32 [T, Hkv, G, D], lse f32 [T, Hkv, G]): 0 and -inf for tokens not computed here
+      and for tokens that see no kept position.
+    """
+    _require()
+    T, Hkv, G, D = q.shape
+    call = jax.ffi.ffi_call("jaxkv_paged_tiles",
+                            (jax.ShapeDtypeStruct((T, Hkv, G, D), jnp.float32),
+                             jax.ShapeDtypeStruct((T, Hkv, G), jnp.float32)))
+    return call(q.astype(jnp.float32), k, v, *(x.astype(jnp.int32) for x in
+                                               (tables, query_start_loc, seq_lens, body)),
+                soft_cap=np.float32(soft_cap or 0.0))

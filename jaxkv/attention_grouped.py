@@ -232,13 +232,16 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]                # [S]
 
-    def grouped(x):                                                    # [T + bq, Hkv, G, D]
-        return jnp.pad(x.astype(jnp.float32).reshape(T, Hkv, G, D) * scale,
-                       ((0, bq), (0, 0), (0, 0), (0, 0)))
+    def grouped(x):                                                    # [T, Hkv, G, D]
+        return x.astype(jnp.float32).reshape(T, Hkv, G, D) * scale
+
+    def padded(x):               # [T + bq, Hkv, G, D]: a tile's bq-token slice never clamps
+        return None if x is None else jnp.pad(x, ((0, bq), (0, 0), (0, 0), (0, 0)))
 
     qg = grouped(q)
     rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
     qsg = grouped(q_sinks) if rescore else None
+    qg_tiles, qsg_tiles = padded(qg), padded(qsg)    # read by the XLA tiles only
 
     def with_sinks(any_sink, s, kv_pos, sink_scores, expand):
         """``s`` with the sink positions scored by the sink queries, if ``any_sink`` (a bool
@@ -324,8 +327,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         q_first = seq_lens[seq] - q_lens[seq] + local * bq
         q_pos = q_first + tile_rows                                    # [bq]
         row_ok = tile_rows < n_valid                                   # [bq]
-        qt = jax.lax.dynamic_slice_in_dim(qg, tok0, bq)                # [bq, Hkv, G, D]
-        qst = jax.lax.dynamic_slice_in_dim(qsg, tok0, bq) if rescore else None
+        qt = jax.lax.dynamic_slice_in_dim(qg_tiles, tok0, bq)          # [bq, Hkv, G, D]
+        qst = jax.lax.dynamic_slice_in_dim(qsg_tiles, tok0, bq) if rescore else None
         seq_order = None if order is None else order[seq]              # [width]
         t_sinks, t_first, t_count = visited_chunks(
             q_first, q_first + n_valid, None if order is None else kept_before[seq],
@@ -366,7 +369,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
 
     if native_tiles(k_pages, v_pages, sliding_window):    # the C++ kernel on CPU
         out, lse = jax.lax.platform_dependent(cpu=lambda: cpu_kernels.paged_tiles(
-            qg[:T], k_pages.data, v_pages.data, tables, query_start_loc, seq_lens, body,
+            qg, k_pages.data, v_pages.data, tables, query_start_loc, seq_lens, body,
             soft_cap=soft_cap), default=xla_tiles)
     else:
         out, lse = xla_tiles()

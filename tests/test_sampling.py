@@ -148,6 +148,31 @@ def test_greedy_rows_take_argmax_and_logprobs_are_raw():
     np.testing.assert_allclose(top_vals, np.sort(raw, -1)[:, ::-1][:, :4], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_all_greedy_steps_take_the_raw_argmax_as_the_full_path_does(mixed):
+    """An all-greedy step without penalties or min_tokens skips process_logits (``sample``'s
+    plain branch); its tokens equal the full path's (``mixed``: one sampled row forces it) on
+    rows with ties at the maximum and filters set, first index among the ties, and its
+    logprobs are the raw model's, with or without top logprobs asked."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, V)).astype(np.float32)
+    logits[:, [5, 9, 40]] = logits.max(-1, keepdims=True) + 1.0      # a three-way tie at the top
+    params = [SamplingParams(temperature=0.0, top_k=2, top_p=0.3, min_p=0.5),
+              SamplingParams(temperature=0.0)] * 4
+    if mixed:
+        params[-1] = SamplingParams(temperature=0.7, seed=1)
+    t = _tensors(params)
+    tokens, chosen, _ = sample(logits, t, jax.random.key(0))
+    full = np.asarray(jnp.argmax(process_logits(logits, t), axis=-1))
+    n = 7 if mixed else 8
+    np.testing.assert_array_equal(np.asarray(tokens)[:n], full[:n])
+    np.testing.assert_array_equal(np.asarray(tokens)[:n], 5)
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(chosen, raw[np.arange(8), np.asarray(tokens)], rtol=1e-6, atol=1e-6)
+    _, chosen_4, _ = sample(logits, t, jax.random.key(0), num_logprobs=4)
+    np.testing.assert_allclose(chosen_4, chosen, rtol=1e-6, atol=1e-6)
+
+
 def test_no_logprobs_gives_empty_arrays():
     t = _tensors([SamplingParams()])
     _, _, (ids, vals) = sample(np.zeros((1, V), np.float32), t, jax.random.key(0))

@@ -35,7 +35,7 @@ from jaxkv.attention_impl import paged_attention
 from jaxkv.attention_mass import block_attention_mass
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.rope import apply_rope, inv_frequencies
+from jaxkv.model.rope import inv_frequencies, rotate, rotation
 from jaxkv.retention import AttentionOptions
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
@@ -118,10 +118,12 @@ class Attention(nnx.Module):
             self.v_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
         self.bias = c.attention_bias
 
-    def __call__(self, x, positions, pools, md: AttentionMetadata, inv_freq, *,
+    def __call__(self, x, rot, pools, md: AttentionMetadata, *, sink_rot=None,
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
                  sparse: quest.QuestOptions | None = None, row_queries: int = 1):
-        """One layer's attention; ``pools`` = (k_pool, v_pool, KeyBounds or None);
+        """One layer's attention; ``rot``: the tokens' RoPE rotation (``rope.rotation``),
+        ``sink_rot``: the one that scores the sinks (StreamingLLM's positions within the cache,
+        with ``options.sink_position_cap``); ``pools`` = (k_pool, v_pool, KeyBounds or None);
         ``row_queries``: the attention's layout hint (``jaxkv.attention_impl``). Returns
         (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
         q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
@@ -130,11 +132,10 @@ class Attention(nnx.Module):
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
-        if options.sink_position_cap is not None:   # StreamingLLM: sinks seen from the cache
-            kw["q_sinks"] = apply_rope(q, jnp.minimum(positions, options.sink_position_cap),
-                                       inv_freq)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        if sink_rot is not None:                    # StreamingLLM: sinks seen from the cache
+            kw["q_sinks"] = rotate(q, sink_rot)
+        q = rotate(q, rot)
+        k = rotate(k, rot)
         k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
         v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping, md)
         bounds = pools[2]
@@ -199,15 +200,18 @@ class Transformer(nnx.Module):
         c = self.config
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
+        rot = rotation(positions, inv_freq)                              # once for every layer
+        sink_rot = (None if options.sink_position_cap is None else
+                    rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq))
         x = self.embed_tokens[...][token_ids]                            # [T, E]
         ks, vs, bs = [], [], []
         mass = 0.0 if options.observe else None                          # [S, max_blocks]
         for i, layer in enumerate(self.layers):
             bounds = cache.bounds[i] if cache.bounds else None
             h, (k_pool, v_pool, bounds), layer_mass = layer.self_attn(
-                layer.input_layernorm(x), positions, (cache.k[i], cache.v[i], bounds), md,
-                inv_freq, options=options, impl=impl, interpret=interpret, attention=attention,
-                sparse=sparse, row_queries=row_queries)
+                layer.input_layernorm(x), rot, (cache.k[i], cache.v[i], bounds), md,
+                sink_rot=sink_rot, options=options, impl=impl, interpret=interpret,
+                attention=attention, sparse=sparse, row_queries=row_queries)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             ks.append(k_pool)

@@ -33,6 +33,30 @@ def inv_frequencies(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rotation(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """The cosines and sines of ``positions``' rotation angles, computed once per forward and
+    shared by every layer (so no layer evaluates a transcendental per element of its q and k).
+
+    Args:
+      positions: int32 [T].
+      inv_freq: float32 [D // 2].
+
+    Returns:
+      (cos, sin), each float32 [T, 1, D // 2].
+    """
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, D/2]
+    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+
+def rotate(x: jax.Array, rot: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotates ``x`` [T, H, D] by ``rot = rotation(positions, inv_freq)``; [T, H, D] in x's
+    dtype (the rotation is computed in float32)."""
+    cos, sin = rot
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotates ``x`` by its positions.
 
@@ -44,9 +68,4 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     Returns:
       [T, H, D] in x's dtype (the rotation is computed in float32).
     """
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, D/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotate(x, rotation(positions, inv_freq))

@@ -42,19 +42,23 @@ def rotation(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax
       inv_freq: float32 [D // 2].
 
     Returns:
-      (cos, sin), each float32 [T, 1, D // 2].
+      (cos, sin), each float32 [T, 1, 2, D // 2]: ``(cos, cos)`` and ``(-sin, sin)`` over the
+      two halves of a head (the factors of ``x`` and of its halves swapped, in ``rotate``).
     """
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, D/2]
-    return jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    cos, sin = jnp.cos(angles)[:, None, None, :], jnp.sin(angles)[:, None, None, :]
+    return jnp.concatenate([cos, cos], axis=2), jnp.concatenate([-sin, sin], axis=2)
 
 
 def rotate(x: jax.Array, rot: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotates ``x`` [T, H, D] by ``rot = rotation(positions, inv_freq)``; [T, H, D] in x's
-    dtype (the rotation is computed in float32)."""
+    dtype (computed in float32): ``(x1 cos - x2 sin, x2 cos + x1 sin)`` for halves x1, x2, as
+    ``x * (cos, cos) + swap(x) * (-sin, sin)`` (a reversed axis of two halves, which XLA's CPU
+    fusions vectorize, unlike a concatenate of the two results)."""
     cos, sin = rot
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    T, H, D = x.shape
+    halves = x.astype(jnp.float32).reshape(T, H, 2, D // 2)
+    return (halves * cos + halves[:, :, ::-1, :] * sin).reshape(T, H, D).astype(x.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:

@@ -6,8 +6,8 @@ CPU attention (jaxkv/attention_grouped.py):
 * ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
   against its paged KV;
 * ``paged_tiles``: the other tokens of a step (prefill chunks), causal, 32 tokens of one
-  sequence and one kv head per work item, each K block transposed once so that four query rows
-  at a time score it with block-wide vector FMAs.
+  sequence and one kv head per work item, each K block transposed once so that eight (AVX-512)
+  or four (AVX2) query rows at a time score it with block-wide vector FMAs.
 
 XLA's own version of these loops gathers every chunk of K and V into a fresh buffer and runs
 small batched dots on it; the kernels read each block of K and V in place.

@@ -440,7 +440,6 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
     """
     x = logits.astype(jnp.float32)
     top = x.max(axis=-1, keepdims=True)                                    # [S, 1]
-    log_norm = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))                 # [S]: raw = x - top - it
     greedy = t.temperature < GREEDY_TEMPERATURE_EPS
 
     def drawn(x):                # [S] tokens of the processed logits (penalties, filters, noise)
@@ -459,10 +458,13 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
     # passes of process_logits is needed.
     plain = jnp.all(greedy) & ~_penalised(t) & ~jnp.any(t.suppress_stop)
     tokens = jax.lax.cond(plain, lambda x: first_argmax(x, top), drawn, x).astype(jnp.int32)
-    chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_norm
-    if not num_logprobs:
+    if not num_logprobs:         # the chosen token's raw logprob, without the [S, V] array
+        log_norm = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))             # [S]
+        chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_norm
         return tokens, chosen, (jnp.zeros((x.shape[0], 0), jnp.int32),
                                 jnp.zeros((x.shape[0], 0), jnp.float32))
-    raw = (x - top) - log_norm[:, None]                                    # [S, V] log_softmax
+    # with top logprobs, the chosen one is read from the same array, so it is one of them exactly
+    raw = jax.nn.log_softmax(x, axis=-1)                                   # [S, V]
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     top_values, top_ids = jax.lax.top_k(raw, num_logprobs)
     return tokens, chosen, (top_ids.astype(jnp.int32), top_values)

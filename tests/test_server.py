@@ -485,13 +485,16 @@ def test_completion_logprobs_schema(client, temperature):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_logprobs_schema(client, stream):
-    kw = dict(max_tokens=10, logprobs=True, top_logprobs=3, temperature=1.0, seed=9,
-              extra_body={"skip_special_tokens": False})
-    whole = chat(client, **kw)
+    # each request its own cache salt: the streamed one must not hit the whole one's prompt
+    # blocks, whose prefill ran at other step shapes (the dots' rounding differs by shape)
+    kw = dict(max_tokens=10, logprobs=True, top_logprobs=3, temperature=1.0, seed=9)
+    whole = chat(client, **kw, extra_body={"skip_special_tokens": False,
+                                           "cache_salt": f"logprobs-whole-{stream}"})
     content, text = whole.choices[0].logprobs.content, whole.choices[0].message.content
     assert len(content) == whole.usage.completion_tokens == 10
     if stream:
-        chunks = list(chat(client, stream=True, **kw))
+        chunks = list(chat(client, stream=True, **kw, extra_body={
+            "skip_special_tokens": False, "cache_salt": "logprobs-stream"}))
         streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
                     for e in c.choices[0].logprobs.content]
         assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]

@@ -485,8 +485,7 @@ def test_completion_logprobs_schema(client, temperature):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_logprobs_schema(client, stream):
-    # each request its own cache salt: the streamed one must not hit the whole one's prompt
-    # blocks, whose prefill ran at other step shapes (the dots' rounding differs by shape)
+    # each request its own cache salt: no prefix hit between the two
     kw = dict(max_tokens=10, logprobs=True, top_logprobs=3, temperature=1.0, seed=9)
     whole = chat(client, **kw, extra_body={"skip_special_tokens": False,
                                            "cache_salt": f"logprobs-whole-{stream}"})

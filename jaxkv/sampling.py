@@ -395,7 +395,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
       scaled by 1 (their argmax is the greedy token). ``softmax`` of a row is the distribution
       the row samples from.
     """
-    logits = jax.lax.cond(_penalised(t), apply_penalties, lambda x, _: x, logits.astype(jnp.float32), t)
+    logits = jax.lax.cond(_penalised(t), apply_penalties, lambda x, _: x,
+                          logits.astype(jnp.float32), t)
     stop = _row_mask(t.stop_ids, logits.shape[1], t.stop_ids >= 0) > 0
     logits = jnp.where(t.suppress_stop[:, None] & stop, -jnp.inf, logits)
     temperature = jnp.where(t.temperature < GREEDY_TEMPERATURE_EPS, 1.0, t.temperature)

@@ -80,9 +80,14 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
 
 def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
     """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): f32
-    head-major pools, no sliding window (so no sinks either), and the kernel built."""
+    head-major pools, no sliding window (so no sinks either), the kernel built, and the CPU as
+    JAX's default backend (where the engine's step runs).
+
+    The choice is made here, at trace time, rather than by ``jax.lax.platform_dependent``: that
+    traces the XLA branch as well, ~1.6 of the ~2.6 s it takes to trace one step shape."""
     return (all(isinstance(p, HNDPages) and p.dtype == jnp.float32 for p in (k_pages, v_pages))
-            and sliding_window is None and cpu_kernels.available())
+            and sliding_window is None and jax.default_backend() == "cpu"
+            and cpu_kernels.available())
 
 
 def native_tiles(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
@@ -303,9 +308,9 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
                                                 softmax_init((S, Hkv, R * G), D)))
 
     if native_rows(k_pages, v_pages, sliding_window):     # the C++ kernel on CPU
-        row_out, row_lse = jax.lax.platform_dependent(cpu=lambda: cpu_kernels.paged_rows(
+        row_out, row_lse = cpu_kernels.paged_rows(
             row_q, k_pages.data, v_pages.data, tables, jnp.where(row_valid, row_pos, -1),
-            soft_cap=soft_cap), default=xla_rows)
+            soft_cap=soft_cap)
     else:
         row_out, row_lse = xla_rows()
     row_out = row_out.reshape(S, Hkv, R, G, D).transpose(0, 2, 1, 3, 4)    # [S, R, Hkv, G, D]
@@ -368,9 +373,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         return out[:T], lse[:T]
 
     if native_tiles(k_pages, v_pages, sliding_window):    # the C++ kernel on CPU
-        out, lse = jax.lax.platform_dependent(cpu=lambda: cpu_kernels.paged_tiles(
-            qg, k_pages.data, v_pages.data, tables, query_start_loc, seq_lens, body,
-            soft_cap=soft_cap), default=xla_tiles)
+        out, lse = cpu_kernels.paged_tiles(qg, k_pages.data, v_pages.data, tables,
+                                           query_start_loc, seq_lens, body, soft_cap=soft_cap)
     else:
         out, lse = xla_tiles()
     out = out.at[last].set(row_out, mode="drop").reshape(T, Hq, D).astype(q.dtype)

@@ -16,8 +16,8 @@ Build: ``g++ -O3 -march=native`` of the source against ``jax.ffi.include_dir()``
 compiler flags, jax version and CPU, into ``~/.cache/jaxkv/cpu_kernels`` (or
 ``$JAXKV_CPU_KERNELS_DIR``); a build that fails (no compiler) leaves the XLA path in place with
 one warning. ``JAXKV_CPU_KERNELS=0`` switches the kernels off (the XLA path, e.g. to compare).
-Only CPU lowering uses them (``jax.lax.platform_dependent``), so a step traced for a GPU never
-contains the call.
+The attention calls them only where JAX's default backend is the CPU
+(``jaxkv.attention_grouped.native_rows``), so a step traced for a GPU never contains the call.
 """
 
 from __future__ import annotations

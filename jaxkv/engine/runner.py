@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -401,27 +402,39 @@ class ModelRunner:
         Also compiles the copy-on-write block copy for every padded batch size and the host
         tier's transfers (not counted).
         With the persistent compilation cache on, a later start loads these from disk.
+
+        Each variant is traced here and compiled on one of two threads (tracing holds the GIL,
+        ~0.5 s a variant; XLA's compile releases it, ~2 s), then run once on padding, which
+        finds the executable in JAX's in-memory caches and puts it in the jitted step's own.
         """
         s = self.sched_config
         pairs = [(t, n, w) for t in s.token_buckets for n in s.seq_buckets if n <= t
                  for w in sorted({1, 1 + self.max_drafts})]
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
-        with tqdm(total=len(pairs) + len(copies), desc="Compiling step buckets", unit="shape",
-                  disable=not progress) as bar:
-            for t, n, w in pairs:
-                bar.set_postfix(tokens=t, seqs=n, width=w)
+        fns = self._step_fns()
+        with tqdm(total=len(pairs) * len(fns) + len(copies), desc="Compiling step buckets",
+                  unit="shape", disable=not progress) as bar, ThreadPoolExecutor(2) as compiler:
+            jobs = []                                  # (fn, args, its compile), in order
+            for i, (t, n, w) in enumerate(pairs):
+                bar.set_postfix(traced=f"{i}/{len(pairs)}", tokens=t, seqs=n, width=w)
                 args = self._padded_args(t, n, w)
-                for fn in self._step_fns():
-                    self.cache, tokens, *_ = fn(self.params, self.cache, *args, num_logprobs=0)
-                    tokens.block_until_ready()
-                bar.update(1)
+                for fn in fns:
+                    job = compiler.submit(fn.lower(self.params, self.cache, *args,
+                                                   num_logprobs=0).compile)
+                    job.add_done_callback(lambda _: bar.update(1))
+                    jobs.append((fn, args, job))
+            bar.set_postfix(traced=f"{len(pairs)}/{len(pairs)}")
+            for fn, args, job in jobs:
+                job.result()
+                self.cache, tokens, *_ = fn(self.params, self.cache, *args, num_logprobs=0)
+                tokens.block_until_ready()
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k
                 null = jnp.zeros(n, jnp.int32)
                 self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
                 bar.update(1)
         if self.host_pool is not None:   # the host tier's batched transfers
             self.cache = self.host_pool.warmup(self.cache)
-        return len(pairs) * len(self._step_fns())
+        return len(pairs) * len(fns)
 
     def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:
         """The optimized HLO text of the step compiled for one (tokens, sequences) bucket.

@@ -191,11 +191,16 @@ def activation_bytes_estimate(config: ModelConfig, *, dtype: str = "float32",
 
 
 def host_memory_budget(fraction: float = 0.5) -> int:
-    """Bytes the CPU backend may plan with: ``fraction`` of the host's available memory.
+    """Bytes the CPU backend may plan with: ``fraction`` of the host's available memory, rounded
+    down to a multiple of 1/16 of its total memory (unless that leaves nothing).
 
-    Reads ``MemAvailable`` from ``/proc/meminfo`` (Linux), else ``psutil.virtual_memory().available``.
-    Half by default: XLA's CPU client keeps host copies of inputs and temporaries, and the Python
-    process, the tokenizer and other programs share the same memory.
+    Reads ``MemTotal`` and ``MemAvailable`` from ``/proc/meminfo`` (Linux), else
+    ``psutil.virtual_memory()``. Half by default: XLA's CPU client keeps host copies of inputs
+    and temporaries, and the Python process, the tokenizer and other programs share the same
+    memory. The rounding keeps the pool it sizes, and with it the shape of every compiled step,
+    the same from one start to the next while free memory drifts by less than a step: a pool
+    sized by the exact free memory made each start miss the persistent compilation cache and
+    compile every step again.
 
     Raises:
       ValueError: ``fraction`` outside (0, 1].
@@ -203,17 +208,27 @@ def host_memory_budget(fraction: float = 0.5) -> int:
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    total, available = _host_memory()
+    budget, step = int(available * fraction), total // 16
+    return budget // step * step or budget
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, available) host memory in bytes (see ``host_memory_budget``)."""
     if os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * fraction)   # the value is in kB
+            info = {k: int(v.split()[0]) * 1024 for k, v in          # the values are in kB
+                    (line.split(":", 1) for line in f if ":" in line)
+                    if k in ("MemTotal", "MemAvailable")}
+        if len(info) == 2:
+            return info["MemTotal"], info["MemAvailable"]
     try:
         import psutil
     except ImportError:
         raise RuntimeError("host memory unknown: no MemAvailable in /proc/meminfo and no psutil"
                            ) from None
-    return int(psutil.virtual_memory().available * fraction)
+    memory = psutil.virtual_memory()
+    return memory.total, memory.available
 
 
 def format_bytes(n: float) -> str:

@@ -202,12 +202,17 @@ def test_unknown_kv_dtype_lists_the_choices():
         planner.kv_bytes_per_vector("auto", 64)
 
 
-def test_host_memory_budget():
+def test_host_memory_budget(monkeypatch):
     with open("/proc/meminfo") as f:
-        available = next(int(line.split()[1]) * 1024 for line in f
-                         if line.startswith("MemAvailable:"))
+        info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
     budget = planner.host_memory_budget()
-    assert 0 < budget <= available            # half of a value that moves between the reads
+    assert 0 < budget <= info["MemAvailable"]    # half of a value that moves between the reads
+    assert budget % (info["MemTotal"] // 16) == 0
     assert planner.host_memory_budget(fraction=1.0) > budget
     with pytest.raises(ValueError, match="^fraction="):
         planner.host_memory_budget(fraction=0.0)
+    # 16 GiB total: half the available memory, down to a GiB; the same while free memory drifts
+    # within a step, so a restart plans the same pool (and hits the compilation cache)
+    for available, want in ((9.9, 4), (9.1, 4), (10.1, 5), (1.5, 0.75)):
+        monkeypatch.setattr(planner, "_host_memory", lambda: (16 * GiB, int(available * GiB)))
+        assert planner.host_memory_budget() == int(want * GiB), available

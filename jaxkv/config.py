@@ -279,7 +279,8 @@ class CacheArgs:
                                        minimum=1)
     block_size: int = option(16, "tokens per KV block", minimum=1)
     gpu_memory_utilization: float = option(
-        0.9, "fraction of device memory the engine plans with (CPU: of half the available host memory, in steps of 1/16 of the total)",
+        0.9, "fraction of device memory the engine plans with (CPU: of half the available host "
+        "memory, in steps of 1/16 of the total)",
         minimum=1e-3, maximum=1.0, aliases=("memory_utilization",),
         flags=("--memory-utilization",))
     kv_cache_memory_bytes: int | None = option(

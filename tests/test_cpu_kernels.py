@@ -60,18 +60,23 @@ def test_the_kernel_builds_here():
     assert cpu_kernels.available()
 
 
+# 5 sequences: a work item per (sequence, kv head); 64: per sequence, all its heads (on up
+# to 16 threads), each block's heads read as one run
+@pytest.mark.parametrize("S", [5, 64])
 @pytest.mark.parametrize("R, G, soft_cap", [(1, 3, None), (3, 3, None), (2, 4, 30.0),
                                             (1, 1, None)])
-def test_paged_rows_equal_a_numpy_attention(R, G, soft_cap):
+def test_paged_rows_equal_a_numpy_attention(R, G, soft_cap, S):
     rng = np.random.default_rng(R * 10 + G)
-    S, Hkv, D, bs, N, W = 5, 2, 64, 16, 64, 9
+    Hkv, D, bs, W = 3, 64, 16, 9
+    N = S * W + 1
     q = rng.standard_normal((S, Hkv, R * G, D), dtype=np.float32) * 0.5
     k = rng.standard_normal((N, Hkv, bs, D), dtype=np.float32)
     v = rng.standard_normal((N, Hkv, bs, D), dtype=np.float32)
     tables = rng.permutation(np.arange(1, N))[:S * W].reshape(S, W).astype(np.int32)
     tables[1, [0, 3]] = 0                                  # dropped blocks (H2O, SnapKV)
     tables[2, :] = 0                                       # nothing kept: zeros and -inf
-    seq_lens = np.array([W * bs, 70, 33, 1, 17], np.int32)
+    seq_lens = np.concatenate([[W * bs, 70, 33, 1, 17], rng.integers(1, W * bs, S - 5)]
+                              ).astype(np.int32)
     row_pos = seq_lens[:, None] - R + np.arange(R, dtype=np.int32)[None, :]
     row_pos[4, 0] = -1                                     # a row with no query token
     row_pos = np.maximum(row_pos, -1).astype(np.int32)

@@ -80,14 +80,9 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
 
 def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
     """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): f32
-    head-major pools, no sliding window (so no sinks either), the kernel built, and the CPU as
-    JAX's default backend (where the engine's step runs).
-
-    The choice is made here, at trace time, rather than by ``jax.lax.platform_dependent``: that
-    traces the XLA branch as well, ~1.6 of the ~2.6 s it takes to trace one step shape."""
+    head-major pools, no sliding window (so no sinks either), and ``cpu_kernels.native()``."""
     return (all(isinstance(p, HNDPages) and p.dtype == jnp.float32 for p in (k_pages, v_pages))
-            and sliding_window is None and jax.default_backend() == "cpu"
-            and cpu_kernels.available())
+            and sliding_window is None and cpu_kernels.native())
 
 
 def native_tiles(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:

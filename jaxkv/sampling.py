@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import cpu_kernels
 from jaxkv.checks import BOOLS, check_number, check_token_ids, check_type
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
@@ -376,6 +377,20 @@ def first_argmax(x: jax.Array, top: jax.Array | None = None) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == top, ids, x.shape[-1]), axis=-1), x.shape[-1] - 1)
 
 
+def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's first argmax, maximum and log-sum-exp: (int32 [S], f32 [S], f32 [S]) for
+    f32 x [S, V], where ``x[j] - top - log_norm`` is token j's log-probability.
+
+    On the CPU one pass of ``jaxkv.cpu_kernels.row_stats`` per row while it is in cache (XLA
+    runs the three as separate passes over [S, V]); elsewhere ``first_argmax`` and two jnp
+    reductions, which agree with it on ties (the first index).
+    """
+    if cpu_kernels.native():
+        return cpu_kernels.row_stats(x)
+    top = x.max(axis=-1, keepdims=True)                                    # [S, 1]
+    return first_argmax(x, top), top[:, 0], jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
+
+
 def _penalised(t: SamplingTensors) -> jax.Array:
     """True (a bool scalar) when a row of the step uses a penalty."""
     return jnp.any((t.repetition_penalty != 1.0) | (t.frequency_penalty != 0.0)
@@ -440,7 +455,7 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
         highest first.
     """
     x = logits.astype(jnp.float32)
-    top = x.max(axis=-1, keepdims=True)                                    # [S, 1]
+    first, top, log_norm = row_stats(x)                                    # [S] each
     greedy = t.temperature < GREEDY_TEMPERATURE_EPS
 
     def drawn(x):                # [S] tokens of the processed logits (penalties, filters, noise)
@@ -458,10 +473,9 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
     # maximum (by value, ties included), so the token is the raw argmax, and none of the [S, V]
     # passes of process_logits is needed.
     plain = jnp.all(greedy) & ~_penalised(t) & ~jnp.any(t.suppress_stop)
-    tokens = jax.lax.cond(plain, lambda x: first_argmax(x, top), drawn, x).astype(jnp.int32)
+    tokens = jax.lax.cond(plain, lambda x: first, drawn, x).astype(jnp.int32)
     if not num_logprobs:         # the chosen token's raw logprob, without the [S, V] array
-        log_norm = jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))             # [S]
-        chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top[:, 0]) - log_norm
+        chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top) - log_norm
         return tokens, chosen, (jnp.zeros((x.shape[0], 0), jnp.int32),
                                 jnp.zeros((x.shape[0], 0), jnp.float32))
     # with top logprobs, the chosen one is read from the same array, so it is one of them exactly

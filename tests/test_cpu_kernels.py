@@ -1,5 +1,6 @@
-"""The native CPU kernel (jaxkv/cpu_kernels): built on this machine, equal to a float64 numpy
-attention over the same paged KV, and used by the grouped CPU path where it applies."""
+"""The native CPU kernels (jaxkv/cpu_kernels): built on this machine, the attention equal to a
+float64 numpy attention over the same paged KV and used by the grouped CPU path where it applies,
+the sampler's row statistics equal to numpy's and to the XLA path's."""
 
 import numpy as np
 import jax
@@ -122,3 +123,36 @@ def test_grouped_path_takes_the_kernel_for_float_hnd_pools_only():
     assert not native_rows(f32, f32, 256)                   # windows (and sinks): the XLA loop
     assert not native_rows(bf16, bf16, None)
     assert not native_rows(nhd, nhd, None)
+
+
+@pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])
+def test_row_stats_equal_numpy_and_the_xla_path(S, V, monkeypatch):
+    from jaxkv import sampling
+
+    rng = np.random.default_rng(S + V)
+    x = (rng.standard_normal((S, V)) * 4).astype(np.float32)
+    x[0, [5, V - 2]] = x[0].max() + 1.0                   # a tie: the first index wins
+    if S > 2:
+        x[1, V // 2] = np.nan                               # a NaN row: V - 1, NaN, NaN
+        x[2, :] = -np.inf                                   # all -inf: 0, -inf, NaN
+        x[2, 0 if V < 20 else 17] = np.inf if V > 20 else -np.inf
+    first, top, log_norm = map(np.asarray, jax.jit(cpu_kernels.row_stats)(x))
+    x64 = x.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        want_top = x64.max(axis=-1)
+        want_norm = np.log(np.exp(x64 - want_top[:, None]).sum(axis=-1))
+    want_first = np.array([np.flatnonzero(r == m)[0] if not np.isnan(m) else V - 1
+                           for r, m in zip(x64, want_top)])
+    np.testing.assert_array_equal(first, want_first)
+    np.testing.assert_array_equal(top, want_top.astype(np.float32))
+    # float32 sums of up to 49,152 terms against float64
+    np.testing.assert_allclose(log_norm, want_norm, rtol=4e-6, atol=1e-6)
+    assert first[0] == 5
+    # the XLA path the sampler takes without the kernels: the same argmax and maximum (but for
+    # the NaN row: XLA's CPU max skips a NaN)
+    monkeypatch.setattr(cpu_kernels, "native", lambda: False)
+    xla_first, xla_top, xla_norm = map(np.asarray, jax.jit(sampling.row_stats)(x))
+    ok = np.arange(S) != 1
+    np.testing.assert_array_equal(xla_first[ok], first[ok])
+    np.testing.assert_array_equal(xla_top[ok], top[ok])
+    np.testing.assert_allclose(xla_norm[ok], log_norm[ok], rtol=4e-6, atol=1e-6)

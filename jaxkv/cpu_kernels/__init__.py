@@ -1,7 +1,7 @@
 """Native CPU kernels: C++ behind XLA's FFI, built on this machine on first use.
 
-Two kernels over a head-major float32 pool, both in paged_attention.cc, for the two paths of the
-CPU attention (jaxkv/attention_grouped.py):
+Two kernels over a head-major float32 pool, in paged_attention.cc, for the two paths of the CPU
+attention (jaxkv/attention_grouped.py):
 
 * ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
   against its paged KV;
@@ -12,12 +12,17 @@ CPU attention (jaxkv/attention_grouped.py):
 XLA's own version of these loops gathers every chunk of K and V into a fresh buffer and runs
 small batched dots on it; the kernels read each block of K and V in place.
 
-Build: ``g++ -O3 -march=native`` of the source against ``jax.ffi.include_dir()``, once per source,
-compiler flags, jax version and CPU, into ``~/.cache/jaxkv/cpu_kernels`` (or
-``$JAXKV_CPU_KERNELS_DIR``); a build that fails (no compiler) leaves the XLA path in place with
-one warning. ``JAXKV_CPU_KERNELS=0`` switches the kernels off (the XLA path, e.g. to compare).
-The attention calls them only where JAX's default backend is the CPU
-(``jaxkv.attention_grouped.native_rows``), so a step traced for a GPU never contains the call.
+And one for the sampler (jaxkv/sampling.py), in row_stats.cc:
+
+* ``row_stats``: each row's first argmax, maximum and log-sum-exp of a step's logits, read
+  while the row is in cache (XLA runs them as separate passes over [S, V]).
+
+Build: ``g++ -O3 -march=native`` of the sources (common.h shared) into one library against
+``jax.ffi.include_dir()``, once per source text, compiler flags, jax version and CPU, into
+``~/.cache/jaxkv/cpu_kernels`` (or ``$JAXKV_CPU_KERNELS_DIR``); a build that fails (no compiler)
+leaves the XLA paths in place with one warning. ``JAXKV_CPU_KERNELS=0`` switches the kernels off
+(the XLA paths, e.g. to compare). Callers use them only where ``native()`` holds (JAX's default
+backend is the CPU), so a step traced for a GPU never contains the calls.
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
+_DIR = Path(__file__).parent
+_SOURCES = (_DIR / "paged_attention.cc", _DIR / "row_stats.cc")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
-_TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles"}
+_TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles",
+            "jaxkv_row_stats": "JaxkvRowStats"}
 
 
 def _cpu_signature() -> str:
@@ -54,22 +61,23 @@ def _cpu_signature() -> str:
 
 def _library_path() -> Path:
     """Where this source's build for this machine lives."""
-    key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(_FLAGS), jax.__version__,
+    texts = [p.read_text() for p in (*_SOURCES, _DIR / "common.h")]
+    key = hashlib.sha256("\n".join([*texts, " ".join(_FLAGS), jax.__version__,
                                     platform.machine(), _cpu_signature()]).encode())
     root = Path(os.environ.get("JAXKV_CPU_KERNELS_DIR")
                 or Path.home() / ".cache" / "jaxkv" / "cpu_kernels")
-    return root / f"paged_attention-{key.hexdigest()[:16]}.so"
+    return root / f"jaxkv_kernels-{key.hexdigest()[:16]}.so"
 
 
 def _build(path: Path) -> None:
-    """Compiles paged_attention.cc to ``path`` (atomically: concurrent builders each write their own
-    temporary file and rename it)."""
+    """Compiles the sources into one library at ``path`` (atomically: concurrent builders each
+    write their own temporary file and rename it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
         subprocess.run([os.environ.get("CXX", "g++"), *_FLAGS, "-isystem",
-                        jax.ffi.include_dir(), str(_SOURCE), "-o", tmp],
+                        jax.ffi.include_dir(), *map(str, _SOURCES), "-o", tmp],
                        check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
@@ -90,13 +98,21 @@ def available() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        warnings.warn(f"jaxkv: the native CPU attention kernel is unavailable, using the XLA "
-                      f"path ({detail.strip()[-400:]})", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"jaxkv: the native CPU kernels are unavailable, using the XLA paths "
+                      f"({detail.strip()[-400:]})", RuntimeWarning, stacklevel=2)
         return False
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
     return True
+
+
+def native() -> bool:
+    """True when a step traced now should call the kernels: JAX's default backend (where the
+    engine's step runs) is the CPU and the kernels are ``available()``. Decided at trace time:
+    ``jax.lax.platform_dependent`` would trace the XLA branch as well, ~1.6 of the ~2.6 s it took
+    to trace one step shape."""
+    return jax.default_backend() == "cpu" and available()
 
 
 def _require() -> None:
@@ -158,3 +174,23 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     return call(q.astype(jnp.float32), k, v, *(x.astype(jnp.int32) for x in
                                                (tables, query_start_loc, seq_lens, body)),
                 soft_cap=np.float32(soft_cap or 0.0))
+
+
+def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's first argmax, maximum and log-sum-exp (the C++ kernel).
+
+    Args:
+      x: f32 [S, V] logits.
+
+    Returns:
+      (first int32 [S], top f32 [S], log_norm f32 [S]): the first index of the row's maximum,
+      the maximum, and ``log(sum(exp(x - top)))``, so ``x[j] - top - log_norm`` is token j's
+      log-probability; for a row with a NaN (V - 1, NaN, NaN), and log_norm NaN for a row
+      whose maximum is infinite.
+    """
+    _require()
+    S, _ = x.shape
+    call = jax.ffi.ffi_call("jaxkv_row_stats", (jax.ShapeDtypeStruct((S,), jnp.int32),
+                                                jax.ShapeDtypeStruct((S,), jnp.float32),
+                                                jax.ShapeDtypeStruct((S,), jnp.float32)))
+    return call(x.astype(jnp.float32))

@@ -35,43 +35,19 @@
 // capped as soft_cap * tanh(logit / soft_cap) (jaxkv.attention.cap_logits).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <memory>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
+using jaxkv::exp_nonpositive;
+using jaxkv::kNegInf;
+using jaxkv::parallel_for;
 
 namespace {
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (a logit minus its row's running max), in a form the compiler vectorizes:
-// Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
-// 2 ulp of std::exp; below -87 (where expf underflows) it returns ~1e-38 rather than 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));   // not reassociated
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;   // 2^n, n >= -126
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // One sequence's kv heads h0 .. h1 - 1: rows [RG] of queries q [h1 - h0, RG, D] per head over
 // the sequence's blocks. Blocks are the outer loop and heads the inner one, so a block's K (then
@@ -150,38 +126,6 @@ void attend_heads(const float* q, const float* k, const float* v, const int32_t*
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = seen ? acc[r * D + d] / l[r] : 0.0f;
     lse[r] = seen ? m[r] + std::log(l[r]) : kNegInf;
   }
-}
-
-// Calls fn(i) for i in [0, n) on this thread and helpers from XLA's intra-op pool. Workers
-// take items from a shared counter; this thread waits only for helpers that started (a helper
-// that starts later finds every item taken and touches nothing), so it never waits on a task
-// still queued behind others.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, Fn fn) {
-  struct Work {
-    std::atomic<int64_t> next{0};
-    std::atomic<int> active{0};
-    std::mutex mu;
-    std::condition_variable idle;
-  };
-  auto work = std::make_shared<Work>();
-  auto run = [work, n, fn] {
-    for (int64_t i; (i = work->next.fetch_add(1)) < n;) fn(i);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([work, run] {
-      work->active.fetch_add(1);
-      run();
-      if (work->active.fetch_sub(1) == 1) {
-        std::lock_guard<std::mutex> lock(work->mu);
-        work->idle.notify_all();
-      }
-    });
-  }
-  run();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->idle.wait(lock, [&] { return work->active.load() == 0; });
 }
 
 ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,

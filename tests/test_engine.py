@@ -105,6 +105,16 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(llm):
     assert len({tuple(c.token_ids) for c in n3.outputs}) > 1
 
 
+def test_each_on_demand_compile_is_logged(tiny, caplog):
+    with LLM(str(tiny[0]), **ENGINE) as engine, caplog.at_level("INFO", logger="jaxkv"):
+        engine.generate(prompts(10, seed=3), SamplingParams(temperature=0, max_tokens=12),
+                        use_tqdm=False)
+        lines = [r.getMessage() for r in caplog.records if "compiled on demand" in r.getMessage()]
+        assert len(lines) == engine.num_compilations() >= 2       # a prefill and a decode shape
+        assert lines[0].startswith("step variant 1 (") and lines[-1].startswith(
+            f"step variant {len(lines)} (")
+
+
 def test_compilation_count_is_flat_in_steady_state(tiny):
     with LLM(str(tiny[0]), **ENGINE, warmup=True) as engine:
         compiled = engine.num_compilations()

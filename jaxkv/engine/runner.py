@@ -506,6 +506,7 @@ class ModelRunner:
         self._apply_copies(plan.copy_ops)
         t_device = time.perf_counter()
         step_fn = self._step_fn if plan.observe else self._blind_step_fn
+        variants = step_fn._cache_size()
         self.cache, *out = step_fn(
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,
@@ -514,7 +515,12 @@ class ModelRunner:
         out = StepOutput(*(self._to_host(x)
                            for x in (tokens, accepted, logprobs, top_ids, top_vals)),
                          block_mass=None if mass is None else self._to_host(mass))
-        self.device_time += time.perf_counter() - t_device
+        elapsed = time.perf_counter() - t_device
+        self.device_time += elapsed
+        if step_fn._cache_size() > variants:   # compiled (or loaded from disk) on demand
+            logger.info("step variant %d (%d tokens, %d sequences, width %d, %d logprobs) "
+                        "compiled on demand: %.2f s with its first step", self.num_compilations(),
+                        len(inputs.token_ids), len(inputs.seq_lens), width, num_logprobs, elapsed)
         self.num_steps += 1
         return out
 

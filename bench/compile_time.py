@@ -9,7 +9,8 @@ empty persistent compilation cache, then for each bucket in turn times
 * first run: the jitted step called on padding, which finds the executable in JAX's caches.
 
 With ``--warmup`` a second process on its own empty cache times ``LLM.warmup()`` (traced here,
-compiled on two threads, see ``ModelRunner.warmup``) instead. Prints one JSON object.
+compiled on two threads, see ``ModelRunner.warmup``) instead. Prints one JSON object (each
+variant's row also goes to stderr as it is measured).
 
     python3 bench/compile_time.py
     python3 bench/compile_time.py --warmup
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,7 +63,7 @@ def main() -> None:
                 tokens.block_until_ready()
                 rows.append({"tokens": t, "seqs": n, "trace_s": t1 - t0, "compile_s": t2 - t1,
                              "first_run_s": time.perf_counter() - t2})
-                print(json.dumps(rows[-1]), flush=True)
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)   # progress
         out["variants"] = rows
         out["totals_s"] = {k: sum(r[k] for r in rows)
                            for k in ("trace_s", "compile_s", "first_run_s")}

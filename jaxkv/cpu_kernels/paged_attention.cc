@@ -44,8 +44,10 @@
 
 namespace ffi = xla::ffi;
 using jaxkv::exp_nonpositive;
+using jaxkv::kLanes;
 using jaxkv::kNegInf;
 using jaxkv::parallel_for;
+using jaxkv::Vec;
 
 namespace {
 
@@ -160,20 +162,10 @@ ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 constexpr int kBlock = 16;         // kv positions per block
 constexpr int kTileTokens = 32;    // query tokens per work item
 
-// The machine's vector: kLanes floats; kGroup query rows scored together, as many as keep
-// their logits and outputs in its vector registers. (A vector wider than the machine's would be
-// split by the compiler through memory: an AVX2 build of 16-float vectors ran 13x slower.)
-#if defined(__AVX512F__)
-constexpr int kLanes = 16, kGroup = 8;     // 32 registers of 16 floats
-#elif defined(__AVX__)
-constexpr int kLanes = 8, kGroup = 4;      // 16 registers of 8 floats
-#else
-constexpr int kLanes = 4, kGroup = 4;      // SSE, NEON: 4 floats
-#endif
+// Query rows scored together: as many as keep their logits and outputs in the machine's vector
+// registers (AVX-512: 32 registers of 16 floats; AVX: 16 of 8; SSE, NEON: 4 floats).
+constexpr int kGroup = kLanes == 16 ? 8 : 4;
 constexpr int kBlockVecs = kBlock / kLanes;   // vectors per block of logits
-
-// kLanes floats, loaded and stored at any float alignment
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), __may_alias__));
 
 // One kv head of ntok consecutive query tokens of one sequence, at kv positions pos0 ..
 // pos0 + ntok - 1, G query rows each (row r = token r / G, head r % G), over the sequence's

@@ -20,15 +20,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-#else
-constexpr int kLanes = 4;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), __may_alias__));
-typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using jaxkv::IVec;
+using jaxkv::kLanes;
+using jaxkv::Vec;
+
 constexpr int64_t kChunk = 256;    // terms per partial sum of the log-sum-exp
 
 void row_stats(const float* x, int64_t V, int32_t* first, float* top, float* log_norm) {

@@ -59,7 +59,7 @@ from jaxkv.attention import (cap_logits, check_shapes, check_sink_queries, kv_ti
                              last_tokens, online_softmax_step, softmax_init, softmax_result,
                              tile_index, visible)
 from jaxkv import cpu_kernels
-from jaxkv.cache import HNDPages, Pages, read_sequence_blocks
+from jaxkv.cache import HNDPages, Pages, QuantizedPages, read_sequence_blocks
 
 
 # Bytes of K (or V) one step of the row path gathers: they stay in cache between the gather
@@ -78,11 +78,33 @@ def _row_chunk_blocks(chunk: int, num_seqs: int, block_size: int, num_kv_heads: 
     return rows
 
 
+def kernel_pools(k_pages: Pages, v_pages: Pages) -> dict | None:
+    """The pools as ``jaxkv.cpu_kernels``' attention reads them (keyword arguments ``k``, ``v``
+    and, for int8/fp8 codes, ``k_scale``, ``v_scale`` or ``static_scale``), or None where it
+    cannot: a head-major pool of f32, bf16 or f16, or an fp8/int8 ``QuantizedPages`` with one
+    scale per token and head (or a fixed scale) and no residual; not KIVI's int4/int2, not the
+    NHD float pools of the Pallas layout."""
+    if isinstance(k_pages, HNDPages) and isinstance(v_pages, HNDPages):
+        ok = k_pages.dtype in (jnp.float32, *cpu_kernels.HEAD_MAJOR_CODES)
+        return dict(k=k_pages.data, v=v_pages.data) if ok else None
+    if not (isinstance(k_pages, QuantizedPages) and isinstance(v_pages, QuantizedPages)):
+        return None
+    if (k_pages.data.dtype not in cpu_kernels.TOKEN_MAJOR_CODES or k_pages.axis != "token"
+            or k_pages.residual is not None or k_pages.static_scale != v_pages.static_scale):
+        return None
+    if k_pages.static_scale is not None:
+        return dict(k=k_pages.data, v=v_pages.data, static_scale=k_pages.static_scale)
+    if k_pages.scale.shape[-1] != 1 or v_pages.scale.shape[-1] != 1:  # groups within a token
+        return None
+    return dict(k=k_pages.data, v=v_pages.data, k_scale=k_pages.scale, v_scale=v_pages.scale)
+
+
 def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
-    """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): f32
-    head-major pools, no sliding window (so no sinks either), and ``cpu_kernels.native()``."""
-    return (all(isinstance(p, HNDPages) and p.dtype == jnp.float32 for p in (k_pages, v_pages))
-            and sliding_window is None and cpu_kernels.native())
+    """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): pools it
+    reads (``kernel_pools``), no sliding window (so no sinks either), and
+    ``cpu_kernels.native()``."""
+    return (sliding_window is None and kernel_pools(k_pages, v_pages) is not None
+            and cpu_kernels.native())
 
 
 def native_tiles(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
@@ -304,8 +326,8 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
 
     if native_rows(k_pages, v_pages, sliding_window):     # the C++ kernel on CPU
         row_out, row_lse = cpu_kernels.paged_rows(
-            row_q, k_pages.data, v_pages.data, tables, jnp.where(row_valid, row_pos, -1),
-            soft_cap=soft_cap)
+            row_q, tables=tables, row_pos=jnp.where(row_valid, row_pos, -1), soft_cap=soft_cap,
+            **kernel_pools(k_pages, v_pages))
     else:
         row_out, row_lse = xla_rows()
     row_out = row_out.reshape(S, Hkv, R, G, D).transpose(0, 2, 1, 3, 4)    # [S, R, Hkv, G, D]
@@ -368,8 +390,9 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         return out[:T], lse[:T]
 
     if native_tiles(k_pages, v_pages, sliding_window):    # the C++ kernel on CPU
-        out, lse = cpu_kernels.paged_tiles(qg, k_pages.data, v_pages.data, tables,
-                                           query_start_loc, seq_lens, body, soft_cap=soft_cap)
+        out, lse = cpu_kernels.paged_tiles(qg, tables=tables, query_start_loc=query_start_loc,
+                                           seq_lens=seq_lens, body=body, soft_cap=soft_cap,
+                                           **kernel_pools(k_pages, v_pages))
     else:
         out, lse = xla_tiles()
     out = out.at[last].set(row_out, mode="drop").reshape(T, Hq, D).astype(q.dtype)

@@ -197,7 +197,7 @@ def test_one_compilation_per_shape():
 
 
 def quantized_step(kv_cache_dtype, rng, *, residual_blocks=1, bs=4, Hkv=2, D=32, T=28, S=5,
-                   max_blocks=12):
+                   max_blocks=12, static_scale=None):
     """A one-layer quantized pool written by prefilling random K/V of each sequence in one step
     (KIVI: its residual window placed by that step's metadata), and a ragged batch reading it:
     decode rows, a chunk after a prefix, a whole prompt, and padding."""
@@ -207,7 +207,7 @@ def quantized_step(kv_cache_dtype, rng, *, residual_blocks=1, bs=4, Hkv=2, D=32,
     spec = KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=bs, num_kv_heads=Hkv,
                        head_dim=D, kv_cache_dtype=kv_cache_dtype, group_size=16,
                        residual_blocks=residual_blocks,
-                       num_residual_slots=residual_blocks * S + 1)
+                       num_residual_slots=residual_blocks * S + 1, static_scale=static_scale)
     tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=max_blocks,
                                     num_blocks=num_blocks, bs=bs)
     tab = np.asarray(tables)
@@ -233,6 +233,24 @@ def test_grouped_matches_reference_on_quantized_pools(kv, residual_blocks):
     assert_matches_reference(args)
     assert_matches_reference(args, kv_chunk_blocks=2, block_q=3, sliding_window=6, num_sinks=1)
     assert_matches_reference(args, kv_chunk_blocks=2, block_q=3, row_queries=3)
+
+
+@pytest.mark.parametrize("kv, static_scale", [
+    ("int8", None), ("fp8_e4m3", None), pytest.param("fp8_e5m2", None, marks=pytest.mark.slow),
+    ("fp8_e4m3", 0.05), ("bf16", None), pytest.param("fp16", None, marks=pytest.mark.slow)])
+def test_native_kernels_on_coded_pools(kv, static_scale):
+    """The C++ rows and tiles over the pools they decode as they read (``kernel_pools``): int8
+    and fp8 codes with their per-token scales or a fixed one, bf16 and fp16 HND pools; blocks
+    of 16, head dim 64 (prompt chunks long enough for tiles, decode rows); against the
+    reference, which dequantizes the same codes, with and without dropped blocks."""
+    rng = np.random.default_rng(len(kv) + (static_scale is not None))
+    args = quantized_step(kv, rng, bs=16, D=64, T=40, S=5, max_blocks=4,
+                          static_scale=static_scale)
+    pools = args[1:3] if kv in ("int8", "fp8_e4m3", "fp8_e5m2") else map(hnd, args[1:3])
+    assert native_tiles(*pools, None)
+    for rq in (1, 3):
+        assert_matches_reference(args, row_queries=rq)
+        assert_matches_reference(drop_blocks(rng, args, 0.5), row_queries=rq)
 
 
 def test_kivi_stale_residual_slot_is_read_as_codes():

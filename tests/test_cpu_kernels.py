@@ -115,14 +115,55 @@ def test_paged_tiles_equal_a_numpy_attention(G, D, soft_cap):
     assert np.all(np.asarray(out)[rows] == 0) and np.all(np.isneginf(np.asarray(lse)[rows]))
 
 
-def test_grouped_path_takes_the_kernel_for_float_hnd_pools_only():
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "float8_e5m2", "bfloat16",
+                                   "float16"])
+def test_coded_pools_decode_every_code_exactly(dtype):
+    """Every code of an 8-bit format (every bit pattern of a 16-bit one), NaN and inf codes
+    included, read back by the rows kernel: one sequence per block, one position each, so each
+    row's output is its block's V row (weight exactly 1), decoded and scaled; equal to numpy's
+    (ml_dtypes') conversion times the bf16 scale, bit for bit (a float32 subnormal may be 0)."""
+    dt = jnp.dtype(dtype)
+    D, bs = 64, 4
+    bits = np.arange(1 << (8 * dt.itemsize), dtype=np.uint8 if dt.itemsize == 1 else np.uint16)
+    codes = bits.view(dt).reshape(-1, D)                                # [S, D] every code
+    S = len(codes)
+    token_major = dt.itemsize == 1
+    shape = (S + 1, bs, 1, D) if token_major else (S + 1, 1, bs, D)
+    v = np.zeros(shape, dt)
+    v[1:, 0, 0] = codes                                                 # position 0, head 0
+    k = np.zeros(shape, dt)
+    tables = np.arange(1, S + 1, dtype=np.int32)[:, None]
+    row_pos = np.zeros((S, 1), np.int32)
+    q = np.ones((S, 1, 1, D), np.float32)
+    scale = 0.375 if token_major else 1.0
+    kw = {}
+    if token_major:
+        sc = jnp.full((S + 1, bs, 1, 1), scale, jnp.bfloat16)
+        kw = dict(k_scale=sc, v_scale=sc)
+    out, lse = jax.jit(lambda *a: cpu_kernels.paged_rows(*a, **kw))(q, k, v, tables, row_pos)
+    got, want = np.asarray(out)[:, 0, 0], codes.astype(np.float32) * np.float32(scale)
+    # bf16's subnormals are float32 subnormals, which XLA's threads may flush to zero
+    flushed = (got == 0) & (np.abs(want) < np.finfo(np.float32).tiny)
+    np.testing.assert_array_equal(np.where(flushed, want, got), want)
+    np.testing.assert_array_equal(np.asarray(lse), 0.0)
+
+
+def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
+    from jaxkv.kv_spec import KVCacheSpec
+
+    def pages(dtype, **kw):
+        spec = KVCacheSpec(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2,
+                           head_dim=64, kv_cache_dtype=dtype, **kw)
+        return kvcache.init_cache(spec).k[0]
+
     f32 = kvcache.HNDPages(jnp.zeros((4, 2, 16, 64), jnp.float32))
     bf16 = kvcache.HNDPages(jnp.zeros((4, 2, 16, 64), jnp.bfloat16))
     nhd = jnp.zeros((4, 16, 2, 64), jnp.float32)
-    assert native_rows(f32, f32, None)
+    for p in (f32, bf16, pages("int8"), pages("fp8_e4m3"), pages("fp8_e5m2", static_scale=0.5)):
+        assert native_rows(p, p, None)
     assert not native_rows(f32, f32, 256)                   # windows (and sinks): the XLA loop
-    assert not native_rows(bf16, bf16, None)
-    assert not native_rows(nhd, nhd, None)
+    assert not native_rows(nhd, nhd, None)                  # the Pallas layout
+    assert not native_rows(pages("int4"), pages("int4"), None)   # KIVI: packed, a residual
 
 
 @pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])

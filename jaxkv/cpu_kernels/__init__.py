@@ -1,6 +1,6 @@
 """Native CPU kernels: C++ behind XLA's FFI, built on this machine on first use.
 
-Two kernels over a head-major float32 pool, in paged_attention.cc, for the two paths of the CPU
+Two kernels over one layer's paged KV, in paged_attention.cc, for the two paths of the CPU
 attention (jaxkv/attention_grouped.py):
 
 * ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
@@ -10,7 +10,11 @@ attention (jaxkv/attention_grouped.py):
   or four (AVX2) query rows at a time score it with block-wide vector FMAs.
 
 XLA's own version of these loops gathers every chunk of K and V into a fresh buffer and runs
-small batched dots on it; the kernels read each block of K and V in place.
+small batched dots on it; the kernels read each block of K and V in place. The pools: float32
+head-major ``[N, Hkv, bs, D]`` (``HNDPages``), bf16/f16 head-major, or int8/fp8 codes
+token-major ``[N, bs, Hkv, D]`` (``QuantizedPages`` with one scale per token and head, or a fixed
+scale); a 16-bit or coded block is decoded to float32 (code × scale, as
+``jaxkv.quant.dequantize``) into a per-thread buffer as it is read.
 
 And one for the sampler (jaxkv/sampling.py), in row_stats.cc:
 
@@ -46,7 +50,13 @@ _SOURCES = (_DIR / "paged_attention.cc", _DIR / "row_stats.cc")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles",
-            "jaxkv_row_stats": "JaxkvRowStats"}
+            "jaxkv_paged_rows_coded": "JaxkvPagedRowsCoded",
+            "jaxkv_paged_tiles_coded": "JaxkvPagedTilesCoded", "jaxkv_row_stats": "JaxkvRowStats"}
+
+# Pool element types the kernels decode as they read a block (the "coded" pools): 16-bit floats
+# head-major like the f32 pools, 8-bit codes token-major with a scale per token and head.
+HEAD_MAJOR_CODES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TOKEN_MAJOR_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def _cpu_signature() -> str:
@@ -122,17 +132,43 @@ def _require() -> None:
                            "or their build failed; see the warning)")
 
 
+def _pool_args(k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
+               v_scale: jax.Array | None, static_scale: float | None):
+    """(target suffix, pool operands, pool attributes) of a kernel call over pools k, v."""
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v pools differ in dtype: {k.dtype} vs {v.dtype}")
+    if k.dtype == jnp.float32:
+        return "", (k, v), {}
+    if k.dtype not in HEAD_MAJOR_CODES + TOKEN_MAJOR_CODES:
+        raise TypeError(f"pool dtype {k.dtype} is not float32, bfloat16, float16, int8, "
+                        "float8_e4m3fn or float8_e5m2")
+    fixed = np.float32(static_scale or 0.0)
+    if k.dtype in TOKEN_MAJOR_CODES and static_scale is None and (k_scale is None
+                                                                  or v_scale is None):
+        raise ValueError("int8/fp8 pools need k_scale and v_scale (or static_scale)")
+    none = jnp.zeros((1,), jnp.bfloat16)                      # a scale the kernel ignores
+    scales = [none if static_scale is not None or x is None else x.astype(jnp.bfloat16)
+              for x in (k_scale, v_scale)]
+    return "_coded", (k, scales[0], v, scales[1]), dict(k_fixed_scale=fixed,
+                                                        v_fixed_scale=fixed)
+
+
 def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
-               row_pos: jax.Array, *, soft_cap: float | None = None
-               ) -> tuple[jax.Array, jax.Array]:
+               row_pos: jax.Array, *, soft_cap: float | None = None,
+               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+               static_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Each sequence's row queries against its paged KV (the C++ kernel).
 
     Args:
       q: f32 [S, Hkv, R * G, D] row queries, already scaled; row r's head g at ``r * G + g``.
-      k, v: f32 [N, Hkv, bs, D] one layer's head-major pools (``HNDPages.data``).
+      k, v: one layer's pools: f32, bf16 or f16 head-major [N, Hkv, bs, D] (``HNDPages.data``),
+        or int8 / float8_e4m3fn / float8_e5m2 codes token-major [N, bs, Hkv, D]
+        (``QuantizedPages.data`` of an fp8/int8 cache).
       tables: int32 [S, W] physical block per logical block; 0 (the null block) is skipped.
       row_pos: int32 [S, R] kv position of each row query (it sees positions <= it); -1: none.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      k_scale, v_scale: bf16 [N, bs, Hkv, 1] the codes' scales (int8/fp8 pools).
+      static_scale: instead of the scales, one fixed scale for both pools (fp8).
 
     Returns:
       (out f32 [S, Hkv, R * G, D], lse f32 [S, Hkv, R * G]): 0 and -inf for rows that see no
@@ -140,27 +176,32 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     """
     _require()
     S, Hkv, RG, D = q.shape
-    call = jax.ffi.ffi_call("jaxkv_paged_rows", (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
-                                      jax.ShapeDtypeStruct((S, Hkv, RG), jnp.float32)))
-    return call(q.astype(jnp.float32), k, v, tables.astype(jnp.int32),
-                row_pos.astype(jnp.int32), soft_cap=np.float32(soft_cap or 0.0))
+    suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    call = jax.ffi.ffi_call("jaxkv_paged_rows" + suffix,
+                            (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
+                             jax.ShapeDtypeStruct((S, Hkv, RG), jnp.float32)))
+    return call(q.astype(jnp.float32), *pools, tables.astype(jnp.int32),
+                row_pos.astype(jnp.int32), soft_cap=np.float32(soft_cap or 0.0), **attrs)
 
 
 def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
                 query_start_loc: jax.Array, seq_lens: jax.Array, body: jax.Array, *,
-                soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+                soft_cap: float | None = None, k_scale: jax.Array | None = None,
+                v_scale: jax.Array | None = None, static_scale: float | None = None
+                ) -> tuple[jax.Array, jax.Array]:
     """The first ``body[s]`` query tokens of each sequence ``s``, causal over its paged KV (the
     C++ kernel; block size 16, head dim 64 or 128).
 
     Args:
       q: f32 [T, Hkv, G, D] every token's queries (the step's flat ragged layout), scaled.
-      k, v: f32 [N, Hkv, 16, D] one layer's head-major pools (``HNDPages.data``).
+      k, v: one layer's pools with blocks of 16 positions, as in ``paged_rows``.
       tables: int32 [S, W] physical block per logical block; 0 (the null block) is skipped.
       query_start_loc: int32 [S + 1] first token of each sequence in ``q``.
       seq_lens: int32 [S] kv length of each sequence: its last query token is at position
         ``seq_lens[s] - 1``, its first at ``seq_lens[s] - q_len``; each sees positions <= its own.
       body: int32 [S] how many of each sequence's leading tokens to compute (the rest are rows).
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      k_scale, v_scale, static_scale: as in ``paged_rows``.
 
     Returns:
       (out f32 [T, Hkv, G, D], lse f32 [T, Hkv, G]): 0 and -inf for tokens not computed here
@@ -168,12 +209,13 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     """
     _require()
     T, Hkv, G, D = q.shape
-    call = jax.ffi.ffi_call("jaxkv_paged_tiles",
+    suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    call = jax.ffi.ffi_call("jaxkv_paged_tiles" + suffix,
                             (jax.ShapeDtypeStruct((T, Hkv, G, D), jnp.float32),
                              jax.ShapeDtypeStruct((T, Hkv, G), jnp.float32)))
-    return call(q.astype(jnp.float32), k, v, *(x.astype(jnp.int32) for x in
-                                               (tables, query_start_loc, seq_lens, body)),
-                soft_cap=np.float32(soft_cap or 0.0))
+    return call(q.astype(jnp.float32), *pools, *(x.astype(jnp.int32) for x in
+                                                 (tables, query_start_loc, seq_lens, body)),
+                soft_cap=np.float32(soft_cap or 0.0), **attrs)
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -1,5 +1,14 @@
-// Paged attention for the CPU path (jaxkv/attention_grouped.py), as XLA FFI custom calls over
-// head-major float pools (jaxkv.cache.HNDPages), one layer per call.
+// Paged attention for the CPU path (jaxkv/attention_grouped.py), as XLA FFI custom calls, one
+// layer per call, over head-major float pools (jaxkv.cache.HNDPages) or, in the "Coded" variants,
+// over pools whose elements are decoded to float as their blocks are read:
+//
+//   bf16, f16             [N, Hkv, bs, D]   head-major (HNDPages of a 16-bit cache)
+//   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.cache.QuantizedPages) times
+//                                           one bf16 scale per token and head [N, bs, Hkv, 1],
+//                                           or one fixed scale for the whole pool
+//
+// A coded block is decoded into a [bs, D] float buffer, value = code * scale as
+// jaxkv.quant.dequantize computes it, and then attended exactly as a float block.
 //
 // JaxkvPagedRows: the rows, the last R query tokens of each sequence (a decode token, or a
 // speculative step's token and its drafts), G query heads per kv head:
@@ -38,6 +47,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -51,12 +62,90 @@ using jaxkv::Vec;
 
 namespace {
 
+// ---- pools ---------------------------------------------------------------------------------
+
+// A head-major float pool [N, Hkv, bs, D]: a block's head is read in place.
+struct FloatPool {
+  const float* data;
+  int64_t Hkv, bs, D;
+  // the [bs, D] floats of block phys, kv head h (its first n positions are the ones read)
+  const float* block(int64_t phys, int64_t h, int64_t /*n*/, float* /*buf*/) const {
+    return data + (phys * Hkv + h) * bs * D;
+  }
+};
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A minifloat with E exponent and M mantissa bits (sign on top) to float, exactly: the
+// exponent and mantissa moved to float's fields and rebiased (normals), the mantissa times
+// the smallest subnormal (subnormals; float subnormals are avoided since XLA's threads flush
+// them), and the top exponent as inf/NaN (IEEE formats) or NaN at all ones (e4m3fn, which has
+// no inf). Branch-free, so a block's decode loop vectorizes.
+template <int E, int M, bool kFiniteOnly>
+inline float minifloat(uint32_t c) {
+  constexpr int kBias = (1 << (E - 1)) - 1;
+  constexpr uint32_t kMag = (1u << (E + M)) - 1, kExpMax = (1u << E) - 1;
+  const uint32_t mag = c & kMag, e = mag >> M, m = mag & ((1u << M) - 1);
+  const float normal = bits_to_float((mag << (23 - M)) + (uint32_t(127 - kBias) << 23));
+  const float sub = static_cast<float>(m) * bits_to_float(uint32_t(127 - kBias - M + 1) << 23);
+  float x = e == 0 ? sub : normal;
+  if (kFiniteOnly) {
+    x = mag == kMag ? std::numeric_limits<float>::quiet_NaN() : x;
+  } else {
+    x = e == kExpMax ? (m ? std::numeric_limits<float>::quiet_NaN()
+                          : std::numeric_limits<float>::infinity()) : x;
+  }
+  return (c >> (E + M)) & 1 ? -x : x;
+}
+
+enum class Code { kBF16, kF16, kInt8, kE4M3, kE5M2 };
+
+template <Code C>
+inline float decode(uint32_t c) {
+  if constexpr (C == Code::kBF16) return bits_to_float(c << 16);
+  if constexpr (C == Code::kF16) return minifloat<5, 10, false>(c);
+  if constexpr (C == Code::kInt8) return static_cast<float>(static_cast<int8_t>(c));
+  if constexpr (C == Code::kE4M3) return minifloat<4, 3, true>(c);
+  if constexpr (C == Code::kE5M2) return minifloat<5, 2, false>(c);
+}
+
+// A pool of coded elements T (uint16_t: bf16/f16 bits; uint8_t: int8/fp8 codes), head-major or
+// token-major, with one bf16 scale per (block, position, head) (token-major only) or a fixed
+// scale. block() decodes the first n positions of a block's head into buf [bs, D] (the rest
+// zero, so a weight of 0 never meets a stale NaN).
+template <typename T, Code C>
+struct CodedPool {
+  const T* data;
+  const uint16_t* scale;       // bf16 [N, bs, Hkv] or nullptr
+  float fixed_scale;           // used when scale is nullptr
+  int64_t Hkv, bs, D;
+  bool token_major;
+  const float* block(int64_t phys, int64_t h, int64_t n, float* buf) const {
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = token_major ? (phys * bs + t) * Hkv + h : (phys * Hkv + h) * bs + t;
+      const T* c = data + at * D;
+      const float sc = scale ? bits_to_float(uint32_t(scale[at]) << 16) : fixed_scale;
+      float* o = buf + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = decode<C>(c[d]) * sc;
+    }
+    std::fill(buf + n * D, buf + bs * D, 0.0f);
+    return buf;
+  }
+};
+
+// ---- rows ----------------------------------------------------------------------------------
+
 // One sequence's kv heads h0 .. h1 - 1: rows [RG] of queries q [h1 - h0, RG, D] per head over
 // the sequence's blocks. Blocks are the outer loop and heads the inner one, so a block's K (then
 // its V) is read as one run of (h1 - h0) * bs * D floats: the hardware prefetcher follows a run
 // that long, and a sequence's blocks are mostly consecutive in the pool (a 64-sequence decode
 // step of ~400-token rows: 26 GB/s over two threads against 13-14 GB/s a head at a time).
-void attend_heads(const float* q, const float* k, const float* v, const int32_t* table,
+template <class Pool>
+void attend_heads(const float* q, const Pool& k, const Pool& v, const int32_t* table,
                   int64_t width, const int32_t* row_pos, int64_t R, int64_t G, int64_t Hkv,
                   int64_t h0, int64_t h1, int64_t bs, int64_t D, float soft_cap, float* out,
                   float* lse) {
@@ -65,12 +154,14 @@ void attend_heads(const float* q, const float* k, const float* v, const int32_t*
   for (int64_t r = 0; r < R; ++r) last = std::max(last, row_pos[r]);
   // running max, sum, unnormalized output of every (head, row), a block's logits and weights:
   // one set of buffers per thread, reused by every item it takes (not allocated per call)
-  thread_local std::vector<float> m, l, acc, s, p;
+  thread_local std::vector<float> m, l, acc, s, p, kbuf, vbuf;
   m.assign(HRG, kNegInf);
   l.assign(HRG, 0.0f);
   acc.assign(HRG * D, 0.0f);
   s.resize(bs);
   p.resize(RG * bs);
+  kbuf.resize(bs * D);                                          // a coded pool's decoded block
+  vbuf.resize(bs * D);
   const int64_t blocks = last < 0 ? 0 : std::min<int64_t>(width, last / bs + 1);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t phys = table[b];
@@ -78,8 +169,8 @@ void attend_heads(const float* q, const float* k, const float* v, const int32_t*
     const int64_t first = b * bs;
     const int64_t n = std::min<int64_t>(bs, last - first + 1);   // positions up to the last row
     for (int64_t h = h0; h < h1; ++h) {
-      const float* kb = k + (phys * Hkv + h) * bs * D;           // [bs, D]
-      const float* vb = v + (phys * Hkv + h) * bs * D;
+      const float* kb = k.block(phys, h, n, kbuf.data());        // [bs, D]
+      const float* vb = v.block(phys, h, n, vbuf.data());
       const int64_t hr = (h - h0) * RG;                          // this head's first row
       for (int64_t rg = 0; rg < RG; ++rg) {
         const int64_t visible = std::min<int64_t>(n, row_pos[rg / G] - first + 1);
@@ -130,31 +221,101 @@ void attend_heads(const float* q, const float* k, const float* v, const int32_t*
   }
 }
 
-ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
-                         ffi::Buffer<ffi::S32> row_pos, float soft_cap,
-                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions(),
-             pd = row_pos.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2 || pd.size() != 2)
-    return ffi::Error::InvalidArgument("paged_rows: q, k, v must be 4-D, tables, row_pos 2-D");
+// The rows of a step over pools k, v (FloatPool or CodedPool).
+template <class Pool>
+ffi::Error rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pool& k, const Pool& v,
+                ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& row_pos, float soft_cap,
+                ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& lse) {
+  const auto qd = q.dimensions(), td = tables.dimensions(), pd = row_pos.dimensions();
+  if (qd.size() != 4 || td.size() != 2 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("paged_rows: q must be 4-D, tables, row_pos 2-D");
   const int64_t S = qd[0], Hkv = qd[1], RG = qd[2], D = qd[3];
-  const int64_t bs = kd[2], width = td[1], R = pd[1];
-  if (kd[1] != Hkv || kd[3] != D || td[0] != S || pd[0] != S || R == 0 || RG % R != 0)
+  const int64_t width = td[1], R = pd[1];
+  if (k.Hkv != Hkv || k.D != D || td[0] != S || pd[0] != S || R == 0 || RG % R != 0)
     return ffi::Error::InvalidArgument("paged_rows: inconsistent shapes");
-  const int64_t G = RG / R;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const int64_t G = RG / R, bs = k.bs;
+  const float* qp = q.typed_data();
   const int32_t *tp = tables.typed_data(), *pp = row_pos.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();
   // a work item is one sequence's kv heads, all of them where there are enough sequences to
   // keep every thread busy, else one (a batch of one or two long rows still uses every thread)
   const int64_t heads = S >= 4 * pool.num_threads() ? Hkv : 1;
-  parallel_for(pool, S * Hkv / heads, [=](int64_t i) {
+  parallel_for(pool, S * Hkv / heads, [=, &k, &v](int64_t i) {
     const int64_t s = i * heads / Hkv, h0 = i * heads % Hkv, at = s * Hkv + h0;
-    attend_heads(qp + at * RG * D, kp, vp, tp + s * width, width, pp + s * R, R, G, Hkv, h0,
+    attend_heads(qp + at * RG * D, k, v, tp + s * width, width, pp + s * R, R, G, Hkv, h0,
                  h0 + heads, bs, D, soft_cap, op + at * RG * D, lp + at * RG);
   });
   return ffi::Error::Success();
+}
+
+// A float pool [N, Hkv, bs, D] (checked 4-D by the caller).
+FloatPool float_pool(ffi::Buffer<ffi::F32>& x) {
+  const auto d = x.dimensions();
+  return {x.typed_data(), d[1], d[2], d[3]};
+}
+
+// Calls fn(k_pool, v_pool) with the CodedPool of k and v's element type: 16-bit floats are
+// head-major [N, Hkv, bs, D], 8-bit codes token-major [N, bs, Hkv, D] with bf16 scales
+// [N, bs, Hkv, 1] (a scale argument is ignored where its fixed scale is > 0).
+template <class Fn>
+ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer& k_scale,
+                            float k_fixed, ffi::AnyBuffer& v, ffi::AnyBuffer& v_scale,
+                            float v_fixed, Fn fn) {
+  const auto kd = k.dimensions();
+  const ffi::DataType type = k.element_type();
+  if (kd.size() != 4 || v.dimensions().size() != 4 || v.element_type() != type ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin()))
+    return ffi::Error::InvalidArgument(std::string(name) + ": k, v must be 4-D, alike");
+  const bool token_major = type != ffi::DataType::BF16 && type != ffi::DataType::F16;
+  const int64_t Hkv = token_major ? kd[2] : kd[1], bs = token_major ? kd[1] : kd[2], D = kd[3];
+  const size_t scales = static_cast<size_t>(kd[0] * bs * Hkv);
+  auto scale_of = [&](ffi::AnyBuffer& sc, float fixed) -> const uint16_t* {
+    if (fixed > 0.0f || !token_major) return nullptr;
+    return sc.element_type() == ffi::DataType::BF16 && sc.element_count() == scales
+               ? static_cast<const uint16_t*>(sc.untyped_data()) : nullptr;
+  };
+  const uint16_t *ks = scale_of(k_scale, k_fixed), *vs = scale_of(v_scale, v_fixed);
+  if (token_major && ((!ks && k_fixed <= 0.0f) || (!vs && v_fixed <= 0.0f)))
+    return ffi::Error::InvalidArgument(std::string(name) + ": codes need bf16 scales "
+                                       "[N, bs, Hkv, 1] or a fixed scale");
+  auto run = [&](auto tag) {
+    using P = decltype(tag);
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(P::data)>>;
+    const float kf = token_major ? k_fixed : 1.0f, vf = token_major ? v_fixed : 1.0f;
+    const P kp{static_cast<const T*>(k.untyped_data()), ks, kf, Hkv, bs, D, token_major};
+    const P vp{static_cast<const T*>(v.untyped_data()), vs, vf, Hkv, bs, D, token_major};
+    return fn(kp, vp);
+  };
+  switch (type) {
+    case ffi::DataType::BF16: return run(CodedPool<uint16_t, Code::kBF16>{});
+    case ffi::DataType::F16: return run(CodedPool<uint16_t, Code::kF16>{});
+    case ffi::DataType::S8: return run(CodedPool<uint8_t, Code::kInt8>{});
+    case ffi::DataType::F8E4M3FN: return run(CodedPool<uint8_t, Code::kE4M3>{});
+    case ffi::DataType::F8E5M2: return run(CodedPool<uint8_t, Code::kE5M2>{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(name) + ": pool element type not "
+                                         "bf16, f16, int8 or fp8 (e4m3fn, e5m2)");
+  }
+}
+
+ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
+                         ffi::Buffer<ffi::S32> row_pos, float soft_cap,
+                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("paged_rows: k, v must be 4-D");
+  return rows(pool, q, float_pool(k), float_pool(v), tables, row_pos, soft_cap, out, lse);
+}
+
+ffi::Error PagedRowsCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                              ffi::AnyBuffer k_scale, ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
+                              ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_pos,
+                              float soft_cap, float k_fixed_scale, float v_fixed_scale,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  return with_coded_pools("paged_rows", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
+                          [&](const auto& kp, const auto& vp) {
+                            return rows(pool, q, kp, vp, tables, row_pos, soft_cap, out, lse);
+                          });
 }
 
 // ---- tiles --------------------------------------------------------------------------------
@@ -171,9 +332,9 @@ constexpr int kBlockVecs = kBlock / kLanes;   // vectors per block of logits
 // pos0 + ntok - 1, G query rows each (row r = token r / G, head r % G), over the sequence's
 // blocks up to the last token's position. q: the first token's [Hkv, G, D] queries, token
 // stride q_stride floats (out alike); lse: token stride lse_stride.
-template <int D>
+template <int D, class Pool>
 void attend_tile(const float* q, int64_t q_stride, int64_t ntok, int64_t pos0, int64_t G,
-                 const float* k, const float* v, const int32_t* table, int64_t Hkv, int64_t h,
+                 const Pool& k, const Pool& v, const int32_t* table, int64_t h,
                  float soft_cap, float* out, float* lse, int64_t lse_stride) {
   constexpr int NV = D / kLanes;                                // vectors per row of D
   const int64_t rows = ntok * G, padded = (rows + kGroup - 1) / kGroup * kGroup;
@@ -190,12 +351,14 @@ void attend_tile(const float* q, int64_t q_stride, int64_t ntok, int64_t pos0, i
     pos[r] = static_cast<int32_t>(pos0 + r / G);
   }
   alignas(64) float kT[D * kBlock];                             // a K block, [D, kBlock]
+  alignas(64) float kbuf[kBlock * D], vbuf[kBlock * D];         // a coded pool's decoded block
   const int64_t last = pos0 + ntok - 1;
   for (int64_t b = 0; b <= last / kBlock; ++b) {
     const int64_t phys = table[b];
     if (phys == 0) continue;                                    // dropped
-    const float* kb = k + (phys * Hkv + h) * kBlock * D;        // [kBlock, D]
-    const float* vb = v + (phys * Hkv + h) * kBlock * D;
+    const int64_t n = std::min<int64_t>(kBlock, last - b * kBlock + 1);   // positions read
+    const float* kb = k.block(phys, h, n, kbuf);                 // [kBlock, D]
+    const float* vb = v.block(phys, h, n, vbuf);
     for (int j = 0; j < kBlock; ++j)
       for (int d = 0; d < D; ++d) kT[d * kBlock + j] = kb[j * D + d];
     const int64_t first = b * kBlock;
@@ -257,48 +420,73 @@ void attend_tile(const float* q, int64_t q_stride, int64_t ntok, int64_t pos0, i
   }
 }
 
-ffi::Error PagedTilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
-                          ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> body, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), td = tables.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_tiles: q, k, v must be 4-D, tables 2-D");
+// The tiles of a step over pools k, v (FloatPool or CodedPool).
+template <class Pool>
+ffi::Error tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pool& k, const Pool& v,
+                 ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& qsl,
+                 ffi::Buffer<ffi::S32>& seq_lens, ffi::Buffer<ffi::S32>& body, float soft_cap,
+                 ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& lse) {
+  const auto qd = q.dimensions(), td = tables.dimensions();
+  if (qd.size() != 4 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_tiles: q must be 4-D, tables 2-D");
   const int64_t T = qd[0], Hkv = qd[1], G = qd[2], D = qd[3], S = td[0], width = td[1];
-  if (kd[1] != Hkv || kd[3] != D || kd[2] != kBlock || (D != 64 && D != 128) ||
+  if (k.Hkv != Hkv || k.D != D || k.bs != kBlock || (D != 64 && D != 128) ||
       qsl.element_count() != static_cast<size_t>(S + 1) ||
       seq_lens.element_count() != static_cast<size_t>(S) ||
       body.element_count() != static_cast<size_t>(S))
     return ffi::Error::InvalidArgument("paged_tiles: inconsistent shapes (bs 16, D 64 or 128)");
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const float* qp = q.typed_data();
   const int32_t *tp = tables.typed_data(), *qslp = qsl.typed_data(),
                 *lenp = seq_lens.typed_data(), *bodyp = body.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();
   std::fill(op, op + T * Hkv * G * D, 0.0f);
   std::fill(lp, lp + T * Hkv * G, kNegInf);
   struct Tile { int64_t seq, tok0, ntok, pos0; };
-  std::vector<Tile> tiles;                                      // last tiles (the costliest) first
+  std::vector<Tile> items;                                      // last tiles (the costliest) first
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = std::min<int64_t>(bodyp[s], qslp[s + 1] - qslp[s]);
     const int64_t pos_first = lenp[s] - (qslp[s + 1] - qslp[s]);
     for (int64_t t = (n - 1) / kTileTokens * kTileTokens; n > 0 && t >= 0; t -= kTileTokens) {
       if (qslp[s] + t >= T || (t + pos_first) / kBlock >= width) continue;
-      tiles.push_back({s, qslp[s] + t, std::min<int64_t>(kTileTokens, n - t), pos_first + t});
+      items.push_back({s, qslp[s] + t, std::min<int64_t>(kTileTokens, n - t), pos_first + t});
     }
   }
-  std::stable_sort(tiles.begin(), tiles.end(),
+  std::stable_sort(items.begin(), items.end(),
                    [](const Tile& a, const Tile& b) { return a.pos0 + a.ntok > b.pos0 + b.ntok; });
   const int64_t q_stride = Hkv * G * D;
-  parallel_for(pool, static_cast<int64_t>(tiles.size()) * Hkv, [=, &tiles](int64_t i) {
-    const Tile& t = tiles[i / Hkv];
+  parallel_for(pool, static_cast<int64_t>(items.size()) * Hkv, [=, &items, &k, &v](int64_t i) {
+    const Tile& t = items[i / Hkv];
     const int64_t h = i % Hkv;
     const int64_t ntok = std::min<int64_t>(t.ntok, T - t.tok0);
-    auto fn = D == 64 ? attend_tile<64> : attend_tile<128>;
-    fn(qp + t.tok0 * q_stride, q_stride, ntok, t.pos0, G, kp, vp, tp + t.seq * width, Hkv, h,
+    auto fn = D == 64 ? attend_tile<64, Pool> : attend_tile<128, Pool>;
+    fn(qp + t.tok0 * q_stride, q_stride, ntok, t.pos0, G, k, v, tp + t.seq * width, h,
        soft_cap, op + t.tok0 * q_stride, lp + t.tok0 * Hkv * G, Hkv * G);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error PagedTilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
+                          ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> seq_lens,
+                          ffi::Buffer<ffi::S32> body, float soft_cap,
+                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
+    return ffi::Error::InvalidArgument("paged_tiles: k, v must be 4-D");
+  return tiles(pool, q, float_pool(k), float_pool(v), tables, qsl, seq_lens, body, soft_cap,
+               out, lse);
+}
+
+ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer k_scale, ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
+                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qsl,
+                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> body,
+                               float soft_cap, float k_fixed_scale, float v_fixed_scale,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  return with_coded_pools("paged_tiles", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
+                          [&](const auto& kp, const auto& vp) {
+                            return tiles(pool, q, kp, vp, tables, qsl, seq_lens, body, soft_cap,
+                                         out, lse);
+                          });
 }
 
 }  // namespace
@@ -326,5 +514,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTiles, PagedTilesImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRowsCoded, PagedRowsCodedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("soft_cap")
+                                  .Attr<float>("k_fixed_scale")
+                                  .Attr<float>("v_fixed_scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTilesCoded, PagedTilesCodedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("soft_cap")
+                                  .Attr<float>("k_fixed_scale")
+                                  .Attr<float>("v_fixed_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

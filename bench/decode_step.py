@@ -24,6 +24,7 @@ per setting, so the numbers of several settings come from several runs.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import re
@@ -106,6 +107,17 @@ def host_phases(llm: LLM) -> PhaseTimer:
     return timer
 
 
+def engine_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (KEY, VALUE as a Python literal, or the string where it is none)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--engine-arg {text!r}: expected KEY=VALUE")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="running sequences (repeatable)")
@@ -117,19 +129,24 @@ def main() -> None:
     ap.add_argument("--token-buckets", help="comma list (default: the engine's)")
     ap.add_argument("--hlo", type=Path, help="write the optimized HLO of each step here")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="another LLM keyword argument, e.g. kv_cache_dtype=int8 or "
+                    "kv_retention=streaming (VALUE read as a Python literal where it is one; "
+                    "repeatable)")
     ap.add_argument("--profile", type=Path, help="trace 5 steps with jax.profiler into this "
                     "directory and print the XLA ops taking the most time")
     args = ap.parse_args()
+    extra = dict(engine_arg(kv) for kv in args.engine_arg)
     batches = args.batch or [8]
     out: dict = {"load_start": loadavg(), "dtype": args.dtype, "jax": jax.__version__,
-                 "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
+                 "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "engine_args": extra}
     t0 = time.perf_counter()
     llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=args.max_model_len,
               max_num_batched_tokens=512, max_num_seqs=max(batches),
               num_kv_blocks=1 + max(max(batches) * -(-(args.prompt + args.iters + 60) // 16),
                                     -(-args.max_model_len // 16)),
               **({"token_buckets": tuple(int(x) for x in args.token_buckets.split(","))}
-                 if args.token_buckets else {}))
+                 if args.token_buckets else {}), **extra)
     out["start_s"] = time.perf_counter() - t0
     runner = llm.engine.runner
     ids = llm.tokenizer.encode(AUSTEN.read_text())
@@ -139,6 +156,8 @@ def main() -> None:
     def spy(params, cache, inputs, sampling, rng, **kw):
         captured["args"] = (inputs, sampling, rng, kw)
         return orig(params, cache, inputs, sampling, rng, **kw)
+
+    spy._cache_size = orig._cache_size          # the runner counts compiles around each step
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.params))
     timer = host_phases(llm)

@@ -99,19 +99,18 @@ def kernel_pools(k_pages: Pages, v_pages: Pages) -> dict | None:
     return dict(k=k_pages.data, v=v_pages.data, k_scale=k_pages.scale, v_scale=v_pages.scale)
 
 
-def native_rows(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
-    """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``): pools it
-    reads (``kernel_pools``), no sliding window (so no sinks either), and
+def native_rows(k_pages: Pages, v_pages: Pages) -> bool:
+    """True when the rows can run as the C++ kernel (``jaxkv.cpu_kernels.paged_rows``, windows,
+    sinks and sink queries included): pools it reads (``kernel_pools``) and
     ``cpu_kernels.native()``."""
-    return (sliding_window is None and kernel_pools(k_pages, v_pages) is not None
-            and cpu_kernels.native())
+    return kernel_pools(k_pages, v_pages) is not None and cpu_kernels.native()
 
 
-def native_tiles(k_pages: Pages, v_pages: Pages, sliding_window: int | None) -> bool:
+def native_tiles(k_pages: Pages, v_pages: Pages) -> bool:
     """True when the tiles can run as the C++ kernel (``jaxkv.cpu_kernels.paged_tiles``): as
     ``native_rows``, with blocks of 16 positions and a head dim of 64 or 128."""
     _, bs, _, D = k_pages.shape
-    return bs == 16 and D in (64, 128) and native_rows(k_pages, v_pages, sliding_window)
+    return bs == 16 and D in (64, 128) and native_rows(k_pages, v_pages)
 
 
 def kept_blocks(tables: jax.Array, sliding_window: int | None = None
@@ -324,10 +323,10 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         return softmax_result(jax.lax.fori_loop(0, -(-unit_end[-1] // S), row_step,
                                                 softmax_init((S, Hkv, R * G), D)))
 
-    if native_rows(k_pages, v_pages, sliding_window):     # the C++ kernel on CPU
+    if native_rows(k_pages, v_pages):                     # the C++ kernel on CPU
         row_out, row_lse = cpu_kernels.paged_rows(
-            row_q, tables=tables, row_pos=jnp.where(row_valid, row_pos, -1), soft_cap=soft_cap,
-            **kernel_pools(k_pages, v_pages))
+            row_q, tables=tables, row_pos=jnp.where(row_valid, row_pos, -1), q_sinks=row_qs,
+            **mask_opts, soft_cap=soft_cap, **kernel_pools(k_pages, v_pages))
     else:
         row_out, row_lse = xla_rows()
     row_out = row_out.reshape(S, Hkv, R, G, D).transpose(0, 2, 1, 3, 4)    # [S, R, Hkv, G, D]
@@ -389,9 +388,10 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
         out, lse = jax.lax.fori_loop(0, tile_end[-1], tile, acc)
         return out[:T], lse[:T]
 
-    if native_tiles(k_pages, v_pages, sliding_window):    # the C++ kernel on CPU
+    if native_tiles(k_pages, v_pages):                    # the C++ kernel on CPU
         out, lse = cpu_kernels.paged_tiles(qg, tables=tables, query_start_loc=query_start_loc,
-                                           seq_lens=seq_lens, body=body, soft_cap=soft_cap,
+                                           seq_lens=seq_lens, body=body, q_sinks=qsg,
+                                           **mask_opts, soft_cap=soft_cap,
                                            **kernel_pools(k_pages, v_pages))
     else:
         out, lse = xla_tiles()

@@ -143,23 +143,51 @@ def test_rows_of_several_tokens_with_sink_queries_and_dropped_blocks():
                              row_queries=4, kv_chunk_blocks=2, block_q=3)
 
 
-@pytest.mark.parametrize("options", [{}, dict(soft_cap=30.0, sm_scale=0.2)])
+@pytest.mark.parametrize("options", [{}, dict(soft_cap=30.0, sm_scale=0.2),
+                                     dict(sliding_window=40), dict(sliding_window=37, num_sinks=5)])
 @pytest.mark.parametrize("row_queries", [1, 3])
 def test_native_kernels_at_the_engines_shapes(options, row_queries):
     """Blocks of 16 and head dim 64, GQA 3: the shapes the C++ tiles and rows take over HND
     pools (``native_tiles``); prompts of several 32-token tiles, chunks after a prefix, decode
-    rows, some blocks dropped, padding; against the reference over the NHD pools."""
-    rng = np.random.default_rng(row_queries + 10 * len(options))
+    rows, some blocks dropped, padding, with and without a window (and sinks); against the
+    reference over the NHD pools."""
+    rng = np.random.default_rng(row_queries + 10 * len(options) + options.get("num_sinks", 0))
     q_lens, kv_lens = [100, 1, 37, 1, 70], [100, 150, 90, 33, 200]
     T, S, mb, bs, D = 224, 6, 14, 16, 64
     tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=mb,
                                     num_blocks=S * mb + 1, bs=bs)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                for shape in ((T, 9, D), (S * mb + 1, bs, 3, D), (S * mb + 1, bs, 3, D)))
-    assert native_tiles(hnd(k), hnd(v), None)
+    assert native_tiles(hnd(k), hnd(v))
     args = (q, k, v, tables, lens, qsl)
     assert_matches_reference(args, row_queries=row_queries, **options)
     assert_matches_reference(drop_blocks(rng, args, 0.4), row_queries=row_queries, **options)
+
+
+@pytest.mark.parametrize("row_queries", [1, 3])
+def test_native_kernels_with_sink_queries(row_queries):
+    """StreamingLLM at the kernels' shapes: a window, sinks scored by the sink queries (tiles and
+    rows), dropped blocks outside the window as a rolling cache frees them; the C++ kernels over
+    the HND pools against the reference over the NHD pools."""
+    rng = np.random.default_rng(40 + row_queries)
+    q_lens, kv_lens = [100, 1, 37, 1, 70], [100, 150, 90, 33, 200]
+    T, S, mb, bs, D = 224, 6, 14, 16, 64
+    tables, lens, qsl = table_batch(rng, q_lens, kv_lens, T=T, S=S, max_blocks=mb,
+                                    num_blocks=S * mb + 1, bs=bs)
+    q, qs, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                   for shape in ((T, 9, D), (T, 9, D), (S * mb + 1, bs, 3, D),
+                                 (S * mb + 1, bs, 3, D)))
+    tables = np.asarray(tables).copy()
+    tables[1, 2:6] = 0                          # outside seq 1's window, freed (not the sinks)
+    opts = dict(sliding_window=48, num_sinks=4, q_sinks=qs, return_lse=True)
+    args = (q, k, v, jnp.asarray(tables), lens, qsl)
+    assert native_tiles(hnd(k), hnd(v))
+    want, want_lse = paged_attention_reference(*args, **opts)
+    got, lse = jax.jit(partial(paged_attention_grouped, row_queries=row_queries, **opts))(
+        q, hnd(k), hnd(v), *args[3:])
+    n = int(qsl[-1])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **F32)
+    np.testing.assert_allclose(np.asarray(lse[:n]), np.asarray(want_lse[:n]), **F32)
 
 
 def test_decode_only_prefill_only_and_empty_steps():
@@ -247,7 +275,7 @@ def test_native_kernels_on_coded_pools(kv, static_scale):
     args = quantized_step(kv, rng, bs=16, D=64, T=40, S=5, max_blocks=4,
                           static_scale=static_scale)
     pools = args[1:3] if kv in ("int8", "fp8_e4m3", "fp8_e5m2") else map(hnd, args[1:3])
-    assert native_tiles(*pools, None)
+    assert native_tiles(*pools)
     for rq in (1, 3):
         assert_matches_reference(args, row_queries=rq)
         assert_matches_reference(drop_blocks(rng, args, 0.5), row_queries=rq)

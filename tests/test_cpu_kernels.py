@@ -160,10 +160,9 @@ def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
     bf16 = kvcache.HNDPages(jnp.zeros((4, 2, 16, 64), jnp.bfloat16))
     nhd = jnp.zeros((4, 16, 2, 64), jnp.float32)
     for p in (f32, bf16, pages("int8"), pages("fp8_e4m3"), pages("fp8_e5m2", static_scale=0.5)):
-        assert native_rows(p, p, None)
-    assert not native_rows(f32, f32, 256)                   # windows (and sinks): the XLA loop
-    assert not native_rows(nhd, nhd, None)                  # the Pallas layout
-    assert not native_rows(pages("int4"), pages("int4"), None)   # KIVI: packed, a residual
+        assert native_rows(p, p)
+    assert not native_rows(nhd, nhd)                        # the Pallas layout
+    assert not native_rows(pages("int4"), pages("int4"))    # KIVI: packed, a residual
 
 
 @pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])

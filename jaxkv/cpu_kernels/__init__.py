@@ -153,10 +153,25 @@ def _pool_args(k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
                                                         v_fixed_scale=fixed)
 
 
+def _mask_args(q: jax.Array, q_sinks: jax.Array | None, soft_cap: float | None,
+               sliding_window: int | None, num_sinks: int):
+    """(q, sink queries, logit attributes) of a kernel call: the sink queries are q itself
+    unless StreamingLLM's rescoring applies (a window, sinks and ``q_sinks``)."""
+    window = int(sliding_window or 0)
+    sinks = int(num_sinks) if window else 0
+    rescore = q_sinks is not None and sinks > 0
+    q = q.astype(jnp.float32)
+    return q, q_sinks.astype(jnp.float32) if rescore else q, dict(
+        soft_cap=np.float32(soft_cap or 0.0), window=np.int64(window), num_sinks=np.int64(sinks),
+        rescore=rescore)
+
+
 def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
                row_pos: jax.Array, *, soft_cap: float | None = None,
-               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-               static_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+               sliding_window: int | None = None, num_sinks: int = 0,
+               q_sinks: jax.Array | None = None, k_scale: jax.Array | None = None,
+               v_scale: jax.Array | None = None, static_scale: float | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     """Each sequence's row queries against its paged KV (the C++ kernel).
 
     Args:
@@ -167,6 +182,10 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
       tables: int32 [S, W] physical block per logical block; 0 (the null block) is skipped.
       row_pos: int32 [S, R] kv position of each row query (it sees positions <= it); -1: none.
       soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      sliding_window: a query at p sees only positions j with ``p - j < sliding_window``...
+      num_sinks: ... or ``j < num_sinks`` (attention sinks; with a window only).
+      q_sinks: f32 like q: the queries that score the sink positions (StreamingLLM's positions
+        within the cache; with a window and sinks only); default q.
       k_scale, v_scale: bf16 [N, bs, Hkv, 1] the codes' scales (int8/fp8 pools).
       static_scale: instead of the scales, one fixed scale for both pools (fp8).
 
@@ -177,18 +196,20 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     _require()
     S, Hkv, RG, D = q.shape
     suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    q, qs, mask = _mask_args(q, q_sinks, soft_cap, sliding_window, num_sinks)
     call = jax.ffi.ffi_call("jaxkv_paged_rows" + suffix,
                             (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
                              jax.ShapeDtypeStruct((S, Hkv, RG), jnp.float32)))
-    return call(q.astype(jnp.float32), *pools, tables.astype(jnp.int32),
-                row_pos.astype(jnp.int32), soft_cap=np.float32(soft_cap or 0.0), **attrs)
+    return call(q, qs, *pools, tables.astype(jnp.int32), row_pos.astype(jnp.int32), **mask,
+                **attrs)
 
 
 def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
                 query_start_loc: jax.Array, seq_lens: jax.Array, body: jax.Array, *,
-                soft_cap: float | None = None, k_scale: jax.Array | None = None,
-                v_scale: jax.Array | None = None, static_scale: float | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                soft_cap: float | None = None, sliding_window: int | None = None,
+                num_sinks: int = 0, q_sinks: jax.Array | None = None,
+                k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                static_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
     """The first ``body[s]`` query tokens of each sequence ``s``, causal over its paged KV (the
     C++ kernel; block size 16, head dim 64 or 128).
 
@@ -200,7 +221,7 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
       seq_lens: int32 [S] kv length of each sequence: its last query token is at position
         ``seq_lens[s] - 1``, its first at ``seq_lens[s] - q_len``; each sees positions <= its own.
       body: int32 [S] how many of each sequence's leading tokens to compute (the rest are rows).
-      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      soft_cap, sliding_window, num_sinks, q_sinks: as in ``paged_rows``.
       k_scale, v_scale, static_scale: as in ``paged_rows``.
 
     Returns:
@@ -210,12 +231,12 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     _require()
     T, Hkv, G, D = q.shape
     suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    q, qs, mask = _mask_args(q, q_sinks, soft_cap, sliding_window, num_sinks)
     call = jax.ffi.ffi_call("jaxkv_paged_tiles" + suffix,
                             (jax.ShapeDtypeStruct((T, Hkv, G, D), jnp.float32),
                              jax.ShapeDtypeStruct((T, Hkv, G), jnp.float32)))
-    return call(q.astype(jnp.float32), *pools, *(x.astype(jnp.int32) for x in
-                                                 (tables, query_start_loc, seq_lens, body)),
-                soft_cap=np.float32(soft_cap or 0.0), **attrs)
+    return call(q, qs, *pools, *(x.astype(jnp.int32) for x in
+                                 (tables, query_start_loc, seq_lens, body)), **mask, **attrs)
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -40,6 +40,12 @@
 // without) score a whole block with bs-wide vector FMAs, and P V runs as kGroup rows of D-wide
 // FMAs per key.
 //
+// JaxkvPagedRowsCoded, JaxkvPagedTilesCoded: the same over coded pools, with k, v of any of
+// the coded types above (both alike) and two more operands and attributes:
+//
+//   k_scale, v_scale  bf16 [N, bs, Hkv, 1]   the codes' scales (int8/fp8; ignored otherwise)
+//   k_fixed_scale, v_fixed_scale (attrs)     > 0: the pool's fixed scale instead (fp8)
+//
 // Both spread their work items over XLA's intra-op threads. With soft_cap > 0 the logits are
 // capped as soft_cap * tanh(logit / soft_cap) (jaxkv.attention.cap_logits).
 
@@ -137,21 +143,47 @@ struct CodedPool {
   }
 };
 
+// ---- what a query sees ---------------------------------------------------------------------
+
+// The logits' options (jaxkv.attention.visible, cap_logits): a query at position p sees kv
+// position j <= p, with a window only p - j < window or j < sinks (the attention sinks), and
+// with rescore the sink positions are scored by the query's second set (StreamingLLM's sink
+// queries) instead of its own.
+struct Mask {
+  float soft_cap;   // > 0: logits become soft_cap * tanh(logit / soft_cap)
+  int64_t window;   // 0: none
+  int64_t sinks;    // with a window: positions 0 .. sinks - 1 stay visible
+  bool rescore;     // sink positions scored by the sink queries
+  bool sees(int64_t p, int64_t j) const {
+    return j <= p && (window == 0 || p - j < window || j < sinks);
+  }
+  // whether a block of positions [first, first + bs) holds a position some query at p0..p1
+  // (p0 <= p1) sees
+  bool block_seen(int64_t first, int64_t bs, int64_t p0, int64_t p1) const {
+    return first <= p1 && (window == 0 || first + bs - 1 > p0 - window || first < sinks);
+  }
+  float cap(float x) const { return soft_cap > 0.0f ? soft_cap * std::tanh(x / soft_cap) : x; }
+};
+
 // ---- rows ----------------------------------------------------------------------------------
 
-// One sequence's kv heads h0 .. h1 - 1: rows [RG] of queries q [h1 - h0, RG, D] per head over
-// the sequence's blocks. Blocks are the outer loop and heads the inner one, so a block's K (then
-// its V) is read as one run of (h1 - h0) * bs * D floats: the hardware prefetcher follows a run
-// that long, and a sequence's blocks are mostly consecutive in the pool (a 64-sequence decode
-// step of ~400-token rows: 26 GB/s over two threads against 13-14 GB/s a head at a time).
+// One sequence's kv heads h0 .. h1 - 1: rows [RG] of queries q [h1 - h0, RG, D] per head (qs:
+// the sink queries, alike; read only with mask.rescore) over the sequence's blocks. Blocks are
+// the outer loop and heads the inner one, so a block's K (then its V) is read as one run of
+// (h1 - h0) * bs * D floats: the hardware prefetcher follows a run that long, and a sequence's
+// blocks are mostly consecutive in the pool (a 64-sequence decode step of ~400-token rows:
+// 26 GB/s over two threads against 13-14 GB/s a head at a time).
 template <class Pool>
-void attend_heads(const float* q, const Pool& k, const Pool& v, const int32_t* table,
-                  int64_t width, const int32_t* row_pos, int64_t R, int64_t G, int64_t Hkv,
-                  int64_t h0, int64_t h1, int64_t bs, int64_t D, float soft_cap, float* out,
-                  float* lse) {
+void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
+                  const int32_t* table, int64_t width, const int32_t* row_pos, int64_t R,
+                  int64_t G, int64_t h0, int64_t h1, int64_t bs, int64_t D, const Mask& mask,
+                  float* out, float* lse) {
   const int64_t RG = R * G, HRG = (h1 - h0) * RG;
-  int32_t last = -1;
-  for (int64_t r = 0; r < R; ++r) last = std::max(last, row_pos[r]);
+  int32_t last = -1, first_row = std::numeric_limits<int32_t>::max();
+  for (int64_t r = 0; r < R; ++r) {
+    last = std::max(last, row_pos[r]);
+    if (row_pos[r] >= 0) first_row = std::min(first_row, row_pos[r]);
+  }
   // running max, sum, unnormalized output of every (head, row), a block's logits and weights:
   // one set of buffers per thread, reused by every item it takes (not allocated per call)
   thread_local std::vector<float> m, l, acc, s, p, kbuf, vbuf;
@@ -165,39 +197,44 @@ void attend_heads(const float* q, const Pool& k, const Pool& v, const int32_t* t
   const int64_t blocks = last < 0 ? 0 : std::min<int64_t>(width, last / bs + 1);
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t phys = table[b];
-    if (phys == 0) continue;                                    // dropped or padding
     const int64_t first = b * bs;
-    const int64_t n = std::min<int64_t>(bs, last - first + 1);   // positions up to the last row
+    if (phys == 0 || !mask.block_seen(first, bs, first_row, last)) continue;   // dropped,
+    const int64_t n = std::min<int64_t>(bs, last - first + 1);   // padding, or out of window
     for (int64_t h = h0; h < h1; ++h) {
       const float* kb = k.block(phys, h, n, kbuf.data());        // [bs, D]
       const float* vb = v.block(phys, h, n, vbuf.data());
       const int64_t hr = (h - h0) * RG;                          // this head's first row
       for (int64_t rg = 0; rg < RG; ++rg) {
-        const int64_t visible = std::min<int64_t>(n, row_pos[rg / G] - first + 1);
+        const int64_t pos = row_pos[rg / G];
         float* pr = p.data() + rg * bs;
-        if (visible <= 0) {
-          std::fill(pr, pr + bs, 0.0f);
-          continue;
-        }
-        const float* qr = q + (hr + rg) * D;
+        const float *qr = q + (hr + rg) * D, *qsr = qs + (hr + rg) * D;
         float block_max = kNegInf;
-        for (int64_t t = 0; t < visible; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t j = first + t;
+          if (!mask.sees(pos, j)) {
+            s[t] = kNegInf;
+            continue;
+          }
+          const float* qt = mask.rescore && j < mask.sinks ? qsr : qr;
           const float* kt = kb + t * D;
           float dot = 0.0f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kt[d];
-          if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
-          s[t] = dot;
-          block_max = std::max(block_max, dot);
+          for (int64_t d = 0; d < D; ++d) dot += qt[d] * kt[d];
+          s[t] = mask.cap(dot);
+          block_max = std::max(block_max, s[t]);
+        }
+        if (block_max == kNegInf) {                              // sees none of the block
+          std::fill(pr, pr + bs, 0.0f);
+          continue;
         }
         float& mr = m[hr + rg];
         const float m_new = std::max(mr, block_max);
         const float alpha = mr == kNegInf ? 0.0f : exp_nonpositive(mr - m_new);
         float sum = 0.0f;
-        for (int64_t t = 0; t < visible; ++t) {
-          pr[t] = exp_nonpositive(s[t] - m_new);
+        for (int64_t t = 0; t < n; ++t) {
+          pr[t] = s[t] == kNegInf ? 0.0f : exp_nonpositive(s[t] - m_new);
           sum += pr[t];
         }
-        std::fill(pr + visible, pr + bs, 0.0f);
+        std::fill(pr + n, pr + bs, 0.0f);
         l[hr + rg] = alpha * l[hr + rg] + sum;
         mr = m_new;
         float* ar = acc.data() + (hr + rg) * D;
@@ -223,27 +260,30 @@ void attend_heads(const float* q, const Pool& k, const Pool& v, const int32_t* t
 
 // The rows of a step over pools k, v (FloatPool or CodedPool).
 template <class Pool>
-ffi::Error rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pool& k, const Pool& v,
-                ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& row_pos, float soft_cap,
+ffi::Error rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& qs,
+                const Pool& k, const Pool& v, ffi::Buffer<ffi::S32>& tables,
+                ffi::Buffer<ffi::S32>& row_pos, const Mask& mask,
                 ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& lse) {
   const auto qd = q.dimensions(), td = tables.dimensions(), pd = row_pos.dimensions();
   if (qd.size() != 4 || td.size() != 2 || pd.size() != 2)
     return ffi::Error::InvalidArgument("paged_rows: q must be 4-D, tables, row_pos 2-D");
+  if (!std::equal(qd.begin(), qd.end(), qs.dimensions().begin(), qs.dimensions().end()))
+    return ffi::Error::InvalidArgument("paged_rows: q_sinks must be shaped like q");
   const int64_t S = qd[0], Hkv = qd[1], RG = qd[2], D = qd[3];
   const int64_t width = td[1], R = pd[1];
   if (k.Hkv != Hkv || k.D != D || td[0] != S || pd[0] != S || R == 0 || RG % R != 0)
     return ffi::Error::InvalidArgument("paged_rows: inconsistent shapes");
   const int64_t G = RG / R, bs = k.bs;
-  const float* qp = q.typed_data();
+  const float *qp = q.typed_data(), *qsp = qs.typed_data();
   const int32_t *tp = tables.typed_data(), *pp = row_pos.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();
   // a work item is one sequence's kv heads, all of them where there are enough sequences to
   // keep every thread busy, else one (a batch of one or two long rows still uses every thread)
   const int64_t heads = S >= 4 * pool.num_threads() ? Hkv : 1;
-  parallel_for(pool, S * Hkv / heads, [=, &k, &v](int64_t i) {
+  parallel_for(pool, S * Hkv / heads, [=, &k, &v, &mask](int64_t i) {
     const int64_t s = i * heads / Hkv, h0 = i * heads % Hkv, at = s * Hkv + h0;
-    attend_heads(qp + at * RG * D, k, v, tp + s * width, width, pp + s * R, R, G, Hkv, h0,
-                 h0 + heads, bs, D, soft_cap, op + at * RG * D, lp + at * RG);
+    attend_heads(qp + at * RG * D, qsp + at * RG * D, k, v, tp + s * width, width, pp + s * R,
+                 R, G, h0, h0 + heads, bs, D, mask, op + at * RG * D, lp + at * RG);
   });
   return ffi::Error::Success();
 }
@@ -298,23 +338,28 @@ ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer&
   }
 }
 
-ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
-                         ffi::Buffer<ffi::S32> row_pos, float soft_cap,
+ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> qs,
+                         ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_pos,
+                         float soft_cap, int64_t window, int64_t num_sinks, bool rescore,
                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument("paged_rows: k, v must be 4-D");
-  return rows(pool, q, float_pool(k), float_pool(v), tables, row_pos, soft_cap, out, lse);
+  return rows(pool, q, qs, float_pool(k), float_pool(v), tables, row_pos,
+              Mask{soft_cap, window, num_sinks, rescore}, out, lse);
 }
 
-ffi::Error PagedRowsCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                              ffi::AnyBuffer k_scale, ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
+ffi::Error PagedRowsCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> qs, ffi::AnyBuffer k, ffi::AnyBuffer k_scale,
+                              ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_pos,
-                              float soft_cap, float k_fixed_scale, float v_fixed_scale,
+                              float soft_cap, int64_t window, int64_t num_sinks, bool rescore,
+                              float k_fixed_scale, float v_fixed_scale,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const Mask mask{soft_cap, window, num_sinks, rescore};
   return with_coded_pools("paged_rows", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
                           [&](const auto& kp, const auto& vp) {
-                            return rows(pool, q, kp, vp, tables, row_pos, soft_cap, out, lse);
+                            return rows(pool, q, qs, kp, vp, tables, row_pos, mask, out, lse);
                           });
 }
 
@@ -333,65 +378,76 @@ constexpr int kBlockVecs = kBlock / kLanes;   // vectors per block of logits
 // blocks up to the last token's position. q: the first token's [Hkv, G, D] queries, token
 // stride q_stride floats (out alike); lse: token stride lse_stride.
 template <int D, class Pool>
-void attend_tile(const float* q, int64_t q_stride, int64_t ntok, int64_t pos0, int64_t G,
-                 const Pool& k, const Pool& v, const int32_t* table, int64_t h,
-                 float soft_cap, float* out, float* lse, int64_t lse_stride) {
+void attend_tile(const float* q, const float* qs, int64_t q_stride, int64_t ntok, int64_t pos0,
+                 int64_t G, const Pool& k, const Pool& v, const int32_t* table, int64_t h,
+                 const Mask& mask, float* out, float* lse, int64_t lse_stride) {
   constexpr int NV = D / kLanes;                                // vectors per row of D
   const int64_t rows = ntok * G, padded = (rows + kGroup - 1) / kGroup * kGroup;
-  // this item's queries [padded, D] (padding rows zero), running max, sum and output
-  thread_local std::vector<float> Q, m, l, acc;
+  // this item's queries and sink queries [padded, D] (padding rows zero), running max, sum
+  // and output
+  thread_local std::vector<float> Q, QS, m, l, acc;
   thread_local std::vector<int32_t> pos;
   Q.assign(padded * D, 0.0f);
+  QS.assign(mask.rescore ? padded * D : 0, 0.0f);
   m.assign(padded, kNegInf);
   l.assign(padded, 0.0f);
   acc.assign(padded * D, 0.0f);
   pos.assign(padded, -1);                                       // -1: a padding row
   for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(&Q[r * D], q + (r / G) * q_stride + (h * G + r % G) * D, D * sizeof(float));
+    const int64_t at = (r / G) * q_stride + (h * G + r % G) * D;
+    std::memcpy(&Q[r * D], q + at, D * sizeof(float));
+    if (mask.rescore) std::memcpy(&QS[r * D], qs + at, D * sizeof(float));
     pos[r] = static_cast<int32_t>(pos0 + r / G);
   }
   alignas(64) float kT[D * kBlock];                             // a K block, [D, kBlock]
   alignas(64) float kbuf[kBlock * D], vbuf[kBlock * D];         // a coded pool's decoded block
   const int64_t last = pos0 + ntok - 1;
   for (int64_t b = 0; b <= last / kBlock; ++b) {
-    const int64_t phys = table[b];
-    if (phys == 0) continue;                                    // dropped
-    const int64_t n = std::min<int64_t>(kBlock, last - b * kBlock + 1);   // positions read
+    const int64_t phys = table[b], first = b * kBlock;
+    if (phys == 0 || !mask.block_seen(first, kBlock, pos0, last)) continue;   // dropped, or
+    const int64_t n = std::min<int64_t>(kBlock, last - first + 1);   // out of every window
     const float* kb = k.block(phys, h, n, kbuf);                 // [kBlock, D]
     const float* vb = v.block(phys, h, n, vbuf);
     for (int j = 0; j < kBlock; ++j)
       for (int d = 0; d < D; ++d) kT[d * kBlock + j] = kb[j * D + d];
-    const int64_t first = b * kBlock;
+    const bool sink_scores = mask.rescore && first < mask.sinks;
     // rows before the block's first position see none of it: start at the first that does
     const int64_t r0 = std::max<int64_t>(0, first - pos0) * G / kGroup * kGroup;
     for (int64_t r = r0; r < padded; r += kGroup) {
-      Vec s[kGroup][kBlockVecs] = {};                           // the rows' logits
-      for (int d = 0; d < D; ++d) {
-        for (int c = 0; c < kBlockVecs; ++c) {
-          const Vec kd = *reinterpret_cast<const Vec*>(&kT[d * kBlock + c * kLanes]);
-          for (int i = 0; i < kGroup; ++i) s[i][c] += Q[(r + i) * D + d] * kd;
+      auto score = [&](const std::vector<float>& queries, Vec (&s)[kGroup][kBlockVecs]) {
+        for (int d = 0; d < D; ++d) {
+          for (int c = 0; c < kBlockVecs; ++c) {
+            const Vec kd = *reinterpret_cast<const Vec*>(&kT[d * kBlock + c * kLanes]);
+            for (int i = 0; i < kGroup; ++i) s[i][c] += queries[(r + i) * D + d] * kd;
+          }
         }
-      }
+      };
+      Vec s[kGroup][kBlockVecs] = {}, ss[kGroup][kBlockVecs] = {};   // logits, sink logits
+      score(Q, s);
+      if (sink_scores) score(QS, ss);
       alignas(64) float p[kGroup][kBlock];
       float alpha[kGroup];
       for (int i = 0; i < kGroup; ++i) {
-        const int64_t visible = std::min<int64_t>(kBlock, pos[r + i] - first + 1);
+        float sc[kBlock], ssc[kBlock];
+        std::memcpy(sc, &s[i], sizeof sc);
+        std::memcpy(ssc, &ss[i], sizeof ssc);
+        float block_max = kNegInf;
+        for (int j = 0; j < kBlock; ++j) {
+          const int64_t at = first + j;
+          sc[j] = !mask.sees(pos[r + i], at) ? kNegInf
+                  : mask.cap(sink_scores && at < mask.sinks ? ssc[j] : sc[j]);
+          block_max = std::max(block_max, sc[j]);
+        }
         alpha[i] = 1.0f;
-        if (visible <= 0) {                                     // padding, or before the block
+        if (block_max == kNegInf) {                             // padding, or sees none of it
           std::fill(p[i], p[i] + kBlock, 0.0f);
           continue;
         }
-        float sc[kBlock];
-        std::memcpy(sc, &s[i], sizeof sc);
-        if (soft_cap > 0.0f)
-          for (int j = 0; j < kBlock; ++j) sc[j] = soft_cap * std::tanh(sc[j] / soft_cap);
-        float block_max = kNegInf;
-        for (int j = 0; j < visible; ++j) block_max = std::max(block_max, sc[j]);
         const float m_old = m[r + i], m_new = std::max(m_old, block_max);
         alpha[i] = m_old == kNegInf ? 0.0f : exp_nonpositive(m_old - m_new);
         float sum = 0.0f;
         for (int j = 0; j < kBlock; ++j) {
-          p[i][j] = j < visible ? exp_nonpositive(sc[j] - m_new) : 0.0f;
+          p[i][j] = sc[j] == kNegInf ? 0.0f : exp_nonpositive(sc[j] - m_new);
           sum += p[i][j];
         }
         l[r + i] = alpha[i] * l[r + i] + sum;
@@ -422,20 +478,23 @@ void attend_tile(const float* q, int64_t q_stride, int64_t ntok, int64_t pos0, i
 
 // The tiles of a step over pools k, v (FloatPool or CodedPool).
 template <class Pool>
-ffi::Error tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pool& k, const Pool& v,
-                 ffi::Buffer<ffi::S32>& tables, ffi::Buffer<ffi::S32>& qsl,
-                 ffi::Buffer<ffi::S32>& seq_lens, ffi::Buffer<ffi::S32>& body, float soft_cap,
+ffi::Error tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& qs,
+                 const Pool& k, const Pool& v, ffi::Buffer<ffi::S32>& tables,
+                 ffi::Buffer<ffi::S32>& qsl, ffi::Buffer<ffi::S32>& seq_lens,
+                 ffi::Buffer<ffi::S32>& body, const Mask& mask,
                  ffi::ResultBuffer<ffi::F32>& out, ffi::ResultBuffer<ffi::F32>& lse) {
   const auto qd = q.dimensions(), td = tables.dimensions();
   if (qd.size() != 4 || td.size() != 2)
     return ffi::Error::InvalidArgument("paged_tiles: q must be 4-D, tables 2-D");
+  if (!std::equal(qd.begin(), qd.end(), qs.dimensions().begin(), qs.dimensions().end()))
+    return ffi::Error::InvalidArgument("paged_tiles: q_sinks must be shaped like q");
   const int64_t T = qd[0], Hkv = qd[1], G = qd[2], D = qd[3], S = td[0], width = td[1];
   if (k.Hkv != Hkv || k.D != D || k.bs != kBlock || (D != 64 && D != 128) ||
       qsl.element_count() != static_cast<size_t>(S + 1) ||
       seq_lens.element_count() != static_cast<size_t>(S) ||
       body.element_count() != static_cast<size_t>(S))
     return ffi::Error::InvalidArgument("paged_tiles: inconsistent shapes (bs 16, D 64 or 128)");
-  const float* qp = q.typed_data();
+  const float *qp = q.typed_data(), *qsp = qs.typed_data();
   const int32_t *tp = tables.typed_data(), *qslp = qsl.typed_data(),
                 *lenp = seq_lens.typed_data(), *bodyp = body.typed_data();
   float *op = out->typed_data(), *lp = lse->typed_data();
@@ -454,37 +513,43 @@ ffi::Error tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const Pool& k,
   std::stable_sort(items.begin(), items.end(),
                    [](const Tile& a, const Tile& b) { return a.pos0 + a.ntok > b.pos0 + b.ntok; });
   const int64_t q_stride = Hkv * G * D;
-  parallel_for(pool, static_cast<int64_t>(items.size()) * Hkv, [=, &items, &k, &v](int64_t i) {
+  parallel_for(pool, static_cast<int64_t>(items.size()) * Hkv,
+               [=, &items, &k, &v, &mask](int64_t i) {
     const Tile& t = items[i / Hkv];
     const int64_t h = i % Hkv;
     const int64_t ntok = std::min<int64_t>(t.ntok, T - t.tok0);
     auto fn = D == 64 ? attend_tile<64, Pool> : attend_tile<128, Pool>;
-    fn(qp + t.tok0 * q_stride, q_stride, ntok, t.pos0, G, k, v, tp + t.seq * width, h,
-       soft_cap, op + t.tok0 * q_stride, lp + t.tok0 * Hkv * G, Hkv * G);
+    fn(qp + t.tok0 * q_stride, qsp + t.tok0 * q_stride, q_stride, ntok, t.pos0, G, k, v,
+       tp + t.seq * width, h, mask, op + t.tok0 * q_stride, lp + t.tok0 * Hkv * G, Hkv * G);
   });
   return ffi::Error::Success();
 }
 
-ffi::Error PagedTilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+ffi::Error PagedTilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                          ffi::Buffer<ffi::F32> qs, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> body, float soft_cap,
-                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+                          ffi::Buffer<ffi::S32> body, float soft_cap, int64_t window,
+                          int64_t num_sinks, bool rescore, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::ResultBuffer<ffi::F32> lse) {
   if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
     return ffi::Error::InvalidArgument("paged_tiles: k, v must be 4-D");
-  return tiles(pool, q, float_pool(k), float_pool(v), tables, qsl, seq_lens, body, soft_cap,
-               out, lse);
+  return tiles(pool, q, qs, float_pool(k), float_pool(v), tables, qsl, seq_lens, body,
+               Mask{soft_cap, window, num_sinks, rescore}, out, lse);
 }
 
-ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                               ffi::AnyBuffer k_scale, ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
+ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> qs, ffi::AnyBuffer k, ffi::AnyBuffer k_scale,
+                               ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qsl,
                                ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> body,
-                               float soft_cap, float k_fixed_scale, float v_fixed_scale,
+                               float soft_cap, int64_t window, int64_t num_sinks, bool rescore,
+                               float k_fixed_scale, float v_fixed_scale,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const Mask mask{soft_cap, window, num_sinks, rescore};
   return with_coded_pools("paged_tiles", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
                           [&](const auto& kp, const auto& vp) {
-                            return tiles(pool, q, kp, vp, tables, qsl, seq_lens, body, soft_cap,
+                            return tiles(pool, q, qs, kp, vp, tables, qsl, seq_lens, body, mask,
                                          out, lse);
                           });
 }
@@ -494,40 +559,52 @@ ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRows, PagedRowsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // row_pos
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("num_sinks")
+                                  .Attr<bool>("rescore")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTiles, PagedTilesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // k
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // body
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("num_sinks")
+                                  .Attr<bool>("rescore")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRowsCoded, PagedRowsCodedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
+                                  .Arg<ffi::AnyBuffer>()            // k
+                                  .Arg<ffi::AnyBuffer>()            // k_scale
+                                  .Arg<ffi::AnyBuffer>()            // v
+                                  .Arg<ffi::AnyBuffer>()            // v_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // row_pos
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("num_sinks")
+                                  .Attr<bool>("rescore")
                                   .Attr<float>("k_fixed_scale")
                                   .Attr<float>("v_fixed_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -536,16 +613,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRowsCoded, PagedRowsCodedImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTilesCoded, PagedTilesCodedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
+                                  .Arg<ffi::AnyBuffer>()            // k
+                                  .Arg<ffi::AnyBuffer>()            // k_scale
+                                  .Arg<ffi::AnyBuffer>()            // v
+                                  .Arg<ffi::AnyBuffer>()            // v_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // body
                                   .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("num_sinks")
+                                  .Attr<bool>("rescore")
                                   .Attr<float>("k_fixed_scale")
                                   .Attr<float>("v_fixed_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -1,6 +1,7 @@
 """The native CPU kernels (jaxkv/cpu_kernels): built on this machine, the attention equal to a
-float64 numpy attention over the same paged KV and used by the grouped CPU path where it applies,
-the sampler's row statistics equal to numpy's and to the XLA path's."""
+float64 numpy attention over the same paged KV and used by the grouped CPU path where it applies
+(every pool it reads: f32, bf16/f16, int8/fp8 codes, each code decoded exactly), the sampler's
+row statistics equal to numpy's and to the XLA path's."""
 
 import numpy as np
 import jax

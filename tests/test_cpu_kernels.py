@@ -166,6 +166,36 @@ def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
     assert not native_rows(pages("int4"), pages("int4"))    # KIVI: packed, a residual
 
 
+@pytest.mark.parametrize("M, K, N, transposed", [
+    (2, 576, 1536, False), (8, 576, 1536, False), (5, 1536, 576, False), (16, 576, 192, False),
+    (3, 70, 37, False), (8, 576, 4096, True), (7, 70, 33, True), (1, 64, 10, True)])
+def test_matmul_equals_numpy(M, K, N, transposed):
+    """x @ w and x @ w.T for a few rows: odd row counts (the last row alone), K not a multiple
+    of 4 or of the vector, N past the last whole vector (the column tail), the tied head's
+    layout; against float64 numpy."""
+    rng = np.random.default_rng(M * K + N)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((N, K) if transposed else (K, N), dtype=np.float32)
+    got = jax.jit(lambda a, b: cpu_kernels.matmul(a, b, transposed_w=transposed))(x, w)
+    want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+
+
+def test_model_takes_the_matmul_for_small_f32_steps(monkeypatch):
+    from jaxkv.model import linear
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "matmul", lambda *a, **k: calls.append(a[0].shape) or
+                        jnp.zeros((a[0].shape[0], a[1].shape[0] if k.get("transposed_w")
+                                   else a[1].shape[1]), jnp.float32))
+    w = jnp.ones((8, 6, 2), jnp.float32)
+    for rows in (1, 2, 16, 17):
+        jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((rows, 8), jnp.float32), w)
+    jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
+                   w.astype(jnp.bfloat16))
+    assert calls == [(2, 8), (16, 8)]        # 1 row, 17 rows and bf16: XLA's dot
+
+
 @pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])
 def test_row_stats_equal_numpy_and_the_xla_path(S, V, monkeypatch):
     from jaxkv import sampling

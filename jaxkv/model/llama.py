@@ -35,6 +35,7 @@ from jaxkv.attention_impl import paged_attention
 from jaxkv.attention_mass import block_attention_mass
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.linear import linear, linear_t
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
 from jaxkv.retention import AttentionOptions
 
@@ -126,9 +127,9 @@ class Attention(nnx.Module):
         with ``options.sink_position_cap``); ``pools`` = (k_pool, v_pool, KeyBounds or None);
         ``row_queries``: the attention's layout hint (``jaxkv.attention_impl``). Returns
         (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
-        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])            # [T, Hq, D]
-        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])            # [T, Hkv, D]
-        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])            # [T, Hkv, D]
+        q = linear(x, self.q_proj[...])                                # [T, Hq, D]
+        k = linear(x, self.k_proj[...])                                # [T, Hkv, D]
+        v = linear(x, self.v_proj[...])                                # [T, Hkv, D]
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
@@ -159,7 +160,7 @@ class Attention(nnx.Module):
         # one [T, Hq * D] @ [Hq * D, E] dot (both reshapes are bitcasts), so XLA transposes
         # the small activation, not the weight, when attention leaves o in another layout
         w_o = self.o_proj[...]
-        out = o.reshape(o.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        out = linear(o.reshape(o.shape[0], -1), w_o.reshape(-1, w_o.shape[-1]))
         return out, (k_pool, v_pool, bounds), mass
 
 
@@ -171,7 +172,8 @@ class MLP(nnx.Module):
         self.down_proj = _param((F, E), dtype, ("mlp", "embed"))
 
     def __call__(self, x):  # [T, E]
-        return (jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])) @ self.down_proj[...]
+        return linear(jax.nn.silu(linear(x, self.gate_proj[...])) * linear(x, self.up_proj[...]),
+                      self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -223,8 +225,8 @@ class Transformer(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]                                        # [S, E]
         x = self.norm(x)
-        head = self.embed_tokens[...].T if c.tie_word_embeddings else self.lm_head[...]
-        logits = (x @ head).astype(jnp.float32)                          # [S or T, V]
+        logits = (linear_t(x, self.embed_tokens[...]) if c.tie_word_embeddings
+                  else linear(x, self.lm_head[...])).astype(jnp.float32)    # [S or T, V]
         cache = kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
         return (logits, cache) if mass is None else (logits, cache, mass)
 

@@ -1,0 +1,47 @@
+"""The model's dense products, ``x @ w``: on CPU, a step of a few rows takes the C++ kernel.
+
+XLA's CPU GEMM is as fast as torch's or faster at 128-512 rows, but at 8 rows it runs at a fifth
+of that (23 GFLOP/s on a 2-core AVX2 EPYC, bench/dot_throughput.py). ``jaxkv.cpu_kernels.matmul``
+reads each weight row by row into the partial sums of all the step's rows: 1.6x XLA's speed on
+SmolLM2's MLP at 4-16 rows and 1.5-1.9x on its tied head there, even at 32 rows, slower at 64
+and at 1 row (a pure weight stream, which XLA's reads contiguously); bench/dot_throughput.py.
+It is taken where
+
+* JAX's default backend is the CPU and the kernels are built (``cpu_kernels.native()``),
+* the step has ``MIN_ROWS`` to ``SMALL_ROWS`` rows (decided at trace time: the row count is
+  static),
+* x and w are float32, and
+* one device computes the step (a sharded weight stays with XLA's partitioned dot).
+
+Elsewhere (GPU, bf16 weights, larger steps, tensor parallelism) it is ``x @ w``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import cpu_kernels
+
+MIN_ROWS, SMALL_ROWS = 2, 16
+
+
+def _native(x: jax.Array, w: jax.Array) -> bool:
+    return (x.ndim == 2 and MIN_ROWS <= x.shape[0] <= SMALL_ROWS and x.dtype == jnp.float32
+            and w.dtype == jnp.float32 and jax.device_count() == 1 and cpu_kernels.native())
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [T, K] contracted with w's first axis: w [K, N] -> [T, N], w [K, H, D] -> [T, H, D]
+    (a projection to heads; the kernel reads w as [K, H * D], a bitcast)."""
+    if _native(x, w):
+        return cpu_kernels.matmul(x, w.reshape(w.shape[0], -1)).reshape(x.shape[0], *w.shape[1:])
+    return jnp.tensordot(x, w, axes=1)
+
+
+def linear_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
+    """``x @ w_t.T`` without materializing the transpose on the kernel's path: x [T, K],
+    w_t [N, K] (e.g. the embedding [V, E] as a tied head) -> [T, N]."""
+    if _native(x, w_t):
+        return cpu_kernels.matmul(x, w_t, transposed_w=True)
+    return x @ w_t.T

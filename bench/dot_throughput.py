@@ -7,9 +7,12 @@ thread pool each at its default: ``--layers`` MLP layers of SmolLM2-135M's shape
 and run eagerly in torch (one dot each, so the framework overhead is the dots'), for each
 ``--rows`` count and dtype (fp32, bf16), in ``--rounds`` rounds that alternate the two
 frameworks; median and min milliseconds and GFLOP/s (2·rows·E·F·2 flops a layer), and the
-load average. "XLA speed / torch's" is torch ms / XLA ms (above 1: XLA is faster).
+load average. "XLA speed / torch's" is torch ms / XLA ms (above 1: XLA is faster). In fp32 the
+same chain also runs with jaxkv's C++ matmul (``jaxkv.cpu_kernels.matmul``, which
+jaxkv/model/linear.py takes for 2-16 rows) in place of XLA's dots, and the tied head's product
+``x @ embedding.T`` ([rows, 576] @ [576, 49,152]) both ways ("head").
 
-    python3 bench/dot_throughput.py [--rows 8,128,512] [--json bench/results/dot_throughput.json]
+    PYTHONPATH=.:bench python3 bench/dot_throughput.py [--rows 8,128,512] [--json bench/results/dot_throughput.json]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jaxkv import cpu_kernels
 from step_timing import alternating_times, loadavg, ms_summary
 
 E, F = 576, 1536
@@ -38,6 +42,14 @@ def jax_chain(dtype):
             x = (jax.nn.silu(x @ u) @ d).astype(dtype)
         return x
     return f
+
+
+@jax.jit
+def kernel_chain(x, ups, downs):
+    """``jax_chain``'s fp32 chain with jaxkv's C++ matmul for both dots."""
+    for u, d in zip(ups, downs):
+        x = cpu_kernels.matmul(jax.nn.silu(cpu_kernels.matmul(x, u)), d)
+    return x
 
 
 def torch_chain(x, ups, downs):
@@ -61,9 +73,12 @@ def main() -> None:
     out = {"jax": jax.__version__, "torch": torch.__version__,
            "torch_threads": torch.get_num_threads(), "layers": a.layers, "cells": []}
     print(f"jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    print("| rows | dtype | XLA ms | torch ms | XLA GFLOP/s | torch GFLOP/s "
-          "| XLA speed / torch's | load |")
-    print("|---|---|---|---|---|---|---|---|")
+    emb = jnp.asarray(rng.standard_normal((49152, E), np.float32) * 0.02)
+    heads = {"xla": jax.jit(lambda x, e: x @ e.T),
+             "kernel": jax.jit(lambda x, e: cpu_kernels.matmul(x, e, transposed_w=True))}
+    print("| rows | dtype | XLA ms | torch ms | kernel ms | XLA GFLOP/s | torch GFLOP/s "
+          "| kernel GFLOP/s | XLA speed / torch's | head: XLA ms | head: kernel ms | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in (int(r) for r in a.rows.split(",")):
         x = rng.standard_normal((rows, E), np.float32)
         for name, jdt, tdt in (("fp32", jnp.float32, torch.float32),
@@ -74,6 +89,10 @@ def main() -> None:
             f = jax_chain(jdt)
             runs = {"xla": lambda: jax.block_until_ready(f(*jargs)),
                     "torch": lambda: torch_chain(targs[0], targs[1], targs[2])}
+            if name == "fp32":
+                runs["kernel"] = lambda: jax.block_until_ready(kernel_chain(*jargs))
+                for k, h in heads.items():
+                    runs[f"head_{k}"] = lambda h=h: jax.block_until_ready(h(jargs[0], emb))
             for fn in runs.values():
                 fn()                                   # compile / warm up
             before = loadavg()
@@ -85,10 +104,17 @@ def main() -> None:
                 cell[k] = {**ms_summary(ts), "gflops_median": flops / statistics.median(ts) / 1e9}
             out["cells"].append(cell)
             xm, tm = cell["xla"]["ms_median"], cell["torch"]["ms_median"]
-            print(f"| {rows} | {name} | {xm:.2f} ({cell['xla']['ms_min']:.2f}) | "
-                  f"{tm:.2f} ({cell['torch']['ms_min']:.2f}) | "
-                  f"{cell['xla']['gflops_median']:.0f} | {cell['torch']['gflops_median']:.0f} | "
-                  f"{tm / xm:.2f} | {before[0]}-{cell['load_after'][0]} |", flush=True)
+
+            def ms(k):
+                return f"{cell[k]['ms_median']:.2f} ({cell[k]['ms_min']:.2f})" if k in cell else "-"
+
+            def gf(k):
+                return f"{cell[k]['gflops_median']:.0f}" if k in cell else "-"
+
+            print(f"| {rows} | {name} | {ms('xla')} | {ms('torch')} | {ms('kernel')} | "
+                  f"{gf('xla')} | {gf('torch')} | {gf('kernel')} | {tm / xm:.2f} | "
+                  f"{ms('head_xla')} | {ms('head_kernel')} | {before[0]}-{cell['load_after'][0]} |",
+                  flush=True)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
 

@@ -8,12 +8,14 @@
 //
 // With few rows the product is a stream over the weight: XLA's and torch's GEMMs reach only
 // 23-26 GFLOP/s at 8 rows on a 2-core AVX2 EPYC, a fifth of what they reach at 512 rows, while
-// reading the weight once per step is the real cost. Here each work item owns a block of
-// columns and reads that block of the weight once per kRows rows, with the rows' partial sums
-// held in vector registers:
+// reading the weight once per step is the real cost. Here each work item owns a block of the
+// weight and reads it once from memory:
 //
-//   w [K, N]:  a strip of 2 vectors of columns, walked down all K rows (one cache line per
-//              row), kRows rows of x broadcast against it;
+//   w [K, N]:  a block of 64-256 columns, walked down the K rows four at a time (each row a
+//              contiguous run), into the partial sums of all M rows kept in a per-thread
+//              buffer [M, cols] that stays in L1; two rows of x per register block, their
+//              four broadcasts held in registers (bench/dot_throughput.py: a strip of two
+//              vectors walked down K, one cache line per row 6 KB apart, was slower than XLA);
 //   w [N, K]:  two weight rows at a time, each a run of K floats, against kRows rows of x.
 //
 // The work items are shared out over XLA's intra-op threads.

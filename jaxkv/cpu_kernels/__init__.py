@@ -56,11 +56,9 @@ _SOURCES = (_DIR / "paged_attention.cc", _DIR / "row_stats.cc", _DIR / "matmul.c
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles",
-            "jaxkv_paged_rows_coded": "JaxkvPagedRowsCoded",
-            "jaxkv_paged_tiles_coded": "JaxkvPagedTilesCoded", "jaxkv_row_stats": "JaxkvRowStats",
-            "jaxkv_matmul": "JaxkvMatmul"}
+            "jaxkv_row_stats": "JaxkvRowStats", "jaxkv_matmul": "JaxkvMatmul"}
 
-# Pool element types the kernels decode as they read a block (the "coded" pools): 16-bit floats
+# Pool element types the kernels decode as they read a block (besides f32): 16-bit floats
 # head-major like the f32 pools, 8-bit codes token-major with a scale per token and head.
 HEAD_MAJOR_CODES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TOKEN_MAJOR_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -141,12 +139,11 @@ def _require() -> None:
 
 def _pool_args(k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
                v_scale: jax.Array | None, static_scale: float | None):
-    """(target suffix, pool operands, pool attributes) of a kernel call over pools k, v."""
+    """(pool operands k, k_scale, v, v_scale; pool attributes) of a kernel call over pools k, v
+    (a scale the kernel ignores where the pool has none)."""
     if k.dtype != v.dtype:
         raise TypeError(f"k and v pools differ in dtype: {k.dtype} vs {v.dtype}")
-    if k.dtype == jnp.float32:
-        return "", (k, v), {}
-    if k.dtype not in HEAD_MAJOR_CODES + TOKEN_MAJOR_CODES:
+    if k.dtype != jnp.float32 and k.dtype not in HEAD_MAJOR_CODES + TOKEN_MAJOR_CODES:
         raise TypeError(f"pool dtype {k.dtype} is not float32, bfloat16, float16, int8, "
                         "float8_e4m3fn or float8_e5m2")
     fixed = np.float32(static_scale or 0.0)
@@ -156,8 +153,7 @@ def _pool_args(k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
     none = jnp.zeros((1,), jnp.bfloat16)                      # a scale the kernel ignores
     scales = [none if static_scale is not None or x is None else x.astype(jnp.bfloat16)
               for x in (k_scale, v_scale)]
-    return "_coded", (k, scales[0], v, scales[1]), dict(k_fixed_scale=fixed,
-                                                        v_fixed_scale=fixed)
+    return (k, scales[0], v, scales[1]), dict(k_fixed_scale=fixed, v_fixed_scale=fixed)
 
 
 def _mask_args(q: jax.Array, q_sinks: jax.Array | None, soft_cap: float | None,
@@ -202,9 +198,9 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     """
     _require()
     S, Hkv, RG, D = q.shape
-    suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
     q, qs, mask = _mask_args(q, q_sinks, soft_cap, sliding_window, num_sinks)
-    call = jax.ffi.ffi_call("jaxkv_paged_rows" + suffix,
+    call = jax.ffi.ffi_call("jaxkv_paged_rows",
                             (jax.ShapeDtypeStruct((S, Hkv, RG, D), jnp.float32),
                              jax.ShapeDtypeStruct((S, Hkv, RG), jnp.float32)))
     return call(q, qs, *pools, tables.astype(jnp.int32), row_pos.astype(jnp.int32), **mask,
@@ -237,9 +233,9 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
     """
     _require()
     T, Hkv, G, D = q.shape
-    suffix, pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
+    pools, attrs = _pool_args(k, v, k_scale, v_scale, static_scale)
     q, qs, mask = _mask_args(q, q_sinks, soft_cap, sliding_window, num_sinks)
-    call = jax.ffi.ffi_call("jaxkv_paged_tiles" + suffix,
+    call = jax.ffi.ffi_call("jaxkv_paged_tiles",
                             (jax.ShapeDtypeStruct((T, Hkv, G, D), jnp.float32),
                              jax.ShapeDtypeStruct((T, Hkv, G), jnp.float32)))
     return call(q, qs, *pools, *(x.astype(jnp.int32) for x in

@@ -1,7 +1,7 @@
 // Paged attention for the CPU path (jaxkv/attention_grouped.py), as XLA FFI custom calls, one
-// layer per call, over head-major float pools (jaxkv.cache.HNDPages) or, in the "Coded" variants,
-// over pools whose elements are decoded to float as their blocks are read:
+// layer per call, over a pool of any of these element types (k and v alike):
 //
+//   f32                   [N, Hkv, bs, D]   head-major (jaxkv.cache.HNDPages), read in place
 //   bf16, f16             [N, Hkv, bs, D]   head-major (HNDPages of a 16-bit cache)
 //   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.cache.QuantizedPages) times
 //                                           one bf16 scale per token and head [N, bs, Hkv, 1],
@@ -14,7 +14,9 @@
 // speculative step's token and its drafts), G query heads per kv head:
 //
 //   q        f32 [S, Hkv, R * G, D]  row queries, already scaled (row r, head g at r * G + g)
-//   k, v     f32 [N, Hkv, bs, D]     one layer's pools (block 0 is the null block)
+//   q_sinks  f32 like q              the queries that score the sink positions (see Mask)
+//   k, v     [N, ...] (see above)    one layer's pools (block 0 is the null block)
+//   k_scale, v_scale  bf16 [N, bs, Hkv, 1]   the codes' scales (int8/fp8; ignored otherwise)
 //   tables   s32 [S, W]              physical block of each logical block (0: dropped)
 //   row_pos  s32 [S, R]              kv position of each row query (-1: no query)
 //   out      f32 [S, Hkv, R * G, D]  softmax(q k^T) v over positions <= row_pos, kept blocks
@@ -27,8 +29,8 @@
 // flat token layout (a prefill chunk's tokens before its last), causal over the sequence's
 // kept blocks (bs == 16, D == 64 or 128):
 //
-//   q        f32 [T, Hkv, G, D]      every token's queries, already scaled
-//   k, v, tables                     as above
+//   q, q_sinks f32 [T, Hkv, G, D]    every token's queries (and sink queries), already scaled
+//   k, v, k_scale, v_scale, tables   as above
 //   qsl      s32 [S + 1]             first token of each sequence in q
 //   seq_lens s32 [S]                 kv length of each sequence (its last token's position + 1)
 //   body     s32 [S]                 leading tokens of each sequence computed here
@@ -40,14 +42,9 @@
 // without) score a whole block with bs-wide vector FMAs, and P V runs as kGroup rows of D-wide
 // FMAs per key.
 //
-// JaxkvPagedRowsCoded, JaxkvPagedTilesCoded: the same over coded pools, with k, v of any of
-// the coded types above (both alike) and two more operands and attributes:
-//
-//   k_scale, v_scale  bf16 [N, bs, Hkv, 1]   the codes' scales (int8/fp8; ignored otherwise)
-//   k_fixed_scale, v_fixed_scale (attrs)     > 0: the pool's fixed scale instead (fp8)
-//
-// Both spread their work items over XLA's intra-op threads. With soft_cap > 0 the logits are
-// capped as soft_cap * tanh(logit / soft_cap) (jaxkv.attention.cap_logits).
+// Both take the attributes soft_cap, window, num_sinks, rescore (what a query sees: Mask) and
+// k_fixed_scale, v_fixed_scale (> 0: the codes' fixed scale instead of k_scale, v_scale), and
+// spread their work items over XLA's intra-op threads.
 
 #include <algorithm>
 #include <cmath>
@@ -288,17 +285,12 @@ ffi::Error rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// A float pool [N, Hkv, bs, D] (checked 4-D by the caller).
-FloatPool float_pool(ffi::Buffer<ffi::F32>& x) {
-  const auto d = x.dimensions();
-  return {x.typed_data(), d[1], d[2], d[3]};
-}
-
-// Calls fn(k_pool, v_pool) with the CodedPool of k and v's element type: 16-bit floats are
-// head-major [N, Hkv, bs, D], 8-bit codes token-major [N, bs, Hkv, D] with bf16 scales
-// [N, bs, Hkv, 1] (a scale argument is ignored where its fixed scale is > 0).
+// Calls fn(k_pool, v_pool) with the pools of k and v's element type: f32 (a FloatPool, read in
+// place) and 16-bit floats head-major [N, Hkv, bs, D], 8-bit codes token-major [N, bs, Hkv, D]
+// with bf16 scales [N, bs, Hkv, 1] (a scale argument is ignored where its fixed scale is > 0,
+// and for the head-major pools).
 template <class Fn>
-ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer& k_scale,
+ffi::Error with_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer& k_scale,
                             float k_fixed, ffi::AnyBuffer& v, ffi::AnyBuffer& v_scale,
                             float v_fixed, Fn fn) {
   const auto kd = k.dimensions();
@@ -306,7 +298,8 @@ ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer&
   if (kd.size() != 4 || v.dimensions().size() != 4 || v.element_type() != type ||
       !std::equal(kd.begin(), kd.end(), v.dimensions().begin()))
     return ffi::Error::InvalidArgument(std::string(name) + ": k, v must be 4-D, alike");
-  const bool token_major = type != ffi::DataType::BF16 && type != ffi::DataType::F16;
+  const bool token_major = type != ffi::DataType::F32 && type != ffi::DataType::BF16 &&
+                           type != ffi::DataType::F16;
   const int64_t Hkv = token_major ? kd[2] : kd[1], bs = token_major ? kd[1] : kd[2], D = kd[3];
   const size_t scales = static_cast<size_t>(kd[0] * bs * Hkv);
   auto scale_of = [&](ffi::AnyBuffer& sc, float fixed) -> const uint16_t* {
@@ -327,6 +320,11 @@ ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer&
     return fn(kp, vp);
   };
   switch (type) {
+    case ffi::DataType::F32: {
+      const FloatPool kp{static_cast<const float*>(k.untyped_data()), Hkv, bs, D};
+      const FloatPool vp{static_cast<const float*>(v.untyped_data()), Hkv, bs, D};
+      return fn(kp, vp);
+    }
     case ffi::DataType::BF16: return run(CodedPool<uint16_t, Code::kBF16>{});
     case ffi::DataType::F16: return run(CodedPool<uint16_t, Code::kF16>{});
     case ffi::DataType::S8: return run(CodedPool<uint8_t, Code::kInt8>{});
@@ -334,22 +332,11 @@ ffi::Error with_coded_pools(const char* name, ffi::AnyBuffer& k, ffi::AnyBuffer&
     case ffi::DataType::F8E5M2: return run(CodedPool<uint8_t, Code::kE5M2>{});
     default:
       return ffi::Error::InvalidArgument(std::string(name) + ": pool element type not "
-                                         "bf16, f16, int8 or fp8 (e4m3fn, e5m2)");
+                                         "f32, bf16, f16, int8 or fp8 (e4m3fn, e5m2)");
   }
 }
 
-ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> qs,
-                         ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_pos,
-                         float soft_cap, int64_t window, int64_t num_sinks, bool rescore,
-                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument("paged_rows: k, v must be 4-D");
-  return rows(pool, q, qs, float_pool(k), float_pool(v), tables, row_pos,
-              Mask{soft_cap, window, num_sinks, rescore}, out, lse);
-}
-
-ffi::Error PagedRowsCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+ffi::Error PagedRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> qs, ffi::AnyBuffer k, ffi::AnyBuffer k_scale,
                               ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
                               ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> row_pos,
@@ -357,7 +344,7 @@ ffi::Error PagedRowsCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               float k_fixed_scale, float v_fixed_scale,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const Mask mask{soft_cap, window, num_sinks, rescore};
-  return with_coded_pools("paged_rows", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
+  return with_pools("paged_rows", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
                           [&](const auto& kp, const auto& vp) {
                             return rows(pool, q, qs, kp, vp, tables, row_pos, mask, out, lse);
                           });
@@ -526,19 +513,6 @@ ffi::Error tiles(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ff
 }
 
 ffi::Error PagedTilesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                          ffi::Buffer<ffi::F32> qs, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> tables,
-                          ffi::Buffer<ffi::S32> qsl, ffi::Buffer<ffi::S32> seq_lens,
-                          ffi::Buffer<ffi::S32> body, float soft_cap, int64_t window,
-                          int64_t num_sinks, bool rescore, ffi::ResultBuffer<ffi::F32> out,
-                          ffi::ResultBuffer<ffi::F32> lse) {
-  if (k.dimensions().size() != 4 || v.dimensions().size() != 4)
-    return ffi::Error::InvalidArgument("paged_tiles: k, v must be 4-D");
-  return tiles(pool, q, qs, float_pool(k), float_pool(v), tables, qsl, seq_lens, body,
-               Mask{soft_cap, window, num_sinks, rescore}, out, lse);
-}
-
-ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> qs, ffi::AnyBuffer k, ffi::AnyBuffer k_scale,
                                ffi::AnyBuffer v, ffi::AnyBuffer v_scale,
                                ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> qsl,
@@ -547,7 +521,7 @@ ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                float k_fixed_scale, float v_fixed_scale,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const Mask mask{soft_cap, window, num_sinks, rescore};
-  return with_coded_pools("paged_tiles", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
+  return with_pools("paged_tiles", k, k_scale, k_fixed_scale, v, v_scale, v_fixed_scale,
                           [&](const auto& kp, const auto& vp) {
                             return tiles(pool, q, qs, kp, vp, tables, qsl, seq_lens, body, mask,
                                          out, lse);
@@ -557,40 +531,6 @@ ffi::Error PagedTilesCodedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRows, PagedRowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // row_pos
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("num_sinks")
-                                  .Attr<bool>("rescore")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTiles, PagedTilesImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // q_sinks
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // query_start_loc
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // body
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("window")
-                                  .Attr<int64_t>("num_sinks")
-                                  .Attr<bool>("rescore")
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRowsCoded, PagedRowsCodedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // q
@@ -610,7 +550,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedRowsCoded, PagedRowsCodedImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTilesCoded, PagedTilesCodedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPagedTiles, PagedTilesImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // q

@@ -184,6 +184,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(c, dtype)
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames=(
+    "options", "impl", "interpret", "attention", "sparse", "row_queries"))
+def _decoder_layer(graphdef, state, x, rot, sink_rot, pools, md: AttentionMetadata, *,
+                   options: AttentionOptions, impl, interpret, attention,
+                   sparse: quest.QuestOptions | None, row_queries: int):
+    """One decoder layer on the residual stream x [T, E]; returns (x [T, E], the layer's
+    updated (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None).
+
+    Its own jit, called inside the step's: every layer has the same graph and shapes, so the
+    layer is traced and lowered once per step variant instead of once per layer (start-up),
+    and XLA inlines the calls, so the compiled step is the same.
+    """
+    layer = nnx.merge(graphdef, state)
+    h, pools, mass = layer.self_attn(
+        layer.input_layernorm(x), rot, pools, md, sink_rot=sink_rot, options=options,
+        impl=impl, interpret=interpret, attention=attention, sparse=sparse,
+        row_queries=row_queries)
+    x = x + h
+    return x + layer.mlp(layer.post_attention_layernorm(x)), pools, mass
+
+
 class Transformer(nnx.Module):
     """The decoder's parameter tree; call it through ``forward``."""
 
@@ -210,12 +231,10 @@ class Transformer(nnx.Module):
         mass = 0.0 if options.observe else None                          # [S, max_blocks]
         for i, layer in enumerate(self.layers):
             bounds = cache.bounds[i] if cache.bounds else None
-            h, (k_pool, v_pool, bounds), layer_mass = layer.self_attn(
-                layer.input_layernorm(x), rot, (cache.k[i], cache.v[i], bounds), md,
-                sink_rot=sink_rot, options=options, impl=impl, interpret=interpret,
-                attention=attention, sparse=sparse, row_queries=row_queries)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, (k_pool, v_pool, bounds), layer_mass = _decoder_layer(
+                *nnx.split(layer), x, rot, sink_rot, (cache.k[i], cache.v[i], bounds), md,
+                options=options, impl=impl, interpret=interpret, attention=attention,
+                sparse=sparse, row_queries=row_queries)
             ks.append(k_pool)
             vs.append(v_pool)
             if bounds is not None:

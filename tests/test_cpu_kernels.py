@@ -181,19 +181,44 @@ def test_matmul_equals_numpy(M, K, N, transposed):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M, transposed", [(8, False), (3, False), (5, True)])
+def test_matmuls_of_several_weights_equal_numpy(M, transposed):
+    """Several weights in one call (q/k/v, gate/up): each output is its own product, whatever
+    the other weights' widths (a tail past the last vector in one of them, one a single
+    vector wide), against float64 numpy."""
+    rng = np.random.default_rng(M)
+    K, widths = 96, (576, 37, 8, 200)
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    ws = [rng.standard_normal((n, K) if transposed else (K, n), dtype=np.float32)
+          for n in widths]
+    got = jax.jit(lambda a, *b: cpu_kernels.matmuls(a, b, transposed_w=transposed))(x, *ws)
+    assert len(got) == len(ws)
+    for g, w in zip(got, ws):
+        want = x.astype(np.float64) @ (w.T if transposed else w).astype(np.float64)
+        np.testing.assert_allclose(np.asarray(g), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not contract"):
+        cpu_kernels.matmuls(x, [ws[0], np.zeros((K + 1, 4), np.float32)])
+
+
 def test_model_takes_the_matmul_for_small_f32_steps(monkeypatch):
     from jaxkv.model import linear
 
     calls = []
-    monkeypatch.setattr(cpu_kernels, "matmul", lambda *a, **k: calls.append(a[0].shape) or
-                        jnp.zeros((a[0].shape[0], a[1].shape[0] if k.get("transposed_w")
-                                   else a[1].shape[1]), jnp.float32))
+    monkeypatch.setattr(cpu_kernels, "matmuls", lambda x, ws, **k: calls.append(
+        (x.shape, len(ws))) or tuple(jnp.zeros((x.shape[0], w.shape[1]), jnp.float32)
+                                     for w in ws))
     w = jnp.ones((8, 6, 2), jnp.float32)
     for rows in (1, 2, 16, 17):
         jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((rows, 8), jnp.float32), w)
     jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
                    w.astype(jnp.bfloat16))
-    assert calls == [(2, 8), (16, 8)]        # 1 row, 17 rows and bf16: XLA's dot
+    assert calls == [((2, 8), 1), ((16, 8), 1)]        # 1 row, 17 rows and bf16: XLA's dot
+    calls.clear()
+    x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    out = jax.eval_shape(linear.linears, x, (w, jnp.ones((8, 3), jnp.float32)))
+    assert calls == [((4, 8), 2)] and [o.shape for o in out] == [(4, 6, 2), (4, 3)]
+    jax.eval_shape(linear.linears, x, (w, jnp.ones((8, 3), jnp.bfloat16)))
+    assert len(calls) == 1                             # one bf16 weight: all of them XLA's
 
 
 @pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])

@@ -23,9 +23,9 @@ And one for the sampler (jaxkv/sampling.py), in row_stats.cc:
 
 And one for the model's dense layers (jaxkv/model/linear.py), in matmul.cc:
 
-* ``matmul``: ``x @ w`` for a few rows of x (a decode step's tokens), each block of the weight
-  streamed once per four rows with their partial sums in registers (XLA's GEMM runs a fifth as
-  fast at 8 rows as at 512).
+* ``matmul`` / ``matmuls``: ``x @ w`` for a few rows of x (a decode step's tokens), each block of
+  the weight streamed once per four rows with their partial sums in registers (XLA's GEMM runs
+  a fifth as fast at 8 rows as at 512); ``matmuls`` takes several weights of one x in one call.
 
 Build: ``g++ -O3 -march=native`` of the sources (common.h shared) into one library against
 ``jax.ffi.include_dir()``, once per source text, compiler flags, jax version and CPU, into
@@ -243,7 +243,7 @@ def paged_tiles(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transposed_w: bool = False) -> jax.Array:
-    """``x @ w`` (the C++ kernel, for a few rows of x).
+    """``x @ w`` (the C++ kernel, for a few rows of x): ``matmuls(x, (w,), ...)[0]``.
 
     Args:
       x: f32 [M, K].
@@ -253,14 +253,35 @@ def matmul(x: jax.Array, w: jax.Array, *, transposed_w: bool = False) -> jax.Arr
     Returns:
       f32 [M, N].
     """
+    return matmuls(x, (w,), transposed_w=transposed_w)[0]
+
+
+def matmuls(x: jax.Array, ws, *, transposed_w: bool = False) -> tuple[jax.Array, ...]:
+    """``x @ w`` for each weight of ``ws`` in one kernel call (a layer's q, k and v): the work
+    items of every product share the threads, so the small ones cost no call of their own.
+
+    Args:
+      x: f32 [M, K].
+      ws: a sequence of f32 [K, N_j] (with ``transposed_w``, f32 [N_j, K]).
+      transposed_w: compute ``x @ w_j.T``.
+
+    Returns:
+      a tuple of f32 [M, N_j], one per weight.
+    """
     _require()
     M, K = x.shape
-    N = w.shape[0] if transposed_w else w.shape[1]
-    if (w.shape[1] if transposed_w else w.shape[0]) != K:
-        raise ValueError(f"matmul: x {x.shape} and w {w.shape} (transposed_w={transposed_w}) "
-                         "do not contract")
-    call = jax.ffi.ffi_call("jaxkv_matmul", jax.ShapeDtypeStruct((M, N), jnp.float32))
-    return call(x.astype(jnp.float32), w.astype(jnp.float32), transposed_w=transposed_w)
+    ws = tuple(ws)
+    if not ws:
+        raise ValueError("matmuls: ws is empty")
+    for w in ws:
+        if w.ndim != 2 or (w.shape[1] if transposed_w else w.shape[0]) != K:
+            raise ValueError(f"matmul: x {x.shape} and w {w.shape} (transposed_w={transposed_w}) "
+                             "do not contract")
+    shapes = [jax.ShapeDtypeStruct((M, w.shape[0] if transposed_w else w.shape[1]), jnp.float32)
+              for w in ws]
+    call = jax.ffi.ffi_call("jaxkv_matmul", shapes)
+    return tuple(call(x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws),
+                      transposed_w=transposed_w))
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

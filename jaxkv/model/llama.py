@@ -35,7 +35,7 @@ from jaxkv.attention_impl import paged_attention
 from jaxkv.attention_mass import block_attention_mass
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.linear import linear, linear_t
+from jaxkv.model.linear import linear, linear_t, linears
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
 from jaxkv.retention import AttentionOptions
 
@@ -127,9 +127,8 @@ class Attention(nnx.Module):
         with ``options.sink_position_cap``); ``pools`` = (k_pool, v_pool, KeyBounds or None);
         ``row_queries``: the attention's layout hint (``jaxkv.attention_impl``). Returns
         (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
-        q = linear(x, self.q_proj[...])                                # [T, Hq, D]
-        k = linear(x, self.k_proj[...])                                # [T, Hkv, D]
-        v = linear(x, self.v_proj[...])                                # [T, Hkv, D]
+        q, k, v = linears(x, (self.q_proj[...], self.k_proj[...],      # [T, Hq, D],
+                              self.v_proj[...]))                      # [T, Hkv, D] x 2
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
@@ -172,8 +171,8 @@ class MLP(nnx.Module):
         self.down_proj = _param((F, E), dtype, ("mlp", "embed"))
 
     def __call__(self, x):  # [T, E]
-        return linear(jax.nn.silu(linear(x, self.gate_proj[...])) * linear(x, self.up_proj[...]),
-                      self.down_proj[...])
+        gate, up = linears(x, (self.gate_proj[...], self.up_proj[...]))   # [T, F] x 2
+        return linear(jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):

@@ -168,7 +168,8 @@ def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
 
 @pytest.mark.parametrize("M, K, N, transposed", [
     (2, 576, 1536, False), (8, 576, 1536, False), (5, 1536, 576, False), (16, 576, 192, False),
-    (3, 70, 37, False), (8, 576, 4096, True), (7, 70, 33, True), (1, 64, 10, True)])
+    (3, 70, 37, False), (32, 576, 1536, False), (8, 576, 4096, True), (7, 70, 33, True),
+    (1, 64, 10, True), (32, 576, 4096, True)])
 def test_matmul_equals_numpy(M, K, N, transposed):
     """x @ w and x @ w.T for a few rows: odd row counts (the last row alone), K not a multiple
     of 4 or of the vector, N past the last whole vector (the column tail), the tied head's
@@ -208,11 +209,11 @@ def test_model_takes_the_matmul_for_small_f32_steps(monkeypatch):
         (x.shape, len(ws))) or tuple(jnp.zeros((x.shape[0], w.shape[1]), jnp.float32)
                                      for w in ws))
     w = jnp.ones((8, 6, 2), jnp.float32)
-    for rows in (1, 2, 16, 17):
+    for rows in (1, 2, 32, 33):
         jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((rows, 8), jnp.float32), w)
     jax.eval_shape(linear.linear, jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),
                    w.astype(jnp.bfloat16))
-    assert calls == [((2, 8), 1), ((16, 8), 1)]        # 1 row, 17 rows and bf16: XLA's dot
+    assert calls == [((2, 8), 1), ((32, 8), 1)]        # 1 row, 33 rows and bf16: XLA's dot
     calls.clear()
     x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
     out = jax.eval_shape(linear.linears, x, (w, jnp.ones((8, 3), jnp.float32)))

@@ -57,22 +57,23 @@ def jax_params(model, path):
 
 
 def test_layers_are_traced_once_per_step_shape(monkeypatch):
-    """The decoder layers share one traced body (llama._decoder_layer): tracing a 4-layer forward
+    """The decoder layers share one traced body (llama._traced_once): tracing a 4-layer forward
     runs the layer's Python once, not once per layer (start-up time), and the output is the
     unrolled layers' (each layer's own weights are used: a model whose layers are all the same
-    differs from this one)."""
+    differs from this one). The shared trace lives for one trace of the model only, so a
+    second runner traces again (what a layer decides at trace time is not carried over)."""
     from jaxkv.model import llama
     config, params = random_model(num_layers=4)
     calls = []
     real = llama.Attention.__call__
     monkeypatch.setattr(llama.Attention, "__call__",
                         lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
-    llama._decoder_layer.clear_cache()
     prompt = list(np.random.default_rng(5).integers(0, 256, size=11))
     out = PagedRunner(params, config, block_size=8, seed=1).prefill(prompt)
     assert len(calls) == 1
     same = dict(params, layers={i: params["layers"][0] for i in params["layers"]})
     other = PagedRunner(same, config, block_size=8, seed=1).prefill(prompt)
+    assert len(calls) == 2
     assert np.abs(out - other).max() > 1e-3
 
 

@@ -404,8 +404,9 @@ class ModelRunner:
         With the persistent compilation cache on, a later start loads these from disk.
 
         Each variant is traced here and compiled on one of two threads (tracing holds the GIL,
-        ~0.5 s a variant; XLA's compile releases it, ~2 s), then run once on padding, which
-        finds the executable in JAX's in-memory caches and puts it in the jitted step's own.
+        ~0.1-0.2 s a variant, its layers traced once; XLA's compile releases it, ~2.5 s), then
+        run once on padding, which finds the executable in JAX's in-memory caches and puts it
+        in the jitted step's own.
         """
         s = self.sched_config
         pairs = [(t, n, w) for t in s.token_buckets for n in s.seq_buckets if n <= t

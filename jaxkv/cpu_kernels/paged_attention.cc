@@ -164,13 +164,59 @@ struct Mask {
 
 // ---- rows ----------------------------------------------------------------------------------
 
+// A row of D floats as NV vectors (NV = D / kLanes), or, with NV = 0, a plain loop over any D.
+// q . k of one query row against one key: the query's vectors loaded once per block (qv).
+template <int NV>
+struct RowOps {
+  Vec qv[NV > 0 ? NV : 1], qsv[NV > 0 ? NV : 1];
+  void load_queries(const float* q, const float* qs, bool sinks) {
+    for (int c = 0; c < NV; ++c) qv[c] = *reinterpret_cast<const Vec*>(q + c * kLanes);
+    if (sinks)
+      for (int c = 0; c < NV; ++c) qsv[c] = *reinterpret_cast<const Vec*>(qs + c * kLanes);
+  }
+  // (the sink query with sink = true) . k[0 .. D)
+  float dot(const float* q, const float* k, int64_t D, bool sink) const {
+    if constexpr (NV == 0) {
+      float d = 0.0f;
+      for (int64_t i = 0; i < D; ++i) d += q[i] * k[i];
+      return d;
+    } else {
+      const Vec* qr = sink ? qsv : qv;
+      Vec d = qr[0] * *reinterpret_cast<const Vec*>(k);
+      for (int c = 1; c < NV; ++c) d += qr[c] * *reinterpret_cast<const Vec*>(k + c * kLanes);
+      float total = 0.0f;
+      for (int i = 0; i < kLanes; ++i) total += d[i];
+      return total;
+    }
+  }
+  // acc[0 .. D) += sum over t < n of p[t] v[t, 0 .. D), t in order; acc held in registers
+  static void accumulate(const float* p, const float* vb, int64_t n, int64_t D, float* acc) {
+    if constexpr (NV == 0) {
+      for (int64_t t = 0; t < n; ++t) {
+        if (p[t] == 0.0f) continue;
+        for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * vb[t * D + d];
+      }
+    } else {
+      Vec a[NV];
+      for (int c = 0; c < NV; ++c) a[c] = *reinterpret_cast<const Vec*>(acc + c * kLanes);
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = p[t];
+        if (w == 0.0f) continue;
+        for (int c = 0; c < NV; ++c)
+          a[c] += w * *reinterpret_cast<const Vec*>(vb + t * D + c * kLanes);
+      }
+      for (int c = 0; c < NV; ++c) *reinterpret_cast<Vec*>(acc + c * kLanes) = a[c];
+    }
+  }
+};
+
 // One sequence's kv heads h0 .. h1 - 1: rows [RG] of queries q [h1 - h0, RG, D] per head (qs:
 // the sink queries, alike; read only with mask.rescore) over the sequence's blocks. Blocks are
 // the outer loop and heads the inner one, so a block's K (then its V) is read as one run of
 // (h1 - h0) * bs * D floats: the hardware prefetcher follows a run that long, and a sequence's
 // blocks are mostly consecutive in the pool (a 64-sequence decode step of ~400-token rows:
 // 26 GB/s over two threads against 13-14 GB/s a head at a time).
-template <class Pool>
+template <int NV, class Pool>
 void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
                   const int32_t* table, int64_t width, const int32_t* row_pos, int64_t R,
                   int64_t G, int64_t h0, int64_t h1, int64_t bs, int64_t D, const Mask& mask,
@@ -192,6 +238,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
   kbuf.resize(bs * D);                                          // a coded pool's decoded block
   vbuf.resize(bs * D);
   const int64_t blocks = last < 0 ? 0 : std::min<int64_t>(width, last / bs + 1);
+  RowOps<NV> ops;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t phys = table[b];
     const int64_t first = b * bs;
@@ -205,6 +252,8 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
         const int64_t pos = row_pos[rg / G];
         float* pr = p.data() + rg * bs;
         const float *qr = q + (hr + rg) * D, *qsr = qs + (hr + rg) * D;
+        const bool sink_block = mask.rescore && first < mask.sinks;
+        ops.load_queries(qr, qsr, sink_block);
         float block_max = kNegInf;
         for (int64_t t = 0; t < n; ++t) {
           const int64_t j = first + t;
@@ -212,11 +261,8 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
             s[t] = kNegInf;
             continue;
           }
-          const float* qt = mask.rescore && j < mask.sinks ? qsr : qr;
-          const float* kt = kb + t * D;
-          float dot = 0.0f;
-          for (int64_t d = 0; d < D; ++d) dot += qt[d] * kt[d];
-          s[t] = mask.cap(dot);
+          const bool sink = sink_block && j < mask.sinks;
+          s[t] = mask.cap(ops.dot(sink ? qsr : qr, kb + t * D, D, sink));
           block_max = std::max(block_max, s[t]);
         }
         if (block_max == kNegInf) {                              // sees none of the block
@@ -237,15 +283,8 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
         float* ar = acc.data() + (hr + rg) * D;
         for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
       }
-      for (int64_t t = 0; t < n; ++t) {                         // acc += p v, V read once
-        const float* vt = vb + t * D;
-        for (int64_t rg = 0; rg < RG; ++rg) {
-          const float w = p[rg * bs + t];
-          if (w == 0.0f) continue;
-          float* ar = acc.data() + (hr + rg) * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * vt[d];
-        }
-      }
+      for (int64_t rg = 0; rg < RG; ++rg)            // acc += p v, each row's acc in registers
+        RowOps<NV>::accumulate(p.data() + rg * bs, vb, n, D, acc.data() + (hr + rg) * D);
     }
   }
   for (int64_t r = 0; r < HRG; ++r) {
@@ -277,10 +316,14 @@ ffi::Error rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi
   // a work item is one sequence's kv heads, all of them where there are enough sequences to
   // keep every thread busy, else one (a batch of one or two long rows still uses every thread)
   const int64_t heads = S >= 4 * pool.num_threads() ? Hkv : 1;
+  auto fn = D == 8 * kLanes   ? attend_heads<8, Pool>
+            : D == 16 * kLanes ? attend_heads<16, Pool>
+            : D == 4 * kLanes  ? attend_heads<4, Pool>
+                               : attend_heads<0, Pool>;     // any other D: plain loops
   parallel_for(pool, S * Hkv / heads, [=, &k, &v, &mask](int64_t i) {
     const int64_t s = i * heads / Hkv, h0 = i * heads % Hkv, at = s * Hkv + h0;
-    attend_heads(qp + at * RG * D, qsp + at * RG * D, k, v, tp + s * width, width, pp + s * R,
-                 R, G, h0, h0 + heads, bs, D, mask, op + at * RG * D, lp + at * RG);
+    fn(qp + at * RG * D, qsp + at * RG * D, k, v, tp + s * width, width, pp + s * R, R, G, h0,
+       h0 + heads, bs, D, mask, op + at * RG * D, lp + at * RG);
   });
   return ffi::Error::Success();
 }

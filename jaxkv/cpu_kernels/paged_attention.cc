@@ -23,7 +23,9 @@
 //   lse      f32 [S, Hkv, R * G]     log-sum-exp of the logits (-inf for a row that saw none)
 //
 // Each sequence walks its blocks once, in order, keeping an online softmax for the R * G rows
-// of each kv head, so a block's K and V are read from memory once for all of them.
+// of each kv head, so a block's K and V are read from memory once for all of them. Where D is
+// a whole 4, 8 or 16 vectors, a row's query and its output stay in vector registers while it
+// runs over a block (RowOps).
 //
 // JaxkvPagedTiles: the tiles, the first body[s] query tokens of each sequence s in the step's
 // flat token layout (a prefill chunk's tokens before its last), causal over the sequence's

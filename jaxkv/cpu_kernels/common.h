@@ -1,4 +1,4 @@
-// Shared by the kernels of jaxkv/cpu_kernels: the machine's vector type, -inf, a vectorizable
+// Shared by the kernels of jaxkv/cpu_kernels: the machine's vector type (load, lane sum), -inf, a vectorizable
 // exp for x <= 0, and a parallel loop over XLA's intra-op threads.
 
 #pragma once
@@ -34,6 +34,15 @@ constexpr int kLanes = 4;      // SSE, NEON
 #endif
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), __may_alias__));
 typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// A Vec from any float address, and the sum of a Vec's lanes (in lane order).
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+
+inline float hsum(Vec v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
 
 // exp(x) for x <= 0 (a logit minus its row's running max), in a form the compiler vectorizes:
 // Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within

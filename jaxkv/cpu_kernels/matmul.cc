@@ -32,7 +32,9 @@
 #include "common.h"
 
 namespace ffi = xla::ffi;
+using jaxkv::hsum;
 using jaxkv::kLanes;
+using jaxkv::load;
 using jaxkv::parallel_for;
 using jaxkv::Vec;
 
@@ -40,14 +42,6 @@ namespace {
 
 constexpr int kRows = 4;                  // rows of x per pass over a block of w [N, K]
 constexpr int64_t kItemCols = 64;         // rows of w [N, K] per work item
-
-inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
-
-inline float hsum(Vec v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // acc[r, 0 .. cols) += x[r, k .. k + KB) @ w[k .. k + KB, n0 .. n0 + cols) for two rows of x
 // (R = 2, or 1 for an odd last row) and KB (4, or 1 in the tail) rows of w [K, N]: the KB weight

@@ -60,7 +60,9 @@
 
 namespace ffi = xla::ffi;
 using jaxkv::exp_nonpositive;
+using jaxkv::hsum;
 using jaxkv::kLanes;
+using jaxkv::load;
 using jaxkv::kNegInf;
 using jaxkv::parallel_for;
 using jaxkv::Vec;
@@ -167,28 +169,30 @@ struct Mask {
 // ---- rows ----------------------------------------------------------------------------------
 
 // A row of D floats as NV vectors (NV = D / kLanes), or, with NV = 0, a plain loop over any D.
-// q . k of one query row against one key: the query's vectors loaded once per block (qv).
+// Scores one query row (and its sink query) against keys, its vectors loaded once per block.
 template <int NV>
 struct RowOps {
+  const float *q = nullptr, *qs = nullptr;
   Vec qv[NV > 0 ? NV : 1], qsv[NV > 0 ? NV : 1];
-  void load_queries(const float* q, const float* qs, bool sinks) {
-    for (int c = 0; c < NV; ++c) qv[c] = *reinterpret_cast<const Vec*>(q + c * kLanes);
+  void load_queries(const float* query, const float* sink_query, bool sinks) {
+    q = query;
+    qs = sink_query;
+    for (int c = 0; c < NV; ++c) qv[c] = load(q + c * kLanes);
     if (sinks)
-      for (int c = 0; c < NV; ++c) qsv[c] = *reinterpret_cast<const Vec*>(qs + c * kLanes);
+      for (int c = 0; c < NV; ++c) qsv[c] = load(qs + c * kLanes);
   }
   // (the sink query with sink = true) . k[0 .. D)
-  float dot(const float* q, const float* k, int64_t D, bool sink) const {
+  float dot(const float* k, int64_t D, bool sink) const {
     if constexpr (NV == 0) {
+      const float* qr = sink ? qs : q;
       float d = 0.0f;
-      for (int64_t i = 0; i < D; ++i) d += q[i] * k[i];
+      for (int64_t i = 0; i < D; ++i) d += qr[i] * k[i];
       return d;
     } else {
       const Vec* qr = sink ? qsv : qv;
-      Vec d = qr[0] * *reinterpret_cast<const Vec*>(k);
-      for (int c = 1; c < NV; ++c) d += qr[c] * *reinterpret_cast<const Vec*>(k + c * kLanes);
-      float total = 0.0f;
-      for (int i = 0; i < kLanes; ++i) total += d[i];
-      return total;
+      Vec d = qr[0] * load(k);
+      for (int c = 1; c < NV; ++c) d += qr[c] * load(k + c * kLanes);
+      return hsum(d);
     }
   }
   // acc[0 .. D) += sum over t < n of p[t] v[t, 0 .. D), t in order; acc held in registers
@@ -200,12 +204,11 @@ struct RowOps {
       }
     } else {
       Vec a[NV];
-      for (int c = 0; c < NV; ++c) a[c] = *reinterpret_cast<const Vec*>(acc + c * kLanes);
+      for (int c = 0; c < NV; ++c) a[c] = load(acc + c * kLanes);
       for (int64_t t = 0; t < n; ++t) {
         const float w = p[t];
         if (w == 0.0f) continue;
-        for (int c = 0; c < NV; ++c)
-          a[c] += w * *reinterpret_cast<const Vec*>(vb + t * D + c * kLanes);
+        for (int c = 0; c < NV; ++c) a[c] += w * load(vb + t * D + c * kLanes);
       }
       for (int c = 0; c < NV; ++c) *reinterpret_cast<Vec*>(acc + c * kLanes) = a[c];
     }
@@ -264,7 +267,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
             continue;
           }
           const bool sink = sink_block && j < mask.sinks;
-          s[t] = mask.cap(ops.dot(sink ? qsr : qr, kb + t * D, D, sink));
+          s[t] = mask.cap(ops.dot(kb + t * D, D, sink));
           block_max = std::max(block_max, s[t]);
         }
         if (block_max == kNegInf) {                              // sees none of the block

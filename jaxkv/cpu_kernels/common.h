@@ -12,6 +12,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -62,6 +63,77 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// exp_nonpositive lane by lane, for a block's logits at once: n = floor(x log2e + 1/2) is the
+// truncation of that plus 128 (positive, as x >= -87) less 128, and r = x - n ln2 in one step
+// (ln2 rounded to float: a relative error of at most |n| * 2e-9, 2e-7 at the bottom of the range).
+inline Vec exp_nonpositive(Vec x) {
+  const Vec lo = Vec{} - 87.0f;
+  x = x < lo ? lo : x;
+  const IVec n_plus = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, IVec);
+  const Vec n = __builtin_convertvector(n_plus, Vec) - 128.0f;
+  const Vec r = x - n * 0.693147180559945309f;
+  Vec p = Vec{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IVec bits = (n_plus - 1) << 23;                         // 2^n: (n + 127) << 23
+  return p * reinterpret_cast<const Vec&>(bits);
+}
+
+// Keeps a loaded vector in a register for its next uses. GCC otherwise folds the load into every
+// FMA that reads it (one vector of K met by four query rows: four loads), and the kernels' inner
+// loops then wait on the load ports rather than on the FMAs.
+inline void in_register(Vec& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
+// Lane masks as compile-time constants (a mask built in a loop is left to run time, and a
+// shuffle by it then goes lane by lane): lane i holds (i / Half) * 2 * Half + i % Half + Offset
+// (fold_index) or i ^ W (swap_index).
+template <int Half, int Offset, int... L>
+constexpr IVec fold_index(std::integer_sequence<int, L...>) {
+  return IVec{((L / Half) * 2 * Half + L % Half + Offset)...};
+}
+template <int W, int... L>
+constexpr IVec swap_index(std::integer_sequence<int, L...>) {
+  return IVec{(L ^ W)...};
+}
+using Lanes = std::make_integer_sequence<int, kLanes>;
+
+// 0, 1, ..., kLanes - 1.
+constexpr IVec kLaneIndex = fold_index<kLanes, 0>(Lanes{});
+
+// The largest lane of a Vec: every lane against the lane W away, then W / 2 away, ...
+template <int W = kLanes / 2>
+inline float hmax(Vec v) {
+  constexpr IVec other = swap_index<W>(Lanes{});
+  const Vec u = __builtin_shuffle(v, other);
+  v = u > v ? u : v;
+  if constexpr (W > 1) return hmax<W / 2>(v);
+  else return v[0];
+}
+
+// Lane t of the result: the sum of v[t]'s lanes, for all kLanes vectors v[0 .. kLanes) at once
+// (v is used as scratch). A transposing tree: each level adds the two halves of every token's
+// partial sums and packs two vectors' tokens into one (v[k] from v[2k] and v[2k + 1]), so
+// log2(kLanes) levels of shuffles and adds take the place of kLanes horizontal sums.
+template <int Half = kLanes / 2>
+inline Vec lane_sums(Vec* v) {
+  constexpr IVec lo = fold_index<Half, 0>(Lanes{}), hi = fold_index<Half, Half>(Lanes{});
+  for (int k = 0; k < Half; ++k)
+    v[k] = __builtin_shuffle(v[2 * k], v[2 * k + 1], lo) +
+           __builtin_shuffle(v[2 * k], v[2 * k + 1], hi);
+  if constexpr (Half > 1) return lane_sums<Half / 2>(v);
+  else return v[0];
 }
 
 // Calls fn(i) for i in [0, n) on this thread and helpers from XLA's intra-op pool. Workers

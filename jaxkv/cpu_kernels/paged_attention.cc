@@ -23,9 +23,11 @@
 //   lse      f32 [S, Hkv, R * G]     log-sum-exp of the logits (-inf for a row that saw none)
 //
 // Each sequence walks its blocks once, in order, keeping an online softmax for the R * G rows
-// of each kv head, so a block's K and V are read from memory once for all of them. Where D is
-// a whole 4, 8 or 16 vectors, a row's query and its output stay in vector registers while it
-// runs over a block (RowOps).
+// of each kv head, so a block's K and V are read from memory once for all of them. A row scores
+// kLanes keys at a time: where D is a whole 4, 8 or 16 vectors its query stays in registers,
+// each key's products are one vector of partial sums, and one transposing tree of shuffles
+// adds up all kLanes of them (RowOps::scores); the softmax then runs on those vectors, and the
+// row's output stays in registers while the block's values stream by.
 //
 // JaxkvPagedTiles: the tiles, the first body[s] query tokens of each sequence s in the step's
 // flat token layout (a prefill chunk's tokens before its last), causal over the sequence's
@@ -41,8 +43,9 @@
 //
 // A work item is one kv head of kTileTokens consecutive tokens of one sequence: its K blocks
 // are transposed once into [D, bs] so that kGroup query rows at a time (8 with AVX-512, 4
-// without) score a whole block with bs-wide vector FMAs, and P V runs as kGroup rows of D-wide
-// FMAs per key.
+// without) score a whole block with bs-wide vector FMAs, their softmax runs on those vectors,
+// and P V runs two of the rows' output vectors at a time (2 * kGroup accumulators), each
+// value vector loaded once for the kGroup rows.
 //
 // Both take the attributes soft_cap, window, num_sinks, rescore (what a query sees: Mask) and
 // k_fixed_scale, v_fixed_scale (> 0: the codes' fixed scale instead of k_scale, v_scale), and
@@ -60,7 +63,12 @@
 
 namespace ffi = xla::ffi;
 using jaxkv::exp_nonpositive;
+using jaxkv::hmax;
 using jaxkv::hsum;
+using jaxkv::in_register;
+using jaxkv::IVec;
+using jaxkv::kLaneIndex;
+using jaxkv::lane_sums;
 using jaxkv::kLanes;
 using jaxkv::load;
 using jaxkv::kNegInf;
@@ -158,6 +166,12 @@ struct Mask {
   bool sees(int64_t p, int64_t j) const {
     return j <= p && (window == 0 || p - j < window || j < sinks);
   }
+  // the same, lane by lane, for query positions p and kv positions j (all lanes -1 or 0)
+  IVec sees(IVec p, IVec j) const {
+    const IVec before = j <= p;
+    if (window == 0) return before;
+    return before & ((p - j < static_cast<int32_t>(window)) | (j < static_cast<int32_t>(sinks)));
+  }
   // whether a block of positions [first, first + bs) holds a position some query at p0..p1
   // (p0 <= p1) sees
   bool block_seen(int64_t first, int64_t bs, int64_t p0, int64_t p1) const {
@@ -169,7 +183,8 @@ struct Mask {
 // ---- rows ----------------------------------------------------------------------------------
 
 // A row of D floats as NV vectors (NV = D / kLanes), or, with NV = 0, a plain loop over any D.
-// Scores one query row (and its sink query) against keys, its vectors loaded once per block.
+// Scores one query row (and its sink query) against up to kLanes keys at a time, its vectors
+// loaded once per block.
 template <int NV>
 struct RowOps {
   const float *q = nullptr, *qs = nullptr;
@@ -181,19 +196,32 @@ struct RowOps {
     if (sinks)
       for (int c = 0; c < NV; ++c) qsv[c] = load(qs + c * kLanes);
   }
-  // (the sink query with sink = true) . k[0 .. D)
-  float dot(const float* k, int64_t D, bool sink) const {
+  // lane t < m: (the sink query with sink = true) . k[t] for keys k [m, D]; lanes >= m: 0.
+  // With NV > 0 every key's products are a vector of partial sums, and one transposing tree
+  // (lane_sums) adds up all m of them.
+  Vec scores(const float* k, int m, int64_t D, bool sink) const {
+    Vec out = {};
     if constexpr (NV == 0) {
       const float* qr = sink ? qs : q;
-      float d = 0.0f;
-      for (int64_t i = 0; i < D; ++i) d += qr[i] * k[i];
-      return d;
+      for (int t = 0; t < m; ++t) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < D; ++i) d += qr[i] * k[t * D + i];
+        out[t] = d;
+      }
     } else {
       const Vec* qr = sink ? qsv : qv;
-      Vec d = qr[0] * load(k);
-      for (int c = 1; c < NV; ++c) d += qr[c] * load(k + c * kLanes);
-      return hsum(d);
+      Vec part[kLanes];
+      for (int t = 0; t < kLanes; ++t) part[t] = Vec{};
+      if (m == kLanes) {
+        for (int c = 0; c < NV; ++c)
+          for (int t = 0; t < kLanes; ++t) part[t] += qr[c] * load(k + t * D + c * kLanes);
+      } else {
+        for (int c = 0; c < NV; ++c)
+          for (int t = 0; t < m; ++t) part[t] += qr[c] * load(k + t * D + c * kLanes);
+      }
+      out = lane_sums(part);
     }
+    return out;
   }
   // acc[0 .. D) += sum over t < n of p[t] v[t, 0 .. D), t in order; acc held in registers
   static void accumulate(const float* p, const float* vb, int64_t n, int64_t D, float* acc) {
@@ -235,11 +263,12 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
   // running max, sum, unnormalized output of every (head, row), a block's logits and weights:
   // one set of buffers per thread, reused by every item it takes (not allocated per call)
   thread_local std::vector<float> m, l, acc, s, p, kbuf, vbuf;
+  const int64_t bsp = (bs + kLanes - 1) / kLanes * kLanes;      // bs in whole vectors
   m.assign(HRG, kNegInf);
   l.assign(HRG, 0.0f);
   acc.assign(HRG * D, 0.0f);
-  s.resize(bs);
-  p.resize(RG * bs);
+  s.resize(bsp);
+  p.resize(RG * bsp);
   kbuf.resize(bs * D);                                          // a coded pool's decoded block
   vbuf.resize(bs * D);
   const int64_t blocks = last < 0 ? 0 : std::min<int64_t>(width, last / bs + 1);
@@ -249,47 +278,54 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
     const int64_t first = b * bs;
     if (phys == 0 || !mask.block_seen(first, bs, first_row, last)) continue;   // dropped,
     const int64_t n = std::min<int64_t>(bs, last - first + 1);   // padding, or out of window
+    const bool sink_block = mask.rescore && first < mask.sinks;
     for (int64_t h = h0; h < h1; ++h) {
       const float* kb = k.block(phys, h, n, kbuf.data());        // [bs, D]
       const float* vb = v.block(phys, h, n, vbuf.data());
       const int64_t hr = (h - h0) * RG;                          // this head's first row
       for (int64_t rg = 0; rg < RG; ++rg) {
-        const int64_t pos = row_pos[rg / G];
-        float* pr = p.data() + rg * bs;
-        const float *qr = q + (hr + rg) * D, *qsr = qs + (hr + rg) * D;
-        const bool sink_block = mask.rescore && first < mask.sinks;
-        ops.load_queries(qr, qsr, sink_block);
-        float block_max = kNegInf;
-        for (int64_t t = 0; t < n; ++t) {
-          const int64_t j = first + t;
-          if (!mask.sees(pos, j)) {
-            s[t] = kNegInf;
-            continue;
-          }
-          const bool sink = sink_block && j < mask.sinks;
-          s[t] = mask.cap(ops.dot(kb + t * D, D, sink));
-          block_max = std::max(block_max, s[t]);
+        const IVec pos = IVec{} + row_pos[rg / G];
+        float* pr = p.data() + rg * bsp;
+        ops.load_queries(q + (hr + rg) * D, qs + (hr + rg) * D, sink_block);
+        // the logits the row sees (-inf elsewhere), kLanes keys at a time
+        Vec top = Vec{} + kNegInf;
+        for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+          const int mk = static_cast<int>(std::min<int64_t>(kLanes, n - t0));
+          const IVec j = kLaneIndex + static_cast<int32_t>(first + t0);
+          Vec x = ops.scores(kb + t0 * D, mk, D, false);
+          if (sink_block)
+            x = j < static_cast<int32_t>(mask.sinks) ? ops.scores(kb + t0 * D, mk, D, true) : x;
+          if (mask.soft_cap > 0.0f)
+            for (int t = 0; t < kLanes; ++t) x[t] = mask.cap(x[t]);
+          x = (mask.sees(pos, j) & (kLaneIndex < mk)) ? x : Vec{} + kNegInf;
+          *reinterpret_cast<Vec*>(&s[t0]) = x;
+          top = x > top ? x : top;
         }
+        const float block_max = hmax(top);
         if (block_max == kNegInf) {                              // sees none of the block
-          std::fill(pr, pr + bs, 0.0f);
+          std::fill(pr, pr + bsp, 0.0f);
           continue;
         }
         float& mr = m[hr + rg];
         const float m_new = std::max(mr, block_max);
-        const float alpha = mr == kNegInf ? 0.0f : exp_nonpositive(mr - m_new);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-          pr[t] = s[t] == kNegInf ? 0.0f : exp_nonpositive(s[t] - m_new);
-          sum += pr[t];
+        const float alpha = mr == m_new ? 1.0f : mr == kNegInf ? 0.0f
+                                                 : exp_nonpositive(mr - m_new);
+        Vec sum = {};
+        for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
+          const Vec x = load(&s[t0]);
+          const Vec w = x > Vec{} + kNegInf ? exp_nonpositive(x - m_new) : Vec{};
+          *reinterpret_cast<Vec*>(pr + t0) = w;
+          sum += w;
         }
-        std::fill(pr + n, pr + bs, 0.0f);
-        l[hr + rg] = alpha * l[hr + rg] + sum;
+        l[hr + rg] = alpha * l[hr + rg] + hsum(sum);
         mr = m_new;
-        float* ar = acc.data() + (hr + rg) * D;
-        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        if (alpha != 1.0f) {
+          float* ar = acc.data() + (hr + rg) * D;
+          for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        }
       }
       for (int64_t rg = 0; rg < RG; ++rg)            // acc += p v, each row's acc in registers
-        RowOps<NV>::accumulate(p.data() + rg * bs, vb, n, D, acc.data() + (hr + rg) * D);
+        RowOps<NV>::accumulate(p.data() + rg * bsp, vb, n, D, acc.data() + (hr + rg) * D);
     }
   }
   for (int64_t r = 0; r < HRG; ++r) {
@@ -420,12 +456,12 @@ void attend_tile(const float* q, const float* qs, int64_t q_stride, int64_t ntok
   const int64_t rows = ntok * G, padded = (rows + kGroup - 1) / kGroup * kGroup;
   // this item's queries and sink queries [padded, D] (padding rows zero), running max, sum
   // and output
-  thread_local std::vector<float> Q, QS, m, l, acc;
+  thread_local std::vector<float> Q, QS, m, l, acc;             // l: a row's sum, lane by lane
   thread_local std::vector<int32_t> pos;
   Q.assign(padded * D, 0.0f);
   QS.assign(mask.rescore ? padded * D : 0, 0.0f);
   m.assign(padded, kNegInf);
-  l.assign(padded, 0.0f);
+  l.assign(padded * kLanes, 0.0f);
   acc.assign(padded * D, 0.0f);
   pos.assign(padded, -1);                                       // -1: a padding row
   for (int64_t r = 0; r < rows; ++r) {
@@ -452,7 +488,8 @@ void attend_tile(const float* q, const float* qs, int64_t q_stride, int64_t ntok
       auto score = [&](const std::vector<float>& queries, Vec (&s)[kGroup][kBlockVecs]) {
         for (int d = 0; d < D; ++d) {
           for (int c = 0; c < kBlockVecs; ++c) {
-            const Vec kd = *reinterpret_cast<const Vec*>(&kT[d * kBlock + c * kLanes]);
+            Vec kd = load(&kT[d * kBlock + c * kLanes]);
+            in_register(kd);
             for (int i = 0; i < kGroup; ++i) s[i][c] += queries[(r + i) * D + d] * kd;
           }
         }
@@ -460,54 +497,78 @@ void attend_tile(const float* q, const float* qs, int64_t q_stride, int64_t ntok
       Vec s[kGroup][kBlockVecs] = {}, ss[kGroup][kBlockVecs] = {};   // logits, sink logits
       score(Q, s);
       if (sink_scores) score(QS, ss);
-      alignas(64) float p[kGroup][kBlock];
+      alignas(64) float p[kGroup][kBlock];                      // the rows' weights of the block
       float alpha[kGroup];
+      // Three passes over the group's rows, each over rows independent of one another (so
+      // their latencies overlap): the logits each row sees (-inf elsewhere) and their maximum;
+      // the row's new running max and alpha, the factor on what it summed before; the weights.
+      // A row that sees none of the block (padding, or before it) keeps its max and sum.
+      IVec seen[kGroup][kBlockVecs];
+      float m_new[kGroup];
       for (int i = 0; i < kGroup; ++i) {
-        float sc[kBlock], ssc[kBlock];
-        std::memcpy(sc, &s[i], sizeof sc);
-        std::memcpy(ssc, &ss[i], sizeof ssc);
-        float block_max = kNegInf;
-        for (int j = 0; j < kBlock; ++j) {
-          const int64_t at = first + j;
-          sc[j] = !mask.sees(pos[r + i], at) ? kNegInf
-                  : mask.cap(sink_scores && at < mask.sinks ? ssc[j] : sc[j]);
-          block_max = std::max(block_max, sc[j]);
+        const IVec pos_i = IVec{} + pos[r + i];
+        Vec block_max = Vec{} + kNegInf;
+        // a block wholly at or before the row's position, with no window, is all seen
+        const bool whole = mask.window == 0 && first + kBlock - 1 <= pos[r + i];
+        for (int c = 0; c < kBlockVecs; ++c) {
+          const IVec j = kLaneIndex + static_cast<int32_t>(first + c * kLanes);
+          seen[i][c] = whole ? IVec{} - 1 : mask.sees(pos_i, j);
+          Vec x = sink_scores ? (j < static_cast<int32_t>(mask.sinks) ? ss[i][c] : s[i][c])
+                              : s[i][c];
+          if (mask.soft_cap > 0.0f)
+            for (int t = 0; t < kLanes; ++t) x[t] = mask.cap(x[t]);
+          s[i][c] = seen[i][c] ? x : Vec{} + kNegInf;
+          block_max = s[i][c] > block_max ? s[i][c] : block_max;
         }
-        alpha[i] = 1.0f;
-        if (block_max == kNegInf) {                             // padding, or sees none of it
-          std::fill(p[i], p[i] + kBlock, 0.0f);
-          continue;
-        }
-        const float m_old = m[r + i], m_new = std::max(m_old, block_max);
-        alpha[i] = m_old == kNegInf ? 0.0f : exp_nonpositive(m_old - m_new);
-        float sum = 0.0f;
-        for (int j = 0; j < kBlock; ++j) {
-          p[i][j] = sc[j] == kNegInf ? 0.0f : exp_nonpositive(sc[j] - m_new);
-          sum += p[i][j];
-        }
-        l[r + i] = alpha[i] * l[r + i] + sum;
-        m[r + i] = m_new;
+        m_new[i] = std::max(m[r + i], hmax(block_max));
       }
-      Vec a[kGroup][NV];                                       // the rows' outputs, rescaled
-      for (int i = 0; i < kGroup; ++i)
-        for (int c = 0; c < NV; ++c)
-          a[i][c] = *reinterpret_cast<const Vec*>(&acc[(r + i) * D + c * kLanes]) * alpha[i];
-      for (int j = 0; j < kBlock; ++j) {                        // acc += p v
-        Vec vj[NV];
-        for (int c = 0; c < NV; ++c) vj[c] = *reinterpret_cast<const Vec*>(vb + j * D + c * kLanes);
-        for (int i = 0; i < kGroup; ++i)
-          for (int c = 0; c < NV; ++c) a[i][c] += p[i][j] * vj[c];
+      for (int i = 0; i < kGroup; ++i) {
+        const float m_old = m[r + i];
+        // the running max mostly stays put from block to block (an early sink holds it)
+        alpha[i] = m_old == m_new[i] ? 1.0f : m_old == kNegInf ? 0.0f
+                                            : exp_nonpositive(m_old - m_new[i]);
+        m[r + i] = m_new[i];
       }
-      for (int i = 0; i < kGroup; ++i)
-        for (int c = 0; c < NV; ++c)
-          *reinterpret_cast<Vec*>(&acc[(r + i) * D + c * kLanes]) = a[i][c];
+      for (int i = 0; i < kGroup; ++i) {
+        Vec sum = load(&l[(r + i) * kLanes]) * alpha[i];
+        for (int c = 0; c < kBlockVecs; ++c) {
+          const Vec w = seen[i][c] ? exp_nonpositive(s[i][c] - m_new[i]) : Vec{};
+          *reinterpret_cast<Vec*>(&p[i][c * kLanes]) = w;
+          sum += w;
+        }
+        *reinterpret_cast<Vec*>(&l[(r + i) * kLanes]) = sum;
+      }
+      // acc = alpha acc + p v, two of a row's D / kLanes output vectors at a time: the
+      // kGroup * 2 partial outputs stay in registers while the block's values stream by
+      static_assert(NV % 2 == 0, "D must be a whole number of vector pairs");
+      for (int c = 0; c < NV; c += 2) {
+        Vec a0[kGroup], a1[kGroup];
+        for (int i = 0; i < kGroup; ++i) {
+          a0[i] = load(&acc[(r + i) * D + c * kLanes]) * alpha[i];
+          a1[i] = load(&acc[(r + i) * D + (c + 1) * kLanes]) * alpha[i];
+        }
+        for (int j = 0; j < kBlock; ++j) {
+          Vec v0 = load(vb + j * D + c * kLanes), v1 = load(vb + j * D + (c + 1) * kLanes);
+          in_register(v0);
+          in_register(v1);
+          for (int i = 0; i < kGroup; ++i) {
+            a0[i] += p[i][j] * v0;
+            a1[i] += p[i][j] * v1;
+          }
+        }
+        for (int i = 0; i < kGroup; ++i) {
+          *reinterpret_cast<Vec*>(&acc[(r + i) * D + c * kLanes]) = a0[i];
+          *reinterpret_cast<Vec*>(&acc[(r + i) * D + (c + 1) * kLanes]) = a1[i];
+        }
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + (r / G) * q_stride + (h * G + r % G) * D;
-    const bool seen = l[r] > 0.0f;
-    for (int d = 0; d < D; ++d) o[d] = seen ? acc[r * D + d] / l[r] : 0.0f;
-    lse[(r / G) * lse_stride + h * G + r % G] = seen ? m[r] + std::log(l[r]) : kNegInf;
+    const float sum = hsum(load(&l[r * kLanes]));
+    const bool seen = sum > 0.0f;
+    for (int d = 0; d < D; ++d) o[d] = seen ? acc[r * D + d] / sum : 0.0f;
+    lse[(r / G) * lse_stride + h * G + r % G] = seen ? m[r] + std::log(sum) : kNegInf;
   }
 }
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv import batch, kv_disk, planner, sharding
+from jaxkv import batch, huge_pages, kv_disk, planner, sharding
 from jaxkv.cache import copy_blocks, init_cache
 from jaxkv.kv_transfer import HostKVPool
 from jaxkv.config import CacheConfig, EngineConfig
@@ -300,6 +300,9 @@ class ModelRunner:
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
         self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
+        collapsed = huge_pages.collapse(self.params)          # CPU arrays only; advice only
+        if collapsed:
+            logger.info("weights on 2 MiB pages: %.0f MB", collapsed / 1e6)
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed

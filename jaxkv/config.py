@@ -120,12 +120,18 @@ def check_fields(obj) -> None:
             raise ValueError(f"{f.name}={value!r} is not one of {tuple(choices)}")
 
 
-def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    """``(lo, 2 lo, 4 lo, ...)`` up to ``hi``; ``hi`` itself always closes the tuple."""
+TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the powers from here
+
+
+def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None) -> tuple[int, ...]:
+    """``(lo, 2 lo, 4 lo, ...)`` up to ``hi``; ``hi`` itself always closes the tuple. With
+    ``midpoints_from``, each power ``p >= midpoints_from`` is followed by ``1.5 p``."""
     sizes = []
     size = lo
     while size < hi:
         sizes.append(size)
+        if midpoints_from is not None and size >= midpoints_from and size * 3 // 2 < hi:
+            sizes.append(size * 3 // 2)
         size *= 2
     return (*sizes, hi)
 
@@ -214,7 +220,9 @@ class SchedulerConfig:
       token_buckets: padded sizes of the token axis ``T``; strictly increasing, the last one
         ``>= max_num_batched_tokens``. Default: powers of two from 8, closed by the maximum
         (8 decodes run on 8 token rows, not 16: the step's matmuls do ~15% less work,
-        bench/decode_step.py).
+        bench/decode_step.py), and from 256 tokens up the midpoints 1.5 x 2^k as well (384,
+        768, 1536): a step that large costs in proportion to its padded tokens, and a batch of
+        prompts just over a power of two (342 tokens: 512) would waste up to half of it.
       seq_buckets: padded sizes of the sequence axis ``S``; strictly increasing, the last one
         ``>= max_num_seqs``. Default: powers of two from 8, closed by the maximum (the same
         minima as vLLM's TPU backend: smaller buckets save little and add compilations).
@@ -228,7 +236,8 @@ class SchedulerConfig:
     lpm_max_skips: int = option(8, "lpm: admissions a waiting request may be overtaken by",
                                 minimum=1)
     token_buckets: tuple[int, ...] | None = option(None, "padded token-axis sizes the step "
-                                                   "compiles for (default: powers of two)")
+                                                   "compiles for (default: powers of two, and "
+                                                   "1.5x midpoints from 256)")
     seq_buckets: tuple[int, ...] | None = option(None, "padded sequence-axis sizes the step "
                                                  "compiles for (default: powers of two)")
 
@@ -237,7 +246,8 @@ class SchedulerConfig:
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets",
                                _powers_of_two(min(8, self.max_num_batched_tokens),
-                                              self.max_num_batched_tokens))
+                                              self.max_num_batched_tokens,
+                                              midpoints_from=TOKEN_MIDPOINTS_FROM))
         if self.seq_buckets is None:
             object.__setattr__(self, "seq_buckets",
                                _powers_of_two(min(8, self.max_num_seqs), self.max_num_seqs))

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import sys
+import threading
+import time
 
 import jax
+
+logger = logging.getLogger("jaxkv")
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
+_ATTEMPTS = 4
 
 ENABLED = True       # read when an engine loads its weights (bench/step_ab.py switches it)
 
@@ -67,9 +73,11 @@ def collapse(arrays) -> int:
       kernel collapsed (0 where it cannot: not Linux, an older kernel, transparent huge pages
       off, or ``ENABLED`` False).
     """
+    return _collapse(arrays) if ENABLED and _madvise() is not None else 0
+
+
+def _collapse(arrays) -> int:
     madvise = _madvise()
-    if madvise is None or not ENABLED:
-        return 0
     ranges = set()
     for x in jax.tree_util.tree_leaves(arrays):
         if not isinstance(x, jax.Array):
@@ -83,9 +91,33 @@ def collapse(arrays) -> int:
         if whole <= 0:                 # no whole 2 MiB page inside (a guard page, a neighbour)
             continue
         madvise(start, end - start, _MADV_HUGEPAGE)
-        if madvise(start, end - start, _MADV_COLLAPSE) == 0:
-            done += whole
+        # a collapse of freshly written memory can fail for a moment (pages the kernel has not
+        # settled yet); what it did collapse stays, and a retry a little later takes the rest
+        for attempt in range(_ATTEMPTS):
+            if madvise(start, end - start, _MADV_COLLAPSE) == 0:
+                done += whole
+                break
+            time.sleep(0.01 * (attempt + 1))
     return done
+
+
+def collapse_in_background(arrays) -> threading.Thread | None:
+    """``collapse(arrays)`` on a daemon thread, which logs what it moved (INFO); None where
+    ``collapse`` would do nothing (``ENABLED`` is read now, not by the thread). The kernel copies
+    every page it collapses (~0.8 s for SmolLM2-135M's weights on this machine's VM), and
+    nothing needs to wait for it: the arrays can be read (the engine starts, compiles and
+    steps) while their pages move."""
+    if not ENABLED or _madvise() is None:
+        return None
+
+    def run():
+        done = _collapse(arrays)
+        if done:
+            logger.info("weights on 2 MiB pages: %.0f MB", done / 1e6)
+
+    thread = threading.Thread(target=run, name="jaxkv-huge-pages", daemon=True)
+    thread.start()
+    return thread
 
 
 def _mapped_pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

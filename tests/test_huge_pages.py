@@ -60,3 +60,17 @@ def test_collapse_keeps_values_and_what_it_reports_is_on_huge_pages(monkeypatch)
         # pages that hold it, and its mapping shows them
         assert inner <= done <= end - start
         assert anon_huge_bytes(address + host.nbytes // 2) >= done
+
+
+def test_collapse_in_background_moves_the_pages_and_logs(caplog, monkeypatch):
+    host = np.arange(3 << 20, dtype=np.float32).reshape(3, -1)
+    x = jax.device_put(host)
+    monkeypatch.setattr(huge_pages, "ENABLED", False)
+    assert huge_pages.collapse_in_background({"w": x}) is None
+    monkeypatch.setattr(huge_pages, "ENABLED", True)
+    with caplog.at_level("INFO", logger="jaxkv"):
+        huge_pages.collapse_in_background({"w": x}).join(timeout=60)
+    np.testing.assert_array_equal(np.asarray(x), host)
+    if thp_collapse_available():
+        assert any("weights on 2 MiB pages" in r.getMessage() for r in caplog.records)
+        assert anon_huge_bytes(x.unsafe_buffer_pointer() + x.nbytes // 2) >= 2 << 20

@@ -300,9 +300,7 @@ class ModelRunner:
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
         self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
-        collapsed = huge_pages.collapse(self.params)          # CPU arrays only; advice only
-        if collapsed:
-            logger.info("weights on 2 MiB pages: %.0f MB", collapsed / 1e6)
+        huge_pages.collapse_in_background(self.params)        # CPU arrays only; advice only
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed

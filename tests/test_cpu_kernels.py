@@ -187,11 +187,12 @@ def test_matmul_equals_numpy(M, K, N, transposed):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("M, transposed", [(8, False), (3, False), (5, True)])
+@pytest.mark.parametrize("M, transposed", [(8, False), (3, False), (12, False), (5, True)])
 def test_matmuls_of_several_weights_equal_numpy(M, transposed):
     """Several weights in one call (q/k/v, gate/up): each output is its own product, whatever
     the other weights' widths (a tail past the last vector in one of them, one a single
-    vector wide), against float64 numpy."""
+    vector wide), against float64 numpy; up to 8 rows the weights go in slices of rows summed
+    afterwards, 12 rows take column blocks."""
     rng = np.random.default_rng(M)
     K, widths = 96, (576, 37, 8, 200)
     x = rng.standard_normal((M, K), dtype=np.float32)

@@ -14,11 +14,20 @@
 // reading the weight once per step is the real cost. Here each work item owns a block of the
 // weight and reads it once from memory:
 //
-//   w [K, N]:  a block of 64-256 columns, walked down the K rows four at a time (each row a
-//              contiguous run), into the partial sums of all M rows kept in a per-thread
-//              buffer [M, cols] that stays in L1; two rows of x per register block, their
-//              four broadcasts held in registers (bench/dot_throughput.py: a strip of two
-//              vectors walked down K, one cache line per row 6 KB apart, was slower than XLA);
+//   w [K, N], up to kSliceRows rows of x (the product streams the weight): a slice of
+//              consecutive rows k0 .. k1 (one contiguous run of the weight), read in column
+//              chunks whose partial sums for all M rows stay in L1, four weight rows at a time;
+//              each slice's partial products [M, N] go to a buffer, and a second pass adds a
+//              weight's slices up. Slicing by rows rather than by columns took a standalone
+//              stream of 8 rows over 60 weights of [576, 1536] from 11.6 to 18-20 GB/s on the
+//              2-core EPYC (the machine reads 26 GB/s), and a decode step of 8 sequences from
+//              64-68 to 47-51 ms;
+//   w [K, N], more rows (the FMAs, not the stream, the limit; slices were 3-8% slower at 16
+//              and 32 rows): a block of 64-256 columns walked down the K rows four at a time,
+//              into the partial sums of all M rows in a per-thread buffer [M, cols] in L1;
+//   both:      two rows of x per register block, their four broadcasts held in registers
+//              (bench/dot_throughput.py: a strip of two vectors walked down K, one cache line
+//              per row 6 KB apart, was slower than XLA);
 //   w [N, K]:  two weight rows at a time, each a run of K floats, against kRows rows of x.
 //
 // The work items (of every weight of the call) are shared out over XLA's intra-op threads.
@@ -42,13 +51,15 @@ namespace {
 
 constexpr int kRows = 4;                  // rows of x per pass over a block of w [N, K]
 constexpr int64_t kItemCols = 64;         // rows of w [N, K] per work item
+constexpr int64_t kChunkFloats = 8192;    // a slice's partial sums per column chunk (32 KB)
+constexpr int64_t kSliceRows = 8;         // rows of x up to which w [K, N] is cut in slices
 
 // acc[r, 0 .. cols) += x[r, k .. k + KB) @ w[k .. k + KB, n0 .. n0 + cols) for two rows of x
 // (R = 2, or 1 for an odd last row) and KB (4, or 1 in the tail) rows of w [K, N]: the KB weight
 // rows' vectors are loaded once per row pair, each row's KB broadcasts held in registers.
 template <int R, int KB>
 inline void panel_nn(const float* x, int64_t K, const float* w, int64_t N, int64_t k,
-                     int64_t n0, int64_t cols, float* acc) {
+                     int64_t n0, int64_t cols, float* acc, int64_t acc_stride) {
   Vec xb[R][KB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < KB; ++i) xb[r][i] = Vec{} + x[r * K + k + i];
@@ -56,9 +67,9 @@ inline void panel_nn(const float* x, int64_t K, const float* w, int64_t N, int64
     Vec wv[KB];
     for (int i = 0; i < KB; ++i) wv[i] = load(w + (k + i) * N + n0 + c);
     for (int r = 0; r < R; ++r) {
-      Vec a = load(acc + r * cols + c);
+      Vec a = load(acc + r * acc_stride + c);
       for (int i = 0; i < KB; ++i) a += xb[r][i] * wv[i];
-      *reinterpret_cast<Vec*>(acc + r * cols + c) = a;
+      *reinterpret_cast<Vec*>(acc + r * acc_stride + c) = a;
     }
   }
 }
@@ -73,7 +84,7 @@ void columns_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
   auto rows = [&](auto r_tag, auto kb_tag, int64_t k) {
     constexpr int R = decltype(r_tag)::value, KB = decltype(kb_tag)::value;
     for (int64_t m = 0; m + R <= M; m += 2)
-      panel_nn<R, KB>(x + m * K, K, w, N, k, n0, cols, acc.data() + m * cols);
+      panel_nn<R, KB>(x + m * K, K, w, N, k, n0, cols, acc.data() + m * cols, cols);
   };
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
@@ -81,14 +92,39 @@ void columns_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
     rows(Two{}, Four{}, k);
-    if (M % 2) panel_nn<1, 4>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols);
+    if (M % 2) panel_nn<1, 4>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols,
+                                 cols);
   }
   for (; k < K; ++k) {
     rows(Two{}, One{}, k);
-    if (M % 2) panel_nn<1, 1>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols);
+    if (M % 2) panel_nn<1, 1>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols,
+                                 cols);
   }
   for (int64_t m = 0; m < M; ++m)
     std::memcpy(out + m * N + n0, acc.data() + m * cols, cols * sizeof(float));
+}
+
+// part[0 .. M, 0 .. cols) = x[:, k0 .. k1) @ w[k0 .. k1, 0 .. cols) (w [K, N], cols a multiple
+// of kLanes): the slice's rows are read one column chunk at a time, the chunk's partial sums of
+// all M rows (at most kChunkFloats of them) staying in L1 while its rows go by four at a time.
+void slice_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0,
+              int64_t k1, int64_t cols, float* part) {
+  std::fill(part, part + M * cols, 0.0f);
+  const int64_t chunk = std::clamp<int64_t>(kChunkFloats / M / kLanes * kLanes, kLanes, cols);
+  for (int64_t c0 = 0; c0 < cols; c0 += chunk) {
+    const int64_t width = std::min(chunk, cols - c0);
+    float* acc = part + c0;
+    auto pass = [&](auto kb_tag, int64_t k) {
+      constexpr int KB = decltype(kb_tag)::value;
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2)
+        panel_nn<2, KB>(x + m * K, K, w, N, k, c0, width, acc + m * cols, cols);
+      if (m < M) panel_nn<1, KB>(x + m * K, K, w, N, k, c0, width, acc + m * cols, cols);
+    };
+    int64_t k = k0;
+    for (; k + 4 <= k1; k += 4) pass(std::integral_constant<int, 4>{}, k);
+    for (; k < k1; ++k) pass(std::integral_constant<int, 1>{}, k);
+  }
 }
 
 // out[r, n] = x[r] @ w[:, n] for every row of x and one column n (the columns past the vectors).
@@ -141,9 +177,11 @@ struct Product {
   const float* w;
   float* out;
   int64_t N;
-  int64_t cols;       // columns per item (w [K, N]), or weight rows per item (w [N, K])
+  int64_t rows;       // weight rows per item (a slice of w [K, N], a block of w [N, K]), or
+                      // columns per item (w [K, N] in column blocks)
   int64_t vec_cols;   // w [K, N]: the columns the items cover (a multiple of kLanes)
   int64_t items;
+  float* parts;       // w [K, N]: the slices' partial products [items, M, vec_cols]
 };
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
@@ -154,6 +192,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     return ffi::Error::InvalidArgument("matmul: one output per weight, at least one weight");
   const int64_t M = xd[0], K = xd[1];
   const float* xp = x.typed_data();
+  // few rows: the product streams the weight, and contiguous slices of it stream fastest; more
+  // rows (the FMAs, not the stream, the limit): column blocks, whose sums need no second pass
+  const bool sliced = !transposed_w && M <= kSliceRows;
   std::vector<Product> products;
   std::vector<int64_t> first_item{0};          // products[j]'s items start at first_item[j]
   for (size_t j = 0; j < ws.size(); ++j) {
@@ -164,21 +205,40 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     const auto wd = w->dimensions();
     if (wd.size() != 2 || (transposed_w ? wd[1] : wd[0]) != K)
       return ffi::Error::InvalidArgument("matmul: x's columns and w's contracted axis differ");
-    Product p{w->typed_data(), (*out)->typed_data(), transposed_w ? wd[0] : wd[1], 0, 0, 0};
+    Product p{w->typed_data(), (*out)->typed_data(), transposed_w ? wd[0] : wd[1], 0, 0, 0,
+              nullptr};
     if (transposed_w) {                                 // items of kItemCols weight rows
-      p.cols = kItemCols;
+      p.rows = kItemCols;
       p.items = (p.N + kItemCols - 1) / kItemCols;
+    } else if (sliced) {
+      // slices of rows, two per thread (a slice of a [576, 1536] weight: 144 rows, 884 KB),
+      // a multiple of four rows each
+      p.vec_cols = p.N / kLanes * kLanes;
+      const int64_t slices = 2 * pool.num_threads();
+      p.rows = std::max<int64_t>(16, ((K + slices - 1) / slices + 3) / 4 * 4);
+      p.items = p.vec_cols ? (K + p.rows - 1) / p.rows : 0;
     } else {
-      // items of columns: a few per thread, each a run of at least 64 and at most 256 floats
+      // blocks of columns: a few per thread, each a run of at least 64 and at most 256 floats
       // per weight row, so the row-to-row jumps stay few and the partial sums stay in L1
       p.vec_cols = p.N / kLanes * kLanes;
       const int64_t want = (p.vec_cols / (2 * pool.num_threads()) + kLanes - 1) / kLanes * kLanes;
-      p.cols = std::clamp<int64_t>(want, std::min<int64_t>(64, p.vec_cols), 256);
-      p.items = p.cols ? (p.vec_cols + p.cols - 1) / p.cols : 0;
+      p.rows = std::clamp<int64_t>(want, std::min<int64_t>(64, p.vec_cols), 256);
+      p.items = p.rows ? (p.vec_cols + p.rows - 1) / p.rows : 0;
     }
     products.push_back(p);
     first_item.push_back(first_item.back() + p.items);
   }
+  // the slices' partial products: one buffer of the calling thread, reused call after call
+  thread_local std::vector<float> parts;
+  size_t floats = 0;
+  for (const Product& p : products)
+    if (sliced) floats += p.items * M * p.vec_cols;
+  if (parts.size() < floats) parts.resize(floats);
+  for (size_t j = 0, at = 0; j < products.size(); ++j)
+    if (sliced) {
+      products[j].parts = parts.data() + at;
+      at += products[j].items * M * products[j].vec_cols;
+    }
   // one pool of items over every weight: the products of one call (q, k and v; gate and up)
   // share the threads' start-up and fill each other's idle tails
   parallel_for(pool, first_item.back(), [&](int64_t item) {
@@ -187,19 +247,41 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     const Product& p = products[j];
     const int64_t i = item - first_item[j];
     if (transposed_w) {
-      const int64_t n0 = i * p.cols, n1 = std::min(p.N, n0 + p.cols);
+      const int64_t n0 = i * p.rows, n1 = std::min(p.N, n0 + p.rows);
       for (int64_t m = 0; m < M; m += kRows) {
         const int64_t R = std::min<int64_t>(kRows, M - m);
         kBlocksNT[R](xp + m * K, K, p.w, p.N, n0, n1, p.out + m * p.N);
       }
+    } else if (sliced) {
+      slice_nn(xp, M, K, p.w, p.N, i * p.rows, std::min(K, (i + 1) * p.rows), p.vec_cols,
+               p.parts + i * M * p.vec_cols);
     } else {
-      const int64_t n0 = i * p.cols;
-      columns_nn(xp, M, K, p.w, p.N, n0, std::min(p.cols, p.vec_cols - n0), p.out);
+      const int64_t n0 = i * p.rows;
+      columns_nn(xp, M, K, p.w, p.N, n0, std::min(p.rows, p.vec_cols - n0), p.out);
     }
   });
-  if (!transposed_w)
+  if (transposed_w) return ffi::Error::Success();
+  if (!sliced) {
     for (const Product& p : products)
       for (int64_t n = p.vec_cols; n < p.N; ++n) column_nn(xp, M, K, p.w, p.N, n, p.out);
+    return ffi::Error::Success();
+  }
+  // out = the sum of each weight's slices, a row of out per item; then the columns past the
+  // vectors
+  std::vector<int64_t> first_row{0};
+  for (const Product& p : products) first_row.push_back(first_row.back() + M);
+  parallel_for(pool, first_row.back(), [&](int64_t item) {
+    const Product& p = products[item / M];
+    const int64_t m = item % M, stride = M * p.vec_cols;
+    float* o = p.out + m * p.N;
+    const float* part = p.parts + m * p.vec_cols;
+    std::copy(part, part + p.vec_cols, o);
+    for (int64_t i = 1; i < p.items; ++i)
+      for (int64_t c = 0; c < p.vec_cols; c += kLanes)
+        *reinterpret_cast<Vec*>(o + c) = load(o + c) + load(part + i * stride + c);
+  });
+  for (const Product& p : products)
+    for (int64_t n = p.vec_cols; n < p.N; ++n) column_nn(xp, M, K, p.w, p.N, n, p.out);
   return ffi::Error::Success();
 }
 

@@ -23,9 +23,10 @@ And one for the sampler (jaxkv/sampling.py), in row_stats.cc:
 
 And one for the model's dense layers (jaxkv/model/linear.py), in matmul.cc:
 
-* ``matmul`` / ``matmuls``: ``x @ w`` for a few rows of x (a decode step's tokens), each block of
-  the weight streamed once per four rows with their partial sums in registers (XLA's GEMM runs
-  a fifth as fast at 8 rows as at 512); ``matmuls`` takes several weights of one x in one call.
+* ``matmul`` / ``matmuls``: ``x @ w`` for a few rows of x (a decode step's tokens), the weight
+  read once (XLA's GEMM runs a fifth as fast at 8 rows as at 512): up to 8 rows in slices of
+  consecutive weight rows, each one contiguous run, summed afterwards; more rows in blocks of
+  columns; ``matmuls`` takes several weights of one x in one call.
 
 Build: ``g++ -O3 -march=native`` of the sources (common.h shared) into one library against
 ``jax.ffi.include_dir()``, once per source text, compiler flags, jax version and CPU, into

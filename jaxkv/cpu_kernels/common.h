@@ -45,6 +45,18 @@ inline float hsum(Vec v) {
   return s;
 }
 
+// exp(r) for |r| <= ln2 / 2: Cephes' degree-6 polynomial, for a float or a Vec of them.
+template <typename T>
+inline T exp_reduced(T r) {
+  T p = T{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // exp(x) for x <= 0 (a logit minus its row's running max), in a form the compiler vectorizes:
 // Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), within
 // 2 ulp of std::exp; below -87 (where expf underflows) it returns ~1e-38 rather than 0.
@@ -52,13 +64,7 @@ inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = std::fma(n, 2.12194440e-4f, std::fma(-n, 0.693359375f, x));   // not reassociated
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_reduced(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;   // 2^n, n >= -126
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -73,14 +79,7 @@ inline Vec exp_nonpositive(Vec x) {
   x = x < lo ? lo : x;
   const IVec n_plus = __builtin_convertvector(x * 1.44269504088896341f + 128.5f, IVec);
   const Vec n = __builtin_convertvector(n_plus, Vec) - 128.0f;
-  const Vec r = x - n * 0.693147180559945309f;
-  Vec p = Vec{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const Vec p = exp_reduced(x - n * 0.693147180559945309f);
   const IVec bits = (n_plus - 1) << 23;                         // 2^n: (n + 127) << 23
   return p * reinterpret_cast<const Vec&>(bits);
 }

@@ -230,15 +230,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   }
   // the slices' partial products: one buffer of the calling thread, reused call after call
   thread_local std::vector<float> parts;
-  size_t floats = 0;
-  for (const Product& p : products)
-    if (sliced) floats += p.items * M * p.vec_cols;
-  if (parts.size() < floats) parts.resize(floats);
-  for (size_t j = 0, at = 0; j < products.size(); ++j)
-    if (sliced) {
-      products[j].parts = parts.data() + at;
-      at += products[j].items * M * products[j].vec_cols;
-    }
+  if (sliced) {
+    std::vector<size_t> at{0};                 // products[j]'s partial products start at at[j]
+    for (const Product& p : products) at.push_back(at.back() + p.items * M * p.vec_cols);
+    if (parts.size() < at.back()) parts.resize(at.back());
+    for (size_t j = 0; j < products.size(); ++j) products[j].parts = parts.data() + at[j];
+  }
   // one pool of items over every weight: the products of one call (q, k and v; gate and up)
   // share the threads' start-up and fill each other's idle tails
   parallel_for(pool, first_item.back(), [&](int64_t item) {
@@ -261,26 +258,20 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     }
   });
   if (transposed_w) return ffi::Error::Success();
-  if (!sliced) {
-    for (const Product& p : products)
-      for (int64_t n = p.vec_cols; n < p.N; ++n) column_nn(xp, M, K, p.w, p.N, n, p.out);
-    return ffi::Error::Success();
+  if (sliced) {
+    // out = the sum of each weight's slices, one row of one weight's out per item
+    parallel_for(pool, static_cast<int64_t>(products.size()) * M, [&](int64_t item) {
+      const Product& p = products[item / M];
+      const int64_t m = item % M, stride = M * p.vec_cols;
+      float* o = p.out + m * p.N;
+      const float* part = p.parts + m * p.vec_cols;
+      std::copy(part, part + p.vec_cols, o);
+      for (int64_t i = 1; i < p.items; ++i)
+        for (int64_t c = 0; c < p.vec_cols; c += kLanes)
+          *reinterpret_cast<Vec*>(o + c) = load(o + c) + load(part + i * stride + c);
+    });
   }
-  // out = the sum of each weight's slices, a row of out per item; then the columns past the
-  // vectors
-  std::vector<int64_t> first_row{0};
-  for (const Product& p : products) first_row.push_back(first_row.back() + M);
-  parallel_for(pool, first_row.back(), [&](int64_t item) {
-    const Product& p = products[item / M];
-    const int64_t m = item % M, stride = M * p.vec_cols;
-    float* o = p.out + m * p.N;
-    const float* part = p.parts + m * p.vec_cols;
-    std::copy(part, part + p.vec_cols, o);
-    for (int64_t i = 1; i < p.items; ++i)
-      for (int64_t c = 0; c < p.vec_cols; c += kLanes)
-        *reinterpret_cast<Vec*>(o + c) = load(o + c) + load(part + i * stride + c);
-  });
-  for (const Product& p : products)
+  for (const Product& p : products)                  // the columns past the vectors
     for (int64_t n = p.vec_cols; n < p.N; ++n) column_nn(xp, M, K, p.w, p.N, n, p.out);
   return ffi::Error::Success();
 }

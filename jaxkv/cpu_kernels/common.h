@@ -1,5 +1,6 @@
-// Shared by the kernels of jaxkv/cpu_kernels: the machine's vector type (load, lane sum), -inf, a vectorizable
-// exp for x <= 0, and a parallel loop over XLA's intra-op threads.
+// Shared by the kernels of jaxkv/cpu_kernels: the machine's vector type (load, lane sum and
+// maximum, the lane sums of kLanes vectors at once, a vector kept in a register), -inf, an exp
+// for x <= 0 (scalar and lane by lane), and a parallel loop over XLA's intra-op threads.
 
 #pragma once
 

@@ -178,7 +178,19 @@ struct Mask {
     return first <= p1 && (window == 0 || first + bs - 1 > p0 - window || first < sinks);
   }
   float cap(float x) const { return soft_cap > 0.0f ? soft_cap * std::tanh(x / soft_cap) : x; }
+  // the same, lane by lane
+  Vec cap(Vec x) const {
+    if (soft_cap > 0.0f)
+      for (int t = 0; t < kLanes; ++t) x[t] = cap(x[t]);
+    return x;
+  }
 };
+
+// The factor on a row's sums so far when its running max moves from m_old to m_new (online
+// softmax): 1 when it stays put (mostly: an early sink holds it), 0 before the row saw any.
+inline float rescale(float m_old, float m_new) {
+  return m_old == m_new ? 1.0f : m_old == kNegInf ? 0.0f : exp_nonpositive(m_old - m_new);
+}
 
 // ---- rows ----------------------------------------------------------------------------------
 
@@ -295,9 +307,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
           Vec x = ops.scores(kb + t0 * D, mk, D, false);
           if (sink_block)
             x = j < static_cast<int32_t>(mask.sinks) ? ops.scores(kb + t0 * D, mk, D, true) : x;
-          if (mask.soft_cap > 0.0f)
-            for (int t = 0; t < kLanes; ++t) x[t] = mask.cap(x[t]);
-          x = (mask.sees(pos, j) & (kLaneIndex < mk)) ? x : Vec{} + kNegInf;
+          x = (mask.sees(pos, j) & (kLaneIndex < mk)) ? mask.cap(x) : Vec{} + kNegInf;
           *reinterpret_cast<Vec*>(&s[t0]) = x;
           top = x > top ? x : top;
         }
@@ -308,8 +318,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
         }
         float& mr = m[hr + rg];
         const float m_new = std::max(mr, block_max);
-        const float alpha = mr == m_new ? 1.0f : mr == kNegInf ? 0.0f
-                                                 : exp_nonpositive(mr - m_new);
+        const float alpha = rescale(mr, m_new);
         Vec sum = {};
         for (int64_t t0 = 0; t0 < n; t0 += kLanes) {
           const Vec x = load(&s[t0]);
@@ -513,20 +522,15 @@ void attend_tile(const float* q, const float* qs, int64_t q_stride, int64_t ntok
         for (int c = 0; c < kBlockVecs; ++c) {
           const IVec j = kLaneIndex + static_cast<int32_t>(first + c * kLanes);
           seen[i][c] = whole ? IVec{} - 1 : mask.sees(pos_i, j);
-          Vec x = sink_scores ? (j < static_cast<int32_t>(mask.sinks) ? ss[i][c] : s[i][c])
-                              : s[i][c];
-          if (mask.soft_cap > 0.0f)
-            for (int t = 0; t < kLanes; ++t) x[t] = mask.cap(x[t]);
-          s[i][c] = seen[i][c] ? x : Vec{} + kNegInf;
+          const Vec x = sink_scores ? (j < static_cast<int32_t>(mask.sinks) ? ss[i][c] : s[i][c])
+                                    : s[i][c];
+          s[i][c] = seen[i][c] ? mask.cap(x) : Vec{} + kNegInf;
           block_max = s[i][c] > block_max ? s[i][c] : block_max;
         }
         m_new[i] = std::max(m[r + i], hmax(block_max));
       }
       for (int i = 0; i < kGroup; ++i) {
-        const float m_old = m[r + i];
-        // the running max mostly stays put from block to block (an early sink holds it)
-        alpha[i] = m_old == m_new[i] ? 1.0f : m_old == kNegInf ? 0.0f
-                                            : exp_nonpositive(m_old - m_new[i]);
+        alpha[i] = rescale(m[r + i], m_new[i]);
         m[r + i] = m_new[i];
       }
       for (int i = 0; i < kGroup; ++i) {

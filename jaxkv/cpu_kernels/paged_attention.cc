@@ -57,6 +57,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -86,6 +87,10 @@ struct FloatPool {
   // the [bs, D] floats of block phys, kv head h (its first n positions are the ones read)
   const float* block(int64_t phys, int64_t h, int64_t /*n*/, float* /*buf*/) const {
     return data + (phys * Hkv + h) * bs * D;
+  }
+  // the memory of block phys that kv heads h0 .. h1 - 1 read: one run [first, second)
+  std::pair<const void*, const void*> run(int64_t phys, int64_t h0, int64_t h1) const {
+    return {data + (phys * Hkv + h0) * bs * D, data + (phys * Hkv + h1) * bs * D};
   }
 };
 
@@ -150,7 +155,37 @@ struct CodedPool {
     std::fill(buf + n * D, buf + bs * D, 0.0f);
     return buf;
   }
+  // the codes of block phys that kv heads h0 .. h1 - 1 read, within one run [first, second)
+  // (token-major: the whole block)
+  std::pair<const void*, const void*> run(int64_t phys, int64_t h0, int64_t h1) const {
+    if (token_major) return {data + phys * bs * Hkv * D, data + (phys + 1) * bs * Hkv * D};
+    return {data + (phys * Hkv + h0) * bs * D, data + (phys * Hkv + h1) * bs * D};
+  }
 };
+
+// Reads one byte of every 64-byte line of two runs of memory (a block's K and V), alternating
+// between them, and does nothing with it: the loads have no consumers, so dozens of them are in
+// flight at once. The rows kernel computes little per byte of K and V, and without this the
+// lines of a block arrived a few at a time as its loops reached them (the hardware prefetcher
+// does not cross a 4 KiB page, one head's K of a block at SmolLM2's shapes): a 64-sequence
+// decode step's rows went from 3.6 to 3.0 ms (bench/attention_kernels.py, session 29). Touching
+// the next block instead (one block ahead) or prefetch instructions measured no faster.
+inline void touch(std::pair<const void*, const void*> a, std::pair<const void*, const void*> b) {
+  constexpr int64_t kLine = 64;
+  auto lines = [](std::pair<const void*, const void*> r) {
+    return (static_cast<const char*>(r.second) - static_cast<const char*>(r.first)) / kLine;
+  };
+  auto at = [](std::pair<const void*, const void*> r, int64_t i) {
+    return static_cast<const volatile char*>(r.first) + i * kLine;
+  };
+  const int64_t na = lines(a), nb = lines(b), both = std::min(na, nb);
+  for (int64_t i = 0; i < both; ++i) {
+    (void)*at(a, i);
+    (void)*at(b, i);
+  }
+  for (int64_t i = both; i < na; ++i) (void)*at(a, i);
+  for (int64_t i = both; i < nb; ++i) (void)*at(b, i);
+}
 
 // ---- what a query sees ---------------------------------------------------------------------
 
@@ -291,6 +326,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
     if (phys == 0 || !mask.block_seen(first, bs, first_row, last)) continue;   // dropped,
     const int64_t n = std::min<int64_t>(bs, last - first + 1);   // padding, or out of window
     const bool sink_block = mask.rescore && first < mask.sinks;
+    touch(k.run(phys, h0, h1), v.run(phys, h0, h1));             // all of the block's lines
     for (int64_t h = h0; h < h1; ++h) {
       const float* kb = k.block(phys, h, n, kbuf.data());        // [bs, D]
       const float* vb = v.block(phys, h, n, vbuf.data());

@@ -21,13 +21,15 @@
 #include <thread>
 
 int main(int argc, char** argv) {
-  const int64_t S = 64, Hkv = 3, G = 3, D = 64, bs = 16, N = 4097, W = 64;
+  constexpr int64_t S = 64, Hkv = 3, G = 3, D = 64, bs = 16, N = 4097, W = 64;
   const int len = argc > 1 ? std::atoi(argv[1]) : 400;
   std::mt19937 rng(0);
   std::normal_distribution<float> normal;
   std::vector<float> k(N * Hkv * bs * D), v(k.size()), q(S * Hkv * G * D);
   for (auto& x : k) x = normal(rng);
   for (auto& x : v) x = normal(rng);
+  const FloatPool kp{k.data(), Hkv, bs, D}, vp{v.data(), Hkv, bs, D};
+  const Mask mask{0.0f, 0, 0, false};                  // causal, no window, sinks or soft cap
   for (auto& x : q) x = normal(rng) * 0.125f;
   std::vector<float> junk(64 << 20, 1.0f);
   volatile float sink = 0.0f;
@@ -53,9 +55,10 @@ int main(int argc, char** argv) {
           auto work = [&] {
             for (int64_t i; (i = next.fetch_add(1)) < S * Hkv / heads;) {
               const int64_t s = i * heads / Hkv, h0 = i * heads % Hkv, at = s * Hkv + h0;
-              attend_heads(q.data() + at * G * D, k.data(), v.data(), tables.data() + s * W, W,
-                           pos.data() + s, 1, G, Hkv, h0, h0 + heads, bs, D, 0.0f,
-                           out.data() + at * G * D, lse.data() + at * G);
+              attend_heads<D / kLanes>(q.data() + at * G * D, q.data() + at * G * D, kp, vp,
+                                       tables.data() + s * W, W, pos.data() + s, 1, G, h0,
+                                       h0 + heads, bs, D, mask, out.data() + at * G * D,
+                                       lse.data() + at * G);
             }
           };
           std::vector<std::thread> helpers;

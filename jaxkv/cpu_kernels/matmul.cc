@@ -74,6 +74,23 @@ inline void panel_nn(const float* x, int64_t K, const float* w, int64_t N, int64
   }
 }
 
+// acc[0 .. M, 0 .. cols) += x[:, k0 .. k1) @ w[k0 .. k1, n0 .. n0 + cols) (w [K, N], cols a
+// multiple of kLanes, acc's rows acc_stride floats apart): the weight's rows four at a time
+// (then one by one), each met by the rows of x in pairs (and an odd last row alone).
+void accumulate_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0,
+                   int64_t k1, int64_t n0, int64_t cols, float* acc, int64_t acc_stride) {
+  auto pass = [&](auto kb_tag, int64_t k) {
+    constexpr int KB = decltype(kb_tag)::value;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2)
+      panel_nn<2, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride);
+    if (m < M) panel_nn<1, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride);
+  };
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) pass(std::integral_constant<int, 4>{}, k);
+  for (; k < k1; ++k) pass(std::integral_constant<int, 1>{}, k);
+}
+
 // out[0 .. M, n0 .. n0 + cols) = x @ w[:, n0 .. n0 + cols) (w [K, N], cols a multiple of
 // kLanes): w is read row by row, each row's run of cols floats once, into partial sums of all
 // M rows kept in a per-thread buffer [M, cols] (in L1 for M <= 16 and cols <= 256).
@@ -81,50 +98,20 @@ void columns_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
                 int64_t cols, float* out) {
   thread_local std::vector<float> acc;
   acc.assign(M * cols, 0.0f);
-  auto rows = [&](auto r_tag, auto kb_tag, int64_t k) {
-    constexpr int R = decltype(r_tag)::value, KB = decltype(kb_tag)::value;
-    for (int64_t m = 0; m + R <= M; m += 2)
-      panel_nn<R, KB>(x + m * K, K, w, N, k, n0, cols, acc.data() + m * cols, cols);
-  };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, 2>;
-  using Four = std::integral_constant<int, 4>;
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    rows(Two{}, Four{}, k);
-    if (M % 2) panel_nn<1, 4>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols,
-                                 cols);
-  }
-  for (; k < K; ++k) {
-    rows(Two{}, One{}, k);
-    if (M % 2) panel_nn<1, 1>(x + (M - 1) * K, K, w, N, k, n0, cols, acc.data() + (M - 1) * cols,
-                                 cols);
-  }
+  accumulate_nn(x, M, K, w, N, 0, K, n0, cols, acc.data(), cols);
   for (int64_t m = 0; m < M; ++m)
     std::memcpy(out + m * N + n0, acc.data() + m * cols, cols * sizeof(float));
 }
 
 // part[0 .. M, 0 .. cols) = x[:, k0 .. k1) @ w[k0 .. k1, 0 .. cols) (w [K, N], cols a multiple
 // of kLanes): the slice's rows are read one column chunk at a time, the chunk's partial sums of
-// all M rows (at most kChunkFloats of them) staying in L1 while its rows go by four at a time.
+// all M rows (at most kChunkFloats of them) staying in L1 while its rows go by.
 void slice_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t k0,
               int64_t k1, int64_t cols, float* part) {
   std::fill(part, part + M * cols, 0.0f);
   const int64_t chunk = std::clamp<int64_t>(kChunkFloats / M / kLanes * kLanes, kLanes, cols);
-  for (int64_t c0 = 0; c0 < cols; c0 += chunk) {
-    const int64_t width = std::min(chunk, cols - c0);
-    float* acc = part + c0;
-    auto pass = [&](auto kb_tag, int64_t k) {
-      constexpr int KB = decltype(kb_tag)::value;
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2)
-        panel_nn<2, KB>(x + m * K, K, w, N, k, c0, width, acc + m * cols, cols);
-      if (m < M) panel_nn<1, KB>(x + m * K, K, w, N, k, c0, width, acc + m * cols, cols);
-    };
-    int64_t k = k0;
-    for (; k + 4 <= k1; k += 4) pass(std::integral_constant<int, 4>{}, k);
-    for (; k < k1; ++k) pass(std::integral_constant<int, 1>{}, k);
-  }
+  for (int64_t c0 = 0; c0 < cols; c0 += chunk)
+    accumulate_nn(x, M, K, w, N, k0, k1, c0, std::min(chunk, cols - c0), part + c0, cols);
 }
 
 // out[r, n] = x[r] @ w[:, n] for every row of x and one column n (the columns past the vectors).

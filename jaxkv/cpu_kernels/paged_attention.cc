@@ -80,6 +80,9 @@ namespace {
 
 // ---- pools ---------------------------------------------------------------------------------
 
+// A run of memory [first, second): the part of a block a work item reads (see touch).
+using Run = std::pair<const void*, const void*>;
+
 // A head-major float pool [N, Hkv, bs, D]: a block's head is read in place.
 struct FloatPool {
   const float* data;
@@ -89,7 +92,7 @@ struct FloatPool {
     return data + (phys * Hkv + h) * bs * D;
   }
   // the memory of block phys that kv heads h0 .. h1 - 1 read: one run [first, second)
-  std::pair<const void*, const void*> run(int64_t phys, int64_t h0, int64_t h1) const {
+  Run run(int64_t phys, int64_t h0, int64_t h1) const {
     return {data + (phys * Hkv + h0) * bs * D, data + (phys * Hkv + h1) * bs * D};
   }
 };
@@ -157,7 +160,7 @@ struct CodedPool {
   }
   // the codes of block phys that kv heads h0 .. h1 - 1 read, within one run [first, second)
   // (token-major: the whole block)
-  std::pair<const void*, const void*> run(int64_t phys, int64_t h0, int64_t h1) const {
+  Run run(int64_t phys, int64_t h0, int64_t h1) const {
     if (token_major) return {data + phys * bs * Hkv * D, data + (phys + 1) * bs * Hkv * D};
     return {data + (phys * Hkv + h0) * bs * D, data + (phys * Hkv + h1) * bs * D};
   }
@@ -170,12 +173,12 @@ struct CodedPool {
 // does not cross a 4 KiB page, one head's K of a block at SmolLM2's shapes): a 64-sequence
 // decode step's rows went from 3.6 to 3.0 ms (bench/attention_kernels.py, session 29). Touching
 // the next block instead (one block ahead) or prefetch instructions measured no faster.
-inline void touch(std::pair<const void*, const void*> a, std::pair<const void*, const void*> b) {
+inline void touch(Run a, Run b) {
   constexpr int64_t kLine = 64;
-  auto lines = [](std::pair<const void*, const void*> r) {
+  auto lines = [](Run r) {
     return (static_cast<const char*>(r.second) - static_cast<const char*>(r.first)) / kLine;
   };
-  auto at = [](std::pair<const void*, const void*> r, int64_t i) {
+  auto at = [](Run r, int64_t i) {
     return static_cast<const volatile char*>(r.first) + i * kLine;
   };
   const int64_t na = lines(a), nb = lines(b), both = std::min(na, nb);

@@ -140,10 +140,17 @@ def main() -> None:
     batches = args.batch or [8]
     out: dict = {"load_start": loadavg(), "dtype": args.dtype, "jax": jax.__version__,
                  "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""), "engine_args": extra}
+
+    def max_tokens(B: int) -> int:
+        """Tokens per request: the first requests decode while the last still prefill (512
+        tokens a step, the running decodes' included), and must not finish before all B run."""
+        return args.iters + 40 - (-B * args.prompt // max(1, 512 - B))
+
     t0 = time.perf_counter()
     llm = LLM(str(GGUF), dtype=args.dtype, seed=0, max_model_len=args.max_model_len,
               max_num_batched_tokens=512, max_num_seqs=max(batches),
-              num_kv_blocks=1 + max(max(batches) * -(-(args.prompt + args.iters + 60) // 16),
+              num_kv_blocks=1 + max(max(batches) * -(-(args.prompt + max_tokens(max(batches))
+                                                       + 20) // 16),
                                     -(-args.max_model_len // 16)),
               **({"token_buckets": tuple(int(x) for x in args.token_buckets.split(","))}
                  if args.token_buckets else {}), **extra)
@@ -165,9 +172,11 @@ def main() -> None:
         for i in range(B):
             start = 1000 * i % (len(ids) - args.prompt)
             llm.add_request({"prompt_token_ids": ids[start: start + args.prompt]},
-                            SamplingParams(temperature=0, max_tokens=args.iters + 40,
+                            SamplingParams(temperature=0, max_tokens=max_tokens(B),
                                            ignore_eos=True))
         while llm.stats()["num_running"] < B or llm.stats()["num_waiting"]:
+            if not llm.has_unfinished_requests():
+                raise SystemExit(f"batch {B}: every request finished before {B} ran at once")
             llm.step()
         llm.step(); llm.step()                             # the decode bucket compiled
         walls, devs, phases = [], [], []

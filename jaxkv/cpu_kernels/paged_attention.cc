@@ -166,15 +166,17 @@ struct CodedPool {
   }
 };
 
+constexpr int64_t kLine = 64;     // bytes in a cache line
+
 // Reads one byte of every 64-byte line of two runs of memory (a block's K and V), alternating
 // between them, and does nothing with it: the loads have no consumers, so dozens of them are in
 // flight at once. The rows kernel computes little per byte of K and V, and without this the
 // lines of a block arrived a few at a time as its loops reached them (the hardware prefetcher
 // does not cross a 4 KiB page, one head's K of a block at SmolLM2's shapes): a 64-sequence
 // decode step's rows went from 3.6 to 3.0 ms (bench/attention_kernels.py, session 29). Touching
-// the next block instead (one block ahead) or prefetch instructions measured no faster.
+// the next block instead (one block ahead) or prefetching it all at once measured no faster;
+// what does is Ahead below, the next block prefetched a share at a time.
 inline void touch(Run a, Run b) {
-  constexpr int64_t kLine = 64;
   auto lines = [](Run r) {
     return (static_cast<const char*>(r.second) - static_cast<const char*>(r.first)) / kLine;
   };
@@ -189,6 +191,33 @@ inline void touch(Run a, Run b) {
   for (int64_t i = both; i < na; ++i) (void)*at(a, i);
   for (int64_t i = both; i < nb; ++i) (void)*at(b, i);
 }
+
+// Prefetches two runs of memory (the next block's K and V), alternating between them as the
+// touch does, over `slots` calls of step(): a share of the lines a call, spread over the
+// current block's rows so that the next block's lines arrive while this one computes.
+// Non-temporal (prefetchnta): each line is read during one block only. A 64-sequence decode
+// step of 512-token rows (bench/attention_kernels.py, two threads): 2.9-3.0 -> 2.1-2.2 ms in
+// pool order, 3.0-3.1 -> 2.4-2.6 ms shuffled; as a plain prefetch (T0) only -4 to -8%, and
+// prefetching the next block all at once measured no faster (session 29).
+class Ahead {
+ public:
+  Ahead() = default;
+  Ahead(Run a, Run b, int64_t slots)
+      : a_(static_cast<const char*>(a.first)), b_(static_cast<const char*>(b.first)),
+        left_(std::max(static_cast<const char*>(a.second) - a_,
+                       static_cast<const char*>(b.second) - b_) / kLine),
+        share_((left_ + slots - 1) / slots) {}
+  void step() {
+    for (int64_t i = 0; i < share_ && left_ > 0; ++i, --left_, a_ += kLine, b_ += kLine) {
+      __builtin_prefetch(a_, 0, 0);
+      __builtin_prefetch(b_, 0, 0);
+    }
+  }
+
+ private:
+  const char *a_ = nullptr, *b_ = nullptr;
+  int64_t left_ = 0, share_ = 0;
+};
 
 // ---- what a query sees ---------------------------------------------------------------------
 
@@ -330,6 +359,9 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
     const int64_t n = std::min<int64_t>(bs, last - first + 1);   // padding, or out of window
     const bool sink_block = mask.rescore && first < mask.sinks;
     touch(k.run(phys, h0, h1), v.run(phys, h0, h1));             // all of the block's lines
+    const int64_t next = b + 1 < blocks ? table[b + 1] : 0;      // and the next block's, over
+    Ahead ahead = next == 0 ? Ahead() :                          // this block's rows
+                  Ahead(k.run(next, h0, h1), v.run(next, h0, h1), HRG);
     for (int64_t h = h0; h < h1; ++h) {
       const float* kb = k.block(phys, h, n, kbuf.data());        // [bs, D]
       const float* vb = v.block(phys, h, n, vbuf.data());
@@ -338,6 +370,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
         const IVec pos = IVec{} + row_pos[rg / G];
         float* pr = p.data() + rg * bsp;
         ops.load_queries(q + (hr + rg) * D, qs + (hr + rg) * D, sink_block);
+        ahead.step();
         // the logits the row sees (-inf elsewhere), kLanes keys at a time
         Vec top = Vec{} + kNegInf;
         for (int64_t t0 = 0; t0 < n; t0 += kLanes) {

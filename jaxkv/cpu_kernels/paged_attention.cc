@@ -192,9 +192,10 @@ inline void touch(Run a, Run b) {
   for (int64_t i = both; i < nb; ++i) (void)*at(b, i);
 }
 
-// Prefetches two runs of memory (the next block's K and V), alternating between them as the
-// touch does, over `slots` calls of step(): a share of the lines a call, spread over the
-// current block's rows so that the next block's lines arrive while this one computes.
+// Prefetches two runs of memory of one length (the next block's K and V, pools of one type),
+// alternating between them as the touch does, over `slots` calls of step(): a share of the
+// lines a call, spread over the current block's rows so that the next block's lines arrive
+// while this one computes.
 // Non-temporal (prefetchnta): each line is read during one block only. A 64-sequence decode
 // step of 512-token rows (bench/attention_kernels.py, two threads): 2.9-3.0 -> 2.1-2.2 ms in
 // pool order, 3.0-3.1 -> 2.4-2.6 ms shuffled; as a plain prefetch (T0) only -4 to -8%, and

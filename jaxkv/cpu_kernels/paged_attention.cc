@@ -168,6 +168,11 @@ struct CodedPool {
 
 constexpr int64_t kLine = 64;     // bytes in a cache line
 
+// The cache lines of a run of memory (whole lines from its start).
+inline int64_t lines(Run r) {
+  return (static_cast<const char*>(r.second) - static_cast<const char*>(r.first)) / kLine;
+}
+
 // Reads one byte of every 64-byte line of two runs of memory (a block's K and V), alternating
 // between them, and does nothing with it: the loads have no consumers, so dozens of them are in
 // flight at once. The rows kernel computes little per byte of K and V, and without this the
@@ -177,9 +182,6 @@ constexpr int64_t kLine = 64;     // bytes in a cache line
 // the next block instead (one block ahead) or prefetching it all at once measured no faster;
 // what does is Ahead below, the next block prefetched a share at a time.
 inline void touch(Run a, Run b) {
-  auto lines = [](Run r) {
-    return (static_cast<const char*>(r.second) - static_cast<const char*>(r.first)) / kLine;
-  };
   auto at = [](Run r, int64_t i) {
     return static_cast<const volatile char*>(r.first) + i * kLine;
   };
@@ -205,9 +207,7 @@ class Ahead {
   Ahead() = default;
   Ahead(Run a, Run b, int64_t slots)
       : a_(static_cast<const char*>(a.first)), b_(static_cast<const char*>(b.first)),
-        left_(std::max(static_cast<const char*>(a.second) - a_,
-                       static_cast<const char*>(b.second) - b_) / kLine),
-        share_((left_ + slots - 1) / slots) {}
+        left_(lines(a)), share_((left_ + slots - 1) / slots) {}
   void step() {
     for (int64_t i = 0; i < share_ && left_ > 0; ++i, --left_, a_ += kLine, b_ += kLine) {
       __builtin_prefetch(a_, 0, 0);

@@ -28,7 +28,8 @@
 //   both:      two rows of x per register block, their four broadcasts held in registers
 //              (bench/dot_throughput.py: a strip of two vectors walked down K, one cache line
 //              per row 6 KB apart, was slower than XLA);
-//   w [N, K]:  two weight rows at a time, each a run of K floats, against kRows rows of x.
+//   w [N, K]:  three weight rows at a time, each a run of K floats, against kRows rows of x at
+//              a time, the rows a pass ahead prefetched.
 //
 // The work items (of every weight of the call) are shared out over XLA's intra-op threads.
 
@@ -41,8 +42,9 @@
 #include "common.h"
 
 namespace ffi = xla::ffi;
-using jaxkv::hsum;
+using jaxkv::in_register;
 using jaxkv::kLanes;
+using jaxkv::lane_sums;
 using jaxkv::load;
 using jaxkv::parallel_for;
 using jaxkv::Vec;
@@ -50,6 +52,9 @@ using jaxkv::Vec;
 namespace {
 
 constexpr int kRows = 4;                  // rows of x per pass over a block of w [N, K]
+constexpr int kCols = 3;                  // rows of w [N, K] per pass
+constexpr int64_t kAheadRows = kCols;     // rows of w [N, K] between a pass and its prefetch
+constexpr int64_t kLineFloats = 64 / sizeof(float);   // a cache line
 constexpr int64_t kItemCols = 64;         // rows of w [N, K] per work item
 constexpr int64_t kChunkFloats = 8192;    // a slice's partial sums per column chunk (32 KB)
 constexpr int64_t kSliceRows = 8;         // rows of x up to which w [K, N] is cut in slices
@@ -124,40 +129,66 @@ void column_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N, 
   }
 }
 
-// out[r, n .. n + C) = x[r] . w[n + c] for R rows of x and C (1 or 2) rows of w [N, K].
+// out[r, n .. n + C) = x[r] . w[n + c] for R rows of x and C rows of w [N, K]: R * C
+// accumulators walk the K floats, each vector of x and of w loaded once (pinned in a register)
+// for its C or R products; then transposing trees (lane_sums) reduce them, kLanes at a time.
+// Four rows by three (twelve chains, enough to cover the FMAs' latency) measured 84 GFLOP/s on one core of the 2-core EPYC from cache, against 42 for the same
+// product with four by two and the loads folded into the FMAs (a scratch harness, session 31).
+// While it computes, the next pass's C weight rows are prefetched (non-temporal), a line of
+// each per line of the current ones: the weight is one linear stream, yet with the hardware
+// prefetcher alone the product waited on memory (the tied head at 8 rows: 12.7 -> 20-21 GB/s;
+// two passes ahead, or once per block of x's rows, measured slower).
 template <int R, int C>
 void rows_nt(const float* x, int64_t K, const float* w, int64_t N, int64_t n, float* out) {
-  Vec acc[R][C] = {};
+  Vec acc[R * C];
+  for (Vec& a : acc) a = Vec{};
+  const float* wn = w + n * K;
+  const int64_t ahead = std::min<int64_t>(C, N - n - kAheadRows);   // rows left to prefetch
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
+    if (k % kLineFloats == 0)
+      for (int c = 0; c < ahead; ++c) __builtin_prefetch(wn + (kAheadRows + c) * K + k, 0, 0);
     Vec wc[C];
-    for (int c = 0; c < C; ++c) wc[c] = load(w + (n + c) * K + k);
+    for (int c = 0; c < C; ++c) {
+      wc[c] = load(wn + c * K + k);
+      in_register(wc[c]);
+    }
     for (int r = 0; r < R; ++r) {
-      const Vec xr = load(x + r * K + k);
-      for (int c = 0; c < C; ++c) acc[r][c] += xr * wc[c];
+      Vec xr = load(x + r * K + k);
+      in_register(xr);
+      for (int c = 0; c < C; ++c) acc[r * C + c] += xr * wc[c];
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      float s = hsum(acc[r][c]);
-      for (int64_t t = k; t < K; ++t) s += x[r * K + t] * w[(n + c) * K + t];
+  for (int g = 0; g < R * C; g += kLanes) {
+    Vec v[kLanes];
+    for (int i = 0; i < kLanes; ++i) v[i] = g + i < R * C ? acc[g + i] : Vec{};
+    const Vec sums = lane_sums(v);
+    for (int i = 0; i < kLanes && g + i < R * C; ++i) {
+      const int r = (g + i) / C, c = (g + i) % C;
+      float s = sums[i];
+      for (int64_t t = k; t < K; ++t) s += x[r * K + t] * wn[c * K + t];   // K's tail
       out[r * N + n + c] = s;
     }
   }
 }
 
-// Rows m0 .. m0 + R of x against rows [n0, n1) of w [N, K].
-template <int R>
-void block_nt(const float* x, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1,
-              float* out) {
-  int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) rows_nt<R, 2>(x, K, w, N, n, out);
-  if (n < n1) rows_nt<R, 1>(x, K, w, N, n, out);
-}
+using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*);
+template <int C>
+constexpr RowsFn kRowsOf[kRows + 1] = {nullptr, rows_nt<1, C>, rows_nt<2, C>, rows_nt<3, C>,
+                                       rows_nt<4, C>};
+constexpr const RowsFn* kRowsNT[kCols + 1] = {nullptr, kRowsOf<1>, kRowsOf<2>, kRowsOf<3>};
 
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-constexpr BlockFn kBlocksNT[kRows + 1] = {nullptr, block_nt<1>, block_nt<2>, block_nt<3>,
-                                          block_nt<4>};
+// All M rows of x against rows [n0, n1) of w [N, K]: kCols weight rows
+// at a time, met by every group of kRows rows of x while they are in L1 (the weight is read
+// from memory once).
+void block_nt(const float* x, int64_t M, int64_t K, const float* w, int64_t N, int64_t n0,
+              int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; n += kCols) {
+    const int64_t C = std::min<int64_t>(kCols, n1 - n);
+    for (int64_t m = 0; m < M; m += kRows)
+      kRowsNT[C][std::min<int64_t>(kRows, M - m)](x + m * K, K, w, N, n, out + m * N);
+  }
+}
 
 // The work of one weight of a call: x [M, K] @ w, into out [M, N].
 struct Product {
@@ -231,11 +262,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
     const Product& p = products[j];
     const int64_t i = item - first_item[j];
     if (transposed_w) {
-      const int64_t n0 = i * p.rows, n1 = std::min(p.N, n0 + p.rows);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int64_t R = std::min<int64_t>(kRows, M - m);
-        kBlocksNT[R](xp + m * K, K, p.w, p.N, n0, n1, p.out + m * p.N);
-      }
+      const int64_t n0 = i * p.rows;
+      block_nt(xp, M, K, p.w, p.N, n0, std::min(p.N, n0 + p.rows), p.out);
     } else if (sliced) {
       slice_nn(xp, M, K, p.w, p.N, i * p.rows, std::min(K, (i + 1) * p.rows), p.vec_cols,
                p.parts + i * M * p.vec_cols);

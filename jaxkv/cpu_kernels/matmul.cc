@@ -132,8 +132,9 @@ void column_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t N, 
 // out[r, n .. n + C) = x[r] . w[n + c] for R rows of x and C rows of w [N, K]: R * C
 // accumulators walk the K floats, each vector of x and of w loaded once (pinned in a register)
 // for its C or R products; then transposing trees (lane_sums) reduce them, kLanes at a time.
-// Four rows by three (twelve chains, enough to cover the FMAs' latency) measured 84 GFLOP/s on one core of the 2-core EPYC from cache, against 42 for the same
-// product with four by two and the loads folded into the FMAs (a scratch harness, session 31).
+// Four rows by three (twelve chains, enough to cover the FMAs' latency) measured 84 GFLOP/s
+// on one core of the 2-core EPYC from cache, against 42 for the same product with four by two
+// and the loads folded into the FMAs (a scratch harness, session 31).
 // While it computes, the next pass's C weight rows are prefetched (non-temporal), a line of
 // each per line of the current ones: the weight is one linear stream, yet with the hardware
 // prefetcher alone the product waited on memory (the tied head at 8 rows: 12.7 -> 20-21 GB/s;

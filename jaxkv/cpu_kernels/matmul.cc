@@ -16,7 +16,8 @@
 //
 //   w [K, N], up to kSliceRows rows of x (the product streams the weight): a slice of
 //              consecutive rows k0 .. k1 (one contiguous run of the weight), read in column
-//              chunks whose partial sums for all M rows stay in L1, four weight rows at a time;
+//              chunks whose partial sums for all M rows take 8 KB of L1 (32 KB chunks, the
+//              whole L1 at 8 rows, were 5-20% slower), four weight rows at a time;
 //              each slice's partial products [M, N] go to a buffer, and a second pass adds a
 //              weight's slices up. Slicing by rows rather than by columns took a standalone
 //              stream of 8 rows over 60 weights of [576, 1536] from 11.6 to 18-20 GB/s on the
@@ -56,19 +57,28 @@ constexpr int kCols = 3;                  // rows of w [N, K] per pass
 constexpr int64_t kAheadRows = kCols;     // rows of w [N, K] between a pass and its prefetch
 constexpr int64_t kLineFloats = 64 / sizeof(float);   // a cache line
 constexpr int64_t kItemCols = 64;         // rows of w [N, K] per work item
-constexpr int64_t kChunkFloats = 8192;    // a slice's partial sums per column chunk (32 KB)
+constexpr int kPassRows = 4;              // rows of w [K, N] per pass
+constexpr int64_t kChunkFloats = 2048;    // a slice's partial sums per column chunk (8 KB)
 constexpr int64_t kSliceRows = 8;         // rows of x up to which w [K, N] is cut in slices
 
 // acc[r, 0 .. cols) += x[r, k .. k + KB) @ w[k .. k + KB, n0 .. n0 + cols) for two rows of x
-// (R = 2, or 1 for an odd last row) and KB (4, or 1 in the tail) rows of w [K, N]: the KB weight
-// rows' vectors are loaded once per row pair, each row's KB broadcasts held in registers.
+// (R = 2, or 1 for an odd last row) and KB (kPassRows, or 1 in the tail) rows of w [K, N]: the
+// KB weight rows' vectors are loaded once per row pair, each row's KB broadcasts held in
+// registers. Meanwhile the first `fetch` rows of the next pass (k + kPassRows on) are prefetched
+// over the same columns (non-temporal), a line of each per line of this pass, by every row pair:
+// with the hardware prefetcher alone the stream waited on memory (8 rows of x from memory,
+// with 8 KB chunks: [576, 1536] 16.3 -> 18.8 GB/s, [1536, 576] 13.4 -> 17.4 GB/s; prefetching
+// two passes ahead, or from the first row pair only, measured slower; session 31).
 template <int R, int KB>
 inline void panel_nn(const float* x, int64_t K, const float* w, int64_t N, int64_t k,
-                     int64_t n0, int64_t cols, float* acc, int64_t acc_stride) {
+                     int64_t n0, int64_t cols, float* acc, int64_t acc_stride, int64_t fetch) {
   Vec xb[R][KB];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < KB; ++i) xb[r][i] = Vec{} + x[r * K + k + i];
   for (int64_t c = 0; c < cols; c += kLanes) {
+    if (c % kLineFloats == 0)
+      for (int64_t i = 0; i < fetch; ++i)
+        __builtin_prefetch(w + (k + kPassRows + i) * N + n0 + c, 0, 0);
     Vec wv[KB];
     for (int i = 0; i < KB; ++i) wv[i] = load(w + (k + i) * N + n0 + c);
     for (int r = 0; r < R; ++r) {
@@ -86,13 +96,15 @@ void accumulate_nn(const float* x, int64_t M, int64_t K, const float* w, int64_t
                    int64_t k1, int64_t n0, int64_t cols, float* acc, int64_t acc_stride) {
   auto pass = [&](auto kb_tag, int64_t k) {
     constexpr int KB = decltype(kb_tag)::value;
+    const int64_t fetch = std::clamp<int64_t>(k1 - k - kPassRows, 0, kPassRows);
     int64_t m = 0;
     for (; m + 2 <= M; m += 2)
-      panel_nn<2, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride);
-    if (m < M) panel_nn<1, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride);
+      panel_nn<2, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride, fetch);
+    if (m < M)
+      panel_nn<1, KB>(x + m * K, K, w, N, k, n0, cols, acc + m * acc_stride, acc_stride, fetch);
   };
   int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) pass(std::integral_constant<int, 4>{}, k);
+  for (; k + kPassRows <= k1; k += kPassRows) pass(std::integral_constant<int, kPassRows>{}, k);
   for (; k < k1; ++k) pass(std::integral_constant<int, 1>{}, k);
 }
 

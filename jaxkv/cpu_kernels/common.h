@@ -22,6 +22,7 @@ namespace jaxkv {
 namespace ffi = xla::ffi;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kLine = 64;     // bytes in a cache line (what a prefetch fetches)
 
 // The machine's vector: kLanes floats, loaded and stored at any float alignment (Vec), and as
 // many int32 lanes (IVec, what comparing two Vecs gives). A vector wider than the machine's

@@ -45,6 +45,7 @@
 namespace ffi = xla::ffi;
 using jaxkv::in_register;
 using jaxkv::kLanes;
+using jaxkv::kLine;
 using jaxkv::lane_sums;
 using jaxkv::load;
 using jaxkv::parallel_for;
@@ -55,7 +56,7 @@ namespace {
 constexpr int kRows = 4;                  // rows of x per pass over a block of w [N, K]
 constexpr int kCols = 3;                  // rows of w [N, K] per pass
 constexpr int64_t kAheadRows = kCols;     // rows of w [N, K] between a pass and its prefetch
-constexpr int64_t kLineFloats = 64 / sizeof(float);   // a cache line
+constexpr int64_t kLineFloats = kLine / sizeof(float);   // floats in a cache line
 constexpr int64_t kItemCols = 64;         // rows of w [N, K] per work item
 constexpr int kPassRows = 4;              // rows of w [K, N] per pass
 constexpr int64_t kChunkFloats = 2048;    // a slice's partial sums per column chunk (8 KB)

@@ -71,6 +71,7 @@ using jaxkv::IVec;
 using jaxkv::kLaneIndex;
 using jaxkv::lane_sums;
 using jaxkv::kLanes;
+using jaxkv::kLine;
 using jaxkv::load;
 using jaxkv::kNegInf;
 using jaxkv::parallel_for;
@@ -165,8 +166,6 @@ struct CodedPool {
     return {data + (phys * Hkv + h0) * bs * D, data + (phys * Hkv + h1) * bs * D};
   }
 };
-
-constexpr int64_t kLine = 64;     // bytes in a cache line
 
 // The cache lines of a run of memory (whole lines from its start).
 inline int64_t lines(Run r) {

@@ -121,11 +121,17 @@ def check_fields(obj) -> None:
 
 
 TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the powers from here
+# and on both axes a bucket of 96 between 64 and 128: a decode step of 65-95 sequences ran on
+# 128 token rows and 128 sequence rows (bench/step_mix.py: 322 -> 272 ms per such step, T's
+# pass -2%), for 9 more (T, S) variants to compile (BENCHMARKS.md, session 32)
+EXTRA_BUCKETS = (96,)
 
 
-def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None) -> tuple[int, ...]:
+def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None,
+                   extra: tuple[int, ...] = ()) -> tuple[int, ...]:
     """``(lo, 2 lo, 4 lo, ...)`` up to ``hi``; ``hi`` itself always closes the tuple. With
-    ``midpoints_from``, each power ``p >= midpoints_from`` is followed by ``1.5 p``."""
+    ``midpoints_from``, each power ``p >= midpoints_from`` is followed by ``1.5 p``; the sizes
+    of ``extra`` between ``lo`` and ``hi`` join in order."""
     sizes = []
     size = lo
     while size < hi:
@@ -133,7 +139,7 @@ def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None) -> tu
         if midpoints_from is not None and size >= midpoints_from and size * 3 // 2 < hi:
             sizes.append(size * 3 // 2)
         size *= 2
-    return (*sizes, hi)
+    return (*sorted({*sizes, *(e for e in extra if lo < e < hi)}), hi)
 
 
 def _check_buckets(name: str, buckets: tuple[int, ...], maximum_name: str, maximum: int) -> None:
@@ -223,9 +229,11 @@ class SchedulerConfig:
         bench/decode_step.py), and from 256 tokens up the midpoints 1.5 x 2^k as well (384,
         768, 1536): a step that large costs in proportion to its padded tokens, and a batch of
         prompts just over a power of two (342 tokens: 512) would waste up to half of it.
+        And 96 (``EXTRA_BUCKETS``, on both axes): a decode step of 65-95 sequences runs on 96
+        rows, not 128.
       seq_buckets: padded sizes of the sequence axis ``S``; strictly increasing, the last one
-        ``>= max_num_seqs``. Default: powers of two from 8, closed by the maximum (the same
-        minima as vLLM's TPU backend: smaller buckets save little and add compilations).
+        ``>= max_num_seqs``. Default: powers of two from 8, and 96, closed by the maximum (the
+        same minima as vLLM's TPU backend: smaller buckets save little and add compilations).
     """
 
     max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
@@ -247,10 +255,12 @@ class SchedulerConfig:
             object.__setattr__(self, "token_buckets",
                                _powers_of_two(min(8, self.max_num_batched_tokens),
                                               self.max_num_batched_tokens,
-                                              midpoints_from=TOKEN_MIDPOINTS_FROM))
+                                              midpoints_from=TOKEN_MIDPOINTS_FROM,
+                                              extra=EXTRA_BUCKETS))
         if self.seq_buckets is None:
             object.__setattr__(self, "seq_buckets",
-                               _powers_of_two(min(8, self.max_num_seqs), self.max_num_seqs))
+                               _powers_of_two(min(8, self.max_num_seqs), self.max_num_seqs,
+                                              extra=EXTRA_BUCKETS))
         object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
         object.__setattr__(self, "seq_buckets", tuple(self.seq_buckets))
         _check_buckets("token_buckets", self.token_buckets,

@@ -133,16 +133,19 @@ def test_scheduler_plan_round_trip():
 
 def test_default_buckets_and_validation():
     sc = SchedulerConfig(max_model_len=4096)
-    assert sc.token_buckets == (8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
-    assert sc.seq_buckets == (8, 16, 32, 64, 128, 256)
+    assert sc.token_buckets == (8, 16, 32, 64, 96, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert sc.seq_buckets == (8, 16, 32, 64, 96, 128, 256)
     sc = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100, max_model_len=64)
-    assert sc.token_buckets == (8, 16, 32, 64, 100) and sc.seq_buckets == (3,)
+    assert sc.token_buckets == (8, 16, 32, 64, 96, 100) and sc.seq_buckets == (3,)
+    # 96 only strictly inside the range: not past the maximum, not twice where it closes it
+    assert SchedulerConfig(max_num_seqs=96, max_model_len=8).seq_buckets == (8, 16, 32, 64, 96)
+    assert SchedulerConfig(max_num_seqs=80, max_model_len=8).seq_buckets == (8, 16, 32, 64, 80)
     assert SchedulerConfig(max_num_batched_tokens=4, max_model_len=8).token_buckets == (4,)
     # a midpoint only below the maximum, which closes the tuple
     assert SchedulerConfig(max_num_batched_tokens=512, max_model_len=8).token_buckets == (
-        8, 16, 32, 64, 128, 256, 384, 512)
+        8, 16, 32, 64, 96, 128, 256, 384, 512)
     assert SchedulerConfig(max_num_batched_tokens=300, max_model_len=8).token_buckets == (
-        8, 16, 32, 64, 128, 256, 300)
+        8, 16, 32, 64, 96, 128, 256, 300)
     assert SchedulerConfig(max_model_len=8, seq_buckets=[8, 256]).seq_buckets == (8, 256)
     for kwargs, match in [
         (dict(max_num_seqs=0), "max_num_seqs=0"),

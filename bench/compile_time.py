@@ -49,21 +49,21 @@ def main() -> None:
     else:
         runner = llm.engine.runner
         s, rows = runner.sched_config, []
-        for t in s.token_buckets:
-            for n in (n for n in s.seq_buckets if n <= t):
-                step_args = runner._padded_args(t, n, 1)
-                t0 = time.perf_counter()
-                lowered = runner._step_fn.lower(runner.params, runner.cache, *step_args,
-                                                num_logprobs=0)
-                t1 = time.perf_counter()
-                lowered.compile()
-                t2 = time.perf_counter()
-                runner.cache, tokens, *_ = runner._step_fn(runner.params, runner.cache,
-                                                           *step_args, num_logprobs=0)
-                tokens.block_until_ready()
-                rows.append({"tokens": t, "seqs": n, "trace_s": t1 - t0, "compile_s": t2 - t1,
-                             "first_run_s": time.perf_counter() - t2})
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)   # progress
+        buckets, decode = s.step_shapes()
+        for t, n in buckets + decode:
+            step_args = runner._padded_args(t, n, 1)
+            t0 = time.perf_counter()
+            lowered = runner._step_fn.lower(runner.params, runner.cache, *step_args,
+                                            num_logprobs=0)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+            runner.cache, tokens, *_ = runner._step_fn(runner.params, runner.cache,
+                                                       *step_args, num_logprobs=0)
+            tokens.block_until_ready()
+            rows.append({"tokens": t, "seqs": n, "trace_s": t1 - t0, "compile_s": t2 - t1,
+                         "first_run_s": time.perf_counter() - t2})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)   # progress
         out["variants"] = rows
         out["totals_s"] = {k: sum(r[k] for r in rows)
                            for k in ("trace_s", "compile_s", "first_run_s")}

@@ -1,9 +1,11 @@
 """StepPlan -> StepInput: the padded int32 arrays the device step reads (numpy, no jax).
 
 This is the host/device contract. Shapes are padded to the smallest fitting bucket
-``T`` in ``scheduler_config.token_buckets`` and ``S`` in ``scheduler_config.seq_buckets`` so the
-jitted step compiles once per (T, S) bucket and never in steady state. ``M = max_blocks_per_seq =
-cdiv(max_model_len, block_size)`` is fixed by the configs.
+``T`` in ``scheduler_config.token_buckets`` and ``S`` in ``scheduler_config.seq_buckets`` (a
+decode-only step to one of ``decode_buckets`` on both axes where that is smaller:
+``SchedulerConfig.padded_shape``) so the jitted step compiles once per (T, S) bucket and never
+in steady state. ``M = max_blocks_per_seq = cdiv(max_model_len, block_size)`` is fixed by the
+configs.
 
 Example: block_size 4; sequence A computes a prefill chunk of 5 tokens (positions 0..4, table
 [7, 2]); B decodes one token at position 9 (table [4, 9, 1]); buckets T = 8, S = 4:
@@ -90,11 +92,9 @@ def max_blocks_per_seq(cache_config: CacheConfig, scheduler_config: SchedulerCon
     return cdiv(scheduler_config.max_model_len, cache_config.block_size)
 
 
-def _bucket(buckets: tuple[int, ...], n: int, name: str, count_name: str) -> int:
-    for size in buckets:
-        if size >= n:
-            return size
-    raise ValueError(f"plan has {count_name}={n}, more than {name}[-1]={buckets[-1]}")
+def _fits(buckets: tuple[int, ...], n: int, name: str, count_name: str) -> None:
+    if n > buckets[-1]:
+        raise ValueError(f"plan has {count_name}={n}, more than {name}[-1]={buckets[-1]}")
 
 
 def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
@@ -120,8 +120,9 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
     q_lens = np.array([len(s.token_ids) for s in seqs], np.int32)  # [num_seqs]
     starts = np.array([s.start_pos for s in seqs], np.int32)        # [num_seqs]
     num_tokens = int(q_lens.sum())
-    t_pad = _bucket(scheduler_config.token_buckets, num_tokens, "token_buckets", "num_tokens")
-    s_pad = _bucket(scheduler_config.seq_buckets, num_seqs, "seq_buckets", "num_seqs")
+    _fits(scheduler_config.token_buckets, num_tokens, "token_buckets", "num_tokens")
+    _fits(scheduler_config.seq_buckets, num_seqs, "seq_buckets", "num_seqs")
+    t_pad, s_pad = scheduler_config.padded_shape(num_tokens, num_seqs)
 
     block_tables = np.zeros((s_pad, m), np.int32)  # [S, M]
     for i, seq in enumerate(seqs):

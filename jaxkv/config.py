@@ -125,6 +125,11 @@ TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the po
 # 128 token rows and 128 sequence rows (bench/step_mix.py: 322 -> 272 ms per such step, T's
 # pass -2%), for 9 more (T, S) variants to compile (BENCHMARKS.md, session 32)
 EXTRA_BUCKETS = (96,)
+# a decode-only step (one token per sequence) of more than this many sequences pads to a
+# quarter of an octave on both axes (``decode_buckets``): T's decode-only steps of 96-128
+# sequences -7 to -9% (112 rows, not 128), 64-95 -2 to -4% (80); 40, 48 and 56 rows measured
+# within 1-3% of 64 (bench/step_mix.py, BENCHMARKS.md session 33), so none below 64
+DECODE_BUCKETS_FROM = 64
 
 
 def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None,
@@ -142,12 +147,41 @@ def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None,
     return (*sorted({*sizes, *(e for e in extra if lo < e < hi)}), hi)
 
 
-def _check_buckets(name: str, buckets: tuple[int, ...], maximum_name: str, maximum: int) -> None:
-    if not buckets:
+def _quarter_octaves(lo: int, hi: int) -> tuple[int, ...]:
+    """The sizes ``p/2 + i p/8`` (i = 1, 2, 3) of each octave ``(p/2, p]``, strictly between
+    ``lo`` and ``hi``: ..., 40, 48, 56, 80, 96, 112, 160, 192, 224, ..."""
+    sizes, p = [], 16
+    while p // 2 < hi:
+        sizes += [p // 2 + i * p // 8 for i in (1, 2, 3)]
+        p *= 2
+    return tuple(x for x in sizes if lo < x < hi)
+
+
+def _smallest(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of ``buckets`` (increasing) that is ``>= n``; None when none is."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def pad_step(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
+             decode_buckets: tuple[int, ...], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """The padded shape ``(T, S)`` of a step of ``num_tokens`` tokens over ``num_seqs``
+    sequences: the smallest token and sequence buckets that hold them (the largest ones where
+    none does; the scheduler never exceeds them), except that a decode-only step
+    (``num_tokens == num_seqs``) whose smallest fitting ``decode_buckets`` size ``d`` is below
+    its token bucket runs on ``d`` token rows and ``min(d, S)`` sequence rows."""
+    t = _smallest(token_buckets, num_tokens) or token_buckets[-1]
+    s = _smallest(seq_buckets, num_seqs) or seq_buckets[-1]
+    d = _smallest(decode_buckets, num_tokens) if num_tokens == num_seqs else None
+    return (d, min(d, s)) if d is not None and d < t else (t, s)
+
+
+def _check_buckets(name: str, buckets: tuple[int, ...], maximum_name: str | None = None,
+                   maximum: int = 0) -> None:
+    if not buckets and maximum_name is not None:
         raise ValueError(f"{name} must not be empty")
     if any(b < 1 for b in buckets) or any(a >= b for a, b in zip(buckets, buckets[1:])):
         raise ValueError(f"{name}={buckets} must be positive and strictly increasing")
-    if buckets[-1] < maximum:
+    if maximum_name is not None and buckets[-1] < maximum:
         raise ValueError(f"{name}[-1]={buckets[-1]} must be >= {maximum_name}={maximum}")
 
 
@@ -234,6 +268,14 @@ class SchedulerConfig:
       seq_buckets: padded sizes of the sequence axis ``S``; strictly increasing, the last one
         ``>= max_num_seqs``. Default: powers of two from 8, and 96, closed by the maximum (the
         same minima as vLLM's TPU backend: smaller buckets save little and add compilations).
+      decode_buckets: padded sizes of a decode-only step (one token per sequence), on both
+        axes, where one fits it below its token bucket (``pad_step``); strictly increasing.
+        Each adds one compiled variant, not one per pair. Default, when both bucket lists are
+        the defaults: the quarter octaves ``p/2 + i p/8`` between 64 and the smaller maximum
+        (80, 96, 112, 160, 192, 224, 320, ...), so a decode step of 100 sequences runs on 112
+        rows, not 128: its matmuls cost nearly in proportion to their rows (T's decode-only
+        steps -3 to -5%, bench/step_mix.py, BENCHMARKS.md session 33). Otherwise none (the
+        given buckets are the shapes).
     """
 
     max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
@@ -248,9 +290,17 @@ class SchedulerConfig:
                                                    "1.5x midpoints from 256)")
     seq_buckets: tuple[int, ...] | None = option(None, "padded sequence-axis sizes the step "
                                                  "compiles for (default: powers of two)")
+    decode_buckets: tuple[int, ...] | None = option(None, "padded sizes of a decode-only step "
+                                                    "on both axes (default: quarter octaves "
+                                                    "above 64 with the default buckets)")
 
     def __post_init__(self):
         check_fields(self)
+        if self.decode_buckets is None:
+            defaults = self.token_buckets is None and self.seq_buckets is None
+            object.__setattr__(self, "decode_buckets", _quarter_octaves(
+                DECODE_BUCKETS_FROM, min(self.max_num_seqs, self.max_num_batched_tokens))
+                if defaults else ())
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets",
                                _powers_of_two(min(8, self.max_num_batched_tokens),
@@ -266,6 +316,25 @@ class SchedulerConfig:
         _check_buckets("token_buckets", self.token_buckets,
                        "max_num_batched_tokens", self.max_num_batched_tokens)
         _check_buckets("seq_buckets", self.seq_buckets, "max_num_seqs", self.max_num_seqs)
+        object.__setattr__(self, "decode_buckets", tuple(self.decode_buckets))
+        _check_buckets("decode_buckets", self.decode_buckets)
+
+    def padded_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The ``(T, S)`` a step of ``num_tokens`` tokens over ``num_seqs`` sequences pads
+        to (``pad_step``)."""
+        return pad_step(self.token_buckets, self.seq_buckets, self.decode_buckets,
+                        num_tokens, num_seqs)
+
+    def step_shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The padded shapes the step compiles for: every bucket pair ``(T, S)`` a step can
+        pad to (at least as many tokens as sequences: ``S``'s smallest count, one more than the
+        bucket below it, is at most ``T``), and apart the decode-only steps' shapes that are
+        not among them."""
+        pairs = [(t, n) for t in self.token_buckets
+                 for n, below in zip(self.seq_buckets, (0, *self.seq_buckets)) if below < t]
+        most = min(self.max_num_seqs, self.max_num_batched_tokens)
+        decode = sorted({self.padded_shape(n, n) for n in range(1, most + 1)} - set(pairs))
+        return pairs, decode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -236,7 +236,7 @@ class DraftModelProposer:
         self._cached: dict[Hashable, np.ndarray] = {}   # int32 [n]: tokens whose K/V is cached
         self._num_steps = 0   # draft forwards (catch-up chunks and decodes)
         sc = runner.sched_config
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: ModelRunner,

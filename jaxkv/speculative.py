@@ -304,7 +304,7 @@ class Speculator:
             proposer = DraftModelProposer.from_config(config, target)
         if args.speculative and args.speculative_adaptive and config is not None:
             sc = config.scheduler
-            step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+            step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
             budget = sc.max_num_batched_tokens
         return cls(proposer, args.num_speculative_tokens,
                    _VERIFY_COST if args.speculative_adaptive else None, step_cost, budget)
@@ -561,12 +561,13 @@ class Speculator:
     def _exploration(self, base: int, num_seqs: int, num_proposed: int) -> int | None:
         """The token bucket of the draft step to explore now, or None: the smallest unmeasured
         (or stale) one that ``num_proposed`` drafts over ``base`` tokens pad to, among the
-        plain step's own bucket and the next one up, while the exploration charges are at most
-        ``_EXPLORE_SHARE`` of the measured step time."""
+        plain step's own token bucket and the next one up, while the exploration charges are
+        at most ``_EXPLORE_SHARE`` of the measured step time. (The plain step's own bucket:
+        the one ``base`` tokens pad to in a step with drafts, not a decode bucket.)"""
         model = self.step_cost
         if self._charged_s > _EXPLORE_SHARE * self._measured_s:
             return None
-        plain_bucket = model.key(base, num_seqs, False)[0]
+        plain_bucket = model.key(base, num_seqs, True)[0]
         candidates = ([plain_bucket] if base < plain_bucket else []) + [
             t for t in model.token_buckets if t > plain_bucket][:1]
         reach = min(base + num_proposed, self._budget)

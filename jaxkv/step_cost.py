@@ -1,7 +1,9 @@
 """The step-time model: what one engine step costs on the device, by the shape it pads to.
 
 The jitted step computes a padded shape, ``T`` tokens (the smallest ``token_buckets`` entry that
-holds the step's tokens) by ``S`` sequences (``seq_buckets``), with logits width ``W = 1`` or,
+holds the step's tokens) by ``S`` sequences (``seq_buckets``; a decode-only step one of
+``decode_buckets`` on both axes where that is smaller, ``jaxkv.config.pad_step``), with logits
+width ``W = 1`` or,
 in a step that verifies drafts, ``W = 1 + num_speculative_tokens`` (jaxkv/batch.py). Its time
 is a function of that shape (plus the context lengths, which drift slowly), so the model is a
 table of moving averages keyed by the padded shape::
@@ -26,30 +28,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxkv.config import pad_step
+
 _EMA = 0.3   # weight of a new duration in a key's moving average
-
-
-def _bucket(buckets: Sequence[int], n: int) -> int:
-    """The smallest bucket >= n (the largest when none is: the scheduler never exceeds it)."""
-    return next((b for b in buckets if b >= n), buckets[-1])
 
 
 class StepCostModel:
     """Device seconds per step by padded shape (see the module docstring).
 
     Args:
-      token_buckets, seq_buckets: the scheduler config's buckets (strictly increasing).
+      token_buckets, seq_buckets, decode_buckets: the scheduler config's buckets (strictly
+        increasing).
       refresh: observations after which a key's time is stale.
 
     Attributes:
-      token_buckets, seq_buckets: as given.
+      token_buckets, seq_buckets, decode_buckets: as given.
       num_observations: durations observed so far (every key, the dropped ones included).
       total_s: their sum, in seconds.
     """
 
-    def __init__(self, token_buckets: Sequence[int], seq_buckets: Sequence[int], *,
-                 refresh: int = 256):
+    def __init__(self, token_buckets: Sequence[int], seq_buckets: Sequence[int],
+                 decode_buckets: Sequence[int] = (), *, refresh: int = 256):
         self.token_buckets, self.seq_buckets = tuple(token_buckets), tuple(seq_buckets)
+        self.decode_buckets = tuple(decode_buckets)
         self.refresh = refresh
         self.num_observations = 0
         self.total_s = 0.0
@@ -65,8 +66,10 @@ class StepCostModel:
 
     def key(self, num_tokens: int, num_seqs: int, drafts: bool) -> tuple[int, int, bool]:
         """The padded shape ``(T, S, drafts)`` of a step of ``num_tokens`` tokens (drafts
-        included) over ``num_seqs`` sequences."""
-        return (_bucket(self.token_buckets, num_tokens), _bucket(self.seq_buckets, num_seqs),
+        included) over ``num_seqs`` sequences (a step with drafts has more tokens than
+        sequences: never a decode bucket)."""
+        return (*pad_step(self.token_buckets, self.seq_buckets,
+                          () if drafts else self.decode_buckets, num_tokens, num_seqs),
                 bool(drafts))
 
     def observe(self, num_tokens: int, num_seqs: int, drafts: bool, seconds: float) -> bool:

@@ -131,6 +131,51 @@ def test_scheduler_plan_round_trip():
     np.testing.assert_array_equal(x.logits_indices, [[0], [3], [0], [0]])
 
 
+def test_decode_buckets_pad_a_decode_only_step_on_both_axes():
+    sc = SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024)
+    assert sc.decode_buckets == (80, 96, 112, 160, 192, 224)
+    pairs, decode = sc.step_shapes()
+    assert len(pairs) == 42 and decode == [(80, 80), (112, 112), (160, 160), (192, 192),
+                                           (224, 224)]
+    # a decode-only step: its decode bucket where one is below the token bucket
+    assert [sc.padded_shape(n, n) for n in (7, 33, 64, 65, 80, 81, 90, 100, 113, 200)] == [
+        (8, 8), (64, 64), (64, 64), (80, 80), (80, 80), (96, 96), (96, 96), (112, 112),
+        (128, 128), (224, 224)]
+    # any step with more tokens than sequences (a prefill chunk, drafts): the bucket pair
+    assert sc.padded_shape(101, 100) == (128, 128) and sc.padded_shape(512, 70) == (512, 96)
+    # every shape a step can pad to is compiled by the warm-up
+    small = SchedulerConfig(max_num_seqs=20, max_num_batched_tokens=48, max_model_len=64,
+                            token_buckets=(8, 16, 48), seq_buckets=(4, 8, 20),
+                            decode_buckets=(6, 12, 14))
+    pairs, decode = small.step_shapes()
+    assert pairs == [(8, 4), (8, 8), (16, 4), (16, 8), (16, 20), (48, 4), (48, 8), (48, 20)]
+    assert decode == [(6, 4), (6, 6), (12, 12), (14, 14)]
+    assert {small.padded_shape(t, n) for t in range(1, 49) for n in range(1, min(t, 20) + 1)} \
+        == set(pairs) | set(decode)
+    # the defaults go with the default buckets only, and end below the smaller maximum
+    assert SchedulerConfig(max_model_len=8, token_buckets=(2048,)).decode_buckets == ()
+    assert SchedulerConfig(max_num_seqs=100, max_model_len=8).decode_buckets == (80, 96)
+    assert SchedulerConfig(max_num_seqs=64, max_model_len=8).decode_buckets == ()
+    # batch.build lays a decode step of 41 out on 48 rows
+    sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=16,
+                         token_buckets=(16, 64), seq_buckets=(16, 64), decode_buckets=(48,))
+    plan = StepPlan(tuple(S(f"r{i}", (100 + i,), 5, True, (1 + i % 9, 2 + i % 7))
+                          for i in range(41)))
+    x = batch.build(plan, CacheConfig(block_size=4, num_blocks=10), sc)
+    assert x.token_ids.shape == (48,) and x.seq_lens.shape == (48,)
+    np.testing.assert_array_equal(x.token_ids, [*range(100, 141), *[0] * 7])
+    np.testing.assert_array_equal(x.query_start_loc, [*range(42), *[41] * 7])
+    np.testing.assert_array_equal(x.logits_indices[:, 0], [*range(41), *[0] * 7])
+    np.testing.assert_array_equal(x.slot_mapping[:41], [(2 + i % 7) * 4 + 1 for i in range(41)])
+    x = batch.build(StepPlan(plan.seqs[:40] + (S("p", (1, 2), 0, True, (3,)),)),
+                    CacheConfig(block_size=4, num_blocks=10), sc)
+    assert x.token_ids.shape == (64,) and x.seq_lens.shape == (64,)
+    for bad, match in [((48, 40), "decode_buckets=.* strictly increasing"),
+                       ((0, 48), "decode_buckets=.* positive")]:
+        with pytest.raises(ValueError, match=match):
+            SchedulerConfig(max_model_len=64, decode_buckets=bad)
+
+
 def test_default_buckets_and_validation():
     sc = SchedulerConfig(max_model_len=4096)
     assert sc.token_buckets == (8, 16, 32, 64, 96, 128, 256, 384, 512, 768, 1024, 1536, 2048)

@@ -125,6 +125,23 @@ def test_compilation_count_is_flat_in_steady_state(tiny):
         assert engine.num_compilations() == compiled
 
 
+def test_decode_bucket_runs_decode_steps_on_its_rows_with_the_same_tokens(tiny, llm, caplog):
+    ps = prompts(3, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    with LLM(str(tiny[0]), **ENGINE, decode_buckets=(4,)) as engine, \
+            caplog.at_level("INFO", logger="jaxkv"):
+        assert engine.engine.runner.sched_config.step_shapes()[1] == [(4, 4)]
+        outs = engine.generate(ps, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        shapes = [r.getMessage().split("(")[1].split(", width")[0] for r in caplog.records
+                  if "compiled on demand" in r.getMessage()]
+        assert "4 tokens, 4 sequences" in shapes      # 3 decodes on 4 rows, not (16, 8)
+        assert engine.warmup() == 3                    # (16, 8), (64, 8) and (4, 4)
+        engine.generate(ps[::-1], params, use_tqdm=False)
+        assert engine.num_compilations() == 3
+
+
 def test_generation_with_penalties_does_not_recompile_as_sequences_grow(tiny):
     with LLM(str(tiny[0]), **ENGINE) as engine:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,

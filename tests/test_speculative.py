@@ -719,7 +719,7 @@ class CostlyProposer(ProbedProposer):
         from jaxkv.step_cost import StepCostModel
 
         super().__init__(right)
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
         self.forward_seconds = forward_seconds
 
     def propose(self, token_ids, num_drafts):
@@ -735,7 +735,8 @@ def step_time_speculator(proposer, sc):
     from jaxkv.step_cost import StepCostModel
 
     return Speculator(proposer, 4, draft_cost=0.1,
-                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets),
+                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets,
+                                              sc.decode_buckets),
                       max_num_batched_tokens=sc.max_num_batched_tokens)
 
 
@@ -1094,7 +1095,7 @@ class CostlyBatchProposer:
         from jaxkv.step_cost import StepCostModel
 
         self.right, self.forward_seconds = right, forward_seconds
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets)
+        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
         self.num_forwards = 0
 
     def propose_batch(self, requests):

@@ -394,8 +394,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ compilation
 
     def warmup(self, *, progress: bool = True) -> int:
-        """Compiles the step for every (T, S) bucket pair with S <= T; returns how many
-        step variants.
+        """Compiles the step for every (T, S) bucket pair a step can pad to and every
+        decode-only step's shape (``SchedulerConfig.step_shapes``); returns how many step
+        variants.
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
         with speculative decoding each pair is compiled at the verify width too; with a
@@ -410,8 +411,9 @@ class ModelRunner:
         in the jitted step's own.
         """
         s = self.sched_config
-        pairs = [(t, n, w) for t in s.token_buckets for n in s.seq_buckets if n <= t
-                 for w in sorted({1, 1 + self.max_drafts})]
+        buckets, decode = s.step_shapes()                 # decode-only steps: no drafts
+        pairs = [(t, n, w) for t, n in buckets for w in sorted({1, 1 + self.max_drafts})]
+        pairs += [(t, n, 1) for t, n in decode]
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
         fns = self._step_fns()
         with tqdm(total=len(pairs) * len(fns) + len(copies), desc="Compiling step buckets",

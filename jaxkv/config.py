@@ -125,11 +125,13 @@ TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the po
 # 128 token rows and 128 sequence rows (bench/step_mix.py: 322 -> 272 ms per such step, T's
 # pass -2%), for 9 more (T, S) variants to compile (BENCHMARKS.md, session 32)
 EXTRA_BUCKETS = (96,)
-# a decode-only step (one token per sequence) of more than this many sequences pads to a
-# quarter of an octave on both axes (``decode_buckets``): T's decode-only steps of 96-128
-# sequences -7 to -9% (112 rows, not 128), 64-95 -2 to -4% (80); 40, 48 and 56 rows measured
-# within 1-3% of 64 (bench/step_mix.py, BENCHMARKS.md session 33), so none below 64
-DECODE_BUCKETS_FROM = 64
+# where a decode-only step (one token per sequence) pads to a quarter of an octave on both
+# axes (``decode_buckets``), (above, below; None: the step's maximum): where its dense products
+# cost in proportion to their rows. In T's pass interleaved with one without them
+# (bench/pass_ab.py, BENCHMARKS.md session 33): 17-31 sequences on 20-28 rows (the small-row
+# matmul) -14%, 65-127 sequences on 80 or 112 rows -2 to -5%; but 33-63 on 40-56 rows +4%
+# (XLA's GEMM no faster there than at 64 rows), so none between 32 and 64
+DECODE_BUCKET_SPANS = ((16, 32), (64, None))
 
 
 def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None,
@@ -271,11 +273,11 @@ class SchedulerConfig:
       decode_buckets: padded sizes of a decode-only step (one token per sequence), on both
         axes, where one fits it below its token bucket (``pad_step``); strictly increasing.
         Each adds one compiled variant, not one per pair. Default, when both bucket lists are
-        the defaults: the quarter octaves ``p/2 + i p/8`` between 64 and the smaller maximum
-        (80, 96, 112, 160, 192, 224, 320, ...), so a decode step of 100 sequences runs on 112
-        rows, not 128: its matmuls cost nearly in proportion to their rows (T's decode-only
-        steps -3 to -5%, bench/step_mix.py, BENCHMARKS.md session 33). Otherwise none (the
-        given buckets are the shapes).
+        the defaults: the quarter octaves ``p/2 + i p/8`` between 16 and 32 and from 64 to the
+        smaller maximum (``DECODE_BUCKET_SPANS``: 20, 24, 28, 80, 96, 112, 160, 192, 224, 320,
+        ...), so a decode step of 100 sequences runs on 112 rows, not 128, where its dense
+        products cost nearly in proportion to their rows (T's pass -1.4%, BENCHMARKS.md
+        session 33). Otherwise none (the given buckets are the shapes).
     """
 
     max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
@@ -292,15 +294,17 @@ class SchedulerConfig:
                                                  "compiles for (default: powers of two)")
     decode_buckets: tuple[int, ...] | None = option(None, "padded sizes of a decode-only step "
                                                     "on both axes (default: quarter octaves "
-                                                    "above 64 with the default buckets)")
+                                                    "of 16-32 and above 64 with the default "
+                                                    "buckets)")
 
     def __post_init__(self):
         check_fields(self)
         if self.decode_buckets is None:
             defaults = self.token_buckets is None and self.seq_buckets is None
-            object.__setattr__(self, "decode_buckets", _quarter_octaves(
-                DECODE_BUCKETS_FROM, min(self.max_num_seqs, self.max_num_batched_tokens))
-                if defaults else ())
+            most = min(self.max_num_seqs, self.max_num_batched_tokens)
+            object.__setattr__(self, "decode_buckets", tuple(
+                size for lo, hi in DECODE_BUCKET_SPANS
+                for size in _quarter_octaves(lo, min(most, hi or most))) if defaults else ())
         if self.token_buckets is None:
             object.__setattr__(self, "token_buckets",
                                _powers_of_two(min(8, self.max_num_batched_tokens),

@@ -126,8 +126,8 @@ TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the po
 # pass -2%), for 9 more (T, S) variants to compile (BENCHMARKS.md, session 32)
 EXTRA_BUCKETS = (96,)
 # where a decode-only step (one token per sequence) pads to a quarter of an octave on both
-# axes (``decode_buckets``), (above, below; None: the step's maximum): where its dense products
-# cost in proportion to their rows. In T's pass interleaved with one without them
+# axes (``decode_buckets``): the quarter octaves strictly between each (lo, hi), hi None for
+# the smaller maximum; the spans where the step's dense products cost in proportion to rows. In T's pass interleaved with one without them
 # (bench/pass_ab.py, BENCHMARKS.md session 33): 17-31 sequences on 20-28 rows (the small-row
 # matmul) -14%, 65-127 sequences on 80 or 112 rows -2 to -5%; but 33-63 on 40-56 rows +4%
 # (XLA's GEMM no faster there than at 64 rows), so none between 32 and 64

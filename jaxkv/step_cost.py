@@ -3,10 +3,9 @@
 The jitted step computes a padded shape, ``T`` tokens (the smallest ``token_buckets`` entry that
 holds the step's tokens) by ``S`` sequences (``seq_buckets``; a decode-only step one of
 ``decode_buckets`` on both axes where that is smaller, ``jaxkv.config.pad_step``), with logits
-width ``W = 1`` or,
-in a step that verifies drafts, ``W = 1 + num_speculative_tokens`` (jaxkv/batch.py). Its time
-is a function of that shape (plus the context lengths, which drift slowly), so the model is a
-table of moving averages keyed by the padded shape::
+width ``W = 1`` or, in a step that verifies drafts, ``W = 1 + num_speculative_tokens``
+(jaxkv/batch.py). Its time is a function of that shape (plus the context lengths, which drift
+slowly), so the model is a table of moving averages keyed by the padded shape::
 
     key = (T, S, has drafts)      time(key) = EMA of the measured step durations with that key
 

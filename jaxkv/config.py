@@ -127,10 +127,11 @@ TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the po
 EXTRA_BUCKETS = (96,)
 # where a decode-only step (one token per sequence) pads to a quarter of an octave on both
 # axes (``decode_buckets``): the quarter octaves strictly between each (lo, hi), hi None for
-# the smaller maximum; the spans where the step's dense products cost in proportion to rows. In T's pass interleaved with one without them
-# (bench/pass_ab.py, BENCHMARKS.md session 33): 17-31 sequences on 20-28 rows (the small-row
-# matmul) -14%, 65-127 sequences on 80 or 112 rows -2 to -5%; but 33-63 on 40-56 rows +4%
-# (XLA's GEMM no faster there than at 64 rows), so none between 32 and 64
+# the smaller maximum; the spans where the step's dense products cost in proportion to rows.
+# In T's pass interleaved with one without them (bench/pass_ab.py, BENCHMARKS.md session 33):
+# 17-31 sequences on 20-28 rows (the small-row matmul) -14%, 65-127 sequences on 80 or 112
+# rows -2 to -5%; but 33-63 on 40-56 rows +4% (XLA's GEMM no faster there than at 64 rows),
+# so none between 32 and 64
 DECODE_BUCKET_SPANS = ((16, 32), (64, None))
 
 

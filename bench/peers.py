@@ -112,36 +112,45 @@ def git(*a) -> str:
 # ---------------------------------------------------------------------- workers (subprocesses)
 
 
-def timed_runs(job, generate, reset) -> dict:
-    """Runs every workload of ``job`` ``repeats`` times through ``generate(prompts, olens,
+def timed_run(job, name: str, r: int, generate, reset) -> tuple[dict, list]:
+    """Repeat ``r`` of workload ``name`` of ``job`` through ``generate(prompts, olens,
     deadline)`` (returns token lists; an engine that honours ``deadline`` stops there and returns
-    what it has), calling ``reset()`` before each; the timing, load and outputs. A run cut off by
-    the deadline is marked ``incomplete`` (its tok/s counts the tokens it made) and ends the
-    workload's repeats."""
+    what it has), after ``reset()``: the run's timing and load, and the outputs. A run cut off by
+    the deadline is marked ``incomplete`` (its tok/s counts the tokens it made)."""
+    w = job["workloads"][name]
+    reset()
+    before = loadavg()
+    t = time.perf_counter()
+    outs = generate(w["prompts"], w["olens"], time.perf_counter() + job["run_timeout"])
+    elapsed = time.perf_counter() - t
+    n_out = sum(map(len, outs))
+    incomplete = n_out != sum(w["olens"])
+    assert not incomplete or elapsed >= job["run_timeout"], (name, n_out)
+    log(f"  {job['engine']} {name} repeat {r}: {n_out / elapsed:.1f} out tok/s "
+        f"({elapsed:.1f} s{', CUT OFF at the run timeout' if incomplete else ''})")
+    return {"elapsed_s": elapsed, "output_tokens": n_out, "output_tokens_per_s": n_out / elapsed,
+            "incomplete": incomplete, "load_before": before, "load_after": loadavg()}, outs
+
+
+def add_run(res: dict, run: dict, outs: list) -> None:
+    """Appends ``run`` to one workload's record ``res`` (``runs``, ``outputs`` of the first
+    repeat, ``incomplete``), marking whether its outputs equal the first repeat's."""
+    res.setdefault("outputs", outs)
+    run["outputs_equal_first_repeat"] = outs == res["outputs"]
+    res.setdefault("runs", []).append(run)
+    res["incomplete"] = res.get("incomplete", False) or run["incomplete"]
+
+
+def timed_runs(job, generate, reset) -> dict:
+    """Every workload of ``job``, ``repeats`` times each (``timed_run``); a cut-off run ends
+    that workload's repeats."""
     results = {}
     for name, w in job["workloads"].items():
-        runs, first = [], None
+        results[name] = {}
         for r in range(w["repeats"]):
-            reset()
-            before = loadavg()
-            t = time.perf_counter()
-            outs = generate(w["prompts"], w["olens"], time.perf_counter() + job["run_timeout"])
-            elapsed = time.perf_counter() - t
-            n_out = sum(map(len, outs))
-            incomplete = n_out != sum(w["olens"])
-            assert not incomplete or elapsed >= job["run_timeout"], (name, n_out)
-            runs.append({"elapsed_s": elapsed, "output_tokens": n_out,
-                         "output_tokens_per_s": n_out / elapsed, "incomplete": incomplete,
-                         "load_before": before, "load_after": loadavg()})
-            log(f"  {job['engine']} {name} repeat {r}: {n_out / elapsed:.1f} out tok/s "
-                f"({elapsed:.1f} s{', CUT OFF at the run timeout' if incomplete else ''})")
-            if first is None:
-                first = outs
-            runs[-1]["outputs_equal_first_repeat"] = outs == first
-            if incomplete:
+            add_run(results[name], *timed_run(job, name, r, generate, reset))
+            if results[name]["incomplete"]:
                 break
-        results[name] = {"runs": runs, "outputs": first,
-                         "incomplete": any(x["incomplete"] for x in runs)}
     return results
 
 
@@ -175,13 +184,10 @@ def jaxkv_worker(job) -> dict:
                 outs[o.request_id] = list(o.outputs[0].token_ids)
         return [outs[i] for i in ids]
 
-    warm_request(generate)
-    ready = time.time()
     info = {"warmup_compile_s": compile_s, "step_variants_compiled": compiled,
             "compilation_cache_dir": str(llm.engine.compilation_cache_dir)}
-    res = timed_runs(job, generate, llm.reset_prefix_cache)
-    info["compilations_after_runs"] = llm.num_compilations()
-    return {"ready_time": ready, "info": info, "workloads": res}
+    return (generate, llm.reset_prefix_cache, info,
+            lambda: {"compilations_after_runs": llm.num_compilations()})
 
 
 def vllm_worker(job) -> dict:
@@ -203,12 +209,9 @@ def vllm_worker(job) -> dict:
                              for o in olens], use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    warm_request(generate)
-    ready = time.time()
     info = {"vllm_version": getattr(vllm, "__version__", "?"), "engine_args": kw,
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
-    return {"ready_time": ready, "info": info,
-            "workloads": timed_runs(job, generate, llm.reset_prefix_cache)}
+    return generate, llm.reset_prefix_cache, info, dict
 
 
 def llama_worker(job) -> dict:
@@ -295,21 +298,43 @@ def llama_worker(job) -> dict:
     def reset():                                  # also drops what a cut-off run left
         L.llama_memory_clear(mem, True)
 
-    warm_request(generate)
-    ready = time.time()
     info = {"llama_cpp_python": L.__version__, "gguf": job["gguf"], "n_ctx": cp.n_ctx,
             "n_threads": cfg["threads"], "n_seq_max": cp.n_seq_max, "kv": job["llama_kv"],
             "kv_type": "f32" if cfg.get("f32") else "f16 (default)",
             "system_info": L.llama_print_system_info().decode()}
-    return {"ready_time": ready, "info": info, "workloads": timed_runs(job, generate, reset)}
+    return generate, reset, info, dict
 
 
 def worker_main(job_file: str, out_file: str) -> None:
+    """One engine's process: start it (``*_worker`` returns ``generate``, ``reset``, its
+    ``info`` and a callable for what to add to the info at the end), one warm request, then
+    either every run of the job (written to ``out_file``), or, with ``job["interleave"]``, the
+    runs the parent asks for one by one: JSON lines on stdin (``{"workload", "repeat"}``, then
+    ``{"quit": true}``), answered on the process's original stdout (``{"ready"}``, each run
+    with its outputs, the final info); the engine's own prints go to stderr (the log)."""
     job = json.loads(Path(job_file).read_text())
+    proto = None
+    if job["interleave"]:
+        proto = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
     kind = ENGINES[job["engine"]]["kind"]
-    res = {"jaxkv": jaxkv_worker, "vllm": vllm_worker, "llama": llama_worker}[kind](job)
-    res["startup_s"] = res.pop("ready_time") - job["spawn_time"]
-    Path(out_file).write_text(json.dumps(res))
+    generate, reset, info, after = {"jaxkv": jaxkv_worker, "vllm": vllm_worker,
+                                    "llama": llama_worker}[kind](job)
+    warm_request(generate)
+    startup_s = time.time() - job["spawn_time"]
+    if proto is None:
+        res = {"workloads": timed_runs(job, generate, reset)}
+        Path(out_file).write_text(json.dumps(dict(res, info=dict(info, **after()),
+                                                  startup_s=startup_s)))
+        return
+    proto.write(json.dumps({"ready": True, "startup_s": startup_s}) + "\n")
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        run, outs = timed_run(job, cmd["workload"], cmd["repeat"], generate, reset)
+        proto.write(json.dumps({"run": run, "outputs": outs}) + "\n")
+    proto.write(json.dumps({"info": dict(info, **after())}) + "\n")
 
 
 # ---------------------------------------------------------------------- the parent
@@ -345,13 +370,16 @@ def jaxkv_snapshot(work: Path) -> Path:
     return snap
 
 
-def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
+def engine_job(a, engine: str, workloads: dict, work: Path, snap: Path) -> tuple:
+    """Writes ``engine``'s job file under ``work``: the worker's command line, environment and
+    log path."""
     cfg = ENGINES[engine]
     job = {"engine": engine, "config": cfg, "hf_model": a.hf_model, "vllm_eager": a.vllm_eager,
            "run_timeout": a.run_timeout, "llama_kv": a.llama_kv, "kv_tokens": a.kv_tokens,
-           "gguf": a.llama_f32_gguf if cfg.get("f32") else str(GGUF), "workloads": {}}
+           "gguf": a.llama_f32_gguf if cfg.get("f32") else str(GGUF), "workloads": {},
+           "interleave": a.interleave}
     for name, w in workloads.items():
-        job["workloads"][name] = dict(w, repeats=a.big_repeats if name in BIG else a.repeats)
+        job["workloads"][name] = dict(w, repeats=repeats(a, name))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
                TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"))
@@ -370,28 +398,170 @@ def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
     jf, of, lf = work / f"{engine}.job.json", work / f"{engine}.out.json", work / f"{engine}.log"
     job["spawn_time"] = time.time()
     jf.write_text(json.dumps(job))
-    before = loadavg()
     log(f"{engine}: starting ({python})")
+    cmd = [python, str(Path(__file__).resolve()), "--_worker", str(jf), str(of)]
+    return cmd, env, lf, of
+
+
+def repeats(a, workload: str) -> int:
+    return a.big_repeats if workload in BIG else a.repeats
+
+
+def engine_record(cfg: dict, python: str, env: dict, log_file: Path, before, res: dict) -> dict:
+    """An engine's entry in the result: its worker's ``res`` with the configuration, the load
+    before and after its process, and the interesting lines of its log."""
+    res.update(config=cfg, load_before=before, load_after=loadavg(), python=python,
+               env={k: v for k, v in env.items() if k.startswith(("VLLM_CPU", "OMP_", "XLA"))},
+               log_tail=[l[:300] for l in log_file.read_text().splitlines()
+                         if any(w in l for w in ("KV cache", "core ids", "OMP", "Compilation",
+                                                 "WARNING", "Error"))][-10:])
+    return res
+
+
+def engine_error(rc, log_file: Path, before) -> dict:
+    tail = log_file.read_text().splitlines()[-25:]
+    return {"error": f"exit {rc}", "log_tail": tail, "load_before": before,
+            "load_after": loadavg()}
+
+
+def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
+    """Every run of ``engine`` in one worker process, started and ended here."""
+    cmd, env, lf, of = engine_job(a, engine, workloads, work, snap)
+    before = loadavg()
     with open(lf, "w") as logf:
-        rc = subprocess.run([python, str(Path(__file__).resolve()), "--_worker", str(jf), str(of)],
-                            env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
-    after = loadavg()
+        rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT).returncode
     if rc != 0 or not of.exists():
-        tail = lf.read_text().splitlines()[-25:]
-        log(f"{engine}: FAILED (exit {rc}); last lines of its log:\n" + "\n".join(tail))
-        return {"error": f"exit {rc}", "log_tail": tail, "load_before": before,
-                "load_after": after, "config": cfg}
-    res = json.loads(of.read_text())
+        log(f"{engine}: FAILED (exit {rc}); last lines of its log:\n" +
+            "\n".join(lf.read_text().splitlines()[-25:]))
+        return engine_error(rc, lf, before)
     for line in lf.read_text().splitlines():
         if " repeat " in line:
             print(line, file=sys.stderr)
-    res.update(config=cfg, load_before=before, load_after=after, python=python,
-               env={k: v for k, v in env.items() if k.startswith(("VLLM_CPU", "OMP_", "XLA"))},
-               log_tail=[l[:300] for l in lf.read_text().splitlines()
-                         if any(w in l for w in ("KV cache", "core ids", "OMP", "Compilation",
-                                                 "WARNING", "Error"))][-10:])
+    res = engine_record(ENGINES[engine], cmd[0], env, lf, before, json.loads(of.read_text()))
     log(f"{engine}: done, start-up {res['startup_s']:.1f} s")
     return res
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants."""
+    children, cpu = {}, {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:                              # gone meanwhile
+            continue
+        children.setdefault(int(f[1]), []).append(int(d.name))
+        cpu[int(d.name)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+def settle(pids: list[int], quiet_s: float = 0.02, every_s: float = 0.25,
+           limit_s: float = 10.0) -> float:
+    """Waits until the process trees of ``pids`` use less than ``quiet_s`` CPU seconds per
+    ``every_s`` (an engine that just finished a run may still spin its OpenMP threads or tidy
+    up), at most ``limit_s``; returns the seconds waited."""
+    t = time.perf_counter()
+    last = sum(map(tree_cpu_s, pids))
+    while time.perf_counter() - t < limit_s:
+        time.sleep(every_s)
+        now = sum(map(tree_cpu_s, pids))
+        if now - last < quiet_s:
+            break
+        last = now
+    return time.perf_counter() - t
+
+
+class Worker:
+    """One engine's worker process kept alive between runs (``--interleave``): it starts the
+    engine and answers one JSON line per request (``ask``)."""
+
+    def __init__(self, a, engine: str, workloads: dict, work: Path, snap: Path):
+        self.engine, self.cfg = engine, ENGINES[engine]
+        self.cmd, self.env, self.log_file, _ = engine_job(a, engine, workloads, work, snap)
+        self.before = loadavg()
+        self.logf = open(self.log_file, "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.logf, text=True)
+
+    def ask(self, cmd: dict | None = None) -> dict | None:
+        """Sends ``cmd`` (none: just read) and returns the worker's answer; None if it died."""
+        try:
+            if cmd is not None:
+                self.proc.stdin.write(json.dumps(cmd) + "\n")
+                self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        return json.loads(line) if line else None
+
+    def close(self) -> int:
+        self.proc.stdin.close()
+        rc = self.proc.wait()
+        self.logf.close()
+        return rc
+
+
+def run_interleaved(a, engines: list, workloads: dict, work: Path, snap: Path,
+                    result: dict) -> None:
+    """``--interleave``: every engine started (one after another, each alone), then each
+    workload's repeat ``r`` run by every engine in turn, in the list's order for even ``r`` and
+    reversed for odd (A B, B A, ...), so that each pair of runs shares one window of the
+    machine's drift. Before each run every engine is left to go quiet (``settle``), and the
+    idle engines' CPU seconds during the run are recorded. Fills ``result["engines"]``."""
+    live = {}
+    for e in engines:
+        w = Worker(a, e, workloads, work, snap)
+        ready = w.ask()
+        if ready is None:
+            rc = w.close()
+            log(f"{e}: FAILED at start-up (exit {rc}); last lines of its log:\n" +
+                "\n".join(w.log_file.read_text().splitlines()[-25:]))
+            result["engines"][e] = engine_error(rc, w.log_file, w.before)
+            continue
+        live[e] = w
+        result["engines"][e] = {"startup_s": ready["startup_s"], "workloads": {},
+                                "config": w.cfg, "load_before": w.before,
+                                "load_after": loadavg()}
+        log(f"{e}: ready, start-up {ready['startup_s']:.1f} s")
+    for name in workloads:
+        for r in range(repeats(a, name)):
+            order = engines if r % 2 == 0 else engines[::-1]
+            for e in order:
+                rec = result["engines"][e]["workloads"].setdefault(name, {}) if e in live else {}
+                if e not in live or rec.get("incomplete"):
+                    continue
+                waited = settle([w.proc.pid for w in live.values()])
+                idle = {o: tree_cpu_s(w.proc.pid) for o, w in live.items() if o != e}
+                answer = live[e].ask({"workload": name, "repeat": r})
+                if answer is None:
+                    w = live.pop(e)
+                    rc = w.close()
+                    log(f"{e}: FAILED in {name} repeat {r} (exit {rc})")
+                    result["engines"][e] = engine_error(rc, w.log_file, w.before)
+                    continue
+                run = dict(answer["run"], round=r, order=order.index(e), settle_s=waited)
+                run["idle_engines_cpu_s"] = {o: round(tree_cpu_s(live[o].proc.pid) - c, 2)
+                                             for o, c in idle.items()}
+                add_run(rec, run, answer["outputs"])
+                log(f"  {e} {name} repeat {r}: {run['output_tokens_per_s']:.1f} out tok/s "
+                    f"({run['elapsed_s']:.1f} s; idle engines' CPU {run['idle_engines_cpu_s']})")
+            finish(result, a.out, final=False)     # what is done so far survives a kill
+    for e, w in live.items():
+        end = w.ask({"quit": True})
+        rc = w.close()
+        rec = result["engines"][e]
+        if end is None or rc != 0:
+            result["engines"][e] = engine_error(rc, w.log_file, w.before)
+            continue
+        rec["info"] = end["info"]
+        engine_record(w.cfg, w.cmd[0], w.env, w.log_file, w.before, rec)
 
 
 def agreement(outs, ref) -> dict:
@@ -420,6 +590,9 @@ def summarize(result: dict) -> str:
             continue
         cells = []
         for w in wls:
+            if w not in e["workloads"]:
+                cells.append("–")
+                continue
             r = e["workloads"][w]["summary"]
             cut = " (cut off at the run timeout)" if e["workloads"][w]["incomplete"] else ""
             cells.append(f"{r['median']:.1f} ({r['min']:.1f}–{r['max']:.1f}, n={r['n']}){cut}")
@@ -434,7 +607,7 @@ def summarize(result: dict) -> str:
             continue
         cells = []
         for w in wls:
-            g = e["workloads"][w].get("agreement_vs_jaxkv")
+            g = e["workloads"].get(w, {}).get("agreement_vs_jaxkv")
             cells.append("–" if g is None else
                          f"{g['identical_requests']}/{g['requests']} req, "
                          f"{g['identical_tokens_pct']:.1f}% tok")
@@ -443,8 +616,12 @@ def summarize(result: dict) -> str:
     for w, r in result["ratios"].items():
         if "fp32" in r:
             v = r["fp32"]
+            paired = v.get("paired")
             lines.append(f"{w}: jaxkv / vLLM best = {v['ratio']:.2f} (fp32 vs fp32: best "
-                         f"{v['best']}, {v['best_tok_s']:.1f} tok/s)")
+                         f"{v['best']}, {v['best_tok_s']:.1f} tok/s)" + (
+                             f"; paired by repeat: {paired['median']:.2f} "
+                             f"({paired['min']:.2f}–{paired['max']:.2f}, n={paired['n']})"
+                             if paired else ""))
         if "bf16" in r:
             v = r["bf16"]
             lines.append(f"{w}: jaxkv fp32 / vLLM bf16 best = {v['ratio']:.2f} (not the same "
@@ -483,6 +660,11 @@ def main():
                          "one 65,536-token buffer for 256 sequences (every token's attention then "
                          "spans the whole used buffer: 7 tok/s on T)")
     ap.add_argument("--peer-cache", default="/work/peers/cache")
+    ap.add_argument("--interleave", action="store_true",
+                    help="keep every engine's process alive and alternate them run by run "
+                         "(repeat r of a workload on each engine in turn, the order reversed "
+                         "every other repeat), so the machine's drift falls on both sides of "
+                         "each ratio; also reports the per-repeat (paired) ratios")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peers.json"))
     a = ap.parse_args()
     if a.quick:
@@ -519,6 +701,9 @@ def main():
         "limits": dict(LIMITS, kv_pool_tokens=a.kv_tokens),
         "prefix_cache": "on, reset before every repeat (llama.cpp: KV cleared)",
         "vllm_mode": "eager" if a.vllm_eager else "vLLM default (torch.compile)",
+        "schedule": ("interleaved: all engines alive, repeat r of each workload on every engine "
+                     "in turn, order reversed on odd r" if a.interleave else
+                     "sequential: one engine process after another"),
         "workload_names": wls,
         "workloads": {w: {"spec": dict(zip(("num_prompts", "seed", "min_prompt", "max_prompt",
                                             "min_out", "max_out"), WORKLOADS[w])),
@@ -530,9 +715,12 @@ def main():
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = Path(tmp)
         snap = jaxkv_snapshot(work) if "jaxkv" in engines else None
-        for e in engines:
-            result["engines"][e] = run_engine(a, e, workloads, work, snap)
-            finish(result, a.out, final=False)     # what is done so far survives a kill
+        if a.interleave:
+            run_interleaved(a, engines, workloads, work, snap, result)
+        else:
+            for e in engines:
+                result["engines"][e] = run_engine(a, e, workloads, work, snap)
+                finish(result, a.out, final=False)     # what is done so far survives a kill
     result["load_end"] = loadavg()
     result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     table = finish(result, a.out, final=True)
@@ -555,21 +743,28 @@ def finish(raw: dict, out: str, final: bool) -> str:
             r["summary"] = {"median": statistics.median(v), "min": min(v), "max": max(v),
                             "n": len(v)}
             if (ref and "error" not in ref and name != "jaxkv" and not r["incomplete"]
-                    and not ref["workloads"][w]["incomplete"]):
+                    and w in ref["workloads"] and not ref["workloads"][w]["incomplete"]):
                 r["agreement_vs_jaxkv"] = agreement(r["outputs"], ref["workloads"][w]["outputs"])
     result["ratios"] = {}
     if ref and "error" not in ref:
-        for w in result["workload_names"]:
-            jx = ref["workloads"][w]["summary"]["median"]
+        for w, jr in ref["workloads"].items():
+            jx = jr["summary"]["median"]
             for cls in ("fp32", "bf16"):
-                cands = {n: e["workloads"][w]["summary"]["median"]
-                         for n, e in result["engines"].items()
+                cands = {n: e["workloads"][w] for n, e in result["engines"].items()
                          if "error" not in e and e["config"]["kind"] == "vllm"
-                         and e["config"]["precision"] == cls}
-                if cands:
-                    best = max(cands, key=cands.get)
-                    result["ratios"].setdefault(w, {})[cls] = {
-                        "ratio": jx / cands[best], "best": best, "best_tok_s": cands[best]}
+                         and e["config"]["precision"] == cls and w in e["workloads"]}
+                if not cands:
+                    continue
+                best = max(cands, key=lambda n: cands[n]["summary"]["median"])
+                v = cands[best]["summary"]["median"]
+                ratio = result["ratios"].setdefault(w, {})[cls] = {
+                    "ratio": jx / v, "best": best, "best_tok_s": v}
+                pairs = [x["output_tokens_per_s"] / y["output_tokens_per_s"]
+                         for x in jr["runs"] for y in cands[best]["runs"]
+                         if "round" in x and x.get("round") == y.get("round")]
+                if pairs:                          # --interleave: repeat r against repeat r
+                    ratio["paired"] = {"median": statistics.median(pairs), "min": min(pairs),
+                                       "max": max(pairs), "n": len(pairs)}
     for e in result["engines"].values():       # token lists: compared above, not stored
         for r in e.get("workloads", {}).values():
             r.pop("outputs", None)

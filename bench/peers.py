@@ -41,9 +41,15 @@ counted in tok/s. The load average (``/proc/loadavg``) is recorded before and af
 process and each run. Greedy outputs of every engine are compared with jaxkv's, token by token:
 identical requests, and the share of tokens before each request's first differing token.
 
+``--interleave`` keeps every engine's process alive and alternates them run by run (repeat r of
+a workload on each engine in turn, the order reversed on odd r, each run after the others have
+gone quiet), so both sides of a ratio share the machine's window; it adds the ratios paired by
+repeat and the idle engines' CPU seconds during each run.
+
     python3 bench/peers.py                      # everything, writes bench/results/peers.json
     python3 bench/peers.py --quick              # A only, 1 repeat, jaxkv + vLLM fp32 1t + llama.cpp 1t
     python3 bench/peers.py --engines jaxkv,vllm-fp32-t2 --workloads A,B --repeats 3
+    python3 bench/peers.py --engines jaxkv,vllm-fp32-t2 --workloads A,T,L --interleave
 
 Set-up of the vLLM venv, the HF directory and llama-cpp-python: shared/notes/peers-cpu.md.
 """

@@ -27,7 +27,8 @@
 // kLanes keys at a time: where D is a whole 4, 8 or 16 vectors its query stays in registers,
 // each key's products are one vector of partial sums, and one transposing tree of shuffles
 // adds up all kLanes of them (RowOps::scores); the softmax then runs on those vectors, and the
-// row's output stays in registers while the block's values stream by.
+// outputs of a few rows at a time (8-16 accumulators) stay in registers while the block's
+// values stream by, each value vector loaded once for them (RowOps::accumulate_rows).
 //
 // JaxkvPagedTiles: the tiles, the first body[s] query tokens of each sequence s in the step's
 // flat token layout (a prefill chunk's tokens before its last), causal over the sequence's
@@ -302,23 +303,51 @@ struct RowOps {
     }
     return out;
   }
-  // acc[0 .. D) += sum over t < n of p[t] v[t, 0 .. D), t in order; acc held in registers
-  static void accumulate(const float* p, const float* vb, int64_t n, int64_t D, float* acc) {
+  // Rows r < M at once: acc[r * D .. r * D + D) += sum over t < n of p[r * bsp + t]
+  // v[t, 0 .. D), t in order, the rows' accumulators held in registers; a key no row weighs is
+  // skipped. Each value vector is loaded once for the M rows, and the M * NV accumulators are
+  // independent FMA chains: one row alone has NV of them (4 with AVX-512 at D = 64), too few
+  // to cover the FMA's latency, so its P V waited on it.
+  template <int M>
+  static void accumulate(const float* p, int64_t bsp, const float* vb, int64_t n, int64_t D,
+                         float* acc) {
     if constexpr (NV == 0) {
-      for (int64_t t = 0; t < n; ++t) {
-        if (p[t] == 0.0f) continue;
-        for (int64_t d = 0; d < D; ++d) acc[d] += p[t] * vb[t * D + d];
-      }
+      for (int r = 0; r < M; ++r)
+        for (int64_t t = 0; t < n; ++t) {
+          const float w = p[r * bsp + t];
+          if (w == 0.0f) continue;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] += w * vb[t * D + d];
+        }
     } else {
-      Vec a[NV];
-      for (int c = 0; c < NV; ++c) a[c] = load(acc + c * kLanes);
+      Vec a[M][NV];
+      for (int r = 0; r < M; ++r)
+        for (int c = 0; c < NV; ++c) a[r][c] = load(acc + r * D + c * kLanes);
       for (int64_t t = 0; t < n; ++t) {
-        const float w = p[t];
-        if (w == 0.0f) continue;
-        for (int c = 0; c < NV; ++c) a[c] += w * load(vb + t * D + c * kLanes);
+        float w[M];
+        bool any = false;
+        for (int r = 0; r < M; ++r) {
+          w[r] = p[r * bsp + t];
+          any |= w[r] != 0.0f;
+        }
+        if (!any) continue;
+        for (int c = 0; c < NV; ++c) {
+          const Vec x = load(vb + t * D + c * kLanes);
+          for (int r = 0; r < M; ++r) a[r][c] += w[r] * x;
+        }
       }
-      for (int c = 0; c < NV; ++c) *reinterpret_cast<Vec*>(acc + c * kLanes) = a[c];
+      for (int r = 0; r < M; ++r)
+        for (int c = 0; c < NV; ++c) *reinterpret_cast<Vec*>(acc + r * D + c * kLanes) = a[r][c];
     }
+  }
+  // Rows per accumulate call: enough for 8-16 accumulators (one row where NV >= 8).
+  static constexpr int kRowsPV = NV == 0 || NV >= 8 ? 1 : 12 / NV;
+  // The same for `rows` rows (p's bsp apart, acc's D apart), kRowsPV at a time.
+  static void accumulate_rows(const float* p, int64_t bsp, int64_t rows, const float* vb,
+                              int64_t n, int64_t D, float* acc) {
+    int64_t r = 0;
+    for (; r + kRowsPV <= rows; r += kRowsPV)
+      accumulate<kRowsPV>(p + r * bsp, bsp, vb, n, D, acc + r * D);
+    for (; r < rows; ++r) accumulate<1>(p + r * bsp, bsp, vb, n, D, acc + r * D);
   }
 };
 
@@ -405,8 +434,7 @@ void attend_heads(const float* q, const float* qs, const Pool& k, const Pool& v,
           for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
         }
       }
-      for (int64_t rg = 0; rg < RG; ++rg)            // acc += p v, each row's acc in registers
-        RowOps<NV>::accumulate(p.data() + rg * bsp, vb, n, D, acc.data() + (hr + rg) * D);
+      RowOps<NV>::accumulate_rows(p.data(), bsp, RG, vb, n, D, acc.data() + hr * D);  // += p v
     }
   }
   for (int64_t r = 0; r < HRG; ++r) {

@@ -424,10 +424,10 @@ def engine_record(cfg: dict, python: str, env: dict, log_file: Path, before, res
     return res
 
 
-def engine_error(rc, log_file: Path, before) -> dict:
+def engine_error(cfg: dict, rc, log_file: Path, before) -> dict:
     tail = log_file.read_text().splitlines()[-25:]
     return {"error": f"exit {rc}", "log_tail": tail, "load_before": before,
-            "load_after": loadavg()}
+            "load_after": loadavg(), "config": cfg}
 
 
 def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
@@ -439,7 +439,7 @@ def run_engine(a, engine: str, workloads: dict, work: Path, snap: Path) -> dict:
     if rc != 0 or not of.exists():
         log(f"{engine}: FAILED (exit {rc}); last lines of its log:\n" +
             "\n".join(lf.read_text().splitlines()[-25:]))
-        return engine_error(rc, lf, before)
+        return engine_error(ENGINES[engine], rc, lf, before)
     for line in lf.read_text().splitlines():
         if " repeat " in line:
             print(line, file=sys.stderr)
@@ -529,7 +529,7 @@ def run_interleaved(a, engines: list, workloads: dict, work: Path, snap: Path,
             rc = w.close()
             log(f"{e}: FAILED at start-up (exit {rc}); last lines of its log:\n" +
                 "\n".join(w.log_file.read_text().splitlines()[-25:]))
-            result["engines"][e] = engine_error(rc, w.log_file, w.before)
+            result["engines"][e] = engine_error(w.cfg, rc, w.log_file, w.before)
             continue
         live[e] = w
         result["engines"][e] = {"startup_s": ready["startup_s"], "workloads": {},
@@ -550,7 +550,7 @@ def run_interleaved(a, engines: list, workloads: dict, work: Path, snap: Path,
                     w = live.pop(e)
                     rc = w.close()
                     log(f"{e}: FAILED in {name} repeat {r} (exit {rc})")
-                    result["engines"][e] = engine_error(rc, w.log_file, w.before)
+                    result["engines"][e] = engine_error(w.cfg, rc, w.log_file, w.before)
                     continue
                 run = dict(answer["run"], round=r, order=order.index(e), settle_s=waited)
                 run["idle_engines_cpu_s"] = {o: round(tree_cpu_s(live[o].proc.pid) - c, 2)
@@ -563,10 +563,10 @@ def run_interleaved(a, engines: list, workloads: dict, work: Path, snap: Path,
         end = w.ask({"quit": True})
         rc = w.close()
         rec = result["engines"][e]
-        if end is None or rc != 0:
-            result["engines"][e] = engine_error(rc, w.log_file, w.before)
-            continue
-        rec["info"] = end["info"]
+        rec["info"] = end["info"] if end else {}
+        if end is None or rc != 0:                 # its runs above stand
+            rec["shutdown"] = f"exit {rc}"
+            log(f"{e}: exit {rc} at shutdown")
         engine_record(w.cfg, w.cmd[0], w.env, w.log_file, w.before, rec)
 
 

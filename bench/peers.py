@@ -51,7 +51,8 @@ repeat and the idle engines' CPU seconds during each run.
     python3 bench/peers.py --engines jaxkv,vllm-fp32-t2 --workloads A,B --repeats 3
     python3 bench/peers.py --engines jaxkv,vllm-fp32-t2 --workloads A,T,L --interleave
 
-Set-up of the vLLM venv, the HF directory and llama-cpp-python: shared/notes/peers-cpu.md.
+Set-up of the vLLM venv, the HF directory and llama-cpp-python: shared/notes/peers-cpu.md;
+``python3 bench/peers_setup.py`` does the first two.
 """
 
 from __future__ import annotations

@@ -235,8 +235,7 @@ class DraftModelProposer:
         self.block_manager = BlockManager(cc.num_blocks, cc.block_size)
         self._cached: dict[Hashable, np.ndarray] = {}   # int32 [n]: tokens whose K/V is cached
         self._num_steps = 0   # draft forwards (catch-up chunks and decodes)
-        sc = runner.sched_config
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
+        self.forward_cost = StepCostModel.for_scheduler(runner.sched_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, target: ModelRunner,

@@ -304,7 +304,7 @@ class Speculator:
             proposer = DraftModelProposer.from_config(config, target)
         if args.speculative and args.speculative_adaptive and config is not None:
             sc = config.scheduler
-            step_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
+            step_cost = StepCostModel.for_scheduler(sc)
             budget = sc.max_num_batched_tokens
         return cls(proposer, args.num_speculative_tokens,
                    _VERIFY_COST if args.speculative_adaptive else None, step_cost, budget)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.config import pad_step
+from jaxkv.config import SchedulerConfig, pad_step
 
 _EMA = 0.3   # weight of a new duration in a key's moving average
 
@@ -57,6 +57,11 @@ class StepCostModel:
         self._seen: dict[tuple[int, int, bool], int] = {}     # key -> index of its last duration
         self._tried: dict[tuple[int, int, bool], int] = {}    # key -> index when last asked for
         self._warm = False   # every shape compiled: a key's first duration is kept
+
+    @classmethod
+    def for_scheduler(cls, sc: SchedulerConfig, **kwargs) -> StepCostModel:
+        """The model of the steps ``sc`` pads (its token, sequence and decode buckets)."""
+        return cls(sc.token_buckets, sc.seq_buckets, sc.decode_buckets, **kwargs)
 
     def compiled(self) -> None:
         """Notes that every padded shape has been compiled (``ModelRunner.warmup``): from now

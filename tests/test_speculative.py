@@ -719,7 +719,7 @@ class CostlyProposer(ProbedProposer):
         from jaxkv.step_cost import StepCostModel
 
         super().__init__(right)
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
+        self.forward_cost = StepCostModel.for_scheduler(sc)
         self.forward_seconds = forward_seconds
 
     def propose(self, token_ids, num_drafts):
@@ -735,8 +735,7 @@ def step_time_speculator(proposer, sc):
     from jaxkv.step_cost import StepCostModel
 
     return Speculator(proposer, 4, draft_cost=0.1,
-                      step_cost=StepCostModel(sc.token_buckets, sc.seq_buckets,
-                                              sc.decode_buckets),
+                      step_cost=StepCostModel.for_scheduler(sc),
                       max_num_batched_tokens=sc.max_num_batched_tokens)
 
 
@@ -1095,7 +1094,7 @@ class CostlyBatchProposer:
         from jaxkv.step_cost import StepCostModel
 
         self.right, self.forward_seconds = right, forward_seconds
-        self.forward_cost = StepCostModel(sc.token_buckets, sc.seq_buckets, sc.decode_buckets)
+        self.forward_cost = StepCostModel.for_scheduler(sc)
         self.num_forwards = 0
 
     def propose_batch(self, requests):
@@ -1189,7 +1188,7 @@ def test_cold_requests_do_not_choose_the_bucket():
     from jaxkv.speculative import Speculator
     from jaxkv.step_cost import StepCostModel
 
-    model = StepCostModel(BATCH64.token_buckets, BATCH64.seq_buckets)
+    model = StepCostModel.for_scheduler(BATCH64)
     for tokens, drafts, seconds in ((64, False, 1.0), (256, True, 1.5), (256, False, 1.4)):
         for _ in range(3):
             model.observe(tokens, 64, drafts, seconds)

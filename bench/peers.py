@@ -541,8 +541,10 @@ def run_interleaved(a, engines: list, workloads: dict, work: Path, snap: Path,
         for r in range(repeats(a, name)):
             order = engines if r % 2 == 0 else engines[::-1]
             for e in order:
-                rec = result["engines"][e]["workloads"].setdefault(name, {}) if e in live else {}
-                if e not in live or rec.get("incomplete"):
+                if e not in live:
+                    continue
+                rec = result["engines"][e]["workloads"].setdefault(name, {})
+                if rec.get("incomplete"):                  # cut off: its repeats end there
                     continue
                 waited = settle([w.proc.pid for w in live.values()])
                 idle = {o: tree_cpu_s(w.proc.pid) for o, w in live.items() if o != e}

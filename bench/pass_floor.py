@@ -27,15 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import GGUF, LIMITS, WORKLOADS, loadavg, make_workloads
 
-from peers import GGUF, LIMITS, WORKLOADS, loadavg, make_workloads  # noqa: E402
-
-from jaxkv.model.gguf import config_from_gguf, open_gguf  # noqa: E402
+from jaxkv.model.gguf import config_from_gguf, open_gguf
 
 
 def machine_limits() -> dict:

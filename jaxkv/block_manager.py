@@ -95,6 +95,7 @@ class BlockManager:
         self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
         self.record_evictions = False   # the host tier (jaxkv/offload.py) wants them
         self._evicted: list[tuple[Hashable, int]] = []
+        self._copy_sources: list[int] = []   # radix copy sources held until the plan ends
 
     def copy(self) -> BlockManager:
         """An independent copy (the arrays are copied, the immutable tables shared)."""
@@ -111,6 +112,7 @@ class BlockManager:
         new._chains = dict(self._chains)
         new.record_evictions = self.record_evictions
         new._evicted = list(self._evicted)
+        new._copy_sources = list(self._copy_sources)
         return new
 
     # ---- queries ---------------------------------------------------------------------------
@@ -212,7 +214,7 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(blocks)
         need += sum(self._ref[b] == 0 for b in blocks)
         if partial is not None and self._ref[partial[0]] == 0:
-            need += 1  # held while its copy's destination is taken
+            need += 1  # held until the plan ends (release_copy_sources)
         return need + reserve <= self._num_free
 
     # ---- mutations -------------------------------------------------------------------------
@@ -225,13 +227,16 @@ class BlockManager:
 
     def allocate_cached(self, request_id: Hashable, num_tokens: int, blocks: Sequence[int],
                         keys: Sequence[Hashable], partial: tuple[int, int] | None, *,
-                        salt: Hashable = None) -> tuple[tuple[int, ...], tuple[int, int] | None]:
+                        salt: Hashable = None, promoted: int = 0
+                        ) -> tuple[tuple[int, ...], tuple[int, int] | None]:
         """Create a table of ``num_tokens`` tokens starting with the cached ``blocks`` (a
-        ``lookup`` result, shared); with ``partial = (src, k)`` the next block is a fresh copy of
-        ``src``. Returns ``(table, copy)`` with ``copy = (src, dst)`` or None::
+        ``lookup`` result, shared), then ``promoted`` fresh blocks the caller fills from the
+        host tier; with ``partial = (src, k)`` the block after those is a fresh copy of ``src``,
+        which stays held until ``release_copy_sources``. Returns ``(table, copy)`` with
+        ``copy = (src, dst)`` or None::
 
-            table   [ b3 | d  | n1 | n2 ]      b3 cached (shared), d fresh, n1.. fresh
-                      ^    ^ copy of src (first k tokens valid), computing resumes there
+            table   [ b3 | h1 | d  | n1 | n2 ]   b3 cached (shared), h1 promoted, d n1.. fresh
+                      ^    ^    ^ copy of src (first k tokens valid), computing resumes there
         """
         if request_id in self._tables:
             raise ValueError(f"request_id={request_id!r} already has a block table")
@@ -243,17 +248,24 @@ class BlockManager:
                              f"{self._num_free} are free")
         for b in blocks:
             self._acquire(b)
-        if partial is not None:
+        if partial is not None:   # held until release_copy_sources(), see there
             self._acquire(partial[0])
+            self._copy_sources.append(partial[0])
         new = self._take(self.blocks_for(num_tokens) - len(blocks), "num_tokens", num_tokens)
-        copy = None
-        if partial is not None:
-            self._release(partial[0])
-            copy = (partial[0], new[0])
+        copy = None if partial is None else (partial[0], new[promoted])
         self._tables[request_id] = tuple(blocks) + new
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
         return self._tables[request_id], copy
+
+    def release_copy_sources(self) -> None:
+        """Give back the radix copy sources ``allocate_cached`` held (call it once the plan's
+        allocations are done). Until then no allocation can take such a block: a swap-in of the
+        same plan, which the runner applies before the block copies, would overwrite the source
+        before its copy reads it."""
+        for block in self._copy_sources:
+            self._release(block)
+        self._copy_sources = []
 
     def can_allocate_layout(self, kept: Sequence[bool], num_tokens: int, *,
                             reserve: int = 0) -> bool:
@@ -490,7 +502,7 @@ class BlockManager:
 
         Checks: every block id in a table lies in ``[1, num_blocks)``, or is the null block of
         an entry a retention policy dropped; each ref count equals the number
-        of table entries naming that block; the free queue is a well-linked list holding
+        of table entries naming that block (plus one per held copy source); the free queue is a well-linked list holding
         exactly the blocks with ref count 0 other than the null block, each once; the null
         block is never free, never referenced; the prefix cache's maps are consistent, and only
         requests with a table have a chain, no longer than their table.
@@ -501,6 +513,7 @@ class BlockManager:
             _check(np.all((ids >= 0) & (ids < self.num_blocks)),
                    f"request {request_id!r}: block ids out of [0, {self.num_blocks}): {table}")
             np.add.at(counts, ids, 1)
+        np.add.at(counts, np.asarray(self._copy_sources, np.int64), 1)
         counts[NULL_BLOCK] = 0   # dropped entries (retention) reference no block
         _check(np.array_equal(counts, self._ref), "ref counts differ from table references")
         free = self.free_block_ids()

@@ -614,7 +614,8 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                           reserve=reserve):
                 break
             table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)],
-                                           partial, salt=rs.request.cache_salt)
+                                           partial, salt=rs.request.cache_salt,
+                                           promoted=len(host_hits))
             if host_hits:   # promoted: fresh blocks filled from the host, full ones cached
                 swap_in.extend((slot, table[len(hit) + i])
                                for i, (slot, _, _) in enumerate(host_hits))
@@ -672,6 +673,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                  cached.get(request_id, 0), len(draft)))
         requests[request_id] = dataclasses.replace(rs, num_computed_tokens=start + n + len(draft),
                                                    num_draft_tokens=len(draft))
+    bm.release_copy_sources()   # no allocation of this plan is left to overwrite them
     if host is not None:   # cached blocks reused this step: their KV moves to the host tier
         swap_out.extend(offload.demote_evictions(bm, host))
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),

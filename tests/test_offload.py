@@ -5,10 +5,12 @@
 * The pure scheduler: block-manager evictions drive the demotions and a host hit promotes,
   with exact block ids and host slots; swap preemption's copies out and back name exactly the
   victim's blocks; a hypothesis state machine over the device + host tiers with the
-  invariants after every step.
+  invariants after every step (2,000 examples per setting in the slow run), and the two
+  falsifying runs it found (issue 48) as explicit tests.
 * The engine on the tiny model: outputs with the tier, with swap / recompute / auto
   preemption, after a restart on the same ``kv_cache_dir``, and with a corrupt file are
-  token-identical to an unconstrained run; salts never cross tiers.
+  token-identical to an unconstrained run; salts never cross tiers, and a request's hits are
+  those of a twin run where the other salt shares no token.
 """
 
 import dataclasses
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.cache import init_cache
@@ -393,6 +396,57 @@ def test_auto_mode_follows_the_cost_model():
         assert preempted > 0 and swapped == (preempted if expect_swap else 0)
 
 
+def test_a_radix_copy_source_is_not_a_swap_in_target_of_the_same_plan():
+    """The falsifying run of the state machine (issue 48): r2, preempted, comes back with a
+    device partial match copied from block 6 into its own 7; r3, admitted in the same plan,
+    promotes r0's partial host block. 6 had gone back to the head of the free queue, so r3's
+    swap-in took it, and since the runner applies swap-ins before block copies, r2 read r0's
+    token 0 where its own tokens 58-60 belonged. The copy source is held until the plan ends."""
+    cc, sc = _configs(num_blocks=9, host_blocks=1, mode="swap", prefix="radix", budget=12,
+                      seqs=3)
+    state = with_cost_model(init_state(cc), SwapCostModel(1, 1e9, 1e9, 1.0))
+    state = add_request(state, _req("r0", [0]), sc)
+    state = add_request(state, _req("r1", range(9), max_tokens=5, salt="s"), sc)
+    for _ in range(3):
+        state, _ = _step(state, sc)
+    state = add_request(state, _req("r2", [*range(50, 62), *range(1002, 1007)]), sc)
+    state = add_request(state, _req("r3", [0, 1]), sc)
+    state, plan = _step(state, sc)
+    assert plan.swap_out == ((1, 0, None),)    # r0's partial [0] to the host's only slot
+    state, plan = _step(state, sc)
+    assert plan.preempted_ids == ("r2",) and not plan.swapped_ids   # 3 blocks, 1 host slot
+    state, plan = _step(state, sc)
+    r2, r3 = plan.seqs
+    assert r2.block_table == (1, 5, 7, 8, 4) and r2.start_pos == 11
+    assert plan.copy_ops == ((6, 7),)          # [58, 59, 60] of r2's freed partial block 6
+    assert r3.start_pos == 1 and plan.swap_in == ((0, 3),) and r3.block_table == (3,)
+
+
+def test_a_device_partial_match_after_host_hits_is_copied_after_them():
+    """The engine-level failure of issue 48 (swap + radix + host tier): full host hits, then a
+    device partial match. The copy went to the first fresh block, the one the first host hit
+    is swapped into, so the copy overwrote that block and the block after it was never filled."""
+    cc, sc = _configs(num_blocks=12, host_blocks=4, prefix="radix", seqs=4)
+    a = list(range(100, 108))
+    state = add_request(init_state(cc), _req("r1", a + [1]), sc)
+    state = add_request(state, _req("r2", a + [108, 109, 110, 111, 2], max_tokens=6), sc)
+    state, plan = _step(state, sc)
+    # r1 registers a in blocks 1, 2; r2 (same plan) computes a again in 4, 5, then registers
+    # block 6 [108..111] as a child of a's key
+    assert [s.block_table for s in plan.seqs] == [(1, 2, 3), (4, 5, 6, 7)]
+    state = add_request(state, _req("b", range(200, 224)), sc)
+    state, plan = _step(state, sc)        # b's sixth block evicts a's second (2) to the host
+    assert plan.swap_out == ((3, 0, None), (2, 1, _keys(a)[1]))
+    while state.requests:
+        state, plan = _step(state, sc)    # r2 grows into block 1: a's first goes too
+    state = add_request(state, _req("d", a + [108, 109, 999, 998]), sc)
+    state, plan = _step(state, sc)
+    (seq,) = plan.seqs
+    assert seq.block_table == (4, 5, 1) and seq.start_pos == 10
+    assert plan.swap_in == ((2, 4), (1, 5))   # a's two blocks promoted from the host
+    assert plan.copy_ops == ((6, 1),)         # [108, 109] of block 6, after them
+
+
 class TieredMachine(RuleBasedStateMachine):
     """Random adds (shared prefixes of any length, two salts), aborts and steps over a small
     device pool and a smaller host tier, swap or recompute preemption; invariants after every
@@ -462,6 +516,20 @@ class TieredMachine(RuleBasedStateMachine):
 TieredMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40,
                                            deadline=None)
 test_tiered_state_machine = TieredMachine.TestCase
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", range(1, 7))
+@pytest.mark.parametrize("prefix", ["hash", "radix"])
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_tiered_state_machine_at_2000_examples_per_setting(mode, prefix, host):
+    class Pinned(TieredMachine):
+        @initialize(mode=st.just(mode), prefix=st.just(prefix), host=st.just(host))
+        def setup(self, mode, prefix, host):
+            super().setup(mode, prefix, host)
+
+    run_state_machine_as_test(Pinned, settings=settings(
+        max_examples=2000, stateful_step_count=40, deadline=None, database=None))
 
 
 # ---------------------------------------------------------------------------- engine
@@ -546,6 +614,54 @@ def test_preemption_modes_give_identical_tokens(tiny, long_reference, mode):
         assert stats["num_swap_preemptions"] == 0
     if mode == "swap":
         assert stats["num_swap_preemptions"] == stats["num_preemptions"]
+
+
+def _salted_workload(offset_b=0):
+    """24 requests: cuts 13, 22, 31, 40 of 3 base prompts, a 2-token tail each, under salts
+    "A" and "B" (B's tokens shifted by ``offset_b``: 0 shares every prefix with A)."""
+    bases = [list(range(5 + 40 * i, 45 + 40 * i)) for i in range(3)]
+    reqs = []
+    for salt, shift in (("A", 0), ("B", offset_b)):
+        for i, base in enumerate(bases):
+            for cut in (13, 22, 31, 40):
+                prompt = [t + shift for t in base[:cut]] + [200 + i, 210 + cut % 7]
+                reqs.append(({"prompt_token_ids": prompt}, salt))
+    return reqs
+
+
+def _run_salted(path, offset_b=0, **kw):
+    """The salted workload sent three times over, all at once: (tokens, hits) per request in
+    order, and the engine stats."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = dict(ENGINE, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                  max_model_len=64, prefix_caching="radix", **kw)
+    with LLM(str(path), **engine) as llm:
+        ids = llm.engine.add_requests([dict(prompt=p, sampling_params=params, cache_salt=salt)
+                                       for p, salt in _salted_workload(offset_b) * 3])
+        done = {}
+        while llm.engine.has_unfinished_requests():
+            done.update((i, o) for i, o in llm.engine.step().items() if o.finished)
+            llm.engine.check_invariants()
+        stats = llm.engine.stats()
+    return ([done[i].outputs[0].token_ids for i in ids],
+            [done[i].num_cached_tokens for i in ids], stats)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_swap_radix_host_tier_and_salts_give_identical_tokens_and_own_hits_only(tiny, mode):
+    """Issue 48's end-to-end check: a 26-block pool with the radix cache, a host tier and swap
+    (or recompute) preemption, two salts sharing every prompt prefix, gives the outputs of a
+    400-block pool; and each request's hits equal those of a twin run where salt B's prompts
+    share no token with A's: a hit never counts a block stored under the other salt."""
+    reference, _, _ = _run_salted(tiny[0], num_kv_blocks=400)
+    kw = dict(num_kv_blocks=26, kv_offload_bytes=64 << 10, preemption_mode=mode)
+    outs, hits, stats = _run_salted(tiny[0], **kw)
+    assert outs == reference
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits_host"] > 0
+    if mode == "swap":
+        assert stats["num_swap_preemptions"] > 0
+    _, twin_hits, _ = _run_salted(tiny[0], offset_b=250, **kw)
+    assert hits == twin_hits
 
 
 def test_kivi_swap_is_refused_and_auto_recomputes(tiny):

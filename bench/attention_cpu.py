@@ -44,8 +44,8 @@ import numpy as np
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.attention_impl import paged_attention
+from jaxkv.data import BOOKS, austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ragged_batches import table_batch  # noqa: E402  (the tests' block-table builder)
 
@@ -143,12 +143,10 @@ def run_compile() -> dict:
 def austen_prompts(tokenizer, num_tokens: int) -> list[list[int]]:
     """The opening ``num_tokens`` tokens of a chapter in the middle of each novel."""
     prompts = []
-    for path in sorted(AUSTEN.glob("*.txt")):
-        text = path.read_text(encoding="utf-8")
+    for book in BOOKS:
+        text = austen(book)
         ids = tokenizer.encode(text[len(text) // 2:])
         prompts.append(ids[:num_tokens])
-    if not prompts:
-        raise FileNotFoundError(f"no Austen novels under {AUSTEN}")
     return prompts
 
 
@@ -183,7 +181,7 @@ def run_parity(prompt_tokens: int, max_tokens: int) -> dict:
 
 def e2e_workloads(tokenizer, seed: int = 0) -> dict:
     """name -> (prompts, output lengths): prompts cut from Pride and Prejudice."""
-    ids = tokenizer.encode((AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8"))
+    ids = tokenizer.encode(austen("pride_and_prejudice"))
     rng = np.random.default_rng(seed)
 
     def cut(n, lo, hi):

@@ -36,11 +36,12 @@ import jax
 import numpy as np
 
 from jaxkv import LLM, SamplingParams, batch, scheduler
+from jaxkv.data import austen
 from step_timing import loadavg, timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-AUSTEN = Path("/work/shared/data/austen/pride_and_prejudice.txt")
+AUSTEN_BOOK = "pride_and_prejudice"
 
 
 def hlo_counts(text: str) -> dict[str, int]:
@@ -156,7 +157,7 @@ def main() -> None:
                  if args.token_buckets else {}), **extra)
     out["start_s"] = time.perf_counter() - t0
     runner = llm.engine.runner
-    ids = llm.tokenizer.encode(AUSTEN.read_text())
+    ids = llm.tokenizer.encode(austen(AUSTEN_BOOK))
     orig = runner._blind_step_fn
     captured = {}
 

@@ -36,9 +36,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv.model.weights import load_model_files
+from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
-AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
 SINKS = 4
 
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/h2o_heads.json")
     a = ap.parse_args()
     model = Model(GGUF)
-    ids = model.tokenizer.encode((AUSTEN / "emma.txt").read_text(encoding="utf-8"))
+    ids = model.tokenizer.encode(austen("emma"))
     texts = [np.asarray(ids[a.skip + i * a.tokens: a.skip + (i + 1) * a.tokens + 1], np.int64)
              for i in range(a.texts)]
     configs = [("full", None, None)] * (a.full_ppl is None) + [

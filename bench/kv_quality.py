@@ -33,8 +33,8 @@ from tqdm import tqdm
 from jaxkv import LLM, SamplingParams
 from jaxkv.cache import init_cache
 from jaxkv.eval import perplexity, token_agreement
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 FLOAT_AND_8BIT = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
 # KIVI 2-bit ablation: (name, KVCacheSpec options besides the residual window)
 ABLATION = (
@@ -85,9 +85,9 @@ def main():
     llm = LLM(dtype="float32", max_model_len=a.context, max_num_seqs=1, block_size=16,
               num_kv_blocks=a.context // 16 + 1, max_num_batched_tokens=256,
               token_buckets=(1, 16, 256), seq_buckets=(1,), prefix_caching=None)
-    ids = llm.tokenizer.encode((AUSTEN / "emma.txt").read_text(encoding="utf-8")[:400_000])
+    ids = llm.tokenizer.encode(austen("emma")[:400_000])
     prompt = llm.tokenizer.encode(
-        (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")[:20_000]
+        austen("pride_and_prejudice")[:20_000]
     )[:a.prompt_tokens]
     kivi = dict(residual_blocks=a.residual_blocks)
     result = {"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantized to f32)",

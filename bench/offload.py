@@ -33,15 +33,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
+from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
-AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 BLOCK = 16
 
 
@@ -110,7 +109,7 @@ class StepLog:
 
 
 def austen_ids(tokenizer, n_tokens: int) -> list[int]:
-    text = "".join((AUSTEN / b).read_text(encoding="utf-8")
+    text = "".join(austen(b)
                    for b in ("pride_and_prejudice.txt", "emma.txt"))
     ids = tokenizer.encode(text[:n_tokens * 6])
     if len(ids) < n_tokens:

@@ -66,8 +66,8 @@ from jaxkv import LLM, SamplingParams
 from jaxkv.eval import retained_nll
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.retention import FullRetention, H2ORetention, RandomRetention, SnapKVRetention
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 SINKS, RECENT, BLOCK = 4, 32, 16
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
@@ -83,7 +83,7 @@ TF_POLICIES = dict(full=lambda b: FullRetention(),
 
 def filler_ids(tokenizer, seed: int, n: int) -> list[int]:
     """``n`` tokens of Pride and Prejudice from a seeded paragraph start on."""
-    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = austen("pride_and_prejudice")
     starts = [m.end() for m in re.finditer(r"\n\n", text)]
     rng = np.random.default_rng(seed)
     start = starts[int(rng.integers(0, len(starts) // 2))]

@@ -67,9 +67,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from jaxkv.data import austen
 
 REPO = Path(__file__).resolve().parents[1]
-AUSTEN = REPO.parent / "shared" / "data" / "austen" / "pride_and_prejudice.txt"
+AUSTEN_BOOK = "pride_and_prejudice"
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 KV_TOKENS = 65_536
 LIMITS = dict(max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=256)
@@ -353,7 +354,7 @@ def make_workloads(names: list[str]) -> dict:
     import numpy as np
 
     tok = Tokenizer.from_gguf_metadata(open_gguf(GGUF))
-    ids = tok.encode(AUSTEN.read_text(encoding="utf-8"))
+    ids = tok.encode(austen(AUSTEN_BOOK))
     out = {}
     for name in names:
         n, seed, pmin, pmax, omin, omax = WORKLOADS[name]

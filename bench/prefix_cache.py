@@ -36,14 +36,14 @@ from jaxkv.beam_search import BeamSearchParams
 from jaxkv.block_manager import cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import Request, StopSpec, add_request, init_state, schedule, update
+from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
-AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 MODES = (None, "hash", "radix")
 
 
 def austen_ids(tokenizer, book="pride_and_prejudice.txt", n_chars=60_000):
-    return tokenizer.encode((AUSTEN / book).read_text(encoding="utf-8")[:n_chars])
+    return tokenizer.encode(austen(book)[:n_chars])
 
 
 def real_llm(mode, **kw):

@@ -46,8 +46,9 @@ from pathlib import Path
 from jaxkv import LLM, SamplingParams, attention_impl
 from jaxkv.model import llama
 from jaxkv.retention import SnapKVRetention
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen" / "emma.txt"
+AUSTEN_BOOK = "emma"
 VARIANTS = "full,snapkv,snapkv-every-step"
 
 
@@ -131,7 +132,7 @@ def main() -> None:
             with attention_of(old if at else None):
                 llms[key] = LLM(**engine, **policy[base])
     tokenizer = next(iter(llms.values())).tokenizer
-    ids = tokenizer.encode(AUSTEN.read_text(encoding="utf-8")[:400_000])
+    ids = tokenizer.encode(austen(AUSTEN_BOOK)[:400_000])
     prompts = [{"prompt_token_ids": ids[i * 2 * a.prompt:i * 2 * a.prompt + a.prompt]}
                for i in range(a.batch)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)

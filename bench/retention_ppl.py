@@ -39,8 +39,8 @@ from jaxkv import LLM
 from jaxkv.eval import retained_nll
 from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
                              StreamingRetention)
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 
 
 def h2o_every_query(longest_forward: int) -> type:
@@ -70,7 +70,7 @@ def main():
     with LLM(max_model_len=args.tokens + 16, max_num_seqs=1, block_size=args.block_size) as llm:
         runner = llm.engine.runner
         bs = runner.cache_config.block_size
-        ids = llm.tokenizer.encode((AUSTEN / "emma.txt").read_text(encoding="utf-8"))
+        ids = llm.tokenizer.encode(austen("emma"))
         texts = [np.asarray(ids[args.skip + i * args.tokens:args.skip + (i + 1) * args.tokens
                                 + 1], np.int32) for i in range(args.texts)]
         make = dict(h2o=lambda n: H2ORetention(budget_tokens=n, sink_tokens=4),

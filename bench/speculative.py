@@ -82,10 +82,10 @@ from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.speculative import Speculator
+from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = (None, 0, False)   # the variant without speculation: (proposer, k, adaptive)
-AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 STORIES = ["a lighthouse keeper who finds a message in a bottle",
            "a girl who learns to talk to crows", "a clockmaker's last clock",
            "a dragon that is afraid of the dark"]
@@ -111,7 +111,7 @@ def passages(n: int, n_chars: int = 700, context: int | None = None, start: int 
     ``context``, ``n`` runs of consecutive paragraphs of about ``context`` tokens each (4.2
     characters a token), each starting at a different paragraph; ``start`` skips that many
     passages (``--fresh-prompts``)."""
-    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = austen("pride_and_prejudice")
     paras = [" ".join(p.split()) for p in text.split("\n\n")]
     if context is None:
         paras = [p for p in paras if n_chars // 2 <= len(p) <= n_chars and p[0].isalpha()]
@@ -202,7 +202,7 @@ def layer_subset_agreement(hf_dir: str, subsets: list[str], n_tokens: int = 400)
 
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")[20000:23000]
+    text = austen("pride_and_prejudice")[20000:23000]
     ids = tok(text, return_tensors="pt").input_ids[:, :n_tokens]
     layers, n = model.model.layers, model.config.num_hidden_layers
     out = {}

@@ -26,11 +26,12 @@ from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.model import linear, llama
+from jaxkv.data import austen
 from step_timing import decoding, loadavg, timed_step
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
-AUSTEN = ROOT.parent / "shared" / "data" / "austen" / "pride_and_prejudice.txt"
+AUSTEN_BOOK = "pride_and_prejudice"
 
 
 def parse_setting(text: str) -> tuple[object, str, object]:
@@ -84,7 +85,7 @@ def main() -> None:
     a = ap.parse_args()
     from jaxkv.model.gguf import open_gguf
     from jaxkv.model.tokenizer import Tokenizer
-    ids = Tokenizer.from_gguf_metadata(open_gguf(GGUF)).encode(AUSTEN.read_text("utf-8"))
+    ids = Tokenizer.from_gguf_metadata(open_gguf(GGUF)).encode(austen(AUSTEN_BOOK))
     prompts = [ids[i * 997:i * 997 + a.prompt] for i in range(a.batch)]
     with assigned([(llama, "linears", unfused_linears)] if a.a_unfused else []):
         engine_a = decoding_engine(prompts, a.batch)

@@ -43,8 +43,8 @@ from tqdm import tqdm
 from jaxkv import LLM, SamplingParams
 from jaxkv.eval import retained_nll
 from jaxkv.retention import FullRetention, StreamingRetention
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 BOOKS = ("emma.txt", "pride_and_prejudice.txt", "sense_and_sensibility.txt", "mansfield_park.txt")
 CACHE = 1024
 
@@ -57,7 +57,7 @@ def austen_ids(tokenizer, n: int) -> np.ndarray:
     """The first ``n`` tokens of the concatenated books."""
     ids: list[int] = []
     for book in BOOKS:
-        ids += tokenizer.encode((AUSTEN / book).read_text(encoding="utf-8"))
+        ids += tokenizer.encode(austen(book))
         if len(ids) >= n:
             break
     return np.asarray(ids[:n], np.int32)

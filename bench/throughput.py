@@ -31,12 +31,12 @@ import numpy as np
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.model import store
+from jaxkv.data import austen
 
-AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "data" / "austen"
 
 
 def workload(tokenizer, n, seed, min_prompt, max_prompt, min_out, max_out):
-    text = (AUSTEN / "pride_and_prejudice.txt").read_text(encoding="utf-8")
+    text = austen("pride_and_prejudice")
     ids = tokenizer.encode(text)
     rng = np.random.default_rng(seed)
     plens = rng.integers(min_prompt, max_prompt + 1, size=n)

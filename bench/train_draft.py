@@ -48,9 +48,9 @@ from jaxkv.model import checkpoint
 from jaxkv.model.llama import params_from_hf
 from jaxkv.model.rope import apply_rope, inv_frequencies
 from jaxkv.model.weights import load_model_files
+from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
-AUSTEN = ROOT.parent / "shared" / "data" / "austen"
 SUBJECTS = [
     "a baker who bakes bread for a whole village", "a cat that guards a library",
     "two brothers who build a boat", "a knight who is afraid of horses", "a snowman in spring",
@@ -71,7 +71,7 @@ def conversations(n_stories: int, n_passages: int) -> list[list[dict]]:
     Mansfield Park paragraphs (none of bench/speculative.py's)."""
     paras = []
     for book in ("emma.txt", "mansfield_park.txt"):
-        text = (AUSTEN / book).read_text(encoding="utf-8")
+        text = austen(book)
         paras += [" ".join(p.split()) for p in text.split("\n\n")
                   if 300 <= len(" ".join(p.split())) <= 700]
     rng = np.random.default_rng(0)

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
 from jaxkv.config import EngineConfig, parse_bytes
 
@@ -111,7 +110,9 @@ def cmd_chat(a) -> int:
 def cmd_bench(a) -> int:
     from jaxkv.sampling import SamplingParams
 
-    text = Path(a.dataset).read_text(encoding="utf-8")
+    from jaxkv.data import read_text
+
+    text = read_text(a.dataset)
     import numpy as np
 
     rng = np.random.default_rng(a.seed)
@@ -169,15 +170,17 @@ def cmd_plan(a) -> int:
 
 
 def cmd_eval_ppl(a) -> int:
+    from jaxkv.data import read_text
     from jaxkv.eval import perplexity
 
+    text = read_text(a.text)
     a.max_model_len = a.max_model_len or a.context
     # the engine's own pool only has to hold one window (eval allocates its own cache)
     a.num_gpu_blocks_override = (a.num_gpu_blocks_override
                                  or -(-a.max_model_len // a.block_size) + 1)
     with _make_llm(a) as llm:
         runner = llm.engine.runner
-        ids = llm.tokenizer.encode(open(a.text, encoding="utf-8").read())[:a.max_text_tokens]
+        ids = llm.tokenizer.encode(text)[:a.max_text_tokens]
         r = perplexity(runner, ids, kv_cache_dtype=runner.kv_cache_dtype, context=a.context,
                        stride=a.stride, chunk=a.chunk, residual_blocks=runner.kv_residual_blocks,
                        group_size=runner.kv_group_size)
@@ -228,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="offline throughput on prompts cut from a text file")
     _engine_args(b)
-    b.add_argument("--dataset", required=True, help="a text file (e.g. an Austen novel)")
+    b.add_argument("--dataset", default="austen:emma",
+                   help="a UTF-8 text file, or a bundled novel: austen:emma (default), "
+                        "austen:mansfield_park, austen:pride_and_prejudice, "
+                        "austen:sense_and_sensibility")
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--min-prompt-len", type=int, default=32)
     b.add_argument("--max-prompt-len", type=int, default=256)
@@ -271,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = esub.add_parser("ppl", help="perplexity on a text file through the engine's paged "
                                       "(possibly quantized) KV cache (jaxkv.eval)")
     _engine_args(ppl, max_num_seqs=1, max_num_batched_tokens=256)
-    ppl.add_argument("--text", required=True, help="a text file (e.g. an Austen novel)")
+    ppl.add_argument("--text", default="austen:emma",
+                     help="a UTF-8 text file, or a bundled novel (austen:emma, the default; "
+                          "see bench --help)")
     ppl.add_argument("--context", type=int, default=2048, help="tokens per window")
     ppl.add_argument("--stride", type=int, default=None, help="window advance (default: context)")
     ppl.add_argument("--chunk", type=int, default=256, help="tokens per forward (chunked prefill)")

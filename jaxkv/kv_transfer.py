@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,5 @@
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -50,10 +49,6 @@ def _bound_executables_per_test():
     if sys.platform == "linux" and _num_maps() > MAX_MAPS:
         _drop_executables()
 
-
-# ../shared beside the repository (the session's checkout and CI's clone both have it there)
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-AUSTEN_DIR = SHARED / "data" / "austen"
 
 
 @pytest.fixture(scope="module")

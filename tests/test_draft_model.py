@@ -363,7 +363,7 @@ def test_configuration_errors_name_speculative_model(models, tmp_path):
     with pytest.raises(ValueError, match=r"speculative_model=.*vocab_size=300 differs"):
         LLM(str(models["tiny"]), **ENGINE, speculative="draft", speculative_model=str(small))
     retrained = tmp_path / "retrained"   # same vocabulary size, another tokenizer
-    save_tokenizer(retrained, text=austen_text(book="mansfield_park.txt"))
+    save_tokenizer(retrained, text=austen_text(book="mansfield_park"))
     save_tiny_model(retrained)
     with pytest.raises(ValueError, match=r"speculative_model=.*tokenizer"):
         LLM(str(models["tiny"]), **ENGINE, speculative="draft", speculative_model=str(retrained))

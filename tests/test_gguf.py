@@ -17,13 +17,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import AUSTEN_DIR
 from tiny_models import train_bpe
+from jaxkv import data
 from jaxkv.model import store
 from jaxkv.model.weights import load_model_files
 
 Q = gguf.GGMLQuantizationType
-AUSTEN = str(AUSTEN_DIR / "emma.txt")
 E, F, HQ, HKV, D, LAYERS = 256, 96, 4, 2, 16, 2
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -80,8 +79,7 @@ def encode(w, qtype):
 
 @pytest.fixture(scope="module")
 def austen():
-    with open(AUSTEN, encoding="utf-8") as f:
-        return f.read(20_000)
+    return data.austen("emma")[:20_000]
 
 
 @pytest.fixture(scope="module")

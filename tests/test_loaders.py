@@ -21,7 +21,7 @@ from jaxkv.model.weights import expected_shapes, load_model_files
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from tiny_models import save_tokenizer, train_bpe  # noqa: E402
+from tiny_models import save_tokenizer  # noqa: E402
 
 AUSTEN = str(AUSTEN_DIR / "emma.txt")
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import init_params, params_from_hf
-from conftest import AUSTEN_DIR
+from jaxkv.data import austen
 from paged_runner import PagedRunner
 
 try:  # the HF oracle (test extra; not installed on the Python 3.12 CI leg)
@@ -148,7 +148,7 @@ def test_smollm2_gguf_greedy_parity_with_transformers(smollm2):
     path, loaded, params = smollm2
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, torch_dtype=torch.float32).eval()
-    text = (AUSTEN_DIR / "pride_and_prejudice.txt").read_text(encoding="utf-8")[2000:3000]
+    text = austen("pride_and_prejudice")[2000:3000]
     prompt = loaded.tokenizer.encode(text, add_special_tokens=False)
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=32,

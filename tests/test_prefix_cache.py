@@ -10,7 +10,7 @@ from jaxkv import batch
 from jaxkv.block_manager import BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.prefix_cache import make_prefix_cache
-from jaxkv.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, abort, add_request,
+from jaxkv.scheduler import (Request, ScheduledSeq as S, StopSpec, abort, add_request,
                              check_invariants, fork, init_state, schedule, update)
 
 

@@ -10,7 +10,7 @@ Mistral beside it, so ``jaxkv.LLM(model=dir)`` and ``transformers`` load the ver
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from conftest import AUSTEN_DIR
+from jaxkv.data import austen
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -27,8 +27,8 @@ TINY_ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                    block_size=8, token_buckets=(16, 64), seq_buckets=(8,))
 
 
-def austen_text(n_chars=20_000, book="emma.txt"):
-    return (AUSTEN_DIR / book).read_text(encoding="utf-8")[:n_chars]
+def austen_text(n_chars=20_000, book="emma"):
+    return austen(book)[:n_chars]
 
 
 def austen_prompts(n, seed=0, max_chars=300):

@@ -629,12 +629,12 @@ def _salted_workload(offset_b=0):
     return reqs
 
 
-def _run_salted(path, offset_b=0, **kw):
+def _run_salted(path, offset_b=0, max_tokens=12, **kw):
     """The salted workload sent three times over, all at once: (tokens, hits) per request in
     order, and the engine stats."""
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine = dict(ENGINE, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                  max_model_len=64, prefix_caching="radix", **kw)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine = dict(ENGINE, block_size=4, max_num_seqs=6, max_model_len=64,
+                  prefix_caching="radix", **kw)
     with LLM(str(path), **engine) as llm:
         ids = llm.engine.add_requests([dict(prompt=p, sampling_params=params, cache_salt=salt)
                                        for p, salt in _salted_workload(offset_b) * 3])
@@ -647,14 +647,18 @@ def _run_salted(path, offset_b=0, **kw):
             [done[i].num_cached_tokens for i in ids], stats)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_swap_radix_host_tier_and_salts_give_identical_tokens_and_own_hits_only(tiny, mode):
+@pytest.mark.parametrize("mode, budget, max_tokens", [("swap", 32, 12), ("recompute", 16, 20)])
+def test_swap_radix_host_tier_and_salts_give_identical_tokens_and_own_hits_only(
+        tiny, mode, budget, max_tokens):
     """Issue 48's end-to-end check: a 26-block pool with the radix cache, a host tier and swap
     (or recompute) preemption, two salts sharing every prompt prefix, gives the outputs of a
     400-block pool; and each request's hits equal those of a twin run where salt B's prompts
-    share no token with A's: a hit never counts a block stored under the other salt."""
-    reference, _, _ = _run_salted(tiny[0], num_kv_blocks=400)
-    kw = dict(num_kv_blocks=26, kv_offload_bytes=64 << 10, preemption_mode=mode)
+    share no token with A's: a hit never counts a block stored under the other salt. (Both
+    settings gave other outputs before the fixes of the two tests above.)"""
+    reference, _, _ = _run_salted(tiny[0], num_kv_blocks=400, max_num_batched_tokens=budget,
+                                  max_tokens=max_tokens)
+    kw = dict(num_kv_blocks=26, kv_offload_bytes=64 << 10, preemption_mode=mode,
+              max_num_batched_tokens=budget, max_tokens=max_tokens)
     outs, hits, stats = _run_salted(tiny[0], **kw)
     assert outs == reference
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits_host"] > 0

@@ -5,16 +5,19 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``.
 
+* In front, the ``Gate`` (gate.py): 503 + ``Retry-After`` while draining, 401 without the API
+  key, 413 for a body over ``--max-request-bytes``.
 * Every request is validated before anything is queued; a bad one gets a 400 in OpenAI's error
-  schema with the engine's own error text, and never touches the others. 401 without the API key
-  (``/health``, ``/metrics``, ``/version`` stay open), 404 for an unknown model, 503 once the
-  server is draining.
+  schema with the engine's own error text, and never touches the others; 404 for an unknown
+  model. Prompts are tokenized in a worker thread (the event loop keeps answering) and checked
+  against max_model_len before their ids are.
 * Streaming is server-sent events, one chunk per engine step per choice, ``data: [DONE]`` last;
   with ``stream_options.include_usage`` a final chunk carries ``usage`` and ``choices: []``.
 * A client that disconnects aborts its requests (streamed or not): the device thread frees their
   blocks before its next step.
-* SIGTERM: the server stops accepting, lets in-flight requests finish for up to
-  ``--shutdown-timeout`` seconds, then aborts the rest, frees the engine and exits 0.
+* SIGTERM: the server keeps listening but answers 503 to new requests while those in flight
+  finish, for up to ``--shutdown-timeout`` seconds; then it aborts the rest, frees the engine
+  and exits 0. A second signal stops it at once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -29,17 +34,21 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 import jaxkv
 from jaxkv.config import EngineConfig
 from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
-from jaxkv.engine.llm import chat_prompts
 from jaxkv.outputs import RequestOutput
 from jaxkv.checks import check_token_ids
 from jaxkv.server import protocol
+from jaxkv.server.gate import DEFAULT_MAX_BODY, Gate
 from jaxkv.server.metrics import ServerMetrics
+from jaxkv.server.prompts import PromptTokenizer
 
-OPEN_PATHS = ("/health", "/metrics", "/version")
+logger = logging.getLogger("uvicorn.error")
+# The grace uvicorn gives responses after the drain (their engine requests are aborted by then).
+_AFTER_DRAIN_S = 5.0
 
 
 class APIError(Exception):
@@ -55,32 +64,48 @@ class APIError(Exception):
 
 
 def bad_request(e: Exception) -> APIError:
-    return APIError(400, str(e), "BadRequestError")
+    """A 400 of a refused value (``param``: the field a ``protocol.FieldError`` names)."""
+    return APIError(400, str(e), "BadRequestError", getattr(e, "param", None))
 
 
 class Server:
-    """The routes' shared state: the engine, the served name, metrics and the draining flag.
+    """The routes' shared state: the engine, the served name and the metrics.
 
     Args:
       engine: the ``AsyncLLM`` (the server shuts it down on exit).
       served_model_name: the ``model`` clients send and ``/v1/models`` lists.
-      api_key: required as ``Authorization: Bearer <key>`` on the API routes (None: open).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str, api_key: str | None = None):
+    def __init__(self, engine: AsyncLLM, served_model_name: str):
         self.engine = engine
         self.core = engine.engine
         self.name = served_model_name
-        self.api_key = api_key
-        self.draining = False
         self.max_model_len = self.core.sched_config.max_model_len
         self.metrics = ServerMetrics(served_model_name, engine.stats_now)
+        self.prompts = PromptTokenizer(self.core.tokenizer, self.max_model_len)
 
     # ------------------------------------------------------------------ requests
 
-    def check_model(self, model: str | None) -> None:
+    def check(self, req: protocol._Strict) -> None:
+        """404 for another model, 400 for a lone surrogate in any of the request's text."""
+        model = getattr(req, "model", None)
         if model is not None and model != self.name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        protocol.check_unicode(req.model_dump())
+
+    async def tokenize(self, prompt: str | dict) -> dict:
+        """A prompt as the engine's ``{"prompt": text, "prompt_token_ids": ids}`` (text
+        tokenized in a worker thread), refused first if it leaves no room to generate.
+
+        Raises:
+          ValueError: an empty prompt, or one too long for max_model_len.
+        """
+        if isinstance(prompt, dict):
+            self.prompts.check_length(len(prompt["prompt_token_ids"]))
+            return prompt
+        if not prompt:
+            raise protocol.FieldError("prompt", "prompt must not be empty")
+        return await asyncio.to_thread(self.prompts.prompt, prompt)
 
     async def add(self, prompt, params, cache_salt, priority) -> AsyncRequestStream:
         """Queues one prompt; a refused field is a 400, a dead engine a 503."""
@@ -95,22 +120,32 @@ class Server:
     async def add_all(self, prompts: list, req: protocol._SamplingRequest, *,
                       max_tokens: int | None, logprobs: int | None
                       ) -> list[AsyncRequestStream]:
-        """Queues every prompt of a request, or none (a later refusal aborts the earlier)."""
+        """Queues every prompt of a request, or none: all are tokenized and checked first, and
+        an engine's refusal of a later one aborts the earlier."""
+        try:
+            tokenized = [await self.tokenize(p) for p in prompts]
+            params = [req.sampling_params(len(p["prompt_token_ids"]), self.max_model_len,
+                                          max_tokens=max_tokens, logprobs=logprobs)
+                      for p in tokenized]
+        except (TypeError, ValueError) as e:
+            raise bad_request(e) from None
         streams: list[AsyncRequestStream] = []
         try:
-            for prompt in prompts:
-                try:
-                    _, ids = self.core.tokenize(prompt)
-                    params = req.sampling_params(len(ids), self.max_model_len,
-                                                 max_tokens=max_tokens, logprobs=logprobs)
-                except (TypeError, ValueError) as e:
-                    raise bad_request(e) from None
-                streams.append(await self.add(prompt, params, req.cache_salt, req.priority))
+            for prompt, p in zip(tokenized, params):
+                streams.append(await self.add(prompt, p, req.cache_salt, req.priority))
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         return streams
+
+    def abort(self, streams: list[AsyncRequestStream]) -> None:
+        """Aborts the unfinished requests of ``streams`` (their client went away), counting
+        each under ``vllm:request_success{finished_reason="abort"}``."""
+        for s in streams:
+            if not s.finished:
+                s.abort()
+                self.metrics.observe_aborted()
 
     async def follow(self, stream: AsyncRequestStream) -> AsyncIterator[RequestOutput]:
         """A request's outputs, observed by the metrics on the way."""
@@ -144,8 +179,7 @@ class Server:
         finally:
             watcher.cancel()
             gathered.cancel()
-            for s in streams:
-                s.abort()
+            self.abort(streams)
         failed = [o.error for o in outs if o.error]
         if failed:
             raise APIError(500, failed[0], "InternalServerError")
@@ -154,8 +188,7 @@ class Server:
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has gone away: the body has been read, so the next ASGI message
-    is the disconnect. (Polling ``request.is_disconnected()`` never sees it behind the
-    ``@app.middleware`` gate, whose wrapped receive cannot answer within a cancelled scope.)"""
+    is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -189,8 +222,7 @@ async def _merged(server: Server, streams: list[AsyncRequestStream]
     finally:
         for t in tasks:
             t.cancel()
-        for s in streams:
-            s.abort()
+        server.abort(streams)
 
 
 class _ChoiceCursor:
@@ -259,21 +291,22 @@ async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, k
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
-              model_path: str | None = None) -> FastAPI:
-    """The FastAPI app over ``engine`` (module docstring); it shuts the engine down on exit.
+              model_path: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY) -> Gate:
+    """The ASGI app over ``engine`` (module docstring): a ``Gate`` in front of the FastAPI app
+    (``gate.app``, its ``Server`` at ``gate.app.state.server``); it shuts the engine down on exit.
 
     Args:
       engine: a started ``AsyncLLM``.
       served_model_name: the model id of the API.
       api_key: the bearer token the API routes require (None: none).
       model_path: shown as ``root`` in ``/v1/models``.
+      max_request_bytes: the largest request body accepted (413 above).
     """
-    server = Server(engine, served_model_name, api_key)
+    server = Server(engine, served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        server.draining = True
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="jaxkv", version=jaxkv.__version__, lifespan=lifespan)
@@ -283,23 +316,20 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def api_error(_: Request, e: APIError):
         return e.response()
 
+    @app.exception_handler(protocol.FieldError)
+    async def field_error(_: Request, e: protocol.FieldError):
+        return bad_request(e).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException):
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code,
+                                                                       "BadRequestError")
+        return APIError(e.status_code, str(e.detail), kind).response()
+
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ())[1:])}: "
-                            f"{err.get('msg')}" for err in e.errors())
-        return APIError(400, message or "invalid request", "BadRequestError", where).response()
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        if server.draining:
-            return APIError(503, "the server is shutting down", "ServiceUnavailableError"
-                            ).response()
-        if server.api_key is not None and request.url.path not in OPEN_PATHS and \
-                request.headers.get("authorization") != f"Bearer {server.api_key}":
-            return APIError(401, "invalid or missing API key", "AuthenticationError").response()
-        return await call_next(request)
+        message, param = protocol.validation_error(list(e.errors()))
+        return APIError(400, message, "BadRequestError", param).response()
 
     @app.get("/health")
     async def health():
@@ -323,24 +353,25 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/tokenize")
     async def tokenize(req: protocol.TokenizeRequest):
-        server.check_model(req.model)
+        server.check(req)
         tok = server.core.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "BadRequestError")
         try:
-            if (req.prompt is None) == (req.messages is None):
-                raise ValueError("give exactly one of prompt and messages")
             if req.messages is not None:
                 text = tok.apply_chat_template([m.as_dict() for m in req.messages],
                                                add_generation_prompt=req.add_generation_prompt)
-                ids = tok.encode(text, add_special_tokens=False)
+                ids = await asyncio.to_thread(server.prompts.encode, text, False)
             else:
-                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = await asyncio.to_thread(server.prompts.encode, req.prompt,
+                                              req.add_special_tokens)
         except ValueError as e:
             raise bad_request(e) from None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(req: protocol.DetokenizeRequest):
-        server.check_model(req.model)
+        server.check(req)
         try:
             ids = check_token_ids("tokens", req.tokens, server.core.model_config.vocab_size)
         except (TypeError, ValueError) as e:
@@ -349,17 +380,17 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest, request: Request):
-        server.check_model(req.model)
+        server.check(req)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs needs prompt logprobs, which this server "
                                 "does not compute", "BadRequestError", "echo")
         try:
             prompts = req.prompts()
-            echo_texts = [_prompt_text(server, p) for p in prompts] if req.echo else None
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
         streams = await server.add_all(prompts, req, max_tokens=req.max_tokens,
                                        logprobs=req.logprobs)
+        echo_texts = [_prompt_text(server, p) for p in prompts] if req.echo else None
         fmt = (None if req.logprobs is None
                else protocol.LogprobFormatter(server.core.tokenizer, req.logprobs))
         rid = protocol.new_id("cmpl")
@@ -374,11 +405,12 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: protocol.ChatCompletionRequest, request: Request):
-        server.check_model(req.model)
+        server.check(req)
         try:
             num_logprobs = req.num_logprobs()
             messages = [m.as_dict() for m in req.messages]
-            prompt = chat_prompts(server.core.tokenizer, messages)[0]
+            prompt = await asyncio.to_thread(server.prompts.chat, messages,
+                                             req.add_generation_prompt)
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -395,7 +427,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         outs = await server.final(request, streams)
         return protocol.chat_body(rid, server.name, outs[0], fmt)
 
-    return app
+    return Gate(app, api_key=api_key, max_body=max_request_bytes)
 
 
 def _prompt_text(server: Server, prompt) -> str:
@@ -406,47 +438,91 @@ def _prompt_text(server: Server, prompt) -> str:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server that answers 503 from the first SIGTERM / SIGINT on (uvicorn then stops
-    accepting, waits for in-flight requests up to ``timeout_graceful_shutdown`` and runs the
-    app's shutdown, which stops the engine).
+    """uvicorn's server with jaxkv's drain: the first SIGTERM / SIGINT keeps the listener open
+    while the gate answers 503; once the requests it let through have ended, or ``timeout``
+    seconds have passed, the engine is shut down (aborting what is left) and uvicorn stops. A
+    second signal ends the drain at once; after it, uvicorn's own handling (SIGINT forces the
+    exit).
 
     uvicorn re-raises a captured signal once it has shut down, so the process would die of it
     (status -15 for SIGTERM); a drained server exits 0 instead, so the captured list is kept
-    empty (a second SIGINT still forces the exit: uvicorn decides that from ``should_exit``)."""
+    empty."""
 
-    def __init__(self, config: uvicorn.Config, server: Server):
+    def __init__(self, config: uvicorn.Config, gate: Gate, engine: AsyncLLM, timeout: float):
         super().__init__(config)
-        self._api = server
+        self.gate, self.engine, self.timeout = gate, engine, timeout
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)     # given the bound socket, uvicorn does not say where
+        logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                    self.config.host, self.config.port)
 
     def handle_exit(self, sig, frame) -> None:
-        self._api.draining = True
-        super().handle_exit(sig, frame)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()
+        if not self.gate.draining:
+            self.gate.start_draining(self.timeout)
+        elif self.gate.drain_left() > 0:
+            self.gate.start_draining(0)
+        else:
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.gate.draining and not self.should_exit and (
+                self.gate.in_flight == 0 or self.gate.drain_left() <= 0):
+            await asyncio.to_thread(self.engine.shutdown)
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, bound as uvicorn binds it (``SO_REUSEADDR``), before the engine
+    is built: a taken port fails in a second, not after the model has loaded.
+
+    Raises:
+      ValueError: naming ``--host`` / ``--port`` and the reason.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on --host {host} --port {port}: "
+                         f"{e.strerror or e}") from None
+    return sock
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None,
-          shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+          shutdown_timeout: float = 30.0, max_request_bytes: int = DEFAULT_MAX_BODY,
+          log_level: str = "info") -> int:
     """Starts the engine and serves it until SIGTERM / SIGINT; returns the exit status 0.
 
     Args:
       config: the engine config (``EngineConfig.from_cli``).
-      host, port: where to listen.
+      host, port: where to listen (bound before the engine is built).
       served_model_name: the API's model id (default: the ``--model`` value).
       api_key: bearer token required on the API routes (None: open).
       shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
+      max_request_bytes: the largest request body accepted (413 above).
       log_level: uvicorn's log level.
 
     Raises:
-      TypeError, ValueError: a bad engine argument (before anything listens).
+      TypeError, ValueError: a bad engine argument, or an address that cannot be bound
+        (before anything listens).
     """
-    engine = AsyncLLM(**config.to_kwargs())
+    sock = bind(host, port)
+    try:
+        engine = AsyncLLM(**config.to_kwargs())
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(engine, served_model_name=served_model_name or config.model.model,
-                    api_key=api_key, model_path=str(engine.engine.runner.model_path))
+                    api_key=api_key, model_path=str(engine.engine.runner.model_path),
+                    max_request_bytes=max_request_bytes)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=shutdown_timeout),
-                             app.state.server)
-    server.run()
+                                            timeout_graceful_shutdown=_AFTER_DRAIN_S),
+                             app, engine, shutdown_timeout)
+    server.run(sockets=[sock])
     return 0

@@ -14,7 +14,8 @@ Two sources, one registry per server (never the process-global one, so several a
   and the gauge ``jaxkv:kv_offload_usage_perc``;
 * per request, observed when its outputs reach the server (from the engine's timestamps, not
   the server's clock): counters ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
-  ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix) and histograms
+  ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix; ``abort``
+  counts the requests the server aborts, as when their client disconnects) and histograms
   ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
 
@@ -146,6 +147,10 @@ class ServerMetrics:
         self.success.labels(label, out.outputs[0].finish_reason).inc()
         if out.metrics.e2e_latency is not None:
             self.e2e.labels(label).observe(out.metrics.e2e_latency)
+
+    def observe_aborted(self) -> None:
+        """A request the server aborted before it finished (its client went away)."""
+        self.success.labels(self.model_name, FINISH_ABORT).inc()
 
     def exposition(self) -> bytes:
         """The text exposition format of every metric."""

@@ -3,11 +3,20 @@
 Requests are pydantic models in strict mode (an int field takes an int, not ``"3"`` or ``true``),
 with OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``priority``,
-``cache_salt``); unknown fields are ignored, as OpenAI's servers do. Values are range-checked by
+``include_stop_str_in_output``, ``priority``, ``cache_salt``). Values are range-checked by
 ``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text, except
 for fields the engine knows under another name or not at all (``logprobs``, ``top_logprobs``,
 ``max_completion_tokens``), checked here so that the 400 names the field the client sent.
+
+No field is silently ignored. A field jaxkv does not implement is a 400 naming it (``param``):
+``UNSUPPORTED`` ones (``best_of``, ``logit_bias``, ``response_format``, ``tools`` ...) with the
+reason, unless set to the value that asks for nothing (``best_of: 1``, ``response_format:
+{"type": "text"}``, ``tools: []``, ``tool_choice: "none"``); an unknown one as OpenAI's own API
+answers it ("Unrecognized request argument"), where vLLM logs a warning and ignores it: a typo
+(``temprature``) or another server's extension must not change the output unnoticed. Only
+``IGNORED`` OpenAI fields that cannot change the output (``metadata``, ``store`` ...) are
+accepted and dropped. Text must be valid Unicode: a lone surrogate (JSON's ``"\\ud800"``) is a
+400 naming its field (``check_unicode``).
 
 Logprobs: completions use the legacy schema (``tokens``, ``token_logprobs``, ``top_logprobs`` as
 ``{token: logprob}``, keeping the best logprob where two tokens share a text, ``text_offset``);
@@ -22,7 +31,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxkv.outputs import CompletionOutput, RequestOutput
 from jaxkv.sampling import SamplingParams
@@ -31,12 +40,98 @@ from jaxkv.sampling import SamplingParams
 MAX_TOP_LOGPROBS = 20
 
 
+_STRUCTURED = "structured outputs are not implemented"
+_TOOLS = "tool calling is not implemented"
+# Fields jaxkv does not implement: (the values that ask for nothing, why it is refused).
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "best_of": ((1,), "one sequence is generated per choice (use n)"),
+    "suffix": (("",), "insertion after a suffix is not implemented"),
+    "logit_bias": (({},), "logit biases are not implemented"),
+    "prompt_logprobs": ((), "prompt logprobs are not computed"),
+    "response_format": (({"type": "text"},), _STRUCTURED),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "tools": (([],), _TOOLS),
+    "tool_choice": (("none",), _TOOLS),
+    "functions": (([],), _TOOLS),
+    "function_call": (("none",), _TOOLS),
+}
+# OpenAI fields that cannot change the output: accepted and dropped.
+IGNORED = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls",
+                     "prompt_cache_key", "safety_identifier"})
+
+
+class FieldError(ValueError):
+    """A 400 about one request field, named in the error's ``param``."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def refused_field(name: str) -> str:
+    """The 400 text of a field the request models do not take (pydantic's ``extra_forbidden``)."""
+    if name in UNSUPPORTED:
+        return f"{name} is not supported by this server: {UNSUPPORTED[name][1]}"
+    return f"Unrecognized request argument supplied: {name}"
+
+
+def validation_error(errors: list[dict]) -> tuple[str, str | None]:
+    """The 400 message and ``param`` of pydantic's errors about a request body: malformed JSON
+    by its position (no param), a field the models do not take by ``refused_field``, any other
+    error after its field."""
+    if not errors:
+        return "invalid request", None
+    if errors[0]["type"] == "json_invalid":
+        pos, why = errors[0]["loc"][-1], errors[0].get("ctx", {}).get("error")
+        return f"the body is not valid JSON: {why} at character {pos}", None
+    parts = [refused_field(field_path(e["loc"][1:])) if e["type"] == "extra_forbidden"
+             else f"{field_path(e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors]
+    return "; ".join(parts), field_path(errors[0]["loc"][1:]) or None
+
+
+def field_path(loc) -> str:
+    """A pydantic location as a field path: ``("messages", 0, "content")`` is
+    ``messages[0].content``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
+
+
+def check_unicode(value, path: str = "") -> None:
+    """Refuses a lone surrogate in any string of ``value`` (a request as plain data): JSON can
+    spell one (``"\\ud800"``), but it is no text: no tokenizer and no UTF-8 answer can take it.
+
+    Raises:
+      FieldError: naming the string's field (``prompt``, ``messages[1].content``).
+    """
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise FieldError(path, f"{path} holds a lone surrogate ({value[e.start]!r} at "
+                                       f"character {e.start}): text must be valid Unicode"
+                                 ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = False      # accepted: no obfuscation padding is sent
 
 
 class _SamplingRequest(_Strict):
@@ -64,6 +159,17 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_no_ops(cls, data):
+        """Drops the ``IGNORED`` fields and the ``UNSUPPORTED`` ones that ask for nothing;
+        ``extra="forbid"`` refuses the rest."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if k not in IGNORED and not (k in UNSUPPORTED and
+                                             (v is None or v in UNSUPPORTED[k][0]))}
 
     def sampling_params(self, prompt_len: int, max_model_len: int, *, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
@@ -170,8 +276,12 @@ def new_id(prefix: str) -> str:
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
-    """OpenAI's error schema: ``{"error": {message, type, param, code}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    """OpenAI's error schema: ``{"error": {message, type, param, code}}`` (a lone surrogate of
+    the request quoted in the message or param is escaped: the body must encode as UTF-8)."""
+    def text(s):
+        return s if s is None else s.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": text(message), "type": kind, "param": text(param),
+                      "code": status}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import time
 
 from jaxkv.config import EngineConfig, parse_bytes
 
+BENCH_MIN_PROMPT_LEN = 32   # bench's default shortest prompt and output, in tokens
+BENCH_MIN_OUTPUT_LEN = 16
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -107,34 +110,79 @@ def cmd_chat(a) -> int:
     return 0
 
 
+def _length_range(kind: str, low: int | None, high: int, default_low: int) -> int:
+    """The shortest ``kind`` (prompt, output) length of ``[low, high]``: ``low``, or
+    ``default_low`` capped at ``high`` when unset; a ValueError names the bad flag."""
+    if high < 1:
+        raise ValueError(f"--max-{kind}-len={high} must be >= 1")
+    if low is None:
+        return min(default_low, high)
+    if not 1 <= low <= high:
+        raise ValueError(f"--min-{kind}-len={low} must be in [1, --max-{kind}-len={high}]")
+    return low
+
+
+def _check_bench_counts(a) -> None:
+    """Checks bench's prompt count and lengths before anything loads, filling in the shortest
+    lengths left unset; a ValueError names the flag."""
+    if a.num_prompts < 1:
+        raise ValueError(f"--num-prompts={a.num_prompts} must be >= 1")
+    a.min_prompt_len = _length_range("prompt", a.min_prompt_len, a.max_prompt_len,
+                                     BENCH_MIN_PROMPT_LEN)
+    a.min_output_len = _length_range("output", a.min_output_len, a.max_output_len,
+                                     BENCH_MIN_OUTPUT_LEN)
+
+
+def _size_engine_to(a, plens, olens) -> None:
+    """Sizes bench's engine to the requests it sends: no more sequences than prompts, and
+    their longest prompt + output as ``max_model_len`` unless one is given (a smaller block
+    table to compile, a smaller pool to hold)."""
+    a.max_num_seqs = min(a.max_num_seqs, len(plens))
+    a.max_model_len = a.max_model_len or int((plens + olens).max())
+
+
+def _bench_shapes(llm, requests, replicas: int) -> set[tuple[int, int]]:
+    """The padded step shapes ``requests`` step through, on each replica's share of them."""
+    from jaxkv import dry_run
+
+    return set().union(*(dry_run.step_shapes(llm.cache_config, llm.sched_config,
+                                              requests[r::replicas]) for r in range(replicas)))
+
+
 def cmd_bench(a) -> int:
-    from jaxkv.sampling import SamplingParams
-
-    from jaxkv.data import read_text
-
-    text = read_text(a.dataset)
     import numpy as np
 
+    from jaxkv.data import read_text
+    from jaxkv.sampling import SamplingParams
+
+    _check_bench_counts(a)
+    text = read_text(a.dataset)
     rng = np.random.default_rng(a.seed)
+    plens = rng.integers(a.min_prompt_len, a.max_prompt_len + 1, size=a.num_prompts)
+    olens = rng.integers(a.min_output_len, a.max_output_len + 1, size=a.num_prompts)
+    _size_engine_to(a, plens, olens)
     with _make_llm(a) as llm:
         ids = llm.tokenizer.encode(text[:200_000])
+        if len(ids) <= a.max_prompt_len:
+            raise ValueError(f"--dataset {a.dataset} has {len(ids)} tokens: too few for "
+                             f"--max-prompt-len={a.max_prompt_len}")
         starts = rng.integers(0, len(ids) - a.max_prompt_len, size=a.num_prompts)
-        plens = rng.integers(a.min_prompt_len, a.max_prompt_len + 1, size=a.num_prompts)
-        olens = rng.integers(a.min_output_len, a.max_output_len + 1, size=a.num_prompts)
-        prompts = [{"prompt_token_ids": ids[s:s + n]} for s, n in zip(starts, plens)]
-        params = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True) for n in olens]
+        requests = [(ids[s:s + n], int(m)) for s, n, m in zip(starts, plens, olens)]
         t = time.perf_counter()
-        llm.warmup()
+        variants = llm.warmup(_bench_shapes(llm, requests, a.data_parallel_size))
         warm = time.perf_counter() - t
         t = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
+                            [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                             for _, m in requests])
         elapsed = time.perf_counter() - t
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         result = {"num_prompts": a.num_prompts, "prompt_tokens": n_in, "output_tokens": n_out,
                   "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
                   "total_tokens_per_s": (n_in + n_out) / elapsed, "warmup_s": warm,
-                  **llm.stats()}
+                  "warmup_step_variants": variants, "max_num_seqs": a.max_num_seqs,
+                  "max_model_len": a.max_model_len, **llm.stats()}
         print(json.dumps(result, indent=2))
     return 0
 
@@ -147,7 +195,8 @@ def cmd_serve(a) -> int:
                          "supported")
     return serve(EngineConfig.from_cli(a), host=a.host, port=a.port,
                  served_model_name=a.served_model_name, api_key=a.api_key,
-                 shutdown_timeout=a.shutdown_timeout, log_level=a.log_level)
+                 shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
+                 log_level=a.log_level)
 
 
 def cmd_plan(a) -> int:
@@ -183,7 +232,7 @@ def cmd_eval_ppl(a) -> int:
         ids = llm.tokenizer.encode(text)[:a.max_text_tokens]
         r = perplexity(runner, ids, kv_cache_dtype=runner.kv_cache_dtype, context=a.context,
                        stride=a.stride, chunk=a.chunk, residual_blocks=runner.kv_residual_blocks,
-                       group_size=runner.kv_group_size)
+                       group_size=runner.kv_group_size, progress=True)
     print(json.dumps({"text": a.text, "model": a.model, **dataclasses.asdict(r)}, indent=2))
     return 0
 
@@ -191,6 +240,8 @@ def cmd_eval_ppl(a) -> int:
 def cmd_convert(a) -> int:
     from jaxkv.model import checkpoint
 
+    if checkpoint.is_checkpoint(a.out) and not a.overwrite:
+        raise ValueError(f"{a.out} already holds a checkpoint; pass --overwrite to replace it")
     path = checkpoint.convert(a.model, a.out, dtype=a.dtype, overwrite=a.overwrite)
     print(f"wrote {path} (orbax params + config + tokenizer); load it sharded with "
           f"jaxkv generate --model {path} --tensor-parallel-size N")
@@ -229,16 +280,23 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--message", default=None)
     c.set_defaults(func=cmd_chat)
 
-    b = sub.add_parser("bench", help="offline throughput on prompts cut from a text file")
+    b = sub.add_parser("bench", help="offline throughput on prompts cut from a text file",
+                       description="Offline throughput on prompts cut from a text file. The "
+                       "engine is sized to them: --max-num-seqs at most --num-prompts, "
+                       "--max-model-len their longest prompt + output unless given, and only "
+                       "the step shapes the run steps through are compiled (a scheduler dry run, "
+                       "jaxkv/dry_run.py).")
     _engine_args(b)
     b.add_argument("--dataset", default="austen:emma",
                    help="a UTF-8 text file, or a bundled novel: austen:emma (default), "
                         "austen:mansfield_park, austen:pride_and_prejudice, "
                         "austen:sense_and_sensibility")
     b.add_argument("--num-prompts", type=int, default=64)
-    b.add_argument("--min-prompt-len", type=int, default=32)
+    b.add_argument("--min-prompt-len", type=int, default=None,
+                   help=f"default: {BENCH_MIN_PROMPT_LEN}, or --max-prompt-len if smaller")
     b.add_argument("--max-prompt-len", type=int, default=256)
-    b.add_argument("--min-output-len", type=int, default=16)
+    b.add_argument("--min-output-len", type=int, default=None,
+                   help=f"default: {BENCH_MIN_OUTPUT_LEN}, or --max-output-len if smaller")
     b.add_argument("--max-output-len", type=int, default=256)
     b.set_defaults(func=cmd_bench)
 
@@ -251,7 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send (default: --model)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
+                   help="after SIGTERM: seconds in-flight requests may take to finish, while "
+                        "new ones get 503")
+    g.add_argument("--max-request-bytes", type=parse_bytes, default="4MiB",
+                   help="largest request body (default 4MiB; e.g. 1e6, 16MiB): a larger one "
+                        "gets 413, refused from its Content-Length before it is read")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
@@ -289,8 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_logs(level: str) -> None:
+    """Shows the library's log (logger "jaxkv": memory plan, kernel builds, compiles) on
+    stderr at ``level``; other libraries' at WARNING. The library itself only logs."""
+    logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("jaxkv").setLevel(level.upper())
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _show_logs(getattr(args, "log_level", "info"))
     try:
         return args.func(args)
     except (TypeError, ValueError) as e:

@@ -33,7 +33,7 @@ import types
 import typing
 
 from jaxkv.checks import check_number, check_type
-from jaxkv.kv_spec import LAYOUTS, MODEL_DTYPES
+from jaxkv.kv_spec import KV_ALIASES, KV_FORMATS, LAYOUTS, MODEL_DTYPES
 from jaxkv.retention import FullRetention, Retention
 from jaxkv.retention.streaming import POSITIONS
 
@@ -55,6 +55,11 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _BYTE_UNITS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GiB, 512MB or 1e9")
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def parse_none(text: str) -> str | None:
+    """``"none"`` (any case) -> None, else the text: the CLI parser of an optional choice."""
+    return None if text.lower() == "none" else text
 
 
 def option(default, help: str, *, choices=None, minimum=None, maximum=None, aliases=(),
@@ -117,7 +122,8 @@ def check_fields(obj) -> None:
         object.__setattr__(obj, f.name, value)
         choices = f.metadata.get("choices")
         if value is not None and choices is not None and value not in choices:
-            raise ValueError(f"{f.name}={value!r} is not one of {tuple(choices)}")
+            raise ValueError(f"{f.name}={value!r} is not one of: "
+                             f"{', '.join(map(str, choices))}")
 
 
 TOKEN_MIDPOINTS_FROM = 256     # default token buckets: 1.5 x 2^k between the powers from here
@@ -360,8 +366,9 @@ class ModelArgs:
 class CacheArgs:
     """The KV cache: its format, block size, pool size and prefix caching."""
 
-    kv_cache_dtype: str = option("auto", "KV format (auto = the model dtype); the formats are "
-                                 "listed in jaxkv/kv_spec.py")
+    kv_cache_dtype: str = option("auto", "KV format (auto = the model dtype; formats and "
+                                 "aliases: jaxkv/kv_spec.py)",
+                                 choices=("auto", *KV_FORMATS, *KV_ALIASES))
     kv_layout: str = option("auto", "float KV pools' memory order: nhd [blocks, tokens, heads, "
                             "dim] or hnd [blocks, heads, tokens, dim] (auto: hnd for the CPU "
                             "paths, nhd for pallas and quantized formats)",
@@ -374,11 +381,13 @@ class CacheArgs:
     block_size: int = option(16, "tokens per KV block", minimum=1)
     gpu_memory_utilization: float = option(
         0.9, "fraction of device memory the engine plans with (CPU: of half the available host "
-        "memory, in steps of 1/16 of the total)",
+        "memory, in steps of 1/16 of the total, and the pool at most 2 GiB or one "
+        "max_model_len sequence: planner.CPU_KV_CACHE_BYTES)",
         minimum=1e-3, maximum=1.0, aliases=("memory_utilization",),
         flags=("--memory-utilization",))
     kv_cache_memory_bytes: int | None = option(
-        None, "KV pool size in bytes (e.g. 2GiB), instead of the utilization sizing", minimum=1,
+        None, "KV pool size in bytes (e.g. 8GiB), instead of the utilization sizing (and of "
+        "the CPU default, 2 GiB)", minimum=1,
         aliases=("kv_cache_bytes",), flags=("--kv-cache-memory",), parse=parse_bytes)
     num_gpu_blocks_override: int | None = option(
         None, "KV pool size in blocks (including the null block), instead of both", minimum=2,
@@ -386,7 +395,7 @@ class CacheArgs:
     prefix_caching: str | None = option("hash", "prefix caching: hash (full blocks), radix "
                                         "(token granular) or none",
                                         choices=PREFIX_CACHING_MODES,
-                                        parse=lambda s: None if s.lower() == "none" else s)
+                                        parse=parse_none)
     kv_retention: str = option("full", "which KV a sequence keeps: full, streaming "
                                "(attention sinks + a rolling window; blocks leaving the window "
                                "are freed, so a sequence may outgrow the model's context) or "
@@ -412,7 +421,7 @@ class CacheArgs:
         None, "query-aware sparse decode attention: quest (each decode token attends to the "
         "pages whose per-channel key bounds score highest, plus the sinks and the recent "
         "window; prefill stays dense) or none", choices=SPARSE_ATTENTION_METHODS,
-        parse=lambda s: None if s.lower() == "none" else s)
+        parse=parse_none)
     sparse_budget_tokens: int | None = option(
         None, "quest: KV positions each decode token attends to, in whole blocks (rounded up), "
         "sinks and recent window included", minimum=1)
@@ -507,7 +516,7 @@ class SpeculativeArgs:
         None, "draft proposer: ngram (prompt lookup in the request's own prompt + output), "
         "suffix (lookup in every request's prompt + output, running or recent: SuffixDecoding), "
         "draft (a small model with the same tokenizer: speculative_model) or none",
-        choices=SPECULATIVE_METHODS, parse=lambda s: None if s.lower() == "none" else s)
+        choices=SPECULATIVE_METHODS, parse=parse_none)
     speculative_model: str | None = option(
         None, "draft: the draft model (store name, .gguf file, HF model directory or orbax "
         "checkpoint, loaded like model), with the target's vocabulary")
@@ -566,10 +575,18 @@ class EngineConfig:
         Raises:
           TypeError: an unknown argument (with the closest names), an argument given twice
             (under a name and an alias), or a value of the wrong type.
-          ValueError: a value out of range, naming the argument.
+          ValueError: a value out of range, naming the argument as given (its alias, if the
+            value came under one).
         """
+        return cls._of(kwargs, {})
+
+    @classmethod
+    def _of(cls, kwargs: dict, labels: dict[str, str]) -> "EngineConfig":
+        """``from_kwargs``, where an error names a value ``labels[key]`` (a CLI flag) or the
+        keyword it came under."""
         names = _argument_names()
         grouped: dict[str, dict] = {g: {} for g in cls.groups()}
+        given: dict[str, str] = {}   # field -> what the user called it
         for key, value in kwargs.items():
             if key not in names:
                 close = difflib.get_close_matches(key, names, n=3)
@@ -579,7 +596,12 @@ class EngineConfig:
             if field in grouped[group]:
                 raise TypeError(f"engine argument {field!r} given twice (as {key!r})")
             grouped[group][field] = value
-        return cls(**{g: t(**grouped[g]) for g, t in cls.groups().items()})
+            given[field] = labels.get(key, key)
+        try:
+            return cls(**{g: t(**grouped[g]) for g, t in cls.groups().items()})
+        except (TypeError, ValueError) as e:
+            e.args = (_as_given(str(e), given),)
+            raise
 
     def to_kwargs(self) -> dict:
         """The flat keyword arguments that rebuild this config (``from_kwargs`` inverse)."""
@@ -601,18 +623,46 @@ class EngineConfig:
                 if tp is bool:
                     kw["action"] = argparse.BooleanOptionalAction
                 elif typing.get_origin(tp) is tuple:
-                    kw.update(nargs="+", type=int)
+                    kw.update(action=_TypedFlag, nargs="+", type=int)
                 else:
-                    kw["type"] = meta["parse"] or tp
-                    if meta["choices"] is not None:
-                        kw["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+                    kw.update(action=_TypedFlag, type=meta["parse"] or tp, metavar=_metavar(meta))
                 g.add_argument(*flags, **kw)
 
     @classmethod
     def from_cli(cls, namespace: argparse.Namespace) -> "EngineConfig":
-        """The config of parsed ``add_cli_args`` flags (other attributes are ignored)."""
+        """The config of parsed ``add_cli_args`` flags (other attributes are ignored); an
+        error names the flag as typed (``--num-kv-blocks=1 must be >= 2``)."""
         names = {field for key, (_, field) in _argument_names().items() if key == field}
-        return cls.from_kwargs(**{k: v for k, v in vars(namespace).items() if k in names})
+        return cls._of({k: v for k, v in vars(namespace).items() if k in names},
+                       vars(namespace).get(_TypedFlag.RECORD, {}))
+
+
+class _TypedFlag(argparse.Action):
+    """Stores a flag's value and which of its spellings was typed, for ``from_cli``'s errors."""
+
+    RECORD = "_typed_engine_flags"   # namespace attribute: field -> the flag typed
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        vars(namespace).setdefault(self.RECORD, {})[self.dest] = option_string
+
+
+def _metavar(meta) -> str | None:
+    """``{a,b,c}`` of a field with choices (and ``none`` where the flag parses it), else None
+    (argparse's default)."""
+    if meta["choices"] is None:
+        return None
+    none = ("none",) if meta["parse"] is parse_none else ()
+    return "{" + ",".join(map(str, (*meta["choices"], *none))) + "}"
+
+
+def _as_given(text: str, given: dict[str, str]) -> str:
+    """An error ``text`` with each ``field=value`` (or ``field[i]=value``) named as the user
+    gave it (an alias or a flag)."""
+    for field, name in given.items():
+        if name != field:
+            text = re.sub(rf"\b{field}(?=[=\[])", name, text)
+    return text
 
 
 def _summary(t: type) -> str:

@@ -28,6 +28,7 @@ every token of one long text through a pool that keeps only what a KV retention 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from functools import lru_cache, partial
@@ -35,11 +36,14 @@ from functools import lru_cache, partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from jaxkv.cache import init_cache
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.model.llama import forward
+
+logger = logging.getLogger("jaxkv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +93,7 @@ def _make_chunk_fn(config, attention_impl: str, attention_options=None):
 
 def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
                stride: int | None = None, chunk: int = 256, max_windows: int | None = None,
-               **cache_options) -> PerplexityResult:
+               progress: bool = False, **cache_options) -> PerplexityResult:
     """Perplexity of ``runner``'s model on ``token_ids`` with a KV cache of ``kv_cache_dtype``.
 
     Args:
@@ -102,6 +106,7 @@ def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
         last ``stride`` tokens (the first window all of its tokens but the first).
       chunk: tokens per forward call (chunked prefill through the paged cache).
       max_windows: stop after this many windows.
+      progress: show a tqdm bar of the windows done (on stderr).
       **cache_options: ``jaxkv.kv_spec.KVCacheSpec`` fields (``key_axis``, ``value_axis``,
         ``group_size``, ``residual_full_precision``, ``static_scale``: the ablations;
         ``residual_blocks``: KIVI's residual window).
@@ -125,12 +130,13 @@ def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
     cache = _sequence_cache(runner, nb, kv_cache_dtype, cache_options)
     run = _make_chunk_fn(c, runner.attention_impl)
     table = jnp.arange(1, nb + 1, dtype=jnp.int32)
-    total, count, windows = 0.0, 0, 0
+    total, count = 0.0, 0
     t0 = time.perf_counter()
-    starts = range(0, len(ids) - context, stride)
-    for w, start in enumerate(starts):
-        if max_windows is not None and w >= max_windows:
-            break
+    starts = range(0, len(ids) - context, stride)[:max_windows]
+    logger.info("perplexity: %d windows of %d tokens in chunks of %d (the first compiles the "
+                "forward)", len(starts), context, chunk)
+    for w, start in enumerate(tqdm(starts, desc="Perplexity", unit="window",
+                                   disable=not progress)):
         first_scored = 0 if w == 0 else context - stride
         for a in range(0, context, chunk):
             pos = np.arange(a, a + chunk, dtype=np.int32)
@@ -142,10 +148,9 @@ def perplexity(runner, token_ids, *, kv_cache_dtype: str, context: int = 2048,
             if keep.any():
                 total += float(np.asarray(nll, np.float64)[keep].sum())
                 count += int(keep.sum())
-        windows += 1
     nll = total / count
     return PerplexityResult(perplexity=math.exp(nll), nll=nll, num_scored=count,
-                            num_windows=windows, seconds=time.perf_counter() - t0,
+                            num_windows=len(starts), seconds=time.perf_counter() - t0,
                             kv_cache_dtype=kv_cache_dtype, context=context, stride=stride,
                             chunk=chunk)
 

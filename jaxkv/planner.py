@@ -57,6 +57,10 @@ SAMPLER_VOCAB_COPIES = 6
 _TP_DEGREES = (2, 4, 8)
 # Highest memory_utilization the advice suggests (the rest is for the runtime and fragmentation).
 _MAX_SUGGESTED_UTILIZATION = 0.95
+# The KV pool's default size on the CPU, where host memory is shared with everything else (vLLM's
+# CPU build: VLLM_CPU_KVCACHE_SPACE, 4 GiB): 2 GiB holds 45k tokens of SmolLM2-135M in float32,
+# more than a CPU computes for at once; the engine raises it to one max_model_len sequence.
+CPU_KV_CACHE_BYTES = 2 * GiB
 
 
 def kv_bytes_per_vector(kv_dtype: str, head_dim: int) -> int:
@@ -265,6 +269,7 @@ class MemoryPlan:
         slots), else 0.
       retained_blocks_per_seq: a KV retention policy's bound on the blocks one sequence holds
         (StreamingLLM: sinks + window + one step), or None (a sequence holds all its blocks).
+      kv_source: what sized the pool, in words (the engine's ``plan_memory`` says), or "".
     """
 
     dtype: str
@@ -292,6 +297,7 @@ class MemoryPlan:
     kv_head_replication: int = 1
     kv_residual_bytes: int = 0
     retained_blocks_per_seq: int | None = None
+    kv_source: str = ""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -305,6 +311,13 @@ class MemoryPlan:
         if self.retained_blocks_per_seq is not None:
             return self.retained_blocks_per_seq
         return -(-self.max_model_len // self.block_size)
+
+    def headline(self) -> str:
+        """The pool in one line: blocks, tokens, bytes and what sized it."""
+        return (f"KV pool: {self.num_usable_blocks:,} blocks x {self.block_size} tokens = "
+                f"{self.max_num_tokens:,} tokens, {format_bytes(self.kv_cache_bytes)} "
+                f"{self.kv_cache_dtype}" + (f" ({self.kv_source})" if self.kv_source else "")
+                + f"; weights {format_bytes(self.weights_bytes)} {self.dtype}")
 
     def summary(self) -> str:
         """A readable table of the plan, its verdict and the reasons."""
@@ -329,6 +342,7 @@ class MemoryPlan:
         ]
         width = max(len(k) for k, _ in rows)
         lines = ["jaxkv memory plan"] + [f"  {k:<{width}}  {v:>16}" for k, v in rows]
+        lines += [f"  KV pool: {self.kv_source}"] if self.kv_source else []
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 

@@ -98,9 +98,9 @@ class DataParallelLLM:
         return self.generate(chat_prompts(self.tokenizer, messages), sampling_params,
                              use_tqdm=use_tqdm)
 
-    def warmup(self) -> int:
-        """``LLM.warmup`` on every replica; returns the buckets compiled per replica."""
-        return [r.warmup() for r in self.replicas][0]
+    def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
+        """``LLM.warmup`` on every replica; returns the step variants compiled per replica."""
+        return [r.warmup(shapes) for r in self.replicas][0]
 
     @property
     def memory_plan(self):
@@ -110,6 +110,10 @@ class DataParallelLLM:
     @property
     def cache_config(self):
         return self.replicas[0].cache_config
+
+    @property
+    def sched_config(self):
+        return self.replicas[0].sched_config
 
     def stats(self) -> dict:
         """Counters summed over replicas (usage fractions: the highest), plus each replica's

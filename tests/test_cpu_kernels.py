@@ -259,3 +259,12 @@ def test_row_stats_equal_numpy_and_the_xla_path(S, V, monkeypatch):
     np.testing.assert_array_equal(xla_first[ok], first[ok])
     np.testing.assert_array_equal(xla_top[ok], top[ok])
     np.testing.assert_allclose(xla_norm[ok], log_norm[ok], rtol=4e-6, atol=1e-6)
+
+
+def test_a_build_is_logged_before_it_starts(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", lambda *args, **kwargs: None)
+    with caplog.at_level("INFO", logger="jaxkv"):
+        cpu_kernels._build(tmp_path / "kernels.so")
+    first, last = (r.getMessage() for r in caplog.records)
+    assert first.startswith("building the native CPU kernels") and str(tmp_path) in first
+    assert last.startswith("built the native CPU kernels in")

@@ -115,6 +115,21 @@ def test_each_on_demand_compile_is_logged(tiny, caplog):
             f"step variant {len(lines)} (")
 
 
+def test_the_plan_and_each_compile_are_logged_before_they_start(tiny, caplog):
+    with caplog.at_level("INFO", logger="jaxkv"), LLM(str(tiny[0]), **ENGINE) as engine:
+        assert any(r.getMessage().startswith("KV pool: 95 blocks x 8 tokens = 760 tokens") and
+                   "given num_gpu_blocks_override=96" in r.getMessage() for r in caplog.records)
+        engine.generate(prompts(3, seed=3), SamplingParams(temperature=0, max_tokens=4),
+                        use_tqdm=False)
+        starts = [r.getMessage() for r in caplog.records
+                  if r.getMessage().startswith("compiling the step for")]
+        assert len(starts) == engine.num_compilations() >= 2      # a prefill and a decode
+        caplog.clear()
+        assert engine.warmup([(64, 8)]) == 1                       # only the shapes given
+        assert "compiling 1 step variants (64x8)" in caplog.text
+        assert "compiled 1 step variants in" in caplog.text
+
+
 def test_compilation_count_is_flat_in_steady_state(tiny):
     with LLM(str(tiny[0]), **ENGINE, warmup=True) as engine:
         compiled = engine.num_compilations()

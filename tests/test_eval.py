@@ -43,6 +43,16 @@ def test_perplexity_equals_hf_transformers(tiny):
     np.testing.assert_allclose(got.perplexity, want, rtol=1e-5)
 
 
+def test_perplexity_logs_its_windows_and_shows_their_progress(tiny, caplog, capsys):
+    with LLM(str(tiny[0]), **ENGINE) as llm, caplog.at_level("INFO", logger="jaxkv"):
+        ids = llm.tokenizer.encode(austen_text(6_000))[:400]
+        r = perplexity(llm.engine.runner, ids, kv_cache_dtype="fp32", context=96, stride=48,
+                       chunk=32, progress=True)
+    assert r.num_windows == 7 and "perplexity: 7 windows of 96 tokens" in caplog.text
+    bar = capsys.readouterr().err
+    assert "Perplexity: 100%" in bar and "7/7" in bar
+
+
 @pytest.mark.slow
 def test_token_agreement_of_the_fp32_cache_with_engine_greedy_is_exact(tiny):
     path, _ = tiny

@@ -216,3 +216,35 @@ def test_host_memory_budget(monkeypatch):
     for available, want in ((9.9, 4), (9.1, 4), (10.1, 5), (1.5, 0.75)):
         monkeypatch.setattr(planner, "_host_memory", lambda: (16 * GiB, int(available * GiB)))
         assert planner.host_memory_budget() == int(want * GiB), available
+
+
+def test_the_cpu_pool_is_sized_to_the_work(monkeypatch):
+    """On the CPU an engine's pool holds at most ``CPU_KV_CACHE_BYTES`` (one full-length
+    sequence at least) and what max_num_seqs full-length sequences use; a given size, or a
+    given device's memory, is planned as before."""
+    from jaxkv.config import EngineConfig
+    from jaxkv.engine.runner import plan_memory
+
+    monkeypatch.setattr(planner, "_host_memory", lambda: (64 * GiB, 60 * GiB))   # 28 GiB budget
+    per_block = kv_bytes_per_token(SMOLLM2_135M, "fp32") * 16
+
+    def cpu_plan(model=SMOLLM2_135M, **kwargs):
+        return plan_memory(EngineConfig.from_kwargs(**kwargs), model)
+
+    p = cpu_plan()
+    assert p.num_blocks == planner.CPU_KV_CACHE_BYTES // per_block and p.runs and not p.fits
+    assert p.kv_source.startswith("the CPU default 2.00 GiB")
+    assert p.headline().startswith(f"KV pool: {p.num_blocks - 1:,} blocks x 16 tokens")
+    assert "(the CPU default 2.00 GiB; --kv-cache-memory sets it)" in p.headline()
+    p = cpu_plan(max_num_seqs=2)
+    assert p.num_blocks == 2 * 8192 // 16 + 1 and p.fits
+    assert p.kv_source == "capped at max_num_seqs=2 sequences of 8,192 tokens"
+    p = cpu_plan(kv_cache_memory_bytes=4 * GiB)
+    assert p.num_blocks == 4 * GiB // per_block
+    assert p.kv_source == f"given kv_cache_memory_bytes={4 * GiB}"
+    # one 8,192-token sequence of fp32 KV is 2 GiB + a block: the pool grows to hold it
+    p = cpu_plan(LLAMA3_8B, dtype="bfloat16", kv_cache_dtype="fp32")
+    assert p.num_blocks == 8192 // 16 + 1 and p.runs
+    p = plan_memory(EngineConfig.from_kwargs(), SMOLLM2_135M, device_memory_bytes=16 * GiB)
+    assert p.kv_cache_bytes > 10 * GiB                 # a device's memory given: no CPU default
+    assert p.kv_source.endswith("x 16.00 GiB less weights and activations")

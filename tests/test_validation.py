@@ -281,3 +281,17 @@ def test_request_ids(table):
     assert table.new_request(PROMPT, SamplingParams())[0].request_id == str(int(nxt) + 2)
     with pytest.raises(ValueError, match=rf"^request_id='{taken}' is already in use"):
         table.new_request(PROMPT, SamplingParams(), request_id=int(taken))
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(num_kv_blocks=1), "^num_kv_blocks=1 must be >= 2"),
+    (dict(num_gpu_blocks_override=1), "^num_gpu_blocks_override=1 must be >= 2"),
+    (dict(memory_utilization=2.0), r"^memory_utilization=2.0 must be in \[0.001, 1.0\]"),
+    (dict(kv_cache_bytes="4GiB"), "^kv_cache_bytes='4GiB' is not an int"),
+    (dict(kv_cache_dtype="int3"), "^kv_cache_dtype='int3' is not one of: auto, fp32"),
+])
+def test_engine_argument_errors_name_the_argument_as_given(kwargs, error):
+    from jaxkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match=error):
+        EngineConfig.from_kwargs(**kwargs)

@@ -41,10 +41,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -58,6 +60,8 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles",
             "jaxkv_row_stats": "JaxkvRowStats", "jaxkv_matmul": "JaxkvMatmul"}
+
+logger = logging.getLogger("jaxkv")
 
 # Pool element types the kernels decode as they read a block (besides f32): 16-bit floats
 # head-major like the f32 pools, 8-bit codes token-major with a scale per token and head.
@@ -88,6 +92,9 @@ def _library_path() -> Path:
 def _build(path: Path) -> None:
     """Compiles the sources into one library at ``path`` (atomically: concurrent builders each
     write their own temporary file and rename it)."""
+    logger.info("building the native CPU kernels (g++ -O3 -march=native, once per machine "
+                "and source: tens of seconds) into %s", path)
+    t0 = time.perf_counter()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -99,6 +106,7 @@ def _build(path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    logger.info("built the native CPU kernels in %.1f s", time.perf_counter() - t0)
 
 
 @functools.cache

@@ -101,11 +101,12 @@ class EngineCore:
         if config.runtime.warmup:
             self.warmup()
 
-    def warmup(self) -> int:
-        """Compiles every step bucket (``ModelRunner.warmup``), so the speculator's step-time
-        model keeps each shape's first duration; returns how many step variants."""
-        num_variants = self.runner.warmup()
-        if self.speculator.step_cost is not None:
+    def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
+        """Compiles every step bucket, or the padded ``shapes`` only (``ModelRunner.warmup``);
+        after all of them the speculator's step-time model keeps each shape's first duration.
+        Returns how many step variants."""
+        num_variants = self.runner.warmup(shapes)
+        if shapes is None and self.speculator.step_cost is not None:
             self.speculator.step_cost.compiled()
         return num_variants
 

@@ -266,10 +266,11 @@ class LLM:
         with self._lock:
             self.engine.reset_prefix_cache()
 
-    def warmup(self) -> int:
-        """Compiles every step bucket (``EngineCore.warmup``); returns how many."""
+    def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
+        """Compiles every step bucket, or the padded ``shapes`` only (``EngineCore.warmup``);
+        returns how many step variants."""
         with self._lock:
-            return self.engine.warmup()
+            return self.engine.warmup(shapes)
 
     def num_compilations(self) -> int:
         """How many step variants have been compiled (a steady state adds none)."""

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,12 +167,16 @@ def quest_options(config: EngineConfig, model_config, max_blocks_per_seq: int,
 
 def plan_memory(config: EngineConfig, model_config,
                 device_memory_bytes: int | None = None) -> planner.MemoryPlan:
-    """The memory plan of an engine config for a model on this backend.
+    """The memory plan of an engine config for a model on this backend, with ``kv_source``
+    saying what sized the pool.
 
-    A pool larger than ``max_num_seqs`` full-length sequences can use is capped to that
-    (unless the pool size is given explicitly): ``min(budget, max_num_seqs x max_model_len)``;
-    under a retention policy a sequence counts the blocks it holds at most (StreamingLLM: sinks
-    + window + one step), and ``max_model_len`` may exceed the model's context.
+    Unless the pool size is given (``num_gpu_blocks_override``, ``kv_cache_memory_bytes``), it
+    is what the budget leaves (``gpu_memory_utilization`` x the device memory, less weights and
+    activations), capped at what ``max_num_seqs`` full-length sequences can use: ``min(budget,
+    max_num_seqs x max_model_len)``; under a retention policy a sequence counts the blocks it
+    holds at most (StreamingLLM: sinks + window + one step), and ``max_model_len`` may exceed
+    the model's context. On the CPU (no ``device_memory_bytes`` given) also at
+    ``planner.CPU_KV_CACHE_BYTES``, or one full-length sequence where that is more.
 
     Args:
       device_memory_bytes: one device's memory (default: the first local device's limit; on
@@ -182,8 +186,9 @@ def plan_memory(config: EngineConfig, model_config,
     retention = from_args(cc, model_config.sliding_window)
     retained = None if retention.name == "full" else retention.max_blocks(
         r.max_model_len, s.max_num_batched_tokens, cc.block_size)
+    on_host = device_memory_bytes is None and jax.default_backend() == "cpu"
     if device_memory_bytes is None:
-        device_memory_bytes = (planner.host_memory_budget() if jax.default_backend() == "cpu"
+        device_memory_bytes = (planner.host_memory_budget() if on_host
                                else jax.local_devices()[0].memory_stats()["bytes_limit"])
     kw = dict(device_memory_bytes=device_memory_bytes,
               memory_utilization=cc.gpu_memory_utilization,
@@ -195,11 +200,24 @@ def plan_memory(config: EngineConfig, model_config,
               kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
               retained_blocks_per_seq=retained, key_bounds=cc.sparse_attention is not None)
     plan = planner.plan(model_config, **kw)
-    cap = s.max_num_seqs * plan.blocks_per_seq + 1
-    explicit = cc.num_gpu_blocks_override is not None or cc.kv_cache_memory_bytes is not None
-    if not explicit and plan.num_blocks > cap:
-        plan = planner.plan(model_config, **{**kw, "num_kv_blocks": cap})
-    return plan
+    for field in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
+        if getattr(cc, field) is not None:
+            return dataclasses.replace(plan, kv_source=f"given {field}={getattr(cc, field)}")
+    caps = [(s.max_num_seqs * plan.blocks_per_seq + 1,
+             f"capped at max_num_seqs={s.max_num_seqs} sequences of {plan.max_model_len:,} "
+             f"tokens")]
+    if on_host:
+        cpu = planner.CPU_KV_CACHE_BYTES
+        caps.append((max(cpu // plan.kv_bytes_per_block, plan.blocks_per_seq + 1),
+                     f"the CPU default {planner.format_bytes(cpu)}; --kv-cache-memory sets it"))
+    cap, source = min(caps)
+    if plan.num_blocks <= cap:
+        where = " (half the available host memory)" if on_host else ""
+        return dataclasses.replace(plan, kv_source=(
+            f"{cc.gpu_memory_utilization:g} x {planner.format_bytes(device_memory_bytes)}"
+            f"{where} less weights and activations"))
+    capped = planner.plan(model_config, **{**kw, "kv_cache_bytes": cap * plan.kv_bytes_per_block})
+    return dataclasses.replace(capped, kv_source=source)
 
 
 def verify_rows(plan: StepPlan, rows: Sequence[RowInput], width: int) -> list[RowInput]:
@@ -278,7 +296,7 @@ class ModelRunner:
                                self.sched_config.max_num_seqs, cc.kv_residual_blocks),
                            key_bounds=cc.sparse_attention is not None, layout=r.kv_layout)
         self.memory_plan = plan_memory(config, model_config)
-        logger.info("%s", self.memory_plan.summary())
+        logger.info("%s", self.memory_plan.headline())
         if not self.memory_plan.runs:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
         self.kv_spec = dataclasses.replace(spec, num_blocks=self.memory_plan.num_blocks)
@@ -315,6 +333,7 @@ class ModelRunner:
                                if options.observe else self._step_fn)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
+        self._variants_run: set[tuple] = set()   # (step fn, T, S, width, logprobs)
         self.host_pool = self.disk = self.copy_bandwidth = None
         self._to_disk: list[tuple[int, int]] = []   # (slot, key) landing, then written to disk
         if cc.kv_offload_bytes:
@@ -393,10 +412,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ compilation
 
-    def warmup(self, *, progress: bool = True) -> int:
+    def warmup(self, shapes: Iterable[tuple[int, int]] | None = None, *,
+               progress: bool = True) -> int:
         """Compiles the step for every (T, S) bucket pair a step can pad to and every
-        decode-only step's shape (``SchedulerConfig.step_shapes``); returns how many step
-        variants.
+        decode-only step's shape (``SchedulerConfig.step_shapes``), or for the padded
+        ``shapes`` only (those a known workload steps through: ``jaxkv.dry_run``); returns how
+        many step variants.
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
         with speculative decoding each pair is compiled at the verify width too; with a
@@ -411,14 +432,17 @@ class ModelRunner:
         in the jitted step's own.
         """
         s = self.sched_config
-        buckets, decode = s.step_shapes()                 # decode-only steps: no drafts
+        buckets, decode = s.step_shapes() if shapes is None else (sorted(shapes), [])
         pairs = [(t, n, w) for t, n in buckets for w in sorted({1, 1 + self.max_drafts})]
-        pairs += [(t, n, 1) for t, n in decode]
+        pairs += [(t, n, 1) for t, n in decode]          # decode-only steps: no drafts
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
         fns = self._step_fns()
+        logger.info("compiling %d step variants (%s)", len(pairs) * len(fns),
+                    ", ".join(f"{t}x{n}" for t, n, _ in pairs))
+        t0 = time.perf_counter()
         with tqdm(total=len(pairs) * len(fns) + len(copies), desc="Compiling step buckets",
                   unit="shape", disable=not progress) as bar, ThreadPoolExecutor(2) as compiler:
-            jobs = []                                  # (fn, args, its compile), in order
+            jobs = []                       # (variant, args, its compile), in order
             for i, (t, n, w) in enumerate(pairs):
                 bar.set_postfix(traced=f"{i}/{len(pairs)}", tokens=t, seqs=n, width=w)
                 args = self._padded_args(t, n, w)
@@ -426,19 +450,22 @@ class ModelRunner:
                     job = compiler.submit(fn.lower(self.params, self.cache, *args,
                                                    num_logprobs=0).compile)
                     job.add_done_callback(lambda _: bar.update(1))
-                    jobs.append((fn, args, job))
+                    jobs.append(((fn, t, n, w, 0), args, job))
             bar.set_postfix(traced=f"{len(pairs)}/{len(pairs)}")
-            for fn, args, job in jobs:
+            for variant, args, job in jobs:
                 job.result()
-                self.cache, tokens, *_ = fn(self.params, self.cache, *args, num_logprobs=0)
+                self.cache, tokens, *_ = variant[0](self.params, self.cache, *args,
+                                                    num_logprobs=0)
                 tokens.block_until_ready()
+                self._variants_run.add(variant)
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k
                 null = jnp.zeros(n, jnp.int32)
                 self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
                 bar.update(1)
         if self.host_pool is not None:   # the host tier's batched transfers
             self.cache = self.host_pool.warmup(self.cache)
-        return len(pairs) * len(fns)
+        logger.info("compiled %d step variants in %.1f s", len(jobs), time.perf_counter() - t0)
+        return len(jobs)
 
     def compiled_step_text(self, num_tokens: int, num_seqs: int) -> str:
         """The optimized HLO text of the step compiled for one (tokens, sequences) bucket.
@@ -511,6 +538,11 @@ class ModelRunner:
         t_device = time.perf_counter()
         step_fn = self._step_fn if plan.observe else self._blind_step_fn
         variants = step_fn._cache_size()
+        key = (step_fn, len(inputs.token_ids), len(inputs.seq_lens), width, num_logprobs)
+        if key not in self._variants_run:
+            logger.info("compiling the step for %d tokens, %d sequences (width %d, %d logprobs): "
+                        "its first use", *key[1:])
+            self._variants_run.add(key)
         self.cache, *out = step_fn(
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,

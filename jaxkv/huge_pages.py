@@ -73,11 +73,11 @@ def collapse(arrays) -> int:
       kernel collapsed (0 where it cannot: not Linux, an older kernel, transparent huge pages
       off, or ``ENABLED`` False).
     """
-    return _collapse(arrays) if ENABLED and _madvise() is not None else 0
+    return _collapse(_ranges(arrays)) if ENABLED and _madvise() is not None else 0
 
 
-def _collapse(arrays) -> int:
-    madvise = _madvise()
+def _ranges(arrays) -> list[tuple[int, int]]:
+    """The 2 MiB-widened address ranges of the CPU arrays in ``arrays``, sorted."""
     ranges = set()
     for x in jax.tree_util.tree_leaves(arrays):
         if not isinstance(x, jax.Array):
@@ -85,8 +85,13 @@ def _collapse(arrays) -> int:
         for shard in x.addressable_shards:
             if shard.device.platform == "cpu":
                 ranges.add(page_range(shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
+    return sorted(ranges)
+
+
+def _collapse(ranges: list[tuple[int, int]]) -> int:
+    madvise = _madvise()
     done = 0
-    for start, end in _mapped_pieces(sorted(ranges)):
+    for start, end in _mapped_pieces(ranges):
         whole = end // HUGE_PAGE * HUGE_PAGE - -(-start // HUGE_PAGE) * HUGE_PAGE
         if whole <= 0:                 # no whole 2 MiB page inside (a guard page, a neighbour)
             continue
@@ -106,12 +111,15 @@ def collapse_in_background(arrays) -> threading.Thread | None:
     ``collapse`` would do nothing (``ENABLED`` is read now, not by the thread). The kernel copies
     every page it collapses (~0.8 s for SmolLM2-135M's weights on this machine's VM), and
     nothing needs to wait for it: the arrays can be read (the engine starts, compiles and
-    steps) while their pages move."""
+    steps) while their pages move. The arrays' addresses are read here: an engine closed
+    before the thread runs has freed them (the advice then lands on whatever the memory holds,
+    which a collapse leaves unchanged)."""
     if not ENABLED or _madvise() is None:
         return None
+    ranges = _ranges(arrays)
 
     def run():
-        done = _collapse(arrays)
+        done = _collapse(ranges)
         if done:
             logger.info("weights on 2 MiB pages: %.0f MB", done / 1e6)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from conftest import AUSTEN_DIR
+from jaxkv import data
 from jaxkv.model import checkpoint, safetensors_loader
 from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.tokenizer import Tokenizer
@@ -23,7 +23,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from tiny_models import save_tokenizer  # noqa: E402
 
-AUSTEN = str(AUSTEN_DIR / "emma.txt")
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             rms_norm_eps=1e-6)
@@ -43,8 +42,7 @@ def _save_tiny(path, kind, dtype=torch.float32, **overrides):
 
 @pytest.fixture(scope="module")
 def austen():
-    with open(AUSTEN, encoding="utf-8") as f:
-        return f.read(20_000)
+    return data.austen("emma")[:20_000]
 
 
 @pytest.fixture(scope="module")

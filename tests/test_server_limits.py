@@ -78,7 +78,8 @@ def test_sigterm_past_the_timeout_aborts_the_rest_and_exits_0(limited):
         events = [line for line in lines if line]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
-    assert error["code"] == 503 and "shut down" in error["message"], error
+    assert error["code"] == 503 and error["message"] == (
+        "the engine was shut down before this request finished"), error
     assert limited.proc.wait(30) == 0, limited.log()
     assert time.monotonic() - signalled < 20
     assert "Traceback" not in limited.log()

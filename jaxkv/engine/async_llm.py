@@ -190,7 +190,8 @@ class AsyncLLM:
             self._stopping = True
             self._wake.notify()
             for loop, queue in self._queues.values():
-                _deliver(loop, queue, EngineDeadError("the engine was shut down"))
+                _deliver(loop, queue, EngineDeadError(
+                    "the engine was shut down before this request finished"))
             self._queues.clear()
         self._thread.join()
         self.engine.close()
@@ -222,6 +223,9 @@ class AsyncRequestStream(AsyncIterator[RequestOutput]):
         if self.finished:
             raise StopAsyncIteration
         out = await self._queue.get()
+        if isinstance(out, EngineDeadError):   # shut down with this request in flight
+            self.finished = True
+            raise out
         if isinstance(out, BaseException):
             self.finished = True
             raise EngineDeadError(f"the engine loop failed: {out!r}") from out

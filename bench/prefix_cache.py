@@ -33,7 +33,7 @@ from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.beam_search import BeamSearchParams
-from jaxkv.block_manager import cdiv
+from jaxkv.blocks.block_manager import cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import Request, StopSpec, add_request, init_state, schedule, update
 from jaxkv.data import austen

@@ -38,7 +38,7 @@ two compiled widths, not one per draft count). If B above carried drafts 77 78 (
     num_drafts     [S]      0 2 0 0          draft j of s is token_ids[logits_indices[s, j + 1]]
 
 The physical pool this indexes is described in jaxkv/cache.py; block 0 is the null block
-(jaxkv/block_manager.py), so padding never indexes outside the pool.
+(jaxkv/blocks/block_manager.py), so padding never indexes outside the pool.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import itertools
 
 import numpy as np
 
-from jaxkv.block_manager import NULL_BLOCK, cdiv
+from jaxkv.blocks.block_manager import NULL_BLOCK, cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.scheduler import StepPlan
 

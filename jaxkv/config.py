@@ -201,14 +201,14 @@ class CacheConfig:
     Attributes:
       block_size: tokens per block (page).
       num_blocks: blocks in the pool, *including* the reserved null block 0, so
-        ``num_blocks - 1`` blocks are usable (see jaxkv/block_manager.py).
+        ``num_blocks - 1`` blocks are usable (see jaxkv/blocks/block_manager.py).
       prefix_caching: ``"hash"`` (full blocks, hash chain), ``"radix"`` (token granular) or
-        None (off); see jaxkv/prefix_cache.py.
+        None (off); see jaxkv/blocks/prefix_cache.py.
       residual_window_blocks: the KIVI residual window of an int4/int2 cache (0 otherwise);
         prefix hits stop before it (see ``BlockManager``).
       retention: which blocks of a sequence are kept (jaxkv/retention/); the scheduler gives
         back the ones no later query sees.
-      host_blocks: blocks of the host KV tier (jaxkv/offload.py), 0 without one.
+      host_blocks: blocks of the host KV tier (jaxkv/blocks/host_tier.py), 0 without one.
       preemption_mode: ``"recompute"``, ``"swap"`` (to the host tier, where it has room) or
         ``"auto"`` (per request, by ``offload.SwapCostModel``).
       swap_supported: False when a pool's blocks cannot be swapped exactly (KIVI): preemption

@@ -78,7 +78,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.block_manager import BlockManager, cdiv
+from jaxkv.blocks.block_manager import BlockManager, cdiv
 from jaxkv.config import CacheArgs, EngineConfig, ModelArgs, SpeculativeArgs
 from jaxkv.engine.runner import ModelRunner, RowInput
 from jaxkv.model import checkpoint

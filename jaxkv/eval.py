@@ -206,7 +206,7 @@ def retained_nll(runner, token_ids, *, retention, kv_cache_dtype: str, chunk: in
     Returns:
       RetainedNLL.
     """
-    from jaxkv.block_manager import BlockManager   # the scheduler's block bookkeeping
+    from jaxkv.blocks.block_manager import BlockManager   # the scheduler's block bookkeeping
 
     ids = np.asarray(token_ids, np.int32)
     n = len(ids) - 1

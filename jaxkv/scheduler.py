@@ -62,10 +62,10 @@ back the blocks only rejected drafts needed (``BlockManager.truncate``, in rever
 the free queue is as if they had never been taken), so tables and prefix-cache registration only
 ever reflect verified tokens.
 
-Prefix caching and forks (jaxkv/prefix_cache.py, jaxkv/block_manager.py). At admission a request
-takes the longest cached prefix of its first ``num_tokens - 1`` tokens (the last token is always
-computed: its logits are needed) and starts with ``num_computed_tokens`` there; a radix hit that
-ends inside a block adds a ``(src, dst)`` copy to ``plan.copy_ops``. A request with ``fork_of``
+Prefix caching and forks (jaxkv/blocks/prefix_cache.py, jaxkv/blocks/block_manager.py). At
+admission a request takes the longest cached prefix of its first ``num_tokens - 1`` tokens (the
+last token is always computed: its logits are needed) and starts with ``num_computed_tokens``
+there; a radix hit that ends inside a block adds a ``(src, dst)`` copy to ``plan.copy_ops``. A request with ``fork_of``
 (sample ``i > 0`` of ``n``) waits until its parent has computed all but the last prompt token, then
 shares those blocks and computes only the rest. A running request about to write into a block
 another table shares (a fork's or beam's last block) first copies it (copy-on-write). The engine
@@ -101,10 +101,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jaxkv import offload
-from jaxkv.block_manager import NULL_BLOCK, BlockManager
+from jaxkv.blocks import host_tier
+from jaxkv.blocks.block_manager import NULL_BLOCK, BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.offload import NO_SLOT, HostTier, SwapCostModel
+from jaxkv.blocks.host_tier import NO_SLOT, HostTier, SwapCostModel
 from jaxkv.retention import FullRetention, Retention
 
 FINISH_STOP = "stop"      # stop token, eos, or the engine's stop string
@@ -234,7 +234,7 @@ class SchedulerState:
       num_added: requests added so far (the next ``RequestState.order``).
       retention: the KV retention policy (jaxkv/retention/): which blocks ``schedule`` gives
         back before allocating, and how many a request may hold.
-      host: the host KV tier (jaxkv/offload.py): demoted prefix blocks and swapped-out
+      host: the host KV tier (jaxkv/blocks/host_tier.py): demoted prefix blocks and swapped-out
         sequences; None without one.
       preemption_mode: ``"recompute"``, ``"swap"`` or ``"auto"`` (``CacheConfig``).
       swap_supported: whether the pool's blocks can be swapped exactly (not KIVI).
@@ -595,7 +595,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                 hit = None   # the parent already dropped blocks the fork sees: compute afresh
         if hit is None:   # the prompt's last observed tokens (SnapKV's window) are computed
             last = max(0, rs.num_tokens - max(1, state.retention.observe))
-            hit, keys, partial, host_hits = offload.lookup(   # device, then host tier and disk
+            hit, keys, partial, host_hits = host_tier.lookup(   # device, then host tier and disk
                 bm, host, rs.token_ids(0, last), rs.request.cache_salt)
             disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
             num_cached = (len(hit) * bm.block_size + sum(len(t) for _, t, _ in host_hits)
@@ -675,7 +675,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
                                                    num_draft_tokens=len(draft))
     bm.release_copy_sources()   # no allocation of this plan is left to overwrite them
     if host is not None:   # cached blocks reused this step: their KV moves to the host tier
-        swap_out.extend(offload.demote_evictions(bm, host))
+        swap_out.extend(host_tier.demote_evictions(bm, host))
     plan = StepPlan(tuple(seqs), tuple(preempted), tuple(state.finished), tuple(copy_ops),
                     num_lookup, sum(cached.values()), tuple(swap_out), tuple(disk_loads),
                     tuple(swap_in), tuple(swapped), num_host_hits, num_disk_hits, observe)

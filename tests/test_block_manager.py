@@ -4,7 +4,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxkv.block_manager import BlockManager
+from jaxkv.blocks.block_manager import BlockManager
 from jaxkv.config import CacheConfig
 
 

@@ -10,7 +10,7 @@ import argparse
 import numpy as np
 import pytest
 
-from jaxkv.block_manager import cdiv
+from jaxkv.blocks.block_manager import cdiv
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,
               block_size=8, token_buckets=(16, 64), seq_buckets=(8,))

@@ -97,3 +97,24 @@ def test_jaxkv_has_no_import_cycles():
     found = cycles(import_graph())
     assert found == [], "import cycles (each a strongly connected set of modules): " + "; ".join(
         " <-> ".join(c) for c in found)
+
+
+def external_imports(path: Path) -> set[str]:
+    """The top-level names of the packages a module imports (``jax`` for ``jax.numpy``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+    return found
+
+
+def test_the_block_owners_are_host_only():
+    """jaxkv/blocks/ (block manager, prefix cache, host tier) imports no jax and, of jaxkv,
+    only itself and the config: the scheduler copies and checks it as plain values."""
+    graph, modules = import_graph(), module_names()
+    for name in (m for m in modules if m.startswith("jaxkv.blocks")):
+        assert not external_imports(modules[name]) & {"jax", "jaxlib", "flax"}, name
+        assert all(m.startswith("jaxkv.blocks") or m == "jaxkv.config" for m in graph[name]), (
+            name, graph[name])

@@ -30,8 +30,8 @@ from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.kv_disk import DiskKVStore, KVCacheFileError, decode, encode, namespace
 from jaxkv.kv_spec import KVCacheSpec
 from jaxkv.kv_transfer import HostKVPool, block_units
-from jaxkv.offload import NO_SLOT, HostTier, SwapCostModel
-from jaxkv.prefix_cache import PrefixCache
+from jaxkv.blocks.host_tier import NO_SLOT, HostTier, SwapCostModel
+from jaxkv.blocks.prefix_cache import PrefixCache
 from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
                              schedule, update, with_cost_model)
 from tiny_models import TINY_ENGINE

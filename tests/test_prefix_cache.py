@@ -7,9 +7,9 @@ from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jaxkv import batch
-from jaxkv.block_manager import BlockManager
+from jaxkv.blocks.block_manager import BlockManager
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.prefix_cache import make_prefix_cache
+from jaxkv.blocks.prefix_cache import make_prefix_cache
 from jaxkv.scheduler import (Request, ScheduledSeq as S, StopSpec, abort, add_request,
                              check_invariants, fork, init_state, schedule, update)
 

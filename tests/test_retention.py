@@ -11,7 +11,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from jaxkv import batch
-from jaxkv.block_manager import NULL_BLOCK
+from jaxkv.blocks.block_manager import NULL_BLOCK
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
 from jaxkv.retention import FullRetention, H2ORetention, StreamingRetention, from_args
 from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,

@@ -37,7 +37,7 @@ from jaxkv import scheduler
 from jaxkv.compile_cache import enable_compilation_cache
 from jaxkv.config import EngineConfig
 from jaxkv.engine.runner import ModelRunner, RowInput, StepOutput
-from jaxkv.offload import SwapCostModel
+from jaxkv.blocks.host_tier import SwapCostModel
 from jaxkv.outputs import RequestOutput
 from jaxkv.requests import Request, RequestTable
 from jaxkv.sampling import SamplingParams

@@ -561,10 +561,10 @@ class ModelRunner:
         return out
 
     def transfer(self, plan: StepPlan) -> None:
-        """Applies a plan's host-tier transfers (jaxkv/offload.py's order): the previous plan's
-        swap-outs land (and its demoted prefix blocks go to disk), this plan's swap-outs start
-        (asynchronous: they overlap this step), its disk rows fill their host slots, and its
-        swap-ins write their device blocks."""
+        """Applies a plan's host-tier transfers (in jaxkv/blocks/host_tier.py's order): the
+        previous plan's swap-outs land (and its demoted prefix blocks go to disk), this plan's
+        swap-outs start (asynchronous: they overlap this step), its disk rows fill their host
+        slots, and its swap-ins write their device blocks."""
         pool = self.host_pool
         if pool is None:
             if plan.swap_out or plan.swap_in or plan.disk_loads:

@@ -30,7 +30,7 @@ counts. Before a request writes into a block another table also references (the 
 last block of a fork), ``copy_on_write`` gives it a fresh block and returns the ``(src, dst)`` copy
 the engine applies on device (``jaxkv.cache.copy_blocks``) before the step.
 
-Prefix caching (``prefix_caching="hash" | "radix"``, see jaxkv/prefix_cache.py). ``register``
+Prefix caching (``prefix_caching="hash" | "radix"``, see jaxkv/blocks/prefix_cache.py). ``register``
 records the blocks a request has filled (called after the step that computed them), ``lookup``
 finds the longest cached prefix of a new request and ``allocate_cached`` shares those blocks (ref
 count + 1, taken out of the free queue if unreferenced). A cached block whose last reference goes
@@ -51,7 +51,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from jaxkv.prefix_cache import PrefixCache, lookup, make_prefix_cache
+from jaxkv.blocks.prefix_cache import PrefixCache, lookup, make_prefix_cache
 
 NULL_BLOCK = 0
 
@@ -93,7 +93,7 @@ class BlockManager:
         self.residual_window_blocks = residual_window_blocks
         # per request: (root key, keys of its leading registered full blocks...)
         self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
-        self.record_evictions = False   # the host tier (jaxkv/offload.py) wants them
+        self.record_evictions = False   # the host tier (jaxkv/blocks/host_tier.py) wants them
         self._evicted: list[tuple[Hashable, int]] = []
         self._copy_sources: list[int] = []   # radix copy sources held until the plan ends
 

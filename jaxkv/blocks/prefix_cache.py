@@ -9,7 +9,7 @@ Two modes behind one small interface (``PrefixCache``), chosen by ``LLM(prefix_c
   key's children, so a lookup can end in a child that matches only partly (token granular).
   Partially filled blocks are cached too, when their request frees them. The caller copies such
   a block (copy-on-write) and recomputes from the first mismatching token. With a host tier
-  (jaxkv/offload.py) an evicted radix block, partial or full, is demoted with its ``node``
+  (jaxkv/blocks/host_tier.py) an evicted radix block, partial or full, is demoted with its ``node``
   (parent key, tokens), so a partial match goes on there too.
 
 Example, block_size 4, radix mode (keys are hashes of (parent key, tokens))::

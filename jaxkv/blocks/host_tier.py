@@ -4,7 +4,7 @@ A second, larger and slower pool of blocks in host memory, with two kinds of ten
 
 * **Prefix blocks** (the prefix cache's second tier). When the device pool reuses a cached block
   (``BlockManager`` records the eviction), the block is *demoted*: its KV is copied to a host
-  slot under the same prefix key (hash of parent key + tokens + salt, jaxkv/prefix_cache.py)
+  slot under the same prefix key (hash of parent key + tokens + salt, jaxkv/blocks/prefix_cache.py)
   instead of being lost. A lookup that runs out of device hits goes on in the host tier
   (``lookup``): each further full block found there is *promoted*, copied back into a fresh
   device block that joins the device prefix cache. The host keeps its copy (the tier is
@@ -45,7 +45,7 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from jaxkv.prefix_cache import longest_match
+from jaxkv.blocks.prefix_cache import longest_match
 
 NO_SLOT = -1   # a swapped sequence's entry for a block its retention policy had dropped
 

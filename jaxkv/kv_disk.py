@@ -1,14 +1,14 @@
 """The persistent prefix cache: host-tier KV blocks as files a restarted engine hits.
 
 ``LLM(kv_cache_dir=DIR, kv_offload_bytes=...)``. A prefix block demoted to the host tier
-(jaxkv/blocks/host_tier.py) is also written to ``DIR/<namespace>/<key>.kvb``; a lookup that
-misses the device pool and the host tier reads it back. Files are content-addressed: the key is the prefix
-hash chain (parent key + tokens, rooted in the cache salt: a tenant never reaches another's
-files), and the namespace directory is a digest of everything that fixes what the bytes mean:
-the model (its files' resolved path, size and mtime, and its hyper-parameters), the KV format
-and geometry as each device holds it (block size, layers, kv heads per device, head dim, dtype,
-tensor-parallel degree), the unit layout (jaxkv/kv_transfer.py), the hash algorithm of the keys
-and this file format's version. Another model or format finds another directory.
+(jaxkv/blocks/host_tier.py) is also written to ``DIR/<namespace>/<key>.kvb``; a lookup that misses
+the device pool and the host tier reads it back. Files are content-addressed: the key is the prefix
+hash chain (parent key + tokens, rooted in the cache salt: a tenant never reaches another's files),
+and the namespace directory is a digest of everything that fixes what the bytes mean: the model
+(its files' resolved path, size and mtime, and its hyper-parameters), the KV format and geometry as
+each device holds it (block size, layers, kv heads per device, head dim, dtype, tensor-parallel
+degree), the unit layout (jaxkv/kv_transfer.py), the hash algorithm of the keys and this file
+format's version. Another model or format finds another directory.
 
 One file per block::
 

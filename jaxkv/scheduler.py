@@ -65,12 +65,12 @@ ever reflect verified tokens.
 Prefix caching and forks (jaxkv/blocks/prefix_cache.py, jaxkv/blocks/block_manager.py). At
 admission a request takes the longest cached prefix of its first ``num_tokens - 1`` tokens (the
 last token is always computed: its logits are needed) and starts with ``num_computed_tokens``
-there; a radix hit that ends inside a block adds a ``(src, dst)`` copy to ``plan.copy_ops``. A request with ``fork_of``
-(sample ``i > 0`` of ``n``) waits until its parent has computed all but the last prompt token, then
-shares those blocks and computes only the rest. A running request about to write into a block
-another table shares (a fork's or beam's last block) first copies it (copy-on-write). The engine
-applies ``copy_ops`` on device before the step. ``update`` registers the blocks a step filled, so
-only computed K/V is ever found by a lookup.
+there; a radix hit that ends inside a block adds a ``(src, dst)`` copy to ``plan.copy_ops``. A
+request with ``fork_of`` (sample ``i > 0`` of ``n``) waits until its parent has computed all but
+the last prompt token, then shares those blocks and computes only the rest. A running request about
+to write into a block another table shares (a fork's or beam's last block) first copies it
+(copy-on-write). The engine applies ``copy_ops`` on device before the step. ``update`` registers
+the blocks a step filled, so only computed K/V is ever found by a lookup.
 
 Urgency is the policy key: FCFS ``(arrival_time, n)``, priority ``(priority, arrival_time, n)``
 (``n`` = order of ``add_request``, lower key = more urgent); ``lpm`` keeps FCFS queues but admits

@@ -60,7 +60,7 @@ The draft-model proposer (``--proposer draft``): the rows are no speculation and
 ``--drafts`` entry ``NAME:K`` (fixed k) or ``NAME:aK`` (adaptive up to K: the engine measures
 the draft's forwards itself), where NAME is ``self`` (the target as its own draft: every draft
 accepted, the machinery's ceiling), ``firstN`` (the target's first N layers) or ``skipA-B`` (every layer
-but ``[A, B)``), each written once by ``jaxkv.draft_model.write_truncated_draft`` under
+but ``[A, B)``), each written once by ``jaxkv.spec_decode.draft_model.write_truncated_draft`` under
 ``--draft-dir``, or a draft checkpoint's directory (bench/train_draft.py writes one). Greedy outputs are compared with no speculation; at a first difference the
 fp32 top-2 logprob margin of the non-speculative run there is reported.
 
@@ -81,7 +81,7 @@ import time
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.speculative import Speculator
+from jaxkv.spec_decode.speculator import Speculator
 from jaxkv.data import austen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def conversations(workload: str, n: int, context: int | None = None, start: int 
 
 def draft_path(name: str, args) -> str:
     """The draft model of a ``--drafts`` name, written on first use (see the module docstring)."""
-    from jaxkv.draft_model import write_truncated_draft
+    from jaxkv.spec_decode.draft_model import write_truncated_draft
     from jaxkv.model.weights import load_config
 
     if name == "self":

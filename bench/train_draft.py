@@ -218,7 +218,8 @@ def main() -> None:
                     "read when the file exists, else generated and written there")
     ap.add_argument("--head-vocab", type=int, default=None, help="also write OUT-vN: the "
                     "draft with an LM head over the N tokens most frequent in the target's "
-                    "training outputs (FR-Spec; jaxkv.draft_model.write_reduced_head_draft)")
+                    "training outputs (FR-Spec; "
+                    "jaxkv.spec_decode.draft_model.write_reduced_head_draft)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args()
 
@@ -300,7 +301,7 @@ def reduced_head(a, draft, train_data, held_data, config, eos_ids, **kw) -> dict
     """Writes ``OUT-vN`` (``--head-vocab N``): the trained draft with a head over the N tokens
     most frequent among the training outputs (the eos ids always among them); returns the
     held-out coverage (share of the target's output tokens among them) and agreement."""
-    from jaxkv.draft_model import write_reduced_head_draft
+    from jaxkv.spec_decode.draft_model import write_reduced_head_draft
 
     tokens, weights = train_data[1], train_data[2] > 0
     counts = np.bincount(tokens[weights], minlength=config.vocab_size)

@@ -46,8 +46,8 @@ One step of ``schedule``:
      pool it fills exactly, it is the first victim of the next block any running request
      needs, and thrashes, each round recomputing everything it had (273 preemptions for 16
      requests in bench/offload.py's preemption workload).
-  3. Draft tokens (speculative decoding, jaxkv/speculative.py): a running decode offered drafts
-     in ``schedule(..., drafts)`` carries as many of them as the budget and the free blocks
+  3. Draft tokens (speculative decoding, jaxkv/spec_decode/speculator.py): a running decode offered
+     drafts in ``schedule(..., drafts)`` carries as many of them as the budget and the free blocks
      *left by steps 1 and 2* allow, and at most ``max_tokens - generated - 1`` (so even a fully
      accepted run stays within ``max_tokens``). Drafts never preempt nor delay a prefill chunk.
 

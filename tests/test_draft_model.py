@@ -1,8 +1,8 @@
-"""The draft-model proposer (jaxkv/draft_model.py) on the tiny models: the incrementally synced
-draft cache proposes what a fresh one does; greedy and seeded outputs with a draft (the target
-itself, which must accept every draft; a truncated target, which accepts some; a different
-random model) equal non-speculative decoding token for token, through block boundaries and
-preemption; the draft blocks are given back exactly when requests finish or abort; the
+"""The draft-model proposer (jaxkv/spec_decode/draft_model.py) on the tiny models: the
+incrementally synced draft cache proposes what a fresh one does; greedy and seeded outputs with a
+draft (the target itself, which must accept every draft; a truncated target, which accepts some; a
+different random model) equal non-speculative decoding token for token, through block boundaries
+and preemption; the draft blocks are given back exactly when requests finish or abort; the
 configuration errors name ``speculative_model``."""
 
 import argparse
@@ -21,7 +21,7 @@ def models(tiny, tmp_path_factory):
     """{name: path}: ``tiny`` (the conftest model, 2 layers), ``other`` (another random model,
     same tokenizer), ``deep`` (4 layers) and ``cut`` (its layers 0, 1 and 3, written by
     ``write_truncated_draft``)."""
-    from jaxkv.draft_model import write_truncated_draft
+    from jaxkv.spec_decode.draft_model import write_truncated_draft
     from tiny_models import save_tiny_model, save_tokenizer
 
     out = {"tiny": tiny[0]}
@@ -81,7 +81,7 @@ def test_synced_draft_cache_proposes_what_a_fresh_one_does(models, tiny_llm):
     with the target as its own draft they are the target's greedy continuation; the table
     always holds exactly ``L + k - 1`` tokens."""
     from jaxkv.config import EngineConfig
-    from jaxkv.draft_model import DraftModelProposer
+    from jaxkv.spec_decode.draft_model import DraftModelProposer
     from jaxkv.sampling import SamplingParams
     from tiny_models import austen_prompts
 
@@ -125,7 +125,7 @@ def test_a_full_draft_pool_gives_no_drafts_to_what_does_not_fit(models, tiny_llm
     """Requests whose draft K/V does not fit in the free draft blocks get no drafts (and hold
     no draft blocks); the ones before them in urgency order keep theirs."""
     from jaxkv.config import EngineConfig
-    from jaxkv.draft_model import DraftModelProposer
+    from jaxkv.spec_decode.draft_model import DraftModelProposer
 
     config = EngineConfig.from_kwargs(model=str(models["tiny"]), **ENGINE, speculative="draft",
                                       speculative_model=str(models["tiny"]))
@@ -306,7 +306,7 @@ def test_reduced_head_draft_proposes_the_argmax_among_its_tokens(models, tiny, t
     among them is not a near-tie; with a head over every token the target emits, they are the
     target's greedy continuation."""
     from jaxkv.config import EngineConfig
-    from jaxkv.draft_model import DraftModelProposer, write_reduced_head_draft
+    from jaxkv.spec_decode.draft_model import DraftModelProposer, write_reduced_head_draft
     from jaxkv.sampling import SamplingParams
     from numpy_llama import attend_heads, llama_logprobs
     from tiny_models import austen_prompts
@@ -367,7 +367,7 @@ def test_configuration_errors_name_speculative_model(models, tmp_path):
     save_tiny_model(retrained)
     with pytest.raises(ValueError, match=r"speculative_model=.*tokenizer"):
         LLM(str(models["tiny"]), **ENGINE, speculative="draft", speculative_model=str(retrained))
-    from jaxkv.draft_model import write_reduced_head_draft
+    from jaxkv.spec_decode.draft_model import write_reduced_head_draft
 
     for ids in ([1, 1, 2], [0, 400], []):
         with pytest.raises(ValueError, match="token_ids"):

@@ -370,13 +370,13 @@ def test_rejection_sampling_keeps_the_target_distribution():
     ((1, 2, 3), 3, (1, 4), ()),
 ])
 def test_ngram_proposals(tokens, k, n, want):
-    from jaxkv.ngram_proposer import NgramProposer
+    from jaxkv.spec_decode.ngram import NgramProposer
 
     assert NgramProposer(*n).propose(np.array(tokens, np.int32), k) == want
 
 
 def test_ngram_equals_a_brute_force_lookup():
-    from jaxkv.ngram_proposer import NgramProposer
+    from jaxkv.spec_decode.ngram import NgramProposer
 
     def brute(a, k, min_n, max_n):
         for n in range(min(max_n, len(a) - 1), min_n - 1, -1):
@@ -556,7 +556,7 @@ def test_stats_and_cli_flags(spec_llm):
 
 
 def test_best_num_drafts():
-    from jaxkv.draft_allocation import best_num_drafts
+    from jaxkv.spec_decode.draft_lengths import best_num_drafts
 
     assert best_num_drafts(1.0, 8, 0.1) == 8
     assert best_num_drafts(0.0, 8, 0.1) == 0
@@ -597,7 +597,7 @@ def step_one_request(spec, state, sc, steps, before=None, seconds=None, arrivals
 def test_adaptive_length_stops_drafting_wrong_proposals_and_resumes():
     """A proposer that is wrong for a while: the request stops getting drafts (its proposals
     are still compared with what it emits), then drafts again once they match."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
 
     proposer = SwitchingProposer(right=False)
     spec = Speculator(proposer, 4, draft_cost=0.1)
@@ -636,7 +636,7 @@ def test_probes_back_off_until_the_request_drafts():
     16 base intervals); once the proposals match, the interval stays (a matching probe that
     does not lift the estimate above c is no reason to probe more often) until the second
     matching probe makes it draft, then it drafts every step."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
 
     proposer = ProbedProposer(right=False)
     spec = Speculator(proposer, 4, draft_cost=0.3)
@@ -662,7 +662,7 @@ def test_new_requests_start_from_what_the_engine_learned():
     acceptance (near 0, not the prior 1/2: it does not draft on its first step) and at the
     probe interval the first one reached (32 steps, not 2). On a fresh engine the same request
     drafts at once."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
 
     cc, sc = configs(num_blocks=128, max_model_len=512)
     proposer = ProbedProposer(right=False)
@@ -689,7 +689,7 @@ def test_engine_probes_requests_shorter_than_the_interval():
     the engine probes the longest unasked one every 32 quiet steps; after the proposals turn
     right, the first such probe makes its request draft, and new requests are asked from their
     first decode again (and draft)."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
 
     cc, sc = configs(num_blocks=256, max_model_len=512)
     proposer = ProbedProposer(right=False)
@@ -731,7 +731,7 @@ class CostlyProposer(ProbedProposer):
 def step_time_speculator(proposer, sc):
     """An adaptive speculator (at most 4 drafts) of ``proposer`` with a step-time model over
     the scheduler config ``sc``'s buckets: as ``Speculator.from_args`` builds an engine's."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
     from jaxkv.step_cost import StepCostModel
 
     return Speculator(proposer, 4, draft_cost=0.1,
@@ -928,7 +928,7 @@ def random_allocations(seed: int, cases: int = 300):
 def test_allocate_drafts_equals_brute_force(costly):
     """Free proposals, and costly ones (a draft model's: ``proposal_time`` of the longest
     draft): the exact optimum of every case."""
-    from jaxkv.draft_allocation import allocate_drafts
+    from jaxkv.spec_decode.draft_lengths import allocate_drafts
 
     buckets = BUCKETS
     for case, acceptance, caps, base, budget, cost, rng in random_allocations(1 + costly):
@@ -948,7 +948,7 @@ def test_allocate_drafts_equals_brute_force(costly):
 def test_allocate_drafts_bucket_jump_and_unmeasured_shapes():
     """Drafts are free inside the bucket the step pads to and cost the jump beyond it; an
     unmeasured shape is never chosen; no time for the plain step: None."""
-    from jaxkv.draft_allocation import allocate_drafts
+    from jaxkv.spec_decode.draft_lengths import allocate_drafts
 
     buckets = (16, 64)
     flat = lambda t, d: 1.0 if t <= 16 else 4.0   # next bucket 4x
@@ -989,7 +989,7 @@ def _brute_force_closed(acceptance, caps, remaining, base, budget, buckets, tabl
 
 @pytest.mark.parametrize("costly", [False, True])
 def test_allocate_drafts_closed_equals_brute_force(costly):
-    from jaxkv.draft_allocation import allocate_drafts_closed
+    from jaxkv.spec_decode.draft_lengths import allocate_drafts_closed
 
     buckets = BUCKETS
     for case, acceptance, caps, base, budget, cost, rng in random_allocations(3 + costly):
@@ -1018,7 +1018,7 @@ def test_closed_batch_drafts_only_when_the_slowest_request_gains():
     beats 4 per 1), the closed-batch rule does not (the fourth sets the end, and gains 0
     tokens); when all four match, both draft; a request far shorter than the others does not
     count (only the longest sets the end)."""
-    from jaxkv.draft_allocation import allocate_drafts, allocate_drafts_closed
+    from jaxkv.spec_decode.draft_lengths import allocate_drafts, allocate_drafts_closed
 
     buckets = (8, 16)
     step = lambda t, d: 1.0 if t <= 8 else 1.4
@@ -1125,7 +1125,7 @@ def test_costly_proposer_in_a_lockstep_batch(right):
     nothing), losing only its bounded exploration and probes (at most 5% of the step time
     each). With all four right both draft, the
     step-time rule for less (3 drafts each fill 16 tokens: 1.4 + 0.3 s for 4 tokens each)."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
 
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256,
                          token_buckets=(8, 16, 32), seq_buckets=(8,))
@@ -1185,7 +1185,7 @@ def test_cold_requests_do_not_choose_the_bucket():
     the prior acceptance 1/2, 64 x E(3) = 120 tokens per 1.5 would beat 64 per 1, but cold
     requests do not choose the step's shape (plain); once their proposals are measured right
     (acceptance 0.69 after one matching token: 64 x E(3) = 160 per 1.5), they draft."""
-    from jaxkv.speculative import Speculator
+    from jaxkv.spec_decode.speculator import Speculator
     from jaxkv.step_cost import StepCostModel
 
     model = StepCostModel.for_scheduler(BATCH64)

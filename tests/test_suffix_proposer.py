@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from jaxkv.suffix_proposer import SuffixProposer
+from jaxkv.spec_decode.suffix import SuffixProposer
 
 
 def brute_force(sequences, context, k, max_depth, min_probability):

@@ -15,9 +15,9 @@ One step::
 
 The core owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
 it as it was), the ``ModelRunner`` (params, donated cache, jitted step), the ``RequestTable``
-(per-request host bookkeeping) and the ``Speculator`` (draft proposals, jaxkv/speculative.py).
-It is single-threaded: the facades (``LLM`` in jaxkv/engine/llm.py, ``AsyncLLM`` in
-jaxkv/engine/async_llm.py) serialise their calls.
+(per-request host bookkeeping) and the ``Speculator`` (draft proposals,
+jaxkv/spec_decode/speculator.py). It is single-threaded: the facades (``LLM`` in
+jaxkv/engine/llm.py, ``AsyncLLM`` in jaxkv/engine/async_llm.py) serialise their calls.
 
 Request isolation: every field of a request is validated before it is queued (``add_request``
 raises and queues nothing). A failure during a step that belongs to one request (its sampling
@@ -41,7 +41,7 @@ from jaxkv.blocks.host_tier import SwapCostModel
 from jaxkv.outputs import RequestOutput
 from jaxkv.requests import Request, RequestTable
 from jaxkv.sampling import SamplingParams
-from jaxkv.speculative import Speculator
+from jaxkv.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("jaxkv")
 

@@ -52,8 +52,8 @@ class ModelConfig:
       max_position_embeddings: the model's trained context length.
       tie_word_embeddings: LM head reuses the embedding table.
       draft_vocab_size: columns of an untied LM head that scores a subset of the vocabulary (a
-        draft model's reduced head, jaxkv/draft_model.py, which maps its columns back to token
-        ids), or None: every token (``vocab_size``).
+        draft model's reduced head, jaxkv/spec_decode/draft_model.py, which maps its columns back
+        to token ids), or None: every token (``vocab_size``).
       attention_bias: q/k/v projections carry a bias (Qwen2).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).

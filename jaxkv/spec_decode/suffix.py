@@ -27,7 +27,8 @@ on agentic SQL). A longer suffix is present only where every shorter one is, and
 only where every shorter one has, so step 1 is a binary search: O(max_depth log max_depth) dict
 lookups per request and step, and indexing a token costs O(max_depth). Host-side Python, no
 model; its drafts are point masses, verified exactly (jaxkv/rejection_sampler.py). A
-``BatchProposer`` of jaxkv/speculative.py, whose ``release`` hands a request over to the cache.
+``BatchProposer`` of jaxkv/spec_decode/speculator.py, whose ``release`` hands a request over to the
+cache.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A request whose drafts are each accepted with probability ``a`` (given the ones before it were)
 emits ``E(k) = 1 + a + ... + a^k`` tokens in expectation from ``k`` drafts (Leviathan et al.).
-Three rules turn estimates of ``a`` into draft lengths; jaxkv/speculative.py's ``Speculator``
-decides which applies and where the estimates and step times come from:
+Three rules turn estimates of ``a`` into draft lengths; jaxkv/spec_decode/speculator.py's
+``Speculator`` decides which applies and where the estimates and step times come from:
 
 * ``best_num_drafts``: per request, under a fixed cost ``c`` of a draft as a fraction of a
   decode step, the ``k`` maximising ``E(k) / (1 + c k)`` (a speculator without step times).

@@ -21,15 +21,15 @@ a draft model's forwards for them are wasted when a step's budget or the free bl
 
 Proposers:
 
-* ``"ngram"`` (prompt lookup, jaxkv/ngram_proposer.py): the ``k`` tokens that followed the most
+* ``"ngram"`` (prompt lookup, jaxkv/spec_decode/ngram.py): the ``k`` tokens that followed the most
   recent earlier occurrence of the longest suffix of the tokens, ``n`` from
   ``prompt_lookup_max`` down to ``prompt_lookup_min``. Host-side numpy, no model.
-* ``"suffix"`` (SuffixDecoding, jaxkv/suffix_proposer.py): the same lookup over a suffix trie of
+* ``"suffix"`` (SuffixDecoding, jaxkv/spec_decode/suffix.py): the same lookup over a suffix trie of
   every running request's tokens and of recent requests' (a bounded cache), continued by the
   most frequent next tokens while their estimated probability holds. Host-side, no model.
-* ``"draft"`` (``speculative_model=...``, jaxkv/draft_model.py): a small model with the target's
-  tokenizer, run by the engine's own ``ModelRunner`` over its own paged KV cache; greedy drafts
-  (point masses, verified exactly as the n-gram ones), batched across requests.
+* ``"draft"`` (``speculative_model=...``, jaxkv/spec_decode/draft_model.py): a small model with the
+  target's tokenizer, run by the engine's own ``ModelRunner`` over its own paged KV cache; greedy
+  drafts (point masses, verified exactly as the n-gram ones), batched across requests.
 
 Two kinds of proposer fit the seam. A ``Proposer`` (``propose(token_ids, k)``) is per request and
 stateless, like the n-gram lookup. A ``BatchProposer`` (``propose_batch({id: (token_ids, k)})``
@@ -43,7 +43,7 @@ Adaptive draft length (``speculative_adaptive``, on by default). Each request ke
 ``a`` of the probability that a draft is accepted given the ones before it were; ``k`` drafts
 then emit ``E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)`` tokens in expectation
 (Leviathan et al.). (The arithmetic of the rules below, pure functions, is
-jaxkv/draft_allocation.py.) The estimate needs no verification: the proposer is asked every
+jaxkv/spec_decode/draft_lengths.py.) The estimate needs no verification: the proposer is asked every
 step (a costly one less often: probes, below), and its proposal is compared with the tokens the
 step emitted, verified or not; a comparison counts
 its positions up to and including the first mismatch (trials) and the matches (successes), both
@@ -103,9 +103,9 @@ proposals start matching. Two rules turn the estimates into draft lengths:
   lengths are chosen before anything is proposed, from the estimates alone, and the proposer
   is then asked for exactly those. ``P(m) = m t_draft``, ``t_draft`` the draft's measured
   forward over the step's decodes (0 while unmeasured, so it drafts and gets measured); the
-  search runs over every longest draft ``m`` (jaxkv/draft_allocation.py). A draft as costly as
-  the target then never drafts, whatever its acceptance, without the user having to know what
-  it costs; and in a lockstep batch the draft's forwards for requests that finish early are
+  search runs over every longest draft ``m`` (jaxkv/spec_decode/draft_lengths.py). A draft as
+  costly as the target then never drafts, whatever its acceptance, without the user having to know
+  what it costs; and in a lockstep batch the draft's forwards for requests that finish early are
   weighed against the request that sets the end. A draft shape is explored only where the
   drafts would pay if it cost no more than the plain step (a proposal costs a forward), and
   its charge includes the exploration's proposal time. (In a server whose every step at a
@@ -169,11 +169,11 @@ import numpy as np
 
 from jaxkv import scheduler
 from jaxkv.config import EngineConfig, SpeculativeArgs
-from jaxkv.draft_allocation import (allocate_drafts, allocate_drafts_closed, best_num_drafts,
-                                    fill_drafts)
-from jaxkv.ngram_proposer import NgramProposer
+from jaxkv.spec_decode.draft_lengths import (allocate_drafts, allocate_drafts_closed,
+                                             best_num_drafts, fill_drafts)
+from jaxkv.spec_decode.ngram import NgramProposer
+from jaxkv.spec_decode.suffix import SuffixProposer
 from jaxkv.step_cost import StepCostModel
-from jaxkv.suffix_proposer import SuffixProposer
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)
@@ -299,7 +299,7 @@ class Speculator:
             if config is None or target is None:
                 raise ValueError('speculative="draft" needs the engine config and its target '
                                  'runner (Speculator.from_args(args, config, target))')
-            from jaxkv.draft_model import DraftModelProposer
+            from jaxkv.spec_decode.draft_model import DraftModelProposer
 
             proposer = DraftModelProposer.from_config(config, target)
         if args.speculative and args.speculative_adaptive and config is not None:

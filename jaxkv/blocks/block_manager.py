@@ -501,10 +501,10 @@ class BlockManager:
         """Raise ``AssertionError`` unless the pool is consistent.
 
         Checks: every block id in a table lies in ``[1, num_blocks)``, or is the null block of
-        an entry a retention policy dropped; each ref count equals the number
-        of table entries naming that block (plus one per held copy source); the free queue is a well-linked list holding
-        exactly the blocks with ref count 0 other than the null block, each once; the null
-        block is never free, never referenced; the prefix cache's maps are consistent, and only
+        an entry a retention policy dropped; each ref count equals the number of table entries
+        naming that block (plus one per held copy source); the free queue is a well-linked list
+        holding exactly the blocks with ref count 0 other than the null block, each once; the
+        null block is never free, never referenced; the prefix cache's maps are consistent, and only
         requests with a table have a chain, no longer than their table.
         """
         counts = np.zeros(self.num_blocks, np.int64)  # [num_blocks]

@@ -141,7 +141,9 @@ class Tokenizer:
         Returns:
           Token ids, a list of python ints.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # the batch call releases the GIL while it works (the single-text one holds it
+        # throughout: a long text froze every other thread, a server's event loop included)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Turns ids (any int sequence or 1-D int array) back into text."""

@@ -361,9 +361,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             if req.messages is not None:
                 text = tok.apply_chat_template([m.as_dict() for m in req.messages],
                                                add_generation_prompt=req.add_generation_prompt)
-                ids = await asyncio.to_thread(server.prompts.encode, text, False)
+                ids = await asyncio.to_thread(tok.encode, text, False)
             else:
-                ids = await asyncio.to_thread(server.prompts.encode, req.prompt,
+                ids = await asyncio.to_thread(tok.encode, req.prompt,
                                               req.add_special_tokens)
         except ValueError as e:
             raise bad_request(e) from None

@@ -1,13 +1,12 @@
 """Prompts for the server, tokenized off the event loop and length-checked as early as possible.
 
-The Rust tokenizer's single-text ``encode`` holds the GIL throughout (a 10 MB prompt stalled the
-event loop for seconds even from a worker thread); its batch call releases it, so the server
-tokenizes with ``encode_batch([text])`` in a worker thread. Before that, a text that cannot fit
-``max_model_len`` is refused from its bytes alone where the tokenizer allows it: a byte-level BPE
-(no normalizer, no truncation, no added token that swallows the spaces beside it, pre-tokenizers
-that keep every byte: GGUF, SmolLM2, Llama-3 tokenizers) spells each byte of a text in exactly
-one token, or in none where its vocabulary lacks the byte, so ``b`` spellable bytes take at least
-``b / max_bytes`` tokens, ``max_bytes`` being its longest token's.
+The server tokenizes in a worker thread (``Tokenizer.encode`` releases the GIL while it works, so
+the event loop keeps answering). Before that, a text that cannot fit ``max_model_len`` is refused
+from its bytes alone where the tokenizer allows it: a byte-level BPE (no normalizer, no truncation,
+no added token that swallows the spaces beside it, pre-tokenizers that keep every byte: GGUF,
+SmolLM2, Llama-3 tokenizers) spells each byte of a text in exactly one token, or in none where its
+vocabulary lacks the byte, so ``b`` spellable bytes take at least ``b / max_bytes`` tokens,
+``max_bytes`` being its longest token's.
 """
 
 from __future__ import annotations
@@ -66,12 +65,6 @@ class PromptTokenizer:
         self.max_model_len = max_model_len
         self.bound = byte_bound(tokenizer)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``tokenizer.encode`` without holding the GIL while it works (thread-safe: nothing
-        mutates the tokenizer)."""
-        return self.tokenizer.backend.encode_batch(
-            [text], add_special_tokens=add_special_tokens)[0].ids
-
     def check_length(self, num_tokens: int, size: str | None = None) -> None:
         """Refuses a prompt of (at least) ``num_tokens`` that leaves no room to generate.
 
@@ -96,7 +89,7 @@ class PromptTokenizer:
         if self.bound is not None:
             at_least = self.bound.min_tokens(text)
             self.check_length(at_least, f"{len(text)} characters (at least {at_least} tokens)")
-        ids = self.encode(text, add_special_tokens)
+        ids = self.tokenizer.encode(text, add_special_tokens)
         self.check_length(len(ids))
         return {"prompt": text, "prompt_token_ids": ids}
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.attention_impl import paged_attention
+from jaxkv.attention.dispatch import paged_attention
 from jaxkv.data import BOOKS, austen
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

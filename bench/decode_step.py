@@ -35,8 +35,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxkv import LLM, SamplingParams, batch, scheduler
+from jaxkv import LLM, SamplingParams
 from jaxkv.data import austen
+from jaxkv.runner import batch
+from jaxkv.sched import scheduler
 from step_timing import loadavg, timed_step
 
 ROOT = Path(__file__).resolve().parents[1]

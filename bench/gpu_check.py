@@ -10,7 +10,7 @@ read one):
     PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU
 
 Sections:
-  (a) every kernel variant vs jaxkv.attention.paged_attention_reference at real sizes; plus KIVI
+  (a) every kernel variant vs jaxkv.attention.reference.paged_attention_reference at real sizes; plus KIVI
       int4/int2 pools (bf16 q, head_dim 128; ragged and split-K decode kernels vs the reference
       on the same QuantizedPages): a fully sealed quantize_pages pool and a pool written through
       cache.init_cache + cache.write whose sequences end in unsealed blocks (the residual path);
@@ -23,7 +23,7 @@ Sections:
       zero points + int32 res_slot per page + the residual's null slot), the speedup over the
       bf16 row of the same batch, and issue #6's targets at 32k (>= 1.7x fp8/int8, >= 2.5x int4)
       as pass/fail;
-  (b3) Quest sparse decode (jaxkv.sparse_attention + jaxkv.pallas.sparse) against the dense split-K
+  (b3) Quest sparse decode (jaxkv.attention.quest + jaxkv.attention.pallas.sparse) against the dense split-K
       decode kernel at 8k and 32k context, bf16, GQA 4, token budgets 512 and 2048 (sinks and
       the recent window included): the selected pages' bytes + the key bounds' bytes actually
       read, GB/s, speed-up over dense paged_decode_attention, for the kernel alone (selection
@@ -42,7 +42,7 @@ Sections:
   (d) a small tuning sweep of the kernels' configs, while time is left;
   (e) host KV offload (issue 14): device-to-host and host-to-device GB/s of 16-token all-layer
       block units of an 8B-class geometry (32 layers, 8 kv heads, head_dim 128, bf16: 2 MiB a
-      block) through jaxkv.kv_transfer.HostKVPool (the engine's path: jitted gather into
+      block) through jaxkv.kvcache.host_pool.HostKVPool (the engine's path: jitted gather into
       numpy rows, rows -> device_put -> jitted donated scatter; staged through pinned_host
       buffers, the GPU default, and without them, copy_to_host_async), single
       blocks vs batches of 8 / 64 / 512, and a contiguous buffer moved by jax.device_put to
@@ -92,10 +92,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-from jaxkv.attention import paged_attention_reference
-from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec
-from jaxkv.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
-                          paged_decode_attention, ragged_paged_attention)
+from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
+                                    paged_decode_attention, ragged_paged_attention)
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for step_timing
 from step_timing import timed_step  # noqa: E402 - after the path it is found on
@@ -239,7 +239,7 @@ def is_close(got, want, dtype_name):
 def quantize_kv(k, v, kv_cache_dtype: str):
     """(K, V) ``QuantizedPages`` of float pools, every block sealed: fp8/int8 per token; KIVI
     int4/int2 keys per channel (over a block's tokens), values per token (groups of 32)."""
-    from jaxkv.cache import quantize_pages  # jax-only module of the package
+    from jaxkv.kvcache.pages import quantize_pages  # jax-only module of the package
 
     kivi = kv_cache_dtype in KIVI_DTYPES
     return (quantize_pages(k, kv_cache_dtype, axis="channel" if kivi else "token"),
@@ -251,7 +251,7 @@ def written_kivi_pools(k, v, tables, lens, kv_cache_dtype: str):
     token of every sequence (the values of the float pools ``k``, ``v`` at the same slots).
     Blocks filled to the end are sealed (codes); the tail block of a sequence whose length is
     not a multiple of block_size stays unsealed, in the full-precision residual."""
-    from jaxkv import cache as kvcache
+    from jaxkv.kvcache import pages as kvcache
 
     num_blocks, bs, hkv, d = k.shape
     tables_np, lens_np = np.asarray(tables), np.asarray(lens)
@@ -525,7 +525,7 @@ def bench_quant_decode(settings: Settings, clock: Clock, bf16_rows: dict, k, v, 
     """Decode rows of the quantized pools (each dtype quantized once from the bf16 pools of the
     context) for the batches of the bf16 rows at GQA ``quant_groups``, same q: ms per call, GB/s
     over the bytes the kernel reads (``read_bytes``) and the speedup over the bf16 row's time."""
-    from jaxkv.pallas.kv_format import check_pallas_support
+    from jaxkv.attention.pallas.kv_format import check_pallas_support
 
     rows = []
     D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
@@ -586,8 +586,8 @@ def bench_sparse(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
     whole step (scores + selection + kernel). Bytes read: the selected pages' K and V
     (pages x block_size x head_dim x 2 B x 2, summed over sequences and kv heads) for the kernel,
     plus the f32 kmin/kmax of every page of every sequence for the whole step."""
-    from jaxkv.pallas import sparse_paged_decode_attention
-    from jaxkv.sparse_attention import key_bounds, quest_select, sparse_decode_reference
+    from jaxkv.attention.pallas import sparse_paged_decode_attention
+    from jaxkv.attention.quest import key_bounds, quest_select, sparse_decode_reference
 
     rows = []
     D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
@@ -784,8 +784,8 @@ def bench_prefill(settings: Settings) -> list[dict]:
 
 def bench_offload(settings: Settings) -> list[dict]:
     """(e) host offload bandwidth: HostKVPool batches, then raw device_put vs jit to pinned host."""
-    from jaxkv.cache import init_cache
-    from jaxkv.kv_transfer import HostKVPool
+    from jaxkv.kvcache.host_pool import HostKVPool
+    from jaxkv.kvcache.pages import init_cache
 
     n_max = max(settings.offload_blocks)
     spec = KVCacheSpec(num_layers=settings.offload_layers, num_blocks=n_max + 1,

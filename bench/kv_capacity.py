@@ -26,10 +26,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from jaxkv import planner
-from jaxkv.cli import parse_bytes
-from jaxkv.kv_spec import kivi_residual_slots
+from jaxkv.entrypoints.cli import parse_bytes
+from jaxkv.kvcache.spec import kivi_residual_slots
 from jaxkv.model.weights import load_config
+from jaxkv.runner import memory_plan
 
 # (label, kv dtype, block size, value group, residual window in blocks)
 CONFIGS = (
@@ -51,10 +51,10 @@ def capacity(config, kv, budget, block_size, seq_len, group_size, residual_block
     The largest concurrency ``n`` whose pool (n sequences of ``seq_len`` tokens + the null block)
     and residual pool (``kivi_residual_slots(n, residual_blocks)`` blocks) fit together.
     """
-    per_block = planner.kv_bytes_per_block(config, kv, block_size, group_size=group_size)
+    per_block = memory_plan.kv_bytes_per_block(config, kv, block_size, group_size=group_size)
     per_seq = -(-seq_len // block_size)
     for seqs in range(budget // (per_block * per_seq), 0, -1):
-        residual = planner.kivi_residual_bytes(
+        residual = memory_plan.kivi_residual_bytes(
             config, kv, weight_dtype, block_size,
             kivi_residual_slots(seqs, residual_blocks))
         blocks = (budget - residual) // per_block
@@ -111,7 +111,8 @@ def main():
                                                   a.capacity_seq_len, group, window, "bfloat16")
         row = {"label": label, "kv_cache_dtype": kv, "block_size": bs, "group_size": group,
                "residual_blocks": window,
-               "bytes_per_token": planner.kv_bytes_per_block(config, kv, bs, group_size=group) / bs,
+               "bytes_per_token": memory_plan.kv_bytes_per_block(config, kv, bs,
+                                                               group_size=group) / bs,
                "num_blocks": blocks, "tokens": tokens, "max_concurrent_seqs": seqs,
                "kivi_residual_bytes": residual}
         if a.throughput and label in a.throughput_labels:

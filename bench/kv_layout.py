@@ -2,7 +2,7 @@
 worth it on XLA CPU?
 
 jaxkv's pools are NHD, ``[num_blocks, block_size, Hkv, D]``. The grouped row path
-(jaxkv/attention_grouped.py) gathers each loop step's units as ``[S, n * block_size, Hkv, D]``
+(jaxkv/attention/grouped.py) gathers each loop step's units as ``[S, n * block_size, Hkv, D]``
 and contracts them with batched dots over (unit, kv head), so XLA transposes every gathered
 chunk to put the head next to the unit (the ``transpose_copy_fusion`` that took 12 of 28 ms in
 BENCHMARKS.md's row-path profile). With an HND pool, ``[num_blocks, Hkv, block_size, D]``, a
@@ -10,8 +10,8 @@ gathered block is already ``[Hkv, block_size, D]``, and dots batched over (unit,
 read it as it lies.
 
 Both variants run the same loop, a model of the row path's core: each case's loop steps each
-gather ``S`` units of ``n`` random blocks of K and V (``jaxkv.cache.take_blocks``, as the engine
-does), then q·k, a max-subtracted exp, p·v, accumulated (``CASES``). SmolLM2-135M's
+gather ``S`` units of ``n`` random blocks of K and V (``jaxkv.kvcache.pages.take_blocks``, as the
+engine does), then q·k, a max-subtracted exp, p·v, accumulated (``CASES``). SmolLM2-135M's
 shapes (3 kv heads, 3 q heads per kv head, head_dim 64, block 16, fp32). The outputs are checked
 equal; then each variant runs ``--repeats`` calls per round, alternating for ``--rounds``
 rounds; median and min ms and the load average::
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache import take_blocks
+from jaxkv.kvcache.pages import take_blocks
 from step_timing import alternating_times, loadavg, ms_summary
 
 BS, HKV, G, D = 16, 3, 3, 64

@@ -1,5 +1,5 @@
 """Quality of each KV cache dtype on SmolLM2-135M: perplexity on Austen through the engine path
-(jaxkv.eval), greedy agreement with the fp32 cache, and the KIVI 2-bit ablation.
+(jaxkv.entrypoints.eval), greedy agreement with the fp32 cache, and the KIVI 2-bit ablation.
 
     python bench/kv_quality.py --out bench/results/kv_quality.json
 
@@ -7,12 +7,12 @@ Perplexity: ``emma.txt``, windows of ``--context`` tokens (disjoint), ``--window
 the main table (10 x 2048 = 20,480 scored tokens) and ``--ablation-windows`` for the ablation.
 fp/int8 rows feed 256-token chunks; KIVI rows use a residual window of ``--residual-blocks``
 blocks and ``--kivi-chunk``-token chunks, so every query reads its recent tokens in full precision
-as in decoding (see jaxkv/eval.py).
+as in decoding (see jaxkv/entrypoints/eval.py).
 
 Agreement, after the first ``--prompt-tokens`` tokens of *Pride and Prejudice*, against the fp32
 cache's greedy continuation of ``--gen-tokens`` tokens:
   * teacher-forced: each dtype decodes the fp32 continuation token by token; fraction of steps
-    whose argmax is the fp32 token (``jaxkv.eval.token_agreement``);
+    whose argmax is the fp32 token (``jaxkv.entrypoints.eval.token_agreement``);
   * free-running: the dtype's own greedy continuation through ``LLM.generate``: the first position
     that differs, and the fp32 top-1 minus top-2 log-probability margin at that position (a
     near-tie there flips on any perturbation and makes the rest of the text differ).
@@ -31,9 +31,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.cache import init_cache
-from jaxkv.eval import perplexity, token_agreement
 from jaxkv.data import austen
+from jaxkv.entrypoints.eval import perplexity, token_agreement
+from jaxkv.kvcache.pages import init_cache
 
 FLOAT_AND_8BIT = ("fp32", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
 # KIVI 2-bit ablation: (name, KVCacheSpec options besides the residual window)

@@ -24,8 +24,8 @@ question; run one sequence at a time so the prompt's last chunk holds the whole 
 in fp32 and int4 (KIVI) KV.
 
 Teacher-forced configurations (``tf-KIND[-B]``, KIND one of ``full``, ``snapkv``,
-``snapkv_agnostic``, ``h2o``, ``random``) run ``jaxkv.eval.retained_nll`` on the prompt followed
-by the key's tokens (`` NNNNN``); a prompt counts as retrieved when the argmax at every key
+``snapkv_agnostic``, ``h2o``, ``random``) run ``jaxkv.entrypoints.eval.retained_nll`` on the prompt
+followed by the key's tokens (`` NNNNN``); a prompt counts as retrieved when the argmax at every key
 position is the key's token (greedy would write exactly the key). ``snapkv_agnostic`` is SnapKV
 with the observation window placed *before* the question: the prompt phase is the instruction
 and haystack only (its last 32 tokens score the blocks), compressed to B, then the question and
@@ -63,10 +63,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.eval import retained_nll
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.retention import FullRetention, H2ORetention, RandomRetention, SnapKVRetention
 from jaxkv.data import austen
+from jaxkv.entrypoints.eval import retained_nll
+from jaxkv.kvcache.spec import KVCacheSpec
+from jaxkv.retention import FullRetention, H2ORetention, RandomRetention, SnapKVRetention
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 SINKS, RECENT, BLOCK = 4, 32, 16

@@ -32,11 +32,11 @@ import time
 from pathlib import Path
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.beam_search import BeamSearchParams
 from jaxkv.blocks.block_manager import cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.scheduler import Request, StopSpec, add_request, init_state, schedule, update
 from jaxkv.data import austen
+from jaxkv.engine.beam_search import BeamSearchParams
+from jaxkv.sched.scheduler import Request, StopSpec, add_request, init_state, schedule, update
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (None, "hash", "radix")

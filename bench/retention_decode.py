@@ -4,7 +4,7 @@ SnapKV reads the attention mass per block once, to compress the prompt (jaxkv/re
 snapkv.py). Since a7a379f a step computes that mass only when a sampling chunk wants it
 (``Retention.wants_scores``; ``StepPlan.observe``), so SnapKV's decode steps run the plain
 attention; H2O computes it every step. Since 48bc36d the grouped attention and the block mass
-visit only a sequence's kept blocks (jaxkv/attention_grouped.py, ``visited_chunks``), so a
+visit only a sequence's kept blocks (jaxkv/attention/grouped.py, ``visited_chunks``), so a
 sequence H2O or SnapKV thinned costs its kept KV, not its logical length. This measures both,
 on SmolLM2-135M fp32, greedy: ``--batch`` prompts of ``--prompt`` Austen tokens (*Emma*), a
 ``--budget``-token H2O / SnapKV budget, ``--max-tokens`` generated; the engine is stepped by hand,
@@ -18,8 +18,8 @@ first round compiles):
 * ``snapkv-every-step``: the rule before a7a379f (every sampling step computes the mass),
   ``SnapKVRetention.wants_scores`` patched to always answer yes (shares ``snapkv``'s engine);
 * ``X@before`` (with ``--before REV``): variant ``X`` whose step runs
-  ``jaxkv/attention_grouped.py`` and ``jaxkv/attention_mass.py`` as they were at git revision
-  ``REV`` (loaded from ``git show``; patched into ``jaxkv.attention_impl`` and
+  ``jaxkv/attention/grouped.py`` and ``jaxkv/attention/mass.py`` as they were at git revision
+  ``REV`` (loaded from ``git show``; patched into ``jaxkv.attention.dispatch`` and
   ``jaxkv.model.llama`` while that engine compiles and runs).
 
 Variants of one policy must give identical tokens, or the bench says which differ. The load
@@ -43,10 +43,11 @@ import time
 import types
 from pathlib import Path
 
-from jaxkv import LLM, SamplingParams, attention_impl
+from jaxkv import LLM, SamplingParams
+from jaxkv.attention import dispatch
+from jaxkv.data import austen
 from jaxkv.model import llama
 from jaxkv.retention import SnapKVRetention
-from jaxkv.data import austen
 
 AUSTEN_BOOK = "emma"
 VARIANTS = "full,snapkv,snapkv-every-step"
@@ -72,13 +73,13 @@ def attention_of(fns: dict | None):
     if fns is None:
         yield
         return
-    saved = attention_impl.paged_attention_grouped, llama.block_attention_mass
-    attention_impl.paged_attention_grouped = fns["paged_attention_grouped"]
+    saved = dispatch.paged_attention_grouped, llama.block_attention_mass
+    dispatch.paged_attention_grouped = fns["paged_attention_grouped"]
     llama.block_attention_mass = fns["block_attention_mass"]
     try:
         yield
     finally:
-        attention_impl.paged_attention_grouped, llama.block_attention_mass = saved
+        dispatch.paged_attention_grouped, llama.block_attention_mass = saved
 
 
 def decode_steps(llm: LLM, prompts, params) -> tuple[list[float], list[list[int]]]:

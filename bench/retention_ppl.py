@@ -1,6 +1,6 @@
 """Teacher-forced perplexity of SmolLM2-135M under KV budgets: full cache, StreamingLLM (sinks +
 window), H2O (heavy hitters + recent window), SnapKV (the prompt compressed once by its
-observation window) and random eviction, through ``jaxkv.eval.retained_nll``.
+observation window) and random eviction, through ``jaxkv.entrypoints.eval.retained_nll``.
 
     python bench/retention_ppl.py --out bench/results/retention_ppl.json
     python bench/retention_ppl.py --context 1536 --budgets 0.04 0.1 0.2 0.5 \
@@ -36,10 +36,10 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv import LLM
-from jaxkv.eval import retained_nll
+from jaxkv.data import austen
+from jaxkv.entrypoints.eval import retained_nll
 from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
                              StreamingRetention)
-from jaxkv.data import austen
 
 
 

@@ -1,6 +1,6 @@
 """The grouped attention's decode rows and prefill tiles at the throughput workload's shapes.
 
-One layer of ``jaxkv.attention_grouped.paged_attention_grouped`` at SmolLM2-135M's shapes (9 q
+One layer of ``jaxkv.attention.grouped.paged_attention_grouped`` at SmolLM2-135M's shapes (9 q
 heads, 3 kv heads, head_dim 64, block 16, fp32, random permuted blocks): decode steps of ``n``
 rows in a sequence bucket of ``S`` whose kv lengths are drawn uniformly from a range, as in
 bench/throughput.py's 128-request workload (prompts 32-512 tokens, outputs 16-256: contexts
@@ -9,11 +9,11 @@ raggedness), and batch 1 and 2 at 64 to 4,000 tokens (tables 512 wide = SmolLM2'
 and prefill steps (the tile path): 512-token chunks of one prompt, fresh or after a cached
 prefix, four 128-token prompts, and the workload's mixed step of one chunk beside decode rows.
 Today's tree runs against the module as it was at ``--rev`` (loaded from git), both on the same
-pools laid out NHD and, as the engine's CPU default holds them, HND (``jaxkv.cache.HNDPages``;
-today's HND rows are the C++ kernel of jaxkv/cpu_kernels where it builds);
-with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a compile
-each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the variants
-(``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
+pools laid out NHD and, as the engine's CPU default holds them, HND
+(``jaxkv.kvcache.pages.HNDPages``; today's HND rows are the C++ kernel of jaxkv/cpu_kernels where it
+builds); with ``--chunk-bytes`` also with other row chunk budgets (``_ROW_CHUNK_BYTES``). After a
+compile each variant runs ``--repeats`` back-to-back calls, in blocks alternating between the
+variants (``--rounds`` rounds against load drift); median and min wall ms, the outputs' max difference
 from the reference, and the load average.
 
     python3 bench/row_path.py --rev HEAD~1 --json bench/results/row_path.json
@@ -34,9 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import attention_grouped
-from jaxkv.attention import paged_attention_reference
-from jaxkv.cache import HNDPages
+from jaxkv.attention import grouped
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache.pages import HNDPages
 from step_timing import alternating_times, loadavg, ms_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +68,11 @@ PREFILL_CASES = {
 
 
 def module_at(rev: str) -> types.ModuleType:
-    """jaxkv/attention_grouped.py as it was at git revision ``rev``."""
-    src = subprocess.run(["git", "show", f"{rev}:jaxkv/attention_grouped.py"], check=True,
+    """jaxkv/attention/grouped.py as it was at git revision ``rev``."""
+    src = subprocess.run(["git", "show", f"{rev}:jaxkv/attention/grouped.py"], check=True,
                          capture_output=True, text=True, cwd=ROOT).stdout
     m = types.ModuleType(f"attention_grouped_at_{rev}")
-    exec(compile(src, f"{rev}:jaxkv/attention_grouped.py", "exec"), m.__dict__)
+    exec(compile(src, f"{rev}:jaxkv/attention/grouped.py", "exec"), m.__dict__)
     return m
 
 
@@ -142,10 +142,10 @@ def main() -> None:
     old = module_at(a.rev)
     variants = {f"@{a.rev}": (variant(old, None), False),
                 f"@{a.rev}, HND": (variant(old, None), True),
-                "today": (variant(attention_grouped, None), False),
-                "today, HND": (variant(attention_grouped, None), True)}
+                "today": (variant(grouped, None), False),
+                "today, HND": (variant(grouped, None), True)}
     for cb in filter(None, a.chunk_bytes.split(",")):
-        variants[f"today, {cb} chunks"] = (variant(attention_grouped, parse_bytes(cb)), False)
+        variants[f"today, {cb} chunks"] = (variant(grouped, parse_bytes(cb)), False)
     out = {"rev": a.rev, "repeats": a.repeats, "rounds": a.rounds, "cases": {}}
     print("| case | mean kv | " + " | ".join(f"{v} ms" for v in variants) + " | load |")
     print("|---|---|" + "---|" * len(variants) + "---|")

@@ -1,6 +1,6 @@
 """Cold and warm start-to-first-token of ``python3 -m jaxkv generate`` on the default model.
 
-Each repeat gives JAX's persistent compilation cache (jaxkv/compile_cache.py) a fresh, empty
+Each repeat gives JAX's persistent compilation cache (jaxkv/runner/compile_cache.py) a fresh, empty
 directory through ``JAXKV_COMPILATION_CACHE_DIR`` and starts the command twice:
 
 * cold: the first process, which compiles every executable and writes it to the directory;
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import jax
 
-from jaxkv.compile_cache import ENV_VAR
 from jaxkv.model import store
+from jaxkv.runner.compile_cache import ENV_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ARGS = ["generate", "--prompt", "hi", "--max-tokens", "1"]

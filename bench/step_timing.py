@@ -2,7 +2,7 @@
 end-to-end rows of bench/gpu_check.py share.
 
 ``runner.device_time`` grows by the seconds from a step's jitted dispatch until its tokens are on
-the host (jaxkv/engine/runner.py). The step is synchronous (its tokens are read back before
+the host (jaxkv/runner/model_runner.py). The step is synchronous (its tokens are read back before
 ``llm.step()`` returns), so nothing of the host's work overlaps it: the rest of the step's wall
 time is host work on the critical path (scheduling, ``batch.build``, the sampling tensors, the
 bookkeeping and detokenization of the emitted tokens). The dispatch's own Python cost lies inside

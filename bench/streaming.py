@@ -3,7 +3,7 @@ decode step time against context length, and how many 8K-token streams a fixed p
 
     python bench/streaming.py --out bench/results/streaming.json --plot bench/results/streaming.png
 
-1. Perplexity (StreamingLLM's protocol, ``jaxkv.eval.retained_nll``): ``--tokens`` tokens of
+1. Perplexity (StreamingLLM's protocol, ``jaxkv.entrypoints.eval.retained_nll``): ``--tokens`` tokens of
    concatenated Austen (*Emma*, then *Pride and Prejudice*, ...) fed in ``--chunk``-token steps
    through a pool that keeps only what the policy keeps (blocks leaving the window go back):
 
@@ -41,9 +41,9 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.eval import retained_nll
-from jaxkv.retention import FullRetention, StreamingRetention
 from jaxkv.data import austen
+from jaxkv.entrypoints.eval import retained_nll
+from jaxkv.retention import FullRetention, StreamingRetention
 
 BOOKS = ("emma.txt", "pride_and_prejudice.txt", "sense_and_sensibility.txt", "mansfield_park.txt")
 CACHE = 1024
@@ -159,9 +159,9 @@ def decode_rows(args) -> list[dict]:
 def capacity_rows(args) -> list[dict]:
     """Concurrent 8K-token streams the pure scheduler runs in one pool (no model)."""
     from jaxkv.config import CacheConfig, SchedulerConfig
-    from jaxkv.planner import kv_bytes_per_block
     from jaxkv.model.weights import load_config
-    from jaxkv.scheduler import Request, StopSpec, add_request, init_state, schedule, update
+    from jaxkv.runner.memory_plan import kv_bytes_per_block
+    from jaxkv.sched.scheduler import Request, StopSpec, add_request, init_state, schedule, update
 
     config = load_config("SmolLM2-135M-Instruct")
     bs = 16

@@ -53,11 +53,12 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxkv import LLM, SamplingParams, planner, sharding
+    from jaxkv import LLM, SamplingParams
     from jaxkv.model import checkpoint, gguf, store
     from jaxkv.model.config import ModelConfig
     from jaxkv.model.llama import init_params
     from jaxkv.model.tokenizer import Tokenizer
+    from jaxkv.runner import memory_plan, sharding
 
     tokenizer = Tokenizer.from_gguf_metadata(gguf.open_gguf(store.fetch(store.DEFAULT_MODEL)))
     config = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size,
@@ -86,7 +87,7 @@ def main() -> None:
                 tokens = [o.outputs[0].token_ids for o in outs]
                 ref = tokens if ref is None else ref
                 n_out = sum(map(len, tokens))
-                per_token = planner.kv_bytes_per_token(config, "fp32", tp)
+                per_token = memory_plan.kv_bytes_per_token(config, "fp32", tp)
                 hlo = llm.compiled_step_text(512, a.num_prompts) if tp > 1 else ""
                 all_reduces = sharding.count_all_reduces(hlo)
                 rows.append({
@@ -97,7 +98,7 @@ def main() -> None:
                     "kv_head_replication": sharding.kv_replication(config, tp),
                     "kv_bytes_per_token_per_device": per_token,
                     "kv_tokens_per_device_at_budget": a.kv_budget_per_device // per_token,
-                    "weights_bytes_per_device": planner.weights_bytes(config, "float32", tp),
+                    "weights_bytes_per_device": memory_plan.weights_bytes(config, "float32", tp),
                     "all_reduces_in_step": all_reduces,
                     "all_reduces_per_layer": (all_reduces - 1) / config.num_layers if tp > 1 else 0,
                 })

@@ -1,7 +1,7 @@
 """What a verify step's logits width costs: the jitted step at several widths W, same shape.
 
 A step that verifies drafts computes ``W = 1 + num_speculative_tokens`` logit rows per sequence
-(jaxkv/batch.py), however short the step's drafts are: the LM head, the rejection sampler and
+(jaxkv/runner/batch.py), however short the step's drafts are: the LM head, the rejection sampler and
 the attention's trailing rows all scale with ``W``. This times the engine's own jitted step
 (``ModelRunner._blind_step_fn``, the step of every decode without a retention policy) on
 all-padding arguments (``ModelRunner._padded_args``: every slot the null block's, contexts

@@ -1,5 +1,5 @@
 import sys
 
-from jaxkv.cli import main
+from jaxkv.entrypoints.cli import main
 
 sys.exit(main())

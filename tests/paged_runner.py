@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import cache as kvcache
-from jaxkv import sharding
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.metadata import AttentionMetadata
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.spec import KVCacheSpec
 from jaxkv.model.llama import forward
+from jaxkv.runner import sharding
 
 
 class PagedRunner:

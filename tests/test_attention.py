@@ -5,10 +5,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxkv import cache as kvcache
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.attention import paged_attention_reference
-from jaxkv.attention_impl import paged_attention
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.spec import KVCacheSpec
 
 
 def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, soft_cap=None):

@@ -1,9 +1,9 @@
-"""The grouped attention (jaxkv.attention_grouped) against the reference (jaxkv.attention): random
-ragged batches (decode rows, prefill chunks with and without a cached prefix, padding tokens and
-sequences, permuted block ids) under every mask option and GQA ratio, every quantized pool
-format (KIVI with its residual window, and a stale residual slot), bf16, and one compilation
-per shape; tables with scattered dropped blocks (H2O, SnapKV) under float and quantized pools, and
-the kv chunks visited bounded by the kept blocks."""
+"""The grouped attention (jaxkv.attention.grouped) against the reference
+(jaxkv.attention.reference): random ragged batches (decode rows, prefill chunks with and without a
+cached prefix, padding tokens and sequences, permuted block ids) under every mask option and GQA
+ratio, every quantized pool format (KIVI with its residual window, and a stale residual slot), bf16,
+and one compilation per shape; tables with scattered dropped blocks (H2O, SnapKV) under float and
+quantized pools, and the kv chunks visited bounded by the kept blocks."""
 
 import dataclasses
 import functools
@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import attention_grouped, cache as kvcache
-from jaxkv.attention import paged_attention_reference, softmax_init, softmax_result
-from jaxkv.attention_grouped import kept_blocks, native_tiles, paged_attention_grouped
-from jaxkv.attention_impl import paged_attention
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.metadata import AttentionMetadata
+from jaxkv.attention import grouped
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.attention.grouped import kept_blocks, native_tiles, paged_attention_grouped
+from jaxkv.attention.reference import paged_attention_reference, softmax_init, softmax_result
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.spec import KVCacheSpec
 from ragged_batches import table_batch
 
 F32 = dict(atol=2e-5, rtol=2e-5)
@@ -373,7 +374,7 @@ def thinned_batch(rng, q_lens, *, bs=4, max_blocks=24, Hq=4, Hkv=2, D=16):
 def test_visited_chunks_are_bounded_by_the_kept_blocks(monkeypatch):
     """A decode row and a prefill chunk at 96 logical positions with 5 of their 24 blocks kept
     visit 3 chunks of 2 blocks (the logical walk visits 12), counted at run time."""
-    reads = counting_reads(monkeypatch, attention_grouped)
+    reads = counting_reads(monkeypatch, grouped)
     args = thinned_batch(np.random.default_rng(2), [1, 9])
     got = paged_attention_grouped(*args, kv_chunk_blocks=2, block_q=8)
     jax.effects_barrier()
@@ -386,7 +387,7 @@ def test_row_path_steps_cover_each_rows_own_chunks(monkeypatch):
     """Decode rows of 5, 1 and 2 chunks (and a padding row) are 8 (row, chunk) units, laid end
     to end and taken 4 at a time: 2 loop steps, not the 5 of running every row to the longest
     one's chunk count. Counted at run time; the output is the reference's."""
-    reads = counting_reads(monkeypatch, attention_grouped)
+    reads = counting_reads(monkeypatch, grouped)
     rng = np.random.default_rng(5)
     bs, chunk, S = 4, 2, 4
     kv_lens = [5 * chunk * bs - 3, chunk * bs, 2 * chunk * bs]                 # 5, 1, 2 chunks
@@ -411,7 +412,7 @@ def test_merge_units_adds_several_units_of_a_row_in_one_step():
     rows = np.array([0, 1, 0, 1, 0, 2])                            # unit 5: dropped (R = 2)
     carry = softmax_init((2, 2), 3)
     for step in (slice(0, 3), slice(3, 6)):
-        carry = attention_grouped.merge_units(
+        carry = grouped.merge_units(
             carry, jnp.asarray(rows[step]), jnp.asarray(s[step]),
             lambda p, step=step: jnp.einsum("nrh,nrhd->nhd", p, vals[step]))
     out, lse = softmax_result(carry)

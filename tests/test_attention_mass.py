@@ -1,4 +1,4 @@
-"""jaxkv.attention_mass.block_attention_mass against a numpy softmax per observed token (causal,
+"""jaxkv.attention.mass.block_attention_mass against a numpy softmax per observed token (causal,
 window + sinks + sink queries, dropped blocks, soft-cap, GQA), its sum rule, and quantized pools
 read like the attention reads them; tables with scattered dropped blocks visited by their kept
 blocks only."""
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import attention_mass
-from jaxkv.attention import paged_attention_reference, token_layout
-from jaxkv.attention_mass import block_attention_mass
-from jaxkv.cache import quantize_pages, read_pages
+from jaxkv.attention import mass
+from jaxkv.attention.mass import block_attention_mass
+from jaxkv.attention.reference import paged_attention_reference, token_layout
+from jaxkv.kvcache.pages import quantize_pages, read_pages
 from ragged_batches import table_batch
 
 BS, HKV, G, D, NB = 4, 2, 2, 16, 48
@@ -107,7 +107,7 @@ def test_mass_visits_the_kept_blocks_only(monkeypatch):
     """5 kept blocks of 24 in chunks of 2: 3 loop steps (the logical walk takes 12)."""
     from test_attention_grouped import counting_reads, thinned_batch
 
-    reads = counting_reads(monkeypatch, attention_mass)
+    reads = counting_reads(monkeypatch, mass)
     q, k, _, tables, lens, qsl = thinned_batch(np.random.default_rng(4), [1, 1])
     _, lse = paged_attention_reference(q, k, k, tables, lens, qsl, return_lse=True)
     got = block_attention_mass(q, k, tables, lens, qsl, lse, kv_chunk_blocks=2)

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from jaxkv import batch
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, add_request,
-                             init_state, schedule, update)
+from jaxkv.runner import batch
+from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, add_request,
+                                   init_state, schedule, update)
 
 CC = CacheConfig(block_size=4, num_blocks=10)
 SC = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16,

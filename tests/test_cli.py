@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxkv import cli
+from jaxkv.entrypoints import cli
 
 
 def imported_after(statement, modules):
@@ -25,7 +25,7 @@ def test_import_jaxkv_does_not_import_torch_or_transformers():
 
 
 def test_import_pallas_needs_only_jax():
-    assert imported_after("import jaxkv.pallas, jaxkv.attention, jaxkv.attention_impl",
+    assert imported_after("import jaxkv.attention.pallas, jaxkv.attention.reference, jaxkv.attention.dispatch",
                           ("flax", "tqdm", "tokenizers")) == []
 
 
@@ -123,7 +123,7 @@ def test_convert_over_a_checkpoint_names_the_flag(tmp_path, capsys):
 
 
 def test_the_library_leaves_logging_to_the_application():
-    code = ("import logging, jaxkv.engine.runner, jaxkv.cpu_kernels, jaxkv.eval; "
+    code = ("import logging, jaxkv.runner.model_runner, jaxkv.cpu_kernels, jaxkv.entrypoints.eval; "
             "log = logging.getLogger('jaxkv'); "
             "print(log.level, len(log.handlers), log.getEffectiveLevel())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

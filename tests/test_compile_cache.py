@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache through jaxkv.compile_cache: directory choice, idempotence,
+"""JAX's persistent compilation cache through jaxkv.runner.compile_cache: directory choice, idempotence,
 and that CPU executables are written, read back by a second process, and follow a switch of dir.
 
 What touches JAX's process-wide cache state runs in fresh interpreters, so this test process
@@ -13,7 +13,7 @@ import textwrap
 
 import jax
 
-from jaxkv import compile_cache
+from jaxkv.runner import compile_cache
 
 
 def run_python(code: str, **env) -> dict:
@@ -27,7 +27,7 @@ def run_python(code: str, **env) -> dict:
 COUNT_HITS = """
     import json, jax, jax.numpy as jnp
     from jax import monitoring
-    from jaxkv.compile_cache import enable_compilation_cache
+    from jaxkv.runner.compile_cache import enable_compilation_cache
     hits = []
     monitoring.register_event_listener(
         lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxkv import cpu_kernels
-from jaxkv import cache as kvcache
-from jaxkv.attention_grouped import native_rows
+from jaxkv.attention.grouped import native_rows
+from jaxkv.kvcache import pages as kvcache
 
 
 def numpy_attend(q, k, v, table, pos, soft_cap=None):
@@ -155,7 +155,7 @@ def test_coded_pools_decode_every_code_exactly(dtype):
 
 
 def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
-    from jaxkv.kv_spec import KVCacheSpec
+    from jaxkv.kvcache.spec import KVCacheSpec
 
     def pages(dtype, **kw):
         spec = KVCacheSpec(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2,
@@ -230,7 +230,7 @@ def test_model_takes_the_matmul_for_small_f32_steps(monkeypatch):
 
 @pytest.mark.parametrize("S, V", [(1, 49152), (7, 1000), (64, 49152), (3, 13)])
 def test_row_stats_equal_numpy_and_the_xla_path(S, V, monkeypatch):
-    from jaxkv import sampling
+    from jaxkv.sample import sampler
 
     rng = np.random.default_rng(S + V)
     x = (rng.standard_normal((S, V)) * 4).astype(np.float32)
@@ -254,7 +254,7 @@ def test_row_stats_equal_numpy_and_the_xla_path(S, V, monkeypatch):
     # the XLA path the sampler takes without the kernels: the same argmax and maximum (but for
     # the NaN row: XLA's CPU max skips a NaN)
     monkeypatch.setattr(cpu_kernels, "native", lambda: False)
-    xla_first, xla_top, xla_norm = map(np.asarray, jax.jit(sampling.row_stats)(x))
+    xla_first, xla_top, xla_norm = map(np.asarray, jax.jit(sampler.row_stats)(x))
     ok = np.arange(S) != 1
     np.testing.assert_array_equal(xla_first[ok], first[ok])
     np.testing.assert_array_equal(xla_top[ok], top[ok])

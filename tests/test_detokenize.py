@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxkv.detokenize import IncrementalDetokenizer
+from jaxkv.engine.detokenize import IncrementalDetokenizer
 from jaxkv.model.tokenizer import Tokenizer
 from tiny_models import austen_text, train_bpe
 
@@ -130,7 +130,7 @@ def llm(tiny):
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_engine_stop_strings_match_brute_force(llm, skip_special_tokens):
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     tok = llm.tokenizer
     prompts = ["It was a truth universally", "Emma Woodhouse, handsome, clever",
                "Caf\u00e9 \u2014 \U0001F600", "She had"]
@@ -157,7 +157,7 @@ def test_engine_stop_strings_match_brute_force(llm, skip_special_tokens):
 
 
 def test_engine_stream_deltas_concatenate_to_final_text(llm):
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     for seed in range(3):
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=50, ignore_eos=True)
         outs = list(llm.stream("Caf\u00e9 \u2014 \u65e5\u672c", params))

@@ -81,8 +81,8 @@ def test_synced_draft_cache_proposes_what_a_fresh_one_does(models, tiny_llm):
     with the target as its own draft they are the target's greedy continuation; the table
     always holds exactly ``L + k - 1`` tokens."""
     from jaxkv.config import EngineConfig
+    from jaxkv.sample.sampler import SamplingParams
     from jaxkv.spec_decode.draft_model import DraftModelProposer
-    from jaxkv.sampling import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(2, seed=4, max_chars=50)
@@ -148,7 +148,7 @@ def test_a_full_draft_pool_gives_no_drafts_to_what_does_not_fit(models, tiny_llm
 def test_own_model_as_draft_accepts_every_draft(tiny_llm, same_llm):
     """Greedy, 6 prompts at once, 60 tokens (block size 8): token-exact, every draft accepted,
     fewer target steps, every draft block given back."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(6, seed=5, max_chars=120)
@@ -175,7 +175,7 @@ def test_own_model_as_draft_accepts_every_draft(tiny_llm, same_llm):
 def test_truncated_draft_keeps_greedy_and_seeded_outputs(deep_llm, cut_llm, params):
     """A draft that is right some of the time: greedy and seeded (penalties, min_tokens)
     outputs and logprobs equal the non-speculative run's."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     params = SamplingParams(**params)
@@ -196,7 +196,7 @@ def test_other_random_draft_and_adaptive_length(models, tiny_llm):
     with the adaptive length (the default) too, verifying fewer drafts, its cost measured in
     the engine (the draft's forwards against the target's plain steps)."""
     from jaxkv import LLM
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(4, seed=21, max_chars=80)
@@ -226,7 +226,7 @@ def test_a_warm_engine_measures_each_shape_in_one_step(models):
     one two-token proposal the draft's decode forward has one (without a warm-up both first
     durations hold a compilation and are dropped)."""
     from jaxkv import LLM
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     history = np.arange(3, 23, dtype=np.int32)
@@ -249,7 +249,7 @@ def test_a_warm_engine_measures_each_shape_in_one_step(models):
 def test_preemption_with_a_small_pool(models, tiny_llm):
     """A target pool too small for the batch: requests are preempted (their draft state
     released, caught up again on readmission) and the outputs stay token-exact."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(6, seed=17, max_chars=100)
@@ -267,7 +267,7 @@ def test_preemption_with_a_small_pool(models, tiny_llm):
 def test_draft_blocks_follow_the_requests(same_llm):
     """Stepped by hand: the draft holds tables for exactly the running decodes, each of its
     drafted length; an abort and a finish give back exactly their blocks."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     core, proposer = same_llm.engine, draft_of(same_llm)
@@ -306,8 +306,8 @@ def test_reduced_head_draft_proposes_the_argmax_among_its_tokens(models, tiny, t
     among them is not a near-tie; with a head over every token the target emits, they are the
     target's greedy continuation."""
     from jaxkv.config import EngineConfig
+    from jaxkv.sample.sampler import SamplingParams
     from jaxkv.spec_decode.draft_model import DraftModelProposer, write_reduced_head_draft
-    from jaxkv.sampling import SamplingParams
     from numpy_llama import attend_heads, llama_logprobs
     from tiny_models import austen_prompts
 

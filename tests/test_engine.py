@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxkv import LLM  # noqa: E402
-from jaxkv.sampling import SamplingParams  # noqa: E402
+from jaxkv.sample.sampler import SamplingParams  # noqa: E402
 from tiny_models import TINY_ENGINE, austen_prompts  # noqa: E402
 
 ENGINE = TINY_ENGINE
@@ -63,7 +63,7 @@ def test_kv_layouts_give_the_same_tokens(tiny, llm):
     """The CPU default (HND pools) and NHD pools give the same greedy tokens; the resolved
     layout follows the attention implementation and the format."""
     from jaxkv.config import EngineConfig
-    from jaxkv.engine.runner import resolve
+    from jaxkv.runner.model_runner import resolve
 
     assert llm.engine.runner.kv_spec.layout == "hnd"
     ps = prompts(4, seed=3)

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from jaxkv import LLM, AsyncLLM, DataParallelLLM, EngineConfig, SamplingParams
-from jaxkv.detokenize import IncrementalDetokenizer
+from jaxkv.engine.detokenize import IncrementalDetokenizer
 from tiny_models import TINY_ENGINE, austen_prompts
 
 ENGINE = TINY_ENGINE

@@ -34,7 +34,7 @@ from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test)
 
 from jaxkv import LLM  # noqa: E402
-from jaxkv.sampling import SamplingParams  # noqa: E402
+from jaxkv.sample.sampler import SamplingParams  # noqa: E402
 from tiny_models import EOS_IDS, TINY_ENGINE, austen_text  # noqa: E402
 
 # 12 usable blocks of 8 tokens for up to 8 sequences of up to 80 tokens: preemption; float32,

@@ -1,4 +1,4 @@
-"""jaxkv.eval against independent references: perplexity through the paged engine path equals
+"""jaxkv.entrypoints.eval against independent references: perplexity through the paged engine path equals
 HF transformers' strided perplexity on the same windows; teacher-forced agreement of the fp32 cache
 with the engine's own greedy continuation is exact; quantized caches order as their bits."""
 
@@ -10,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jaxkv import LLM  # noqa: E402
-from jaxkv.eval import perplexity, token_agreement  # noqa: E402
-from jaxkv.sampling import SamplingParams  # noqa: E402
+from jaxkv.entrypoints.eval import perplexity, token_agreement  # noqa: E402
+from jaxkv.sample.sampler import SamplingParams  # noqa: E402
 from tiny_models import austen_text  # noqa: E402
 
 ENGINE = dict(max_model_len=128, max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=20,

@@ -1,5 +1,5 @@
 """H2O retention through the engine on the tiny model: the step's attention mass drives which
-blocks go (jaxkv/retention/h2o.py, jaxkv/attention_mass.py); a budget covering the sequence
+blocks go (jaxkv/retention/h2o.py, jaxkv/attention/mass.py); a budget covering the sequence
 equals full retention exactly, the grouped and reference paths agree under a small budget, the
 pool stays at the budget, prefix-cache hits stay exact, and bad arguments are refused."""
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.eval import retained_nll
+from jaxkv.entrypoints.eval import retained_nll
 from jaxkv.retention import FullRetention, H2ORetention
 from tiny_models import TINY_ENGINE
 

@@ -1,4 +1,4 @@
-"""jaxkv.huge_pages: the weights' memory moved onto 2 MiB pages, their values unchanged."""
+"""jaxkv.runner.huge_pages: the weights' memory moved onto 2 MiB pages, their values unchanged."""
 
 import platform
 
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxkv import huge_pages
+from jaxkv.runner import huge_pages
 
 
 def test_page_range_covers_the_bytes_with_whole_pages():

@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxkv import LLM  # noqa: E402
-from jaxkv.sampling import SamplingParams  # noqa: E402
+from jaxkv.sample.sampler import SamplingParams  # noqa: E402
 from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
@@ -88,7 +88,7 @@ def test_preemption_prefix_reuse_and_forks_are_bit_exact(tiny, kv, window):
 
 
 def test_bad_kv_cache_dtype_and_geometry(tiny, monkeypatch):
-    import jaxkv.engine.runner as engine
+    import jaxkv.runner.model_runner as engine
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the check")

@@ -49,7 +49,7 @@ TEACHER_FORCED_FLOOR = {"fp8_e4m3": (0.93, {}), "int8": (0.95, {}),
 
 @pytest.mark.slow
 def test_smollm2_teacher_forced_agreement_with_fp32_cache():
-    from jaxkv.eval import token_agreement
+    from jaxkv.entrypoints.eval import token_agreement
     from tiny_models import austen_text
 
     with LLM(kv_cache_dtype="fp32", **ENGINE) as llm:

@@ -1,4 +1,4 @@
-"""The KV-format registry and KVCacheSpec: format names live only in jaxkv/kv_spec.py, KIVI's
+"""The KV-format registry and KVCacheSpec: format names live only in jaxkv/kvcache/spec.py, KIVI's
 default group fits every head_dim, bad specs name their field, and init_cache allocates exactly
 the arrays (shapes, dtypes, bytes) the spec and the planner count."""
 
@@ -13,14 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as kvcache
-from jaxkv import planner
-from jaxkv.kv_spec import (KV_ALIASES, KV_FORMATS, MODEL_DTYPES, KVCacheSpec, default_group_size,
-                           get_format, kivi_residual_slots, resolve_kv_cache_dtype)
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.spec import (KV_ALIASES, KV_FORMATS, MODEL_DTYPES, KVCacheSpec,
+                                default_group_size, get_format, kivi_residual_slots,
+                                resolve_kv_cache_dtype)
 from jaxkv.model.config import ModelConfig
+from jaxkv.runner import memory_plan
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxkv"
-REGISTRY = PACKAGE / "kv_spec.py"
+REGISTRY = PACKAGE / "kvcache" / "spec.py"
 # The names that mean a KV format and nothing else. The model dtype names (float32, bfloat16,
 # float16) are aliases too, but they also name weight and activation dtypes everywhere.
 FORMAT_NAMES = set(KV_FORMATS) | {a for a in KV_ALIASES if a not in MODEL_DTYPES}
@@ -49,7 +50,7 @@ def test_format_names_appear_only_in_the_registry():
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {value!r}"
              for path in sorted(PACKAGE.rglob("*.py")) if path != REGISTRY
              for line, value in _string_constants(path) if value in FORMAT_NAMES]
-    assert not found, "KV format names outside jaxkv/kv_spec.py:\n" + "\n".join(found)
+    assert not found, "KV format names outside jaxkv/kvcache/spec.py:\n" + "\n".join(found)
     assert {v for _, v in _string_constants(REGISTRY)} >= FORMAT_NAMES
 
 
@@ -151,12 +152,12 @@ def test_init_cache_allocates_what_the_planner_counts(kv, dtype):
         assert shapes == want
     assert not any(np.asarray(x).any() for x in jax.tree.leaves(c))
     assert c.nbytes == s.nbytes
-    p = planner.plan(CONFIG, device_memory_bytes=1 << 30, dtype=dtype, kv_cache_dtype=kv,
+    p = memory_plan.plan(CONFIG, device_memory_bytes=1 << 30, dtype=dtype, kv_cache_dtype=kv,
                      block_size=bs, max_num_seqs=3, max_model_len=8, num_kv_blocks=n)
     assert p.num_blocks == n and p.kv_bytes_per_block == s.block_bytes
     assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
     if not f.kivi:
-        assert s.block_bytes == bs * planner.kv_bytes_per_token(CONFIG, kv)
+        assert s.block_bytes == bs * memory_plan.kv_bytes_per_token(CONFIG, kv)
         assert s.block_bytes == 2 * 2 * bs * h * (d * f.bits // 8 + f.metadata_bytes)
 
 
@@ -175,7 +176,7 @@ def test_abstract_cache_allocates_nothing_and_matches():
 
 
 def test_pallas_support_is_checked_on_the_spec():
-    from jaxkv.pallas.kv_format import check_pallas_support
+    from jaxkv.attention.pallas.kv_format import check_pallas_support
 
     check_pallas_support(spec(head_dim=64, kv_cache_dtype="int4"))
     check_pallas_support(spec(head_dim=128, kv_cache_dtype="fp8_e4m3", static_scale=1.0))

@@ -25,15 +25,15 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
                                  run_state_machine_as_test)
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.cache import init_cache
-from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.kv_disk import DiskKVStore, KVCacheFileError, decode, encode, namespace
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.kv_transfer import HostKVPool, block_units
 from jaxkv.blocks.host_tier import NO_SLOT, HostTier, SwapCostModel
 from jaxkv.blocks.prefix_cache import PrefixCache
-from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
-                             schedule, update, with_cost_model)
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.kvcache.disk_store import DiskKVStore, KVCacheFileError, decode, encode, namespace
+from jaxkv.kvcache.host_pool import HostKVPool, block_units
+from jaxkv.kvcache.pages import init_cache
+from jaxkv.kvcache.spec import KVCacheSpec
+from jaxkv.sched.scheduler import (Request, StopSpec, abort, add_request, check_invariants,
+                                   init_state, schedule, update, with_cost_model)
 from tiny_models import TINY_ENGINE
 
 # ---------------------------------------------------------------------------- HostTier

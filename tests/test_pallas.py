@@ -1,4 +1,4 @@
-"""Pallas GPU kernels (jaxkv.pallas) against the reference, in interpret mode on CPU.
+"""Pallas GPU kernels (jaxkv.attention.pallas) against the reference, in interpret mode on CPU.
 
 Plus: the kept-blocks walk over tables with dropped blocks (float and quantized pools, the tiles
 it visits, and that it never reads a dropped block), input checks, merge_attention_states, the
@@ -19,13 +19,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jaxkv.attention import kv_tile_range, merge_attention_states, paged_attention_reference
-from jaxkv.attention_grouped import kept_blocks
-from jaxkv.attention_impl import paged_attention
-from jaxkv.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
-                          default_ragged_config, paged_decode_attention, ragged_paged_attention)
-from jaxkv.pallas.kv_walk import kept_run
-from jaxkv.pallas.ragged import _tile_schedule
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.attention.grouped import kept_blocks
+from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
+                                    default_ragged_config, paged_decode_attention,
+                                    ragged_paged_attention)
+from jaxkv.attention.pallas.kv_walk import kept_run
+from jaxkv.attention.pallas.ragged import _tile_schedule
+from jaxkv.attention.reference import (kv_tile_range, merge_attention_states,
+                                       paged_attention_reference)
 from ragged_batches import table_batch
 from test_attention_grouped import drop_blocks, quantized_step
 

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from jaxkv import planner
-from jaxkv.kv_spec import resolve_kv_cache_dtype
+from jaxkv.kvcache.spec import resolve_kv_cache_dtype
 from jaxkv.model.config import ModelConfig
-from jaxkv.planner import GiB, kv_bytes_per_token, num_parameters, plan, weights_bytes
+from jaxkv.runner import memory_plan
+from jaxkv.runner.memory_plan import GiB, kv_bytes_per_token, num_parameters, plan, weights_bytes
 
 SMOLLM2_135M = ModelConfig(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -88,7 +88,7 @@ def test_activation_estimate_follows_its_formula():
     E, F, D, Hq, Hkv, V = 32, 64, 8, 4, 2, 100
     want = 16 * ((2 * E + (2 * Hq + 2 * Hkv) * D + 3 * F) * 4
                  + 256 * (2 * Hkv * D * 4 + 2 * Hq * 4)) + 4 * V * 4 * 6
-    got = planner.activation_bytes_estimate(TINY, max_num_batched_tokens=16, max_num_seqs=4)
+    got = memory_plan.activation_bytes_estimate(TINY, max_num_batched_tokens=16, max_num_seqs=4)
     assert got == want
     p = plan(TINY, device_memory_bytes=GiB, max_num_batched_tokens=16, max_num_seqs=4,
              max_model_len=64)
@@ -199,23 +199,23 @@ def test_unknown_kv_dtype_lists_the_choices():
     with pytest.raises(ValueError, match=r"^kv_cache_dtype='int3'.*fp8_e4m3.*int8"):
         plan(TINY, device_memory_bytes=GiB, kv_cache_dtype="int3")
     with pytest.raises(ValueError, match="kv_cache_dtype='auto' needs the model dtype"):
-        planner.kv_bytes_per_vector("auto", 64)
+        memory_plan.kv_bytes_per_vector("auto", 64)
 
 
 def test_host_memory_budget(monkeypatch):
     with open("/proc/meminfo") as f:
         info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
-    budget = planner.host_memory_budget()
+    budget = memory_plan.host_memory_budget()
     assert 0 < budget <= info["MemAvailable"]    # half of a value that moves between the reads
     assert budget % (info["MemTotal"] // 16) == 0
-    assert planner.host_memory_budget(fraction=1.0) > budget
+    assert memory_plan.host_memory_budget(fraction=1.0) > budget
     with pytest.raises(ValueError, match="^fraction="):
-        planner.host_memory_budget(fraction=0.0)
+        memory_plan.host_memory_budget(fraction=0.0)
     # 16 GiB total: half the available memory, down to a GiB; the same while free memory drifts
     # within a step, so a restart plans the same pool (and hits the compilation cache)
     for available, want in ((9.9, 4), (9.1, 4), (10.1, 5), (1.5, 0.75)):
-        monkeypatch.setattr(planner, "_host_memory", lambda: (16 * GiB, int(available * GiB)))
-        assert planner.host_memory_budget() == int(want * GiB), available
+        monkeypatch.setattr(memory_plan, "_host_memory", lambda: (16 * GiB, int(available * GiB)))
+        assert memory_plan.host_memory_budget() == int(want * GiB), available
 
 
 def test_the_cpu_pool_is_sized_to_the_work(monkeypatch):
@@ -223,16 +223,16 @@ def test_the_cpu_pool_is_sized_to_the_work(monkeypatch):
     sequence at least) and what max_num_seqs full-length sequences use; a given size, or a
     given device's memory, is planned as before."""
     from jaxkv.config import EngineConfig
-    from jaxkv.engine.runner import plan_memory
+    from jaxkv.runner.model_runner import plan_memory
 
-    monkeypatch.setattr(planner, "_host_memory", lambda: (64 * GiB, 60 * GiB))   # 28 GiB budget
+    monkeypatch.setattr(memory_plan, "_host_memory", lambda: (64 * GiB, 60 * GiB))   # 28 GiB budget
     per_block = kv_bytes_per_token(SMOLLM2_135M, "fp32") * 16
 
     def cpu_plan(model=SMOLLM2_135M, **kwargs):
         return plan_memory(EngineConfig.from_kwargs(**kwargs), model)
 
     p = cpu_plan()
-    assert p.num_blocks == planner.CPU_KV_CACHE_BYTES // per_block and p.runs and not p.fits
+    assert p.num_blocks == memory_plan.CPU_KV_CACHE_BYTES // per_block and p.runs and not p.fits
     assert p.kv_source.startswith("the CPU default 2.00 GiB")
     assert p.headline().startswith(f"KV pool: {p.num_blocks - 1:,} blocks x 16 tokens")
     assert "(the CPU default 2.00 GiB; --kv-cache-memory sets it)" in p.headline()

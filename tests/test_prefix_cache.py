@@ -6,12 +6,12 @@ import pytest
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxkv import batch
 from jaxkv.blocks.block_manager import BlockManager
-from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.blocks.prefix_cache import make_prefix_cache
-from jaxkv.scheduler import (Request, ScheduledSeq as S, StopSpec, abort, add_request,
-                             check_invariants, fork, init_state, schedule, update)
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.runner import batch
+from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StopSpec, abort, add_request,
+                                   check_invariants, fork, init_state, schedule, update)
 
 
 def configs(block_size, num_blocks, budget, *, mode="hash", max_num_seqs=8, max_model_len=32,

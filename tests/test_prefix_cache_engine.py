@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxkv.beam_search import BeamSearchParams, score  # noqa: E402
+from jaxkv.engine.beam_search import BeamSearchParams, score  # noqa: E402
 from jaxkv import LLM  # noqa: E402
-from jaxkv.sampling import SamplingParams  # noqa: E402
+from jaxkv.sample.sampler import SamplingParams  # noqa: E402
 from tiny_models import austen_text  # noqa: E402
 
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=96,

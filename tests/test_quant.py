@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as kvcache
-from jaxkv import quant
-from jaxkv.attention import paged_attention_reference
-from jaxkv.kv_spec import KV_FORMATS, KVCacheSpec, get_format
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache import quant
+from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec, get_format
 
 FORMATS = tuple(name for name, f in KV_FORMATS.items() if f.quantized)
 
@@ -218,24 +218,24 @@ def test_bad_geometry_and_dtype():
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp8_e4m3", "int8", "int4", "int2"])
 def test_planner_counts_the_exact_cache_bytes(name):
-    from jaxkv import planner
-    from jaxkv.kv_spec import kivi_residual_slots
+    from jaxkv.kvcache.spec import kivi_residual_slots
     from jaxkv.model.config import ModelConfig
+    from jaxkv.runner import memory_plan
     cfg = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                       max_position_embeddings=256)
-    p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=16,
+    p = memory_plan.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=16,
                      max_num_seqs=3, max_model_len=64, num_kv_blocks=9, dtype="float32")
     spec = functools.partial(KVCacheSpec, num_layers=2, num_kv_heads=2, head_dim=64,
                              kv_cache_dtype=name)
     c = kvcache.init_cache(spec(num_blocks=9, block_size=16, num_residual_slots=4))
     assert p.kv_cache_bytes + p.kv_residual_bytes == c.nbytes
-    ratio = planner.kv_bytes_per_block(cfg, "bf16", 32) / planner.kv_bytes_per_block(cfg, name, 32)
+    ratio = memory_plan.kv_bytes_per_block(cfg, "bf16", 32) / memory_plan.kv_bytes_per_block(cfg, name, 32)
     assert ratio >= {"fp32": 0.5, "bf16": 1, "fp8_e4m3": 1.9, "int8": 1.9, "int4": 3.1,
                      "int2": 5.0}[name]
     # KIVI geometry levers: a 64-token key group (block) and 64-channel value groups, with a
     # residual window of 2 blocks per sequence
-    p = planner.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=64,
+    p = memory_plan.plan(cfg, device_memory_bytes=1 << 30, kv_cache_dtype=name, block_size=64,
                      max_num_seqs=3, max_model_len=128, num_kv_blocks=5, dtype="float32",
                      kv_residual_blocks=2, kv_group_size=64)
     c = kvcache.init_cache(spec(num_blocks=5, block_size=64,
@@ -259,7 +259,7 @@ def test_rewrite_into_sealed_kivi_block_keeps_its_codes():
 def _decode_writes(cache, tables, n, *, residual_blocks, seed=0):
     """Writes n tokens of one sequence one decode step at a time (with the step metadata);
     returns the cache and the written K."""
-    from jaxkv.metadata import AttentionMetadata
+    from jaxkv.kvcache.metadata import AttentionMetadata
 
     rng = np.random.default_rng(seed)
     ks = rng.normal(size=(n, 1, 8)).astype(np.float32)

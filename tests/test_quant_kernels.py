@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as kvcache
-from jaxkv.attention import paged_attention_reference
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.pallas import paged_decode_attention, ragged_paged_attention
+from jaxkv.attention.pallas import paged_decode_attention, ragged_paged_attention
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.spec import KVCacheSpec
 
 H, HKV, D, BS, NB = 4, 2, 16, 8, 12
 
@@ -128,7 +128,7 @@ def test_quantize_pages_equals_writing_every_token(kv):
 def test_one_byte_pools_of_two_to_four_gib_are_refused():
     """Triton would address them with overflowing int32 offsets (jax's lowering switches to int64
     only past 2^32 bytes); checked on shapes, nothing is allocated."""
-    from jaxkv.pallas.kv_format import check_offsets
+    from jaxkv.attention.pallas.kv_format import check_offsets
 
     big = jax.ShapeDtypeStruct((2 ** 17 + 1, 16, 8, 128), jnp.int8)          # 2 GiB + 16 KiB
     with pytest.raises(ValueError, match="overflowing int32 offsets"):

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
+from jaxkv.attention.quest import key_bounds
 from jaxkv.config import EngineConfig
-from jaxkv.sparse_attention import key_bounds
 from numpy_llama import attend_heads, llama_logprobs
 from tiny_models import TINY_ENGINE
 
@@ -152,8 +152,8 @@ def test_verified_drafts_attend_to_their_own_selection(tiny, monkeypatch):
 
 @pytest.mark.parametrize("kv", ["auto", pytest.param("int8", marks=pytest.mark.slow)])
 def test_pallas_sparse_kernel_in_the_engine(tiny, kv):
-    """impl="pallas" (interpret mode) runs jaxkv.pallas.sparse_paged_decode_attention on the
-    decode rows: the same tokens and logprobs as the jnp spec's grouped engine."""
+    """impl="pallas" (interpret mode) runs jaxkv.attention.pallas.sparse_paged_decode_attention on
+    the decode rows: the same tokens and logprobs as the jnp spec's grouped engine."""
     prompts = _prompts(n=2, lo=40, seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     kw = dict(kv_cache_dtype=kv, sparse_attention="quest", sparse_budget_tokens=6 * BS,

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from jaxkv import batch
 from jaxkv.blocks.block_manager import NULL_BLOCK
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
 from jaxkv.retention import FullRetention, H2ORetention, StreamingRetention, from_args
-from jaxkv.scheduler import (Request, StopSpec, abort, add_request, check_invariants, init_state,
-                             schedule, update)
+from jaxkv.runner import batch
+from jaxkv.sched.scheduler import (Request, StopSpec, abort, add_request, check_invariants,
+                                   init_state, schedule, update)
 
 
 def configs(*, block_size=4, num_blocks=12, budget=8, sinks=2, window=6, max_model_len=400,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.sampling import SamplingParams, SamplingTensors, process_logits, sample
+from jaxkv.sample.sampler import SamplingParams, SamplingTensors, process_logits, sample
 
 V = 64
 
@@ -316,7 +316,7 @@ def test_min_tokens_suppresses_stop_and_eos_until_reached():
 def test_step_rng_is_the_fold_in_of_the_seed_key(seed):
     """The engine's per-step rng (one jitted call on a cached key) equals the eager
     ``fold_in(PRNGKey(seed), step)``, for every step and seed."""
-    from jaxkv.step import step_rng
+    from jaxkv.runner.step import step_rng
 
     for step in (0, 1, 12345):
         want = jax.random.fold_in(jax.random.PRNGKey(seed), step).astype(jnp.uint32)

@@ -5,10 +5,10 @@ import pytest
 from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxkv import batch
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, abort, add_request,
-                             check_invariants, init_state, schedule, update)
+from jaxkv.runner import batch
+from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, abort,
+                                   add_request, check_invariants, init_state, schedule, update)
 
 
 def configs(block_size, num_blocks, budget, *, max_num_seqs=8, max_model_len=32, policy="fcfs"):

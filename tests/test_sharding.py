@@ -9,10 +9,10 @@ tests/test_sharding_multihost.py.
 
 import pytest
 
-from jaxkv import planner, sharding
 from jaxkv.model import store
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.weights import load_config
+from jaxkv.runner import memory_plan, sharding
 
 pytest.importorskip("torch")
 from tp_runner import TINY, run_worker, write_tiny  # noqa: E402
@@ -156,12 +156,12 @@ def test_smollm2_heads_refuse_tp_2_4_8_listing_valid_sizes(tp):
 
 def test_planner_sizes_per_device():
     c = ModelConfig(**SMOL)
-    assert planner.kv_bytes_per_token(c, "fp32", 3) == planner.kv_bytes_per_token(c, "fp32") // 3
-    assert planner.kv_bytes_per_token(c, "fp32", 9) == planner.kv_bytes_per_token(c, "fp32") // 3
+    assert memory_plan.kv_bytes_per_token(c, "fp32", 3) == memory_plan.kv_bytes_per_token(c, "fp32") // 3
+    assert memory_plan.kv_bytes_per_token(c, "fp32", 9) == memory_plan.kv_bytes_per_token(c, "fp32") // 3
     norms = (2 * 30 + 1) * 576
-    assert planner.weights_bytes(c, "float32", 3) == 4 * (
-        norms + (planner.num_parameters(c) - norms) // 3)
-    p = planner.plan(c, device_memory_bytes=8 << 30, max_model_len=1024, tensor_parallel_size=9)
+    assert memory_plan.weights_bytes(c, "float32", 3) == 4 * (
+        norms + (memory_plan.num_parameters(c) - norms) // 3)
+    p = memory_plan.plan(c, device_memory_bytes=8 << 30, max_model_len=1024, tensor_parallel_size=9)
     assert (p.tensor_parallel_size, p.kv_head_replication) == (9, 3)
     assert "kv heads replicated on" in p.summary()
 

@@ -9,12 +9,12 @@ import pytest
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
-from jaxkv.eval import retained_nll
+from jaxkv.entrypoints.eval import retained_nll
 from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
                              from_args)
 from jaxkv.retention.snapkv import pool_blocks
-from jaxkv.scheduler import (Request, StopSpec, add_request, check_invariants, init_state,
-                             schedule, update)
+from jaxkv.sched.scheduler import (Request, StopSpec, add_request, check_invariants, init_state,
+                                   schedule, update)
 from tiny_models import TINY_ENGINE
 
 SNAP = dict(TINY_ENGINE, kv_retention="snapkv", kv_budget_tokens=48, kv_observation_tokens=16,

@@ -1,4 +1,4 @@
-"""Quest sparse attention (jaxkv.sparse_attention, jaxkv.pallas.sparse).
+"""Quest sparse attention (jaxkv.attention.quest, jaxkv.attention.pallas.sparse).
 
 Key bounds kept on write == from scratch (exact, through block reuse and a copy-on-write fork);
 KIVI bounds from the stored statistics bound (tightly) the dequantized keys; page scores bound the
@@ -17,15 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import cache as kvcache
-from jaxkv.attention import paged_attention_reference
-from jaxkv.kv_spec import KVCacheSpec
-from jaxkv.metadata import AttentionMetadata
-from jaxkv.pallas import SparseConfig, sparse_paged_decode_attention
-from jaxkv.sparse_attention import (KeyBounds, copy_key_bounds, init_key_bounds, key_bounds,
-                                    min_budget, page_bounds, page_scores, quest_decode_reference,
-                                    quest_select, select_pages, sparse_decode_reference,
-                                    update_key_bounds, written_keys)
+from jaxkv.attention.pallas import SparseConfig, sparse_paged_decode_attention
+from jaxkv.attention.quest import (KeyBounds, copy_key_bounds, init_key_bounds, key_bounds,
+                                   min_budget, page_bounds, page_scores, quest_decode_reference,
+                                   quest_select, select_pages, sparse_decode_reference,
+                                   update_key_bounds, written_keys)
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.spec import KVCacheSpec
 from ragged_batches import table_batch
 
 # jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernel uses it on purpose

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.scheduler import (Request, StopSpec, accepted_tokens, add_request, check_invariants,
-                             decoding_ids, init_state, schedule, update)
+from jaxkv.sched.scheduler import (Request, StopSpec, accepted_tokens, add_request,
+                                   check_invariants, decoding_ids, init_state, schedule, update)
 from oracle_proposer import OracleProposer
 
 VOCAB = 40
@@ -277,7 +277,7 @@ def test_prefix_cache_registers_verified_tokens_only():
 def test_num_accepted_equals_a_loop():
     import jax.numpy as jnp
 
-    from jaxkv.rejection_sampler import num_accepted
+    from jaxkv.sample.rejection import num_accepted
 
     rng = np.random.default_rng(0)
     targets = rng.integers(0, 3, (64, 5)).astype(np.int32)
@@ -316,8 +316,8 @@ def test_rejection_sampling_keeps_the_target_distribution():
     import jax
     from scipy import stats
 
-    from jaxkv.rejection_sampler import num_accepted
-    from jaxkv.sampling import SamplingParams, SamplingTensors, sample
+    from jaxkv.sample.rejection import num_accepted
+    from jaxkv.sample.sampler import SamplingParams, SamplingTensors, sample
 
     n, draft = 4000, 2
     logits = np.array([[1.0, 0.2, 0.9, -0.5, 0.4, -3.0],
@@ -412,7 +412,7 @@ def token_lists(outs):
 
 
 def test_ngram_greedy_equals_non_speculative_on_repetitive_prompts(tiny_llm, spec_llm):
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     passages = austen_prompts(4, seed=5, max_chars=160)
@@ -459,7 +459,7 @@ def test_random_drafts_keep_outputs_tables_and_prefix_cache(tiny_llm, spec_llm, 
     """Drafts right or random: greedy and seeded (penalties, min_tokens) outputs equal the
     non-speculative run's, and at every token count each decoding request's counter, table
     length, registered blocks and prefix-cache hits equal that run's."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     params = SamplingParams(**params)
@@ -501,7 +501,7 @@ def test_random_drafts_keep_outputs_tables_and_prefix_cache(tiny_llm, spec_llm, 
 def test_stops_inside_an_accepted_run(tiny_llm, spec_llm, monkeypatch):
     """Perfect drafts: a stop token, a stop string and max_tokens landing inside a run of
     accepted drafts end the output exactly where non-speculative decoding ends it."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(3, seed=13, max_chars=60)
@@ -716,7 +716,7 @@ class CostlyProposer(ProbedProposer):
     token into its ``forward_cost`` (as the draft model measures its forwards)."""
 
     def __init__(self, right: bool, forward_seconds: float, sc):
-        from jaxkv.step_cost import StepCostModel
+        from jaxkv.sched.step_cost import StepCostModel
 
         super().__init__(right)
         self.forward_cost = StepCostModel.for_scheduler(sc)
@@ -731,8 +731,8 @@ class CostlyProposer(ProbedProposer):
 def step_time_speculator(proposer, sc):
     """An adaptive speculator (at most 4 drafts) of ``proposer`` with a step-time model over
     the scheduler config ``sc``'s buckets: as ``Speculator.from_args`` builds an engine's."""
+    from jaxkv.sched.step_cost import StepCostModel
     from jaxkv.spec_decode.speculator import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     return Speculator(proposer, 4, draft_cost=0.1,
                       step_cost=StepCostModel.for_scheduler(sc),
@@ -815,7 +815,7 @@ def test_probes_back_off_only_over_their_budget(forward_seconds, backs_off):
 def test_adaptive_engine_drafts_less_when_drafts_fail(tiny_llm, spec_llm, monkeypatch):
     """On the random tiny model n-gram drafts are almost never right: adaptive k verifies a
     fraction of the drafts fixed k does, with the same outputs."""
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import austen_prompts
 
     prompts = austen_prompts(4, seed=21, max_chars=80)
@@ -834,7 +834,7 @@ def test_pallas_kernel_verify_steps_equal_reference(tiny, tiny_llm):
     """The Pallas ragged kernel (interpret mode) on decodes of 1 + k query tokens: the same
     greedy tokens as the reference attention without speculation."""
     from jaxkv import LLM
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
     from tiny_models import TINY_ENGINE, austen_prompts
 
     prompts = austen_prompts(2, seed=9, max_chars=40)
@@ -855,7 +855,7 @@ def test_step_cost_model_fits_synthetic_timings():
     """Durations keyed by padded shape: the first of each shape (its compilation) is dropped,
     then a moving average; a shape goes stale after ``refresh`` observations and is asked for
     again; a shape asked for but not reached is not asked for again at once."""
-    from jaxkv.step_cost import StepCostModel
+    from jaxkv.sched.step_cost import StepCostModel
 
     model = StepCostModel((16, 64, 256), (8, 32), refresh=10)
     assert model.key(17, 3, True) == (64, 8, True) and model.key(300, 40, False) == (256, 32, False)
@@ -1091,7 +1091,7 @@ class CostlyBatchProposer:
     probe_interval = 8
 
     def __init__(self, right: set, forward_seconds: float, sc):
-        from jaxkv.step_cost import StepCostModel
+        from jaxkv.sched.step_cost import StepCostModel
 
         self.right, self.forward_seconds = right, forward_seconds
         self.forward_cost = StepCostModel.for_scheduler(sc)
@@ -1185,8 +1185,8 @@ def test_cold_requests_do_not_choose_the_bucket():
     the prior acceptance 1/2, 64 x E(3) = 120 tokens per 1.5 would beat 64 per 1, but cold
     requests do not choose the step's shape (plain); once their proposals are measured right
     (acceptance 0.69 after one matching token: 64 x E(3) = 160 per 1.5), they draft."""
+    from jaxkv.sched.step_cost import StepCostModel
     from jaxkv.spec_decode.speculator import Speculator
-    from jaxkv.step_cost import StepCostModel
 
     model = StepCostModel.for_scheduler(BATCH64)
     for tokens, drafts, seconds in ((64, False, 1.0), (256, True, 1.5), (256, False, 1.4)):
@@ -1238,7 +1238,7 @@ def test_engine_sampling_with_drafts_keeps_the_target_distribution(tiny):
     from scipy import stats
 
     from jaxkv import LLM
-    from jaxkv.sampling import SamplingParams
+    from jaxkv.sample.sampler import SamplingParams
 
     path, hf_model = tiny
     prompt = tuple(np.random.default_rng(0).integers(3, 400, 17).tolist())

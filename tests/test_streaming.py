@@ -159,7 +159,7 @@ def _sink_batch(seed=0, *, bs=4, Hkv=2, G=2, D=16, num_blocks=48):
 
 
 def test_sink_queries_score_only_the_sinks():
-    from jaxkv.attention import paged_attention_reference, token_layout
+    from jaxkv.attention.reference import paged_attention_reference, token_layout
 
     q, qs, k, v, tables, lens, qsl = _sink_batch()
     out = np.asarray(paged_attention_reference(q, k, v, tables, lens, qsl, sliding_window=6,
@@ -182,9 +182,9 @@ def test_sink_queries_score_only_the_sinks():
 
 @pytest.mark.parametrize("impl", ["grouped", "pallas"])
 def test_sink_queries_in_every_implementation(impl):
-    from jaxkv.attention import paged_attention_reference
-    from jaxkv.attention_impl import paged_attention
-    from jaxkv.pallas import paged_decode_attention
+    from jaxkv.attention.dispatch import paged_attention
+    from jaxkv.attention.pallas import paged_decode_attention
+    from jaxkv.attention.reference import paged_attention_reference
 
     q, qs, k, v, tables, lens, qsl = _sink_batch(seed=1)
     opts = dict(sliding_window=6, num_sinks=3, q_sinks=qs)
@@ -200,11 +200,11 @@ def test_sink_queries_in_every_implementation(impl):
         np.testing.assert_allclose(np.asarray(dec), np.asarray(want)[last], atol=2e-5)
 
 
-# ---- jaxkv.eval.retained_nll: the perplexity protocol of bench/streaming.py -----------------
+# ---- jaxkv.entrypoints.eval.retained_nll: the perplexity protocol of bench/streaming.py -----------------
 
 @pytest.mark.parametrize("positions", ["cache", "original"])
 def test_retained_nll_equals_the_oracle_in_a_bounded_pool(tiny, positions):
-    from jaxkv.eval import retained_nll
+    from jaxkv.entrypoints.eval import retained_nll
 
     path, model = tiny
     ids = np.random.default_rng(3).integers(3, 400, size=700)          # past the 512 context
@@ -218,7 +218,7 @@ def test_retained_nll_equals_the_oracle_in_a_bounded_pool(tiny, positions):
 
 
 def test_retained_nll_with_full_retention_is_perplexity(tiny):
-    from jaxkv.eval import perplexity, retained_nll
+    from jaxkv.entrypoints.eval import perplexity, retained_nll
     from jaxkv.retention import FullRetention
 
     path, _ = tiny
@@ -236,8 +236,8 @@ def test_retained_nll_with_full_retention_is_perplexity(tiny):
 def test_dropped_blocks_are_invisible_in_every_implementation(impl):
     # drops anywhere (not only where a window ends: H2O-style), no window: each query sees its
     # causal prefix minus the dropped blocks; the null block holds large garbage
-    from jaxkv.attention import token_layout
-    from jaxkv.attention_impl import paged_attention
+    from jaxkv.attention.dispatch import paged_attention
+    from jaxkv.attention.reference import token_layout
     from ragged_batches import table_batch
 
     rng = np.random.default_rng(7)

@@ -9,10 +9,10 @@ field first. No engine is built: the table is tested directly over the tiny test
 import numpy as np
 import pytest
 
+from jaxkv.config.checks import ParamTypeError
+from jaxkv.engine.requests import MAX_LOGPROBS, RequestTable
 from jaxkv.model.tokenizer import Tokenizer
-from jaxkv.requests import MAX_LOGPROBS, RequestTable
-from jaxkv.checks import ParamTypeError
-from jaxkv.sampling import SamplingParams
+from jaxkv.sample.sampler import SamplingParams
 
 VOCAB = 400
 MAX_MODEL_LEN = 64

@@ -26,14 +26,15 @@ from unittest import mock
 import jax
 import numpy as np
 
-from jaxkv import DataParallelLLM, sharding
-from jaxkv.engine import runner as engine
+from jaxkv import DataParallelLLM
 from jaxkv import LLM
 from jaxkv.config import ATTENTION_IMPLS
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_model_files
-from jaxkv.sampling import SamplingParams
+from jaxkv.runner import sharding
+from jaxkv.runner import model_runner as engine
+from jaxkv.sample.sampler import SamplingParams
 from paged_runner import PagedRunner
 
 ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, num_kv_blocks=48,

@@ -28,7 +28,7 @@ take a cached block out of the middle of the queue in O(1).
 Forking shares blocks: ``fork`` gives the child the parent's first blocks and increments their ref
 counts. Before a request writes into a block another table also references (the partially filled
 last block of a fork), ``copy_on_write`` gives it a fresh block and returns the ``(src, dst)`` copy
-the engine applies on device (``jaxkv.cache.copy_blocks``) before the step.
+the engine applies on device (``jaxkv.kvcache.pages.copy_blocks``) before the step.
 
 Prefix caching (``prefix_caching="hash" | "radix"``, see jaxkv/blocks/prefix_cache.py). ``register``
 records the blocks a request has filled (called after the step that computed them), ``lookup``
@@ -42,7 +42,7 @@ its first tokens through a copy.
 
 Copying is cheap and is how the pure scheduler treats a BlockManager as a value: ``copy`` duplicates
 three int32 [num_blocks] arrays and a dict whose block tables are immutable tuples shared between
-copies (see jaxkv/scheduler.py). Mutating methods change only ``self``.
+copies (see jaxkv/sched/scheduler.py). Mutating methods change only ``self``.
 """
 
 from __future__ import annotations

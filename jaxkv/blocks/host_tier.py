@@ -30,12 +30,12 @@ step's block copies and the step itself):
     3. swap-ins    host slot     -> device block
 
 A host slot this plan reads (a swap-in) or writes (a swap-out, a disk load) is *busy*: it is
-neither evicted nor reused by another transfer of the same plan, and a slot given up this plan (a resumed request's) is only freed at
-the next plan (``begin_plan``), so a swap-out never overwrites a slot a swap-in of its own plan
-still has to read.
+neither evicted nor reused by another transfer of the same plan, and a slot given up this plan (a
+resumed request's) is only freed at the next plan (``begin_plan``), so a swap-out never overwrites a
+slot a swap-in of its own plan still has to read.
 
 ``HostTier`` is a value the pure scheduler copies (``copy``) and mutates only as its copy,
-like the ``BlockManager``; the bytes live in the runner (jaxkv/kv_transfer.py ``HostKVPool``).
+like the ``BlockManager``; the bytes live in the runner (jaxkv/kvcache/host_pool.py ``HostKVPool``).
 Swap or recompute is chosen per preempted request by ``SwapCostModel``.
 """
 
@@ -96,7 +96,7 @@ class HostTier:
 
     Args:
       num_slots: host blocks (all usable; there is no null slot).
-      disk: a ``jaxkv.kv_disk.DiskKVStore`` behind the prefix slots, or None. It is shared by
+      disk: a ``jaxkv.kvcache.disk_store.DiskKVStore`` behind the prefix slots, or None. It is shared by
         every copy (it is a cache of files, not scheduler state).
     """
 

@@ -75,8 +75,8 @@ class PrefixCache:
 
     def root(self, salt: Hashable) -> Hashable:
         """Key of the (virtual) parent of a request's first block: a 64-bit digest of the
-        salt's ``repr``, the same in every process (the persistent cache, jaxkv/kv_disk.py,
-        finds a restarted engine's blocks by these keys)."""
+        salt's ``repr``, the same in every process (the persistent cache,
+        jaxkv/kvcache/disk_store.py, finds a restarted engine's blocks by these keys)."""
         digest = hashlib.blake2b(repr(("jaxkv-prefix-root", salt)).encode(), digest_size=8)
         return int.from_bytes(digest.digest(), "little", signed=True)
 

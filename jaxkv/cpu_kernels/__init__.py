@@ -1,7 +1,7 @@
 """Native CPU kernels: C++ behind XLA's FFI, built on this machine on first use.
 
 Two kernels over one layer's paged KV, in paged_attention.cc, for the two paths of the CPU
-attention (jaxkv/attention_grouped.py):
+attention (jaxkv/attention/grouped.py):
 
 * ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
   against its paged KV;
@@ -14,9 +14,9 @@ small batched dots on it; the kernels read each block of K and V in place. The p
 head-major ``[N, Hkv, bs, D]`` (``HNDPages``), bf16/f16 head-major, or int8/fp8 codes
 token-major ``[N, bs, Hkv, D]`` (``QuantizedPages`` with one scale per token and head, or a fixed
 scale); a 16-bit or coded block is decoded to float32 (code × scale, as
-``jaxkv.quant.dequantize``) into a per-thread buffer as it is read.
+``jaxkv.kvcache.quant.dequantize``) into a per-thread buffer as it is read.
 
-And one for the sampler (jaxkv/sampling.py), in row_stats.cc:
+And one for the sampler (jaxkv/sample/sampler.py), in row_stats.cc:
 
 * ``row_stats``: each row's first argmax, maximum and log-sum-exp of a step's logits, read
   while the row is in cache (XLA runs them as separate passes over [S, V]).
@@ -203,7 +203,7 @@ def paged_rows(q: jax.Array, k: jax.Array, v: jax.Array, tables: jax.Array,
 
     Returns:
       (out f32 [S, Hkv, R * G, D], lse f32 [S, Hkv, R * G]): 0 and -inf for rows that see no
-      position, as ``jaxkv.attention.softmax_result``.
+      position, as ``jaxkv.attention.reference.softmax_result``.
     """
     _require()
     S, Hkv, RG, D = q.shape

@@ -1,14 +1,14 @@
-// Paged attention for the CPU path (jaxkv/attention_grouped.py), as XLA FFI custom calls, one
+// Paged attention for the CPU path (jaxkv/attention/grouped.py), as XLA FFI custom calls, one
 // layer per call, over a pool of any of these element types (k and v alike):
 //
-//   f32                   [N, Hkv, bs, D]   head-major (jaxkv.cache.HNDPages), read in place
-//   bf16, f16             [N, Hkv, bs, D]   head-major (HNDPages of a 16-bit cache)
-//   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.cache.QuantizedPages) times
+//   f32                   [N, Hkv, bs, D]   head-major (jaxkv.kvcache.pages.HNDPages), read in
+//   place bf16, f16             [N, Hkv, bs, D]   head-major (HNDPages of a 16-bit cache)
+//   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.kvcache.pages.QuantizedPages) times
 //                                           one bf16 scale per token and head [N, bs, Hkv, 1],
 //                                           or one fixed scale for the whole pool
 //
 // A coded block is decoded into a [bs, D] float buffer, value = code * scale as
-// jaxkv.quant.dequantize computes it, and then attended exactly as a float block.
+// jaxkv.kvcache.quant.dequantize computes it, and then attended exactly as a float block.
 //
 // JaxkvPagedRows: the rows, the last R query tokens of each sequence (a decode token, or a
 // speculative step's token and its drafts), G query heads per kv head:
@@ -222,8 +222,8 @@ class Ahead {
 
 // ---- what a query sees ---------------------------------------------------------------------
 
-// The logits' options (jaxkv.attention.visible, cap_logits): a query at position p sees kv
-// position j <= p, with a window only p - j < window or j < sinks (the attention sinks), and
+// The logits' options (jaxkv.attention.reference.visible, cap_logits): a query at position p sees
+// kv position j <= p, with a window only p - j < window or j < sinks (the attention sinks), and
 // with rescore the sink positions are scored by the query's second set (StreamingLLM's sink
 // queries) instead of its own.
 struct Mask {

@@ -1,5 +1,5 @@
-// The sampler's per-row statistics of a step's logits (jaxkv/sampling.py), as an XLA FFI custom
-// call, one row per work item:
+// The sampler's per-row statistics of a step's logits (jaxkv/sample/sampler.py), as an XLA FFI
+// custom call, one row per work item:
 //
 //   x        f32 [S, V]  logits
 //   first    s32 [S]     the first index of the row's maximum (V - 1 if the row has a NaN)
@@ -7,8 +7,8 @@
 //   log_norm f32 [S]     log(sum(exp(x - top))): the raw logprob of token j is x[j] - top - it
 //                        (NaN where top is NaN or infinite)
 //
-// As jaxkv.sampling.first_argmax and the max and log-sum-exp around it, which XLA's CPU backend
-// runs as separate passes over [S, V]; here a row is read three times while it sits in cache.
+// As jaxkv.sample.sampler.first_argmax and the max and log-sum-exp around it, which XLA's CPU
+// backend runs as separate passes over [S, V]; here a row is read three times while it sits in cache.
 
 #include <cmath>
 #include <cstdint>

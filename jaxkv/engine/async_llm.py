@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 
 from jaxkv.config import EngineConfig, describe_arguments
 from jaxkv.engine.core import EngineCore
-from jaxkv.outputs import RequestOutput
-from jaxkv.sampling import SamplingParams
+from jaxkv.engine.outputs import RequestOutput
+from jaxkv.sample.sampler import SamplingParams
 
 
 class EngineDeadError(RuntimeError):

@@ -33,14 +33,14 @@ import time
 import types
 from collections.abc import Sequence
 
-from jaxkv import scheduler
-from jaxkv.compile_cache import enable_compilation_cache
-from jaxkv.config import EngineConfig
-from jaxkv.engine.runner import ModelRunner, RowInput, StepOutput
 from jaxkv.blocks.host_tier import SwapCostModel
-from jaxkv.outputs import RequestOutput
-from jaxkv.requests import Request, RequestTable
-from jaxkv.sampling import SamplingParams
+from jaxkv.config import EngineConfig
+from jaxkv.engine.outputs import RequestOutput
+from jaxkv.engine.requests import Request, RequestTable
+from jaxkv.runner.compile_cache import enable_compilation_cache
+from jaxkv.runner.model_runner import ModelRunner, RowInput, StepOutput
+from jaxkv.sample.sampler import SamplingParams
+from jaxkv.sched import scheduler
 from jaxkv.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("jaxkv")

@@ -21,12 +21,12 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxkv import beam_search
-from jaxkv.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxkv.config import EngineConfig, describe_arguments
+from jaxkv.engine import beam_search
+from jaxkv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxkv.engine.core import EngineCore
-from jaxkv.outputs import RequestOutput
-from jaxkv.sampling import SamplingParams
+from jaxkv.engine.outputs import RequestOutput
+from jaxkv.sample.sampler import SamplingParams
 
 
 class LLM:
@@ -249,8 +249,8 @@ class LLM:
                              use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search over one prompt or a list of them (see jaxkv/beam_search.py); the beams
-        share their blocks and copy only a diverging last block. Needs an idle engine."""
+        """Beam search over one prompt or a list of them (see jaxkv/engine/beam_search.py); the
+        beams share their blocks and copy only a diverging last block. Needs an idle engine."""
         with self._lock:
             return beam_search.run(self.engine, prompts, params)
 

@@ -6,9 +6,9 @@ function ``forward(params, ...)``, which merges them into the module graph insid
 
 One forward serves a ragged batch that mixes prefill chunks and decode tokens: each layer
 projects q/k/v for the step's tokens [T], rotates q/k, writes k/v into the cache at
-``slot_mapping`` and attends over the paged cache (jaxkv.attention_impl).
+``slot_mapping`` and attends over the paged cache (jaxkv.attention.dispatch).
 
-With Quest (``sparse=QuestOptions``, jaxkv/sparse_attention.py) the decode sequences of the
+With Quest (``sparse=QuestOptions``, jaxkv/attention/quest.py) the decode sequences of the
 step (query of one token) attend only to their selected pages; the prefill chunks stay dense:
 
     dense attention   prefill chunks as given; each decode sequence shrunk to kv length 1 over
@@ -29,11 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv import cache as kvcache
-from jaxkv import sparse_attention as quest
-from jaxkv.attention_impl import paged_attention
-from jaxkv.attention_mass import block_attention_mass
-from jaxkv.metadata import AttentionMetadata
+from jaxkv.attention import quest as quest
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.attention.mass import block_attention_mass
+from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
@@ -60,7 +60,7 @@ class RMSNorm(nnx.Module):
 def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):
     """Decode attention over the selected pages: the jnp spec, or the Pallas kernel."""
     if impl == "pallas":
-        from jaxkv.pallas import sparse_paged_decode_attention  # GPU-only code, imported lazily
+        from jaxkv.attention.pallas import sparse_paged_decode_attention  # GPU-only code, imported lazily
         return sparse_paged_decode_attention(q, k_pool, v_pool, tables, lens, pages, count,
                                              interpret=interpret)
     return quest.sparse_decode_reference(q, k_pool, v_pool, tables, lens, pages, count)
@@ -125,7 +125,7 @@ class Attention(nnx.Module):
         """One layer's attention; ``rot``: the tokens' RoPE rotation (``rope.rotation``),
         ``sink_rot``: the one that scores the sinks (StreamingLLM's positions within the cache,
         with ``options.sink_position_cap``); ``pools`` = (k_pool, v_pool, KeyBounds or None);
-        ``row_queries``: the attention's layout hint (``jaxkv.attention_impl``). Returns
+        ``row_queries``: the attention's layout hint (``jaxkv.attention.dispatch``). Returns
         (output [T, E], (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
         q, k, v = linears(x, (self.q_proj[...], self.k_proj[...],      # [T, Hq, D],
                               self.v_proj[...]))                      # [T, Hkv, D] x 2
@@ -295,24 +295,24 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       config: the model's hyper-parameters (static).
       logits_indices: optional int32 [S]: compute logits only for these token rows.
       attention_impl: ``"reference"``, ``"grouped"`` or ``"pallas"`` (explicit; see
-        jaxkv.attention_impl).
+        jaxkv.attention.dispatch).
       interpret: Pallas interpret mode (CPU).
       attention: the paged-attention function (``paged_attention``'s signature); tensor
-        parallelism passes its ``shard_map`` wrapper (jaxkv.sharding.sharded_attention).
+        parallelism passes its ``shard_map`` wrapper (jaxkv.runner.sharding.sharded_attention).
       attention_options: window, sinks, sink positions and attention statistics of a KV
         retention policy (jaxkv/retention/; static); default the model's own sliding window,
         no sinks, no statistics.
-      sparse: Quest sparse decode attention (static; jaxkv/sparse_attention.py): decode
+      sparse: Quest sparse decode attention (static; jaxkv/attention/quest.py): decode
         sequences attend only to their selected pages (the cache keeps ``KeyBounds`` for a
         float/fp8/int8 pool, ``KVCacheSpec.key_bounds``); None: dense attention.
-      row_queries: the attention's layout hint (static; ``jaxkv.attention_impl``): a step that
+      row_queries: the attention's layout hint (static; ``jaxkv.attention.dispatch``): a step that
         verifies drafts passes its logits width W = 1 + k, so each sequence's last W tokens
         read their KV together.
 
     Returns:
       (logits float32 [S or T, num_logits], updated cache), and with
       ``attention_options.observe`` also the attention mass per KV block f32 [S, max_blocks]
-      (``jaxkv.attention_mass``, summed over layers).
+      (``jaxkv.attention.mass``, summed over layers).
     """
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     graphdef, abstract = _abstract(config, jnp.dtype(dtype).name)

@@ -1,6 +1,6 @@
 """KV retention: which KV blocks of a sequence the engine keeps (the seam of every policy).
 
-A policy answers two questions the pure scheduler asks (jaxkv/scheduler.py), and fixes how the
+A policy answers two questions the pure scheduler asks (jaxkv/sched/scheduler.py), and fixes how the
 attention reads what is kept:
 
 * ``drops(num_computed, table, scores, block_size, prompt_tokens)``: before the scheduler allocates for a

@@ -20,7 +20,7 @@ class AttentionOptions:
         distance to the query is the same in both numberings, so only the sinks' scores change
         (jaxkv/retention/streaming.py).
       observe: > 0: the step also returns the attention mass per KV block of each sequence's
-        last ``observe`` query tokens, summed over layers and heads (jaxkv/attention_mass.py;
+        last ``observe`` query tokens, summed over layers and heads (jaxkv/attention/mass.py;
         H2O's scores).
     """
 
@@ -69,7 +69,7 @@ class Retention:
         """Logical blocks of ``table`` (kept entries, not the null block) to give back before
         the step whose first query sits at ``num_computed``. ``scores``: f64 [len(table)], the
         block's accumulated attention mass (for policies with ``observe``). ``prompt_tokens``:
-        the request's prompt length (None: no prompt phase, as in ``jaxkv.eval.retained_nll``
+        the request's prompt length (None: no prompt phase, as in ``jaxkv.entrypoints.eval.retained_nll``
         without one). By default the kept blocks of ``droppable``, found walking down from its
         end to the first entry already dropped (O(newly dropped) per step)."""
         first, stop = self.droppable(num_computed, block_size)

@@ -8,7 +8,7 @@ whose keys have received the most attention so far. H2O's paper splits the budge
 The prompt is computed with full attention (nothing is dropped before its last token is in the
 cache, as in the paper, where eviction starts with generation). From then on the attention mass
 of every query that samples a token (the prompt's last token, then each generated token) is
-added per logical block (the step returns ``jaxkv.attention_mass.block_attention_mass`` of each
+added per logical block (the step returns ``jaxkv.attention.mass.block_attention_mass`` of each
 sampling sequence's last query token, summed over layers and heads; ``scheduler.update`` adds
 it to the request's ``block_scores``). These positions do not depend on how the prompt was
 chunked or batched, so neither do the scores nor the tokens. Before each step the

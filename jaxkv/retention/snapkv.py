@@ -9,7 +9,7 @@ after that is kept (the paper compresses the prompt's KV only, generation append
 thus holds ``budget + generated`` tokens at most, not ``prompt + generated``.
 
 Scores. The step returns the attention mass of each sampling sequence's last ``observe = w``
-query tokens per logical block, summed over layers and heads (``jaxkv.attention_mass``); the
+query tokens per logical block, summed over layers and heads (``jaxkv.attention.mass``); the
 sampling row of the prompt is its last chunk, so at the first decode the request's
 ``block_scores`` hold exactly the window's mass on each block (the paper sums the window's
 softmax weights over its queries too, per head; blocks are shared by every head here, so heads
@@ -150,7 +150,7 @@ class SnapKVRetention(Retention):
         """
         if prompt_tokens is None:
             raise ValueError("kv_retention='snapkv' compresses a prompt: drops needs "
-                             "prompt_tokens (jaxkv.eval.retained_nll: pass prompt_tokens)")
+                             "prompt_tokens (jaxkv.entrypoints.eval.retained_nll: pass prompt_tokens)")
         sinks, window = self._protected(prompt_tokens, block_size)
         prompt_blocks = min(-(-prompt_tokens // block_size), len(table))
         kept = [j for j in range(prompt_blocks) if table[j]]

@@ -1,8 +1,8 @@
 """StreamingLLM retention (Xiao et al. 2023): attention sinks plus a rolling window.
 
 Each query sees the first ``S = sink_tokens`` positions of its sequence and the last ``W =
-window_tokens`` positions up to itself (``jaxkv.attention.visible``). A block none of whose
-positions any later query can see is given back to the pool, so a sequence holds at most the
+window_tokens`` positions up to itself (``jaxkv.attention.reference.visible``). A block none of
+whose positions any later query can see is given back to the pool, so a sequence holds at most the
 sink blocks, the window's blocks and one step's new blocks, however long it grows (and may grow
 past the model's context: ``max_model_len`` then bounds only positions, not memory):
 

@@ -38,9 +38,9 @@ from starlette.exceptions import HTTPException
 
 import jaxkv
 from jaxkv.config import EngineConfig
+from jaxkv.config.checks import check_token_ids
 from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
-from jaxkv.outputs import RequestOutput
-from jaxkv.checks import check_token_ids
+from jaxkv.engine.outputs import RequestOutput
 from jaxkv.server import protocol
 from jaxkv.server.gate import DEFAULT_MAX_BODY, Gate
 from jaxkv.server.metrics import ServerMetrics

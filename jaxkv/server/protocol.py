@@ -33,10 +33,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxkv.outputs import CompletionOutput, RequestOutput
-from jaxkv.sampling import SamplingParams
+from jaxkv.engine.outputs import CompletionOutput, RequestOutput
+from jaxkv.sample.sampler import SamplingParams
 
-# OpenAI caps top_logprobs at 20; so does the engine (jaxkv.requests.MAX_LOGPROBS).
+# OpenAI caps top_logprobs at 20; so does the engine (jaxkv.engine.requests.MAX_LOGPROBS).
 MAX_TOP_LOGPROBS = 20
 
 

@@ -9,7 +9,7 @@ the target's tokenizer, run by the engine's own device machinery over its own pa
                           [*range(12), *range(18, 30)])   # a draft: 24 of the 30 layers
     write_reduced_head_draft("drafts/trained2", "drafts/trained2-v8k", frequent_ids)
 
-The device side is a second ``jaxkv.engine.runner.ModelRunner`` (the draft's params, donated
+The device side is a second ``jaxkv.runner.model_runner.ModelRunner`` (the draft's params, donated
 cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
 builds itself, block tables from its own ``BlockManager``. It needs no scheduler: it computes
 whatever the target's scheduler decided the requests are.
@@ -45,7 +45,7 @@ step's draft lengths, before the draft runs (``Speculator.proposal_time``): a dr
 about what the target does stops drafting.
 
 Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
-sampler verifies exactly by Leviathan et al.'s rule (jaxkv/rejection_sampler.py): greedy and
+sampler verifies exactly by Leviathan et al.'s rule (jaxkv/sample/rejection.py): greedy and
 seeded outputs equal non-speculative decoding, and sampled outputs keep the target's
 distribution, whatever the draft model (it only changes how many drafts are accepted).
 
@@ -80,13 +80,13 @@ import numpy as np
 
 from jaxkv.blocks.block_manager import BlockManager, cdiv
 from jaxkv.config import CacheArgs, EngineConfig, ModelArgs, SpeculativeArgs
-from jaxkv.engine.runner import ModelRunner, RowInput
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
-from jaxkv.sampling import SamplingParams
-from jaxkv.scheduler import ScheduledSeq, StepPlan
-from jaxkv.step_cost import StepCostModel
+from jaxkv.runner.model_runner import ModelRunner, RowInput
+from jaxkv.sample.sampler import SamplingParams
+from jaxkv.sched.scheduler import ScheduledSeq, StepPlan
+from jaxkv.sched.step_cost import StepCostModel
 
 _GREEDY = SamplingParams(temperature=0.0)
 

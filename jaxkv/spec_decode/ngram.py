@@ -8,7 +8,7 @@ Find the longest suffix of a request's tokens (prompt + output so far), ``n`` fr
 down to ``min_n``, that also occurs earlier in them, and propose the tokens that followed its
 most recent earlier occurrence. Host-side numpy, no model, no state: a ``Proposer`` of
 jaxkv/spec_decode/speculator.py. Its drafts are point masses, which the rejection sampler
-(jaxkv/rejection_sampler.py) verifies exactly.
+(jaxkv/sample/rejection.py) verifies exactly.
 """
 
 from __future__ import annotations

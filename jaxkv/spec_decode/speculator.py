@@ -11,7 +11,7 @@
 The seam is the one call before ``schedule``. A proposer sees only a request's tokens (prompt +
 output so far) and returns up to ``k`` guesses of what follows; the scheduler alone decides how
 many of them fit the step (the budget and free blocks its own work leaves, ``max_tokens``), the
-jitted step verifies them (jaxkv/rejection_sampler.py) and ``scheduler.update`` keeps the
+jitted step verifies them (jaxkv/sample/rejection.py) and ``scheduler.update`` keeps the
 accepted ones and rewinds over the rest. So the scheduler stays pure and model-free, proposing
 needs no scheduler internals, and a new proposer is one class. The alternative seam, the
 scheduler calling the proposer while it plans, would put proposer state (and for a draft model,
@@ -55,10 +55,10 @@ proposals start matching. Two rules turn the estimates into draft lengths:
 * The step-time rule (every adaptive speculator of an engine). What a step costs depends on
   the shape it pads to, not on its tokens one by one: ``B`` decodes with ``k`` drafts each are
   ``B (1 + k)`` tokens, padded to the next token bucket, and verifying widens the sampled rows
-  from 1 to ``1 + num_speculative_tokens`` per sequence (jaxkv/batch.py). A ``StepCostModel``
-  (jaxkv/step_cost.py), fitted online to the engine's measured step times by padded shape, gives
-  ``T(tokens, drafts?)``, and ``allocate_drafts`` chooses the whole step's lengths, each in ``[0,
-  its proposal's length]``, to maximise expected emitted tokens per second::
+  from 1 to ``1 + num_speculative_tokens`` per sequence (jaxkv/runner/batch.py). A ``StepCostModel``
+  (jaxkv/sched/step_cost.py), fitted online to the engine's measured step times by padded shape,
+  gives ``T(tokens, drafts?)``, and ``allocate_drafts`` chooses the whole step's lengths, each in
+  ``[0, its proposal's length]``, to maximise expected emitted tokens per second::
 
       sum_i E_i(k_i) / (T(base + sum_i k_i, sum_i k_i > 0) + P(max_i k_i))
 
@@ -167,13 +167,13 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxkv import scheduler
 from jaxkv.config import EngineConfig, SpeculativeArgs
+from jaxkv.sched import scheduler
+from jaxkv.sched.step_cost import StepCostModel
 from jaxkv.spec_decode.draft_lengths import (allocate_drafts, allocate_drafts_closed,
                                              best_num_drafts, fill_drafts)
 from jaxkv.spec_decode.ngram import NgramProposer
 from jaxkv.spec_decode.suffix import SuffixProposer
-from jaxkv.step_cost import StepCostModel
 
 _DECAY = 0.8            # per step, of a request's acceptance counts
 _PRIOR_TRIALS = 2.0     # the weight, in trials, of a new request's prior (the pooled rate)

@@ -26,7 +26,7 @@ answers, agent loops, a chat's earlier turns) draft from them (SuffixDecoding re
 on agentic SQL). A longer suffix is present only where every shorter one is, and has children
 only where every shorter one has, so step 1 is a binary search: O(max_depth log max_depth) dict
 lookups per request and step, and indexing a token costs O(max_depth). Host-side Python, no
-model; its drafts are point masses, verified exactly (jaxkv/rejection_sampler.py). A
+model; its drafts are point masses, verified exactly (jaxkv/sample/rejection.py). A
 ``BatchProposer`` of jaxkv/spec_decode/speculator.py, whose ``release`` hands a request over to the
 cache.
 """

@@ -1,0 +1,53 @@
+"""The explicit ``impl=`` choice of paged attention: the jnp reference, the grouped XLA path
+(CPU) or the Pallas kernels (GPU).
+
+The one module that sees every implementation, so the arrows run one way::
+
+    model / step / sharding ──► attention_impl ──► attention (the spec)
+                                      │ │                ▲
+                                      │ └──► attention_grouped ──┤  (masks, online softmax)
+                                      └──► pallas ───────┘  (merge_attention_states, kv walk)
+"""
+
+from __future__ import annotations
+
+from jaxkv.attention.grouped import paged_attention_grouped
+from jaxkv.attention.reference import paged_attention_reference
+from jaxkv.config import ATTENTION_IMPLS
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                    impl: str = "reference", interpret: bool = False, row_queries: int = 1,
+                    **options):
+    """Ragged paged attention with an explicit implementation choice.
+
+    Args:
+      q, k_pages, v_pages, block_tables, seq_lens, query_start_loc: as in
+        ``jaxkv.attention.reference.paged_attention_reference``.
+      impl: ``"reference"`` (pure jnp, the specification), ``"grouped"`` (the KV gathered once
+        per sequence, jaxkv.attention.grouped; the fast path on CPU) or ``"pallas"``
+        (jaxkv.attention.pallas kernels, GPU).
+      interpret: run the Pallas kernel in interpret mode (CPU).
+      row_queries: how many trailing tokens of each sequence the grouped path computes as
+        rows, with its decode tokens (static; a speculative step's ``1 + k``); a layout hint
+        that does not change the result, which the other implementations do not need.
+      **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``, ``q_sinks``.
+
+    Returns:
+      [T, num_heads, head_dim] in q's dtype.
+
+    Raises:
+      ValueError: an unknown ``impl``, or inputs whose shapes disagree.
+    """
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens,
+                                         query_start_loc, **options)
+    if impl == "grouped":
+        return paged_attention_grouped(q, k_pages, v_pages, block_tables, seq_lens,
+                                       query_start_loc, row_queries=row_queries, **options)
+    if impl == "pallas":
+        from jaxkv.attention.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
+
+        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
+                                      query_start_loc, interpret=interpret, **options)
+    raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of {ATTENTION_IMPLS}")

@@ -1,0 +1,235 @@
+"""Paged decode attention on GPU with split-K (flash-decoding), Pallas (Triton lowering).
+
+One query token per sequence (the decode step). The grid is ``(S, num_kv_heads, num_splits)``:
+the kv tiles a sequence's token can see, walked as in ragged.py (kv_walk.py), are cut into
+``num_splits`` contiguous runs, one per program, so a small batch still fills the GPU. With a
+sliding window those are the logical sink and window tiles; without one, the tiles of the
+*kept run* (the row's non-null blocks laid end to end, ``kept_blocks``), so the splits share
+only the KV a retention policy kept. Each program writes a normalized partial output and its
+log-sum-exp; ``jaxkv.attention.reference.merge_attention_states`` combines them in JAX:
+
+    table row s     | 7 | 0 | 3 | 0 | 0 | 9 | 4 | 2 | 5 | 0 | 8 | 6 |     (0 = dropped)
+    kept run        | 7  3 | 9  4 | 2  5 | 8  6 |                         block_kv = 2 * block_size
+    visited tiles   |  v0  |  v1  |  v2  |  v3  |
+                    | split 0     | split 1     |   (num_splits = 2) -> (o_j, lse_j) -> merge
+
+GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to
+a power of two >= 16, Triton's dot minimum), so each gathered K/V tile serves the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxkv.attention.pallas.kv_format import KvLayout, kv_operands
+from jaxkv.attention.pallas.kv_walk import attend_tiles, finalize, init_carry, kv_walk, split_steps
+from jaxkv.attention.pallas.ragged import (check_kv_inputs, check_options, check_page_ids,
+                                           check_seq_lens, check_tuning, is_concrete,
+                                           kept_operands, next_pow2, whole_block)
+from jaxkv.attention.reference import check_sink_queries, merge_attention_states
+
+# Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
+_TARGET_PROGRAMS = 264
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode kernel (static; one compilation per distinct value).
+
+    Attributes:
+      block_kv: kv positions per kv tile (power of two >= 16).
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipelining stages of the kv loop.
+    """
+
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        check_tuning(self, ("block_kv", "num_warps"))
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:
+    """Splits so that ``S * Hkv * splits`` reaches ~2 programs per SM, each with >= 2 kv tiles.
+
+    Args:
+      num_seqs: S.
+      num_kv_heads: Hkv.
+      max_kv_len: the longest kv length the block table can hold (max_blocks * block_size).
+      block_kv: kv positions per tile.
+
+    Returns:
+      A power of two in ``[1, 64]``.
+    """
+    want = next_pow2(max(1, -(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads))))
+    most = max(1, max_kv_len // (2 * block_kv))
+    return max(1, min(want, 1 << (most.bit_length() - 1), 64))
+
+
+def split_k_outputs(num_splits: int, S: int, Hkv: int, G_pad: int, D: int) -> dict:
+    """``out_specs`` / ``out_shape`` of a split-K decode grid (S, Hkv, num_splits): per split
+    a normalized f32 [G_pad, D] output and f32 [G_pad] lse for each (sequence, kv head)."""
+    return dict(
+        out_specs=[pl.BlockSpec((None, None, None, G_pad, D), lambda s, h, j: (j, s, h, 0, 0)),
+                   pl.BlockSpec((None, None, None, G_pad), lambda s, h, j: (j, s, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad, D), jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, S, Hkv, G_pad), jnp.float32)])
+
+
+def merge_splits(outs, lses, G: int, q):
+    """(out [S, Hq, D] in q's dtype, lse f32 [S, Hq]) of the splits' f32 [N, S, Hkv, G_pad, D]
+    outputs and [N, S, Hkv, G_pad] lses (``merge_attention_states`` over N; padding rows
+    dropped)."""
+    S, Hq, D = q.shape
+    outs, lses = outs[:, :, :, :G], lses[:, :, :, :G]           # [N, S, Hkv, G, D], [N, S, Hkv, G]
+    out, lse = (outs[0], lses[0]) if outs.shape[0] == 1 else merge_attention_states(outs, lses)
+    return out.reshape(S, Hq, D).astype(q.dtype), lse.reshape(S, Hq)
+
+
+def _decode_kernel(
+    # inputs
+    q_ref,       # [G_pad, D] the kv-head group of one sequence's token
+    tables_ref,  # int32 [S, max_blocks]
+    lens_ref,    # int32 [S]
+    *refs,       # inputs: [without a window: kept_blocks' order int32 [S, max_blocks] and
+                 #   kept_before int32 [S, max_blocks + 1]], [the sink queries [G_pad, D] if
+                 #   rescore] and the kv operands of kv_format.kv_operands; outputs: o f32
+                 #   [G_pad, D] normalized partial output of this split, lse f32 [G_pad] (-inf
+                 #   if it saw nothing)
+    num_splits: int, block_kv: int, sm_scale: float, sliding_window: int | None,
+    num_sinks: int, soft_cap: float | None, layout: KvLayout, rescore: bool):
+    kept_refs, refs = (refs[:2], refs[2:]) if sliding_window is None else ((), refs)
+    qs_ref, refs = (refs[0], refs[1:]) if rescore else (None, refs)
+    *kv_refs, o_ref, lse_ref = refs
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = q_ref.shape[0]
+    kv_len = lens_ref[seq]
+    q_pos = jnp.full((rows,), kv_len - 1, jnp.int32)                            # [rows]
+    tile_at, sink_tiles, count = kv_walk(
+        seq, kv_len - 1, kv_len, kept_refs, block_kv=block_kv, block_size=kv_refs[0].shape[1],
+        max_blocks=tables_ref.shape[1], sliding_window=sliding_window, num_sinks=num_sinks)
+    v_start, v_stop = split_steps(count, split, num_splits)
+    q = tuple(q_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)               # [rows, w] each
+    qs = None if qs_ref is None else tuple(qs_ref[:, pl.ds(c[0], c[1])] for c in layout.chunks)
+    carry = attend_tiles(q, q_pos, seq, kv_len, head, kv_refs, tables_ref,
+                         init_carry(rows, layout), v_start, v_stop, tile_at, sink_tiles,
+                         sm_scale=sm_scale, sliding_window=sliding_window, num_sinks=num_sinks,
+                         soft_cap=soft_cap, layout=layout, q_sinks=qs)
+    out, lse = finalize(carry)
+    for (ch0, width, _, _), o in zip(layout.chunks, out):
+        o_ref[:, pl.ds(ch0, width)] = o
+    lse_ref[...] = lse
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "sm_scale", "sliding_window", "num_sinks", "soft_cap", "interpret", "config",
+    "layout"))
+def _decode_call(q, q_sinks, kv_ops, block_tables, seq_lens, *, num_splits, sm_scale,
+                 sliding_window, num_sinks, soft_cap, interpret, config, layout):
+    S, Hq, D = q.shape
+    Hkv = kv_ops[0].shape[2]
+    G = Hq // Hkv
+    G_pad = max(16, next_pow2(G))
+
+    def groups(x):                                                   # [S, Hkv, G_pad, D]
+        return jnp.pad(x.reshape(S, Hkv, G, D), ((0, 0), (0, 0), (0, G_pad - G), (0, 0)))
+
+    q4 = groups(q)
+    kept = kept_operands(block_tables, sliding_window)
+    sinks = () if q_sinks is None else (groups(q_sinks),)
+    q_spec = pl.BlockSpec((None, None, G_pad, D), lambda s, h, j: (s, h, 0, 0))
+
+    kernel = functools.partial(
+        _decode_kernel, num_splits=num_splits, block_kv=config.block_kv, sm_scale=sm_scale,
+        sliding_window=sliding_window, num_sinks=num_sinks, soft_cap=soft_cap,
+        layout=layout, rescore=bool(sinks))
+    outs, lses = pl.pallas_call(
+        kernel,
+        grid=(S, Hkv, num_splits),
+        in_specs=[q_spec] + [whole_block(a.shape) for a in (block_tables, seq_lens, *kept)]
+        + [q_spec] * len(sinks) + [whole_block(a.shape) for a in kv_ops],
+        **split_k_outputs(num_splits, S, Hkv, G_pad, D),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="jaxkv_paged_decode_attention",
+    )(q4, block_tables, seq_lens, *kept, *sinks, *kv_ops)
+
+    return merge_splits(outs, lses, G, q)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           block_tables: jax.Array, seq_lens: jax.Array, *,
+                           num_splits: int | None = None, sm_scale: float | None = None,
+                           sliding_window: int | None = None, num_sinks: int = 0,
+                           soft_cap: float | None = None, return_lse: bool = False,
+                           interpret: bool = False, config: DecodeConfig | None = None,
+                           q_sinks: jax.Array | None = None):
+    """One decode token per sequence over a paged KV cache, split-K across programs.
+
+    Equals ``jaxkv.attention.reference.paged_attention_reference`` with ``query_start_loc = arange(S
+    + 1)``: the token of sequence s sits at kv position ``seq_lens[s] - 1`` (sequences with
+    ``seq_lens[s] == 0`` are padding and give zeros). Without a window the splits share only
+    each sequence's kept (non-null) blocks.
+
+    Args:
+      q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.
+      k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
+        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.kvcache.pages.QuantizedPages``
+        (dequantized in-kernel). head_dim must be a power of two >= 16.
+      block_tables: int32 [S, max_blocks] page ids in ``[0, num_blocks)`` (padding entries 0).
+      seq_lens: int32 [S] kv length of each sequence including this step's token.
+      num_splits: programs per (sequence, kv head) along the kv axis (split-K); default
+        ``default_num_splits`` from the shapes.
+      sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+      sliding_window: attend to the last ``sliding_window`` positions only (itself included).
+      num_sinks: with a window, the first ``num_sinks`` positions stay visible (attention sinks).
+      soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)``.
+      return_lse: also return the log-sum-exp of the (scaled, capped) logits.
+      interpret: run in Pallas interpret mode (CPU).
+      config: kv tile size and Triton launch parameters; default ``DecodeConfig()``.
+      q_sinks: optional, like q: with a window, the queries that score the first
+        ``num_sinks`` positions (StreamingLLM's positions within the cache); default q.
+
+    Returns:
+      out [S, num_heads, head_dim] in q's dtype, and with ``return_lse`` also lse float32
+      [S, num_heads] (-inf for padding sequences).
+
+    Raises:
+      ValueError: on inconsistent shapes, dtypes or options, ``num_splits < 1``, and, when the
+        metadata are concrete (not traced), page ids out of range or lengths past the table.
+    """
+    if q.ndim != 3 or q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q must be [S, num_heads, head_dim] with S = {block_tables.shape[0]} "
+                         f"(block_tables rows), got shape {q.shape}")
+    kv_ops, layout = kv_operands(k_pages, v_pages)
+    check_kv_inputs(q.shape, q.dtype, k_pages, v_pages, block_tables, seq_lens)
+    check_options(sm_scale, sliding_window, num_sinks, soft_cap)
+    check_sink_queries(q, q_sinks)
+    config = config or DecodeConfig()
+    S, _, D = q.shape
+    _, block_size, Hkv, _ = k_pages.shape
+    if num_splits is None:
+        num_splits = default_num_splits(S, Hkv, block_tables.shape[1] * block_size,
+                                        config.block_kv)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if is_concrete(block_tables, seq_lens):
+        check_page_ids(block_tables, k_pages.shape[0])
+        check_seq_lens(seq_lens, block_tables.shape[1], block_size)
+    rescore = q_sinks is not None and sliding_window is not None and num_sinks > 0
+    out, lse = _decode_call(
+        q, q_sinks if rescore else None, kv_ops, block_tables, seq_lens, num_splits=num_splits,
+        layout=layout,
+        sm_scale=1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale),
+        sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
+        soft_cap=soft_cap, interpret=interpret, config=config)
+    return (out, lse) if return_lse else out

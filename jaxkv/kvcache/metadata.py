@@ -1,0 +1,37 @@
+"""AttentionMetadata: the int32 arrays that describe one ragged step to the device.
+
+Built on the host (jaxkv/runner/batch.py) and padded to a bucket, so the jitted step sees a fixed
+set of shapes. T = padded token count, S = padded sequence count, B = max blocks per sequence.
+See jaxkv/attention/reference.py for the ragged layout and jaxkv/kvcache/pages.py for slots and block tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["slot_mapping", "query_start_loc", "seq_lens", "block_tables", "num_drafts"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token's K/V goes and what each sequence attends to.
+
+    Attributes:
+      slot_mapping: int32 [T] ``block_id * block_size + offset`` of each token (padding -> block 0).
+      query_start_loc: int32 [S + 1] cumulative query lengths (padding sequences have q_len 0).
+      seq_lens: int32 [S] kv length of each sequence including this step's tokens (padding 0).
+      block_tables: int32 [S, B] physical block ids (padding 0, the null block).
+      num_drafts: optional int32 [S]: how many of each sequence's query tokens are speculative
+        drafts (its last ones; jaxkv/runner/batch.py); None: no drafts. Quest attends drafts
+        sparsely as the decode steps they stand for (``jaxkv.attention.quest.sparse_rows``).
+    """
+
+    slot_mapping: jax.Array     # [T]
+    query_start_loc: jax.Array  # [S + 1]
+    seq_lens: jax.Array         # [S]
+    block_tables: jax.Array     # [S, B]
+    num_drafts: jax.Array | None = None  # [S]

@@ -1,0 +1,177 @@
+"""StepPlan -> StepInput: the padded int32 arrays the device step reads (numpy, no jax).
+
+This is the host/device contract. Shapes are padded to the smallest fitting bucket
+``T`` in ``scheduler_config.token_buckets`` and ``S`` in ``scheduler_config.seq_buckets`` (a
+decode-only step to one of ``decode_buckets`` on both axes where that is smaller:
+``SchedulerConfig.padded_shape``) so the jitted step compiles once per (T, S) bucket and never
+in steady state. ``M = max_blocks_per_seq = cdiv(max_model_len, block_size)`` is fixed by the
+configs.
+
+Example: block_size 4; sequence A computes a prefill chunk of 5 tokens (positions 0..4, table
+[7, 2]); B decodes one token at position 9 (table [4, 9, 1]); buckets T = 8, S = 4:
+
+    token axis t        0    1    2    3    4  |  5  |  6    7
+    sequence            A    A    A    A    A  |  B  |  pad  pad
+    positions           0    1    2    3    4  |  9  |  0    0
+    slot_mapping       28   29   30   31    8  |  5  |  0    0
+                        '--- block 7 ---'  blk 2  blk 1   null block 0 (written, never read)
+                        slot = block_tables[s, p // 4] * 4 + p % 4:  A p4 -> 2*4+0,  B p9 -> 1*4+1
+
+    query_start_loc [S+1]   0  5  6  6  6       padding sequences repeat the last value (q_len 0)
+    seq_lens        [S]     5 10  0  0          kv length including this step's tokens
+    block_tables    [S, M]  A: 7 2 0 0 ...      logical block j of sequence s -> physical block
+                            B: 4 9 1 0 ...      (0 = null block padding)
+                            pad: 0 0 0 0 ...
+    logits_indices  [S, 1]  4  5  0  0          last token of each sampling sequence, else 0
+    sample_mask     [S]     T  T  F  F
+    num_drafts      [S]     0  0  0  0
+
+Speculative decoding (jaxkv/sched/scheduler.py, multi-token steps): a decode carrying ``k`` draft
+tokens has ``1 + k`` query tokens and ``1 + k`` logits rows, so ``logits_indices`` is ``[S, W]``
+with ``W = 1 + max_drafts`` as soon as one sequence of the plan has drafts (``W = 1`` otherwise:
+two compiled widths, not one per draft count). If B above carried drafts 77 78 (positions 10,
+11, slots 6, 7), with ``max_drafts = 3``::
+
+    token axis          A A A A A  B  77 78  (T = 8)
+    logits_indices [S, 4]   A: 4 0 0 0       row (s, j) = the token whose next token is
+                            B: 5 6 7 0       predicted: B's last token, then each draft
+    num_drafts     [S]      0 2 0 0          draft j of s is token_ids[logits_indices[s, j + 1]]
+
+The physical pool this indexes is described in jaxkv/kvcache/pages.py; block 0 is the null block
+(jaxkv/blocks/block_manager.py), so padding never indexes outside the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from jaxkv.blocks.block_manager import NULL_BLOCK, cdiv
+from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.sched.scheduler import StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """Device inputs of one step, padded to a (T, S) bucket.
+
+    Attributes:
+      token_ids: token to compute at each position of the token axis, padding 0.
+      positions: position of each token in its sequence, padding 0.
+      slot_mapping: ``block_id * block_size + offset`` where each token's K/V is written;
+        padding 0 (a slot of the null block).
+      query_start_loc: cumulative query lengths; padding sequences repeat the last value.
+      seq_lens: kv length of each sequence including this step's tokens, padding 0.
+      block_tables: physical block of each logical block, padding 0 (the null block).
+      logits_indices: row ``(s, j)`` indexes the token axis at sequence ``s``'s last known token
+        (``j = 0``) or its ``j``-th draft token (``1 <= j <= num_drafts[s]``); 0 elsewhere and
+        for sequences that do not sample.
+      sample_mask: which sequences sample (rows ``(s, 0 .. num_drafts[s])`` are real).
+      num_drafts: draft tokens of each sequence (the last ones of its query tokens), padding 0.
+      num_tokens: unpadded token count (host metadata; the arrays alone define the step).
+      num_seqs: unpadded sequence count (host metadata).
+    """
+
+    token_ids: np.ndarray        # int32 [T]
+    positions: np.ndarray        # int32 [T]
+    slot_mapping: np.ndarray     # int32 [T]
+    query_start_loc: np.ndarray  # int32 [S + 1]
+    seq_lens: np.ndarray         # int32 [S]
+    block_tables: np.ndarray     # int32 [S, max_blocks_per_seq]
+    logits_indices: np.ndarray   # int32 [S, W]
+    sample_mask: np.ndarray      # bool  [S]
+    num_drafts: np.ndarray       # int32 [S]
+    num_tokens: int
+    num_seqs: int
+
+
+def max_blocks_per_seq(cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
+    """Columns of ``block_tables``: blocks of a sequence of ``max_model_len`` tokens."""
+    return cdiv(scheduler_config.max_model_len, cache_config.block_size)
+
+
+def _fits(buckets: tuple[int, ...], n: int, name: str, count_name: str) -> None:
+    if n > buckets[-1]:
+        raise ValueError(f"plan has {count_name}={n}, more than {name}[-1]={buckets[-1]}")
+
+
+def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
+          max_drafts: int = 0) -> StepInput:
+    """Flatten ``plan`` into padded device arrays (layout in the module docstring).
+
+    Args:
+      max_drafts: the most draft tokens a sequence may carry (the engine's
+        ``num_speculative_tokens``, 0 without speculation); ``logits_indices`` is
+        ``[S, 1 + max_drafts]`` when the plan has drafts, else ``[S, 1]``.
+
+    Raises:
+      ValueError: the plan exceeds the largest bucket, or a sequence's block table does not
+        cover its tokens, exceeds ``max_blocks_per_seq``, names a block outside
+        ``[0, num_blocks)`` or has the null block (an entry a retention policy dropped) where
+        its tokens are written, or it carries more than ``max_drafts`` drafts (or drafts without
+        sampling).
+    """
+    bs = cache_config.block_size
+    m = max_blocks_per_seq(cache_config, scheduler_config)
+    seqs = plan.seqs
+    num_seqs = len(seqs)
+    q_lens = np.array([len(s.token_ids) for s in seqs], np.int32)  # [num_seqs]
+    starts = np.array([s.start_pos for s in seqs], np.int32)        # [num_seqs]
+    num_tokens = int(q_lens.sum())
+    _fits(scheduler_config.token_buckets, num_tokens, "token_buckets", "num_tokens")
+    _fits(scheduler_config.seq_buckets, num_seqs, "seq_buckets", "num_seqs")
+    t_pad, s_pad = scheduler_config.padded_shape(num_tokens, num_seqs)
+
+    block_tables = np.zeros((s_pad, m), np.int32)  # [S, M]
+    for i, seq in enumerate(seqs):
+        table = seq.block_table
+        if not seq.token_ids or seq.start_pos < 0:
+            raise ValueError(f"seq {seq.request_id!r}: token_ids must be non-empty and "
+                             f"start_pos={seq.start_pos} >= 0")
+        end = seq.start_pos + len(seq.token_ids)
+        if not cdiv(end, bs) <= len(table) <= m:
+            raise ValueError(f"seq {seq.request_id!r}: block_table has {len(table)} blocks; "
+                             f"positions < {end} need {cdiv(end, bs)}, max_blocks_per_seq={m}")
+        if table and not (0 <= min(table) and max(table) < cache_config.num_blocks):
+            raise ValueError(f"seq {seq.request_id!r}: block_table {table} has ids outside "
+                             f"[0, num_blocks={cache_config.num_blocks})")
+        if NULL_BLOCK in table[seq.start_pos // bs:cdiv(end, bs)]:
+            raise ValueError(f"seq {seq.request_id!r}: block_table {table} has the null block "
+                             f"where positions [{seq.start_pos}, {end}) are written")
+        if seq.num_drafts and not (seq.sample and seq.num_drafts < len(seq.token_ids)
+                                   and seq.num_drafts <= max_drafts):
+            raise ValueError(f"seq {seq.request_id!r}: num_drafts={seq.num_drafts} needs a "
+                             f"sampling seq with more tokens and at most "
+                             f"max_drafts={max_drafts}")
+        block_tables[i, :len(table)] = table
+
+    query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)  # [S + 1]
+    query_start_loc[0] = 0
+    query_start_loc[1:num_seqs + 1] = np.cumsum(q_lens)
+    seq_lens = np.zeros(s_pad, np.int32)  # [S]
+    seq_lens[:num_seqs] = starts + q_lens
+
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)  # [num_tokens]
+    pos = (starts[seq_of_token]
+           + np.arange(num_tokens) - query_start_loc[seq_of_token]).astype(np.int32)  # [num_tokens]
+    token_ids = np.zeros(t_pad, np.int32)  # [T]
+    token_ids[:num_tokens] = np.fromiter(
+        itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, count=num_tokens)
+    positions = np.zeros(t_pad, np.int32)  # [T]
+    positions[:num_tokens] = pos
+    slot_mapping = np.zeros(t_pad, np.int32)  # [T]
+    slot_mapping[:num_tokens] = block_tables[seq_of_token, pos // bs] * bs + pos % bs
+
+    sample_mask = np.zeros(s_pad, bool)  # [S]
+    sample_mask[:num_seqs] = [s.sample for s in seqs]
+    num_drafts = np.zeros(s_pad, np.int32)  # [S]
+    num_drafts[:num_seqs] = [s.num_drafts for s in seqs]
+    width = 1 + max_drafts if num_drafts.any() else 1
+    last = query_start_loc[1:] - 1 - num_drafts                           # [S] last known token
+    j = np.arange(width, dtype=np.int32)                                  # [W]
+    real = sample_mask[:, None] & (j[None, :] <= num_drafts[:, None])     # [S, W]
+    logits_indices = np.where(real, last[:, None] + j[None, :], 0).astype(np.int32)  # [S, W]
+    return StepInput(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                     logits_indices, sample_mask, num_drafts, num_tokens, num_seqs)

@@ -1,0 +1,319 @@
+"""Tensor parallelism: logical axis rules -> ``NamedSharding``s over a ``Mesh(("dp", "tp"))``.
+
+The model and the cache name *logical* axes only (``jaxkv.model.llama.logical_axes``,
+``jaxkv.kvcache.pages.logical_axes``); this module is the one place that maps them to mesh axes:
+
+    logical axis   mesh axis     what is split over the tp devices
+    vocab          tp            embedding rows, LM-head columns
+    heads          tp            q heads (q_proj columns, o_proj rows)
+    kv_heads       tp            k/v heads (k_proj/v_proj columns, the KV pools' head axis)
+    mlp            tp            gate/up columns, down_proj rows
+    embed, head_dim, norm        replicated
+
+One engine's mesh has shape ``{"dp": 1, "tp": N}``; data-parallel replicas
+(jaxkv.engine.data_parallel) are independent engines over the rows of a ``{"dp": M, "tp": N}`` mesh.
+Inside the jitted step GSPMD partitions the einsums from these parameter shardings, so the o_proj
+and down_proj contractions over a split axis each end in one all-reduce (2 per layer, asserted on
+the compiled HLO by tests/test_sharding.py); the attention kernel, which XLA cannot partition, runs
+under ``shard_map`` on each device's kv-head shard.
+
+Multi-host (jax.distributed): every process runs the same command (``jaxkv generate ...
+--coordinator-address host:port --num-processes P --process-id i``, or
+``initialize_distributed`` before any other jax call; the coordinator address may come from jax's
+own ``JAX_COORDINATOR_ADDRESS`` env var). The engine mesh then spans all processes' devices and
+each process runs the *identical* pure host scheduler on the same prompts: same plans, same
+step inputs (placed with ``put_replicated``: each process fills only its own devices), same
+sampled tokens (replicated, read back with ``to_host``). No plan is broadcast, so there is no
+host-to-host traffic besides XLA's collectives; the price is that every process must be given
+the same requests in the same order (tests/test_sharding.py runs two CPU processes on
+127.0.0.1 and checks they produce the tokens of one process).
+
+KV-head replication (as vLLM): when ``num_kv_heads < N`` (and ``N % num_kv_heads == 0``), every
+kv head is repeated ``N // num_kv_heads`` times, so device ``d`` holds kv head
+``d // (N // num_kv_heads)``, exactly the kv head of the q heads it holds:
+
+    Hq = 8, Hkv = 2, N = 4:   q heads  [0 1 | 2 3 | 4 5 | 6 7]   (device 0..3)
+                              kv heads [0   | 0   | 1   | 1  ]   (kv head 0 on devices 0 and 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.kvcache.pages import HNDPages, PagedKVCache, abstract_cache
+from jaxkv.kvcache.pages import logical_axes as cache_logical_axes
+from jaxkv.kvcache.spec import KVCacheSpec
+from jaxkv.model.config import ModelConfig
+from jaxkv.model.llama import logical_axes
+
+MESH_AXES = ("dp", "tp")
+
+# logical axis name -> mesh axis (None: replicated). The only place mesh axes are named.
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
+    ("vocab", "tp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"),
+    ("embed", None), ("head_dim", None), ("norm", None))
+
+
+def _split_problems(config: ModelConfig, n: int) -> list[str]:
+    """Why ``config`` cannot be split over ``n`` tp devices (empty when it can)."""
+    out = []
+    for name, size in (("num_heads", config.num_heads), ("intermediate_size",
+                       config.intermediate_size), ("vocab_size", config.vocab_size),
+                       ("draft_vocab_size", config.draft_vocab_size or n)):
+        if size % n:
+            out.append(f"{name}={size} is not divisible by {n}")
+    kv = config.num_kv_heads
+    if kv % n and n % kv:
+        out.append(f"num_kv_heads={kv} neither divides nor is divisible by {n}")
+    return out
+
+
+def valid_tensor_parallel_sizes(config: ModelConfig, max_size: int) -> list[int]:
+    """Every tp degree in ``[1, max_size]`` the model splits over (heads, mlp, vocab divisible)."""
+    return [n for n in range(1, max_size + 1) if not _split_problems(config, n)]
+
+
+def check_parallel_sizes(config: ModelConfig, tensor_parallel_size: int,
+                         data_parallel_size: int = 1, *, num_devices: int) -> None:
+    """Validates the parallel layout before any weight is loaded.
+
+    Raises:
+      ValueError: naming ``tensor_parallel_size`` / ``data_parallel_size`` when a size is < 1,
+        when ``tensor_parallel_size x data_parallel_size`` exceeds ``num_devices``, or when the
+        model's heads/mlp/vocab cannot be split (listing the valid sizes).
+    """
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("data_parallel_size", data_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if tensor_parallel_size * data_parallel_size > num_devices:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size="
+            f"{data_parallel_size} needs {tensor_parallel_size * data_parallel_size} devices, "
+            f"only {num_devices} are available")
+    problems = _split_problems(config, tensor_parallel_size)
+    if problems:
+        valid = valid_tensor_parallel_sizes(config, max(num_devices, tensor_parallel_size))
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} cannot split this model: "
+            f"{'; '.join(problems)}; valid sizes (up to {max(num_devices, tensor_parallel_size)}"
+            f" devices): {', '.join(map(str, valid))}")
+
+
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1,
+              devices=None) -> Mesh:
+    """A ``Mesh`` of shape ``(data_parallel_size, tensor_parallel_size)`` with axes ("dp", "tp").
+
+    Args:
+      tensor_parallel_size, data_parallel_size: mesh shape.
+      devices: the devices to use, in order (default ``jax.devices()``, all processes'); the
+        first ``dp x tp`` are taken, tp varying fastest (neighbouring devices share a replica).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = tensor_parallel_size * data_parallel_size
+    if n > len(devices):
+        raise ValueError(f"tensor_parallel_size x data_parallel_size = {n} exceeds the "
+                         f"{len(devices)} devices")
+    grid = np.array(devices[:n], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES)
+
+
+def check_mesh(mesh: Mesh, tensor_parallel_size: int) -> None:
+    """Raises ValueError naming ``mesh`` unless it is an engine mesh ``{"dp": 1, "tp": N}``."""
+    shape = dict(mesh.shape)
+    if tuple(mesh.axis_names) != MESH_AXES or shape != {"dp": 1, "tp": tensor_parallel_size}:
+        raise ValueError(f"mesh={shape} does not match an engine mesh "
+                         f"{{'dp': 1, 'tp': {tensor_parallel_size}}} with axes {MESH_AXES} "
+                         f"(tensor_parallel_size={tensor_parallel_size})")
+
+
+def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """How many tp devices hold each kv head (1 = no replication)."""
+    return max(tensor_parallel_size // config.num_kv_heads, 1)
+
+
+def tp_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
+    """The config the sharded engine runs: kv heads repeated up to ``tensor_parallel_size``."""
+    r = kv_replication(config, tensor_parallel_size)
+    return config if r == 1 else dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
+
+
+def spec(axes: tuple[str | None, ...], *, rules=LOGICAL_AXIS_RULES) -> P:
+    """``PartitionSpec`` of an array whose dimensions carry logical ``axes`` (None: replicated)."""
+    table = dict(rules)
+    for a in axes:
+        if a is not None and a not in table:
+            raise ValueError(f"logical axis {a!r} has no rule in {sorted(table)}")
+    return P(*(None if a is None else table[a] for a in axes))
+
+
+def param_specs(config: ModelConfig, *, rules=LOGICAL_AXIS_RULES) -> dict:
+    """Nested dict (params structure) of each parameter's ``PartitionSpec``."""
+    return jax.tree.map(lambda axes: spec(axes, rules=rules), logical_axes(config),
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> dict:
+    """Nested dict (params structure) of each parameter's ``NamedSharding`` on ``mesh``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, rules=rules),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def cache_specs(tree, *, rules=LOGICAL_AXIS_RULES):
+    """The ``PartitionSpec`` of every array of a cache, a pool or a ``QuantizedPages`` (arrays,
+    tracers or ``jax.ShapeDtypeStruct``s), in the same structure: pool-shaped arrays (float
+    pages, codes, scales, zero points, the KIVI residual) split over their kv-head axis, the
+    KIVI bookkeeping replicated (``jaxkv.kvcache.pages.logical_axes``; an ``HNDPages`` over the head
+    axis of its data)."""
+    def leaf_spec(x):
+        out = spec(cache_logical_axes(x), rules=rules)
+        return HNDPages(out) if isinstance(x, HNDPages) else out
+
+    return jax.tree.map(leaf_spec, tree, is_leaf=lambda x: isinstance(x, HNDPages))
+
+
+def cache_shardings(cache: PagedKVCache | KVCacheSpec, mesh: Mesh, *,
+                    rules=LOGICAL_AXIS_RULES) -> PagedKVCache:
+    """A PagedKVCache of ``NamedSharding``s for ``cache`` (or the cache a ``KVCacheSpec``
+    describes, ``jaxkv.kvcache.pages.init_cache(spec, shardings)``), any format: see ``cache_specs``.
+
+    ``num_kv_heads`` of the spec is the (possibly replicated, ``tp_config``) total; each device
+    holds ``num_kv_heads // tp`` heads of every pool-shaped array.
+    """
+    if isinstance(cache, KVCacheSpec):
+        cache = abstract_cache(cache)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), cache_specs(cache, rules=rules))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The fully replicated sharding (step inputs, sampled tokens)."""
+    return NamedSharding(mesh, P())
+
+
+def _restore_rules(config: ModelConfig, tensor_parallel_size: int):
+    """Rules for the *stored* (unreplicated) params: kv heads whole when they get repeated."""
+    if kv_replication(config, tensor_parallel_size) == 1:
+        return LOGICAL_AXIS_RULES
+    return tuple((a, None if a == "kv_heads" else m) for a, m in LOGICAL_AXIS_RULES)
+
+
+def stored_param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
+    """Shardings to load a checkpoint of ``config`` (the original kv head count) into.
+
+    Same as ``param_shardings`` except that k/v heads stay whole on each device when
+    ``shard_params`` will repeat them (kv heads < tp).
+    """
+    return param_shardings(config, mesh, rules=_restore_rules(config, mesh.shape["tp"]))
+
+
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
+    """Places params of ``config`` on ``mesh`` by the rules, repeating kv heads if needed.
+
+    Args:
+      params: nested dict of numpy or jax arrays shaped like ``param_shapes(config)``; jax
+        arrays already in ``stored_param_shardings`` (e.g. from an orbax restore) stay put.
+      config: the model's original config.
+      mesh: an engine mesh.
+
+    Returns:
+      Params shaped like ``param_shapes(tp_config(config, tp))`` in ``param_shardings`` of it.
+      Each process only reads the slices its own devices hold (multi-host safe).
+    """
+    stored = stored_param_shardings(config, mesh)
+
+    def place(x, s):
+        if isinstance(x, jax.Array) and x.sharding == s:
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+    params = jax.tree.map(place, params, stored)
+    r = kv_replication(config, mesh.shape["tp"])
+    if r == 1:
+        return params
+    axes = logical_axes(config)
+    target = param_shardings(tp_config(config, mesh.shape["tp"]), mesh)
+
+    def repeat(p):
+        return jax.tree.map(lambda x, a: jnp.repeat(x, r, axis=a.index("kv_heads"))
+                            if "kv_heads" in a else x, p, axes,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    return jax.jit(repeat, out_shardings=target)(params)
+
+
+def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
+    """``paged_attention`` run under ``shard_map`` on each device's kv-head shard.
+
+    q [T, Hq, D] is split over heads and the pools [num_blocks, block_size, Hkv, D] over kv
+    heads, so each device attends its ``Hq/tp`` q heads over its ``Hkv/tp`` kv heads (the GQA
+    groups stay whole); metadata is replicated. A quantized pool (``QuantizedPages``) is split
+    the same way (``cache_specs``): each device reads its heads' codes, scales, zero points and
+    KIVI residual, with the per-block bookkeeping replicated. Same signature as
+    ``paged_attention``; with ``return_lse=True`` the lse f32 [T, heads] comes back split over
+    heads like the output (a scoring retention policy's block mass reads it).
+    """
+    q_spec = spec(("heads", "head_dim"), rules=rules)
+    q_spec = P(None, *q_spec)                            # [T, heads, head_dim]
+
+    def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                  q_sinks=None, return_lse=False, **kw):
+        pool_specs = cache_specs((k_pages, v_pages), rules=rules)
+        extra = () if q_sinks is None else (q_sinks,)   # split over heads like q
+
+        def local(q, k, v, tables, lens, qsl, *qs):
+            return paged_attention(q, k, v, tables, lens, qsl, return_lse=return_lse, **kw,
+                                   **({"q_sinks": qs[0]} if qs else {}))
+
+        out_specs = (q_spec, P(*q_spec[:2])) if return_lse else q_spec
+        fn = jax.shard_map(local, mesh=mesh,
+                           in_specs=(q_spec, *pool_specs, P(), P(), P(), *[q_spec] * len(extra)),
+                           out_specs=out_specs, check_vma=False)
+        return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *extra)
+
+    return attention
+
+
+def put_replicated(tree, mesh: Mesh):
+    """Host values (numpy / python scalars, identical on every process) as replicated arrays."""
+    s = replicated(mesh)
+
+    def put(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A fully replicated array as numpy, read from this process's first shard (multi-host safe)."""
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def count_all_reduces(hlo_text: str) -> int:
+    """Number of all-reduce ops (sync or async start) in compiled HLO text."""
+    return len(re.findall(r"=\s*\S+\s+all-reduce(?:-start)?\(", hlo_text))
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+    """Joins a multi-host run through ``jax.distributed.initialize`` (call before any jax use).
+
+    Every process runs the same program on the same inputs; the host scheduler is a pure
+    function, so each process computes the identical plan and feeds its own devices (no plan
+    broadcast). ``coordinator_address`` defaults to the ``JAX_COORDINATOR_ADDRESS`` env var
+    (jax's own); ``num_processes`` / ``process_id`` are required outside auto-detected clusters
+    (SLURM, Open MPI, TPU, ...). CLI: ``--coordinator-address``, ``--num-processes``,
+    ``--process-id``.
+    """
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)

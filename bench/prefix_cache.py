@@ -36,7 +36,8 @@ from jaxkv.blocks.block_manager import cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.data import austen
 from jaxkv.engine.beam_search import BeamSearchParams
-from jaxkv.sched.scheduler import Request, StopSpec, add_request, init_state, schedule, update
+from jaxkv.sched.scheduler import add_request, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (None, "hash", "radix")

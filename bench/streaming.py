@@ -161,7 +161,8 @@ def capacity_rows(args) -> list[dict]:
     from jaxkv.config import CacheConfig, SchedulerConfig
     from jaxkv.model.weights import load_config
     from jaxkv.runner.memory_plan import kv_bytes_per_block
-    from jaxkv.sched.scheduler import Request, StopSpec, add_request, init_state, schedule, update
+    from jaxkv.sched.scheduler import add_request, schedule, update
+    from jaxkv.sched.state import Request, StopSpec, init_state
 
     config = load_config("SmolLM2-135M-Instruct")
     bs = 16

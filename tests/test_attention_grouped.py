@@ -16,7 +16,8 @@ import pytest
 
 from jaxkv.attention import grouped
 from jaxkv.attention.dispatch import paged_attention
-from jaxkv.attention.grouped import kept_blocks, native_tiles, paged_attention_grouped
+from jaxkv.attention.grouped import native_tiles, paged_attention_grouped
+from jaxkv.attention.kv_chunks import kept_blocks
 from jaxkv.attention.reference import paged_attention_reference, softmax_init, softmax_result
 from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.metadata import AttentionMetadata

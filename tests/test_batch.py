@@ -5,8 +5,9 @@ import pytest
 
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.runner import batch
-from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, add_request,
-                                   init_state, schedule, update)
+from jaxkv.sched.plan import ScheduledSeq as S, StepPlan
+from jaxkv.sched.scheduler import add_request, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 CC = CacheConfig(block_size=4, num_blocks=10)
 SC = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16,

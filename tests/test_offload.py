@@ -32,8 +32,8 @@ from jaxkv.kvcache.disk_store import DiskKVStore, KVCacheFileError, decode, enco
 from jaxkv.kvcache.host_pool import HostKVPool, block_units
 from jaxkv.kvcache.pages import init_cache
 from jaxkv.kvcache.spec import KVCacheSpec
-from jaxkv.sched.scheduler import (Request, StopSpec, abort, add_request, check_invariants,
-                                   init_state, schedule, update, with_cost_model)
+from jaxkv.sched.scheduler import abort, add_request, check_invariants, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state, with_cost_model
 from tiny_models import TINY_ENGINE
 
 # ---------------------------------------------------------------------------- HostTier

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 
 from jaxkv.attention.dispatch import paged_attention
-from jaxkv.attention.grouped import kept_blocks
+from jaxkv.attention.kv_chunks import kept_blocks
 from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
                                     default_ragged_config, paged_decode_attention,
                                     ragged_paged_attention)

@@ -10,8 +10,9 @@ from jaxkv.blocks.block_manager import BlockManager
 from jaxkv.blocks.prefix_cache import make_prefix_cache
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.runner import batch
-from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StopSpec, abort, add_request,
-                                   check_invariants, fork, init_state, schedule, update)
+from jaxkv.sched.plan import ScheduledSeq as S
+from jaxkv.sched.scheduler import abort, add_request, check_invariants, fork, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 
 def configs(block_size, num_blocks, budget, *, mode="hash", max_num_seqs=8, max_model_len=32,

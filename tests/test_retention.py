@@ -14,8 +14,8 @@ from jaxkv.blocks.block_manager import NULL_BLOCK
 from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
 from jaxkv.retention import FullRetention, H2ORetention, StreamingRetention, from_args
 from jaxkv.runner import batch
-from jaxkv.sched.scheduler import (Request, StopSpec, abort, add_request, check_invariants,
-                                   init_state, schedule, update)
+from jaxkv.sched.scheduler import abort, add_request, check_invariants, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 
 def configs(*, block_size=4, num_blocks=12, budget=8, sinks=2, window=6, max_model_len=400,

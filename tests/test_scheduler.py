@@ -7,8 +7,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.runner import batch
-from jaxkv.sched.scheduler import (Request, ScheduledSeq as S, StepPlan, StopSpec, abort,
-                                   add_request, check_invariants, init_state, schedule, update)
+from jaxkv.sched.plan import ScheduledSeq as S, StepPlan
+from jaxkv.sched.scheduler import abort, add_request, check_invariants, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 
 def configs(block_size, num_blocks, budget, *, max_num_seqs=8, max_model_len=32, policy="fcfs"):

@@ -13,8 +13,8 @@ from jaxkv.entrypoints.eval import retained_nll
 from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
                              from_args)
 from jaxkv.retention.snapkv import pool_blocks
-from jaxkv.sched.scheduler import (Request, StopSpec, add_request, check_invariants, init_state,
-                                   schedule, update)
+from jaxkv.sched.scheduler import add_request, check_invariants, schedule, update
+from jaxkv.sched.state import Request, StopSpec, init_state
 from tiny_models import TINY_ENGINE
 
 SNAP = dict(TINY_ENGINE, kv_retention="snapkv", kv_budget_tokens=48, kv_observation_tokens=16,

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.sched.scheduler import (Request, StopSpec, accepted_tokens, add_request,
-                                   check_invariants, decoding_ids, init_state, schedule, update)
+from jaxkv.sched.scheduler import (accepted_tokens, add_request, check_invariants, decoding_ids,
+                                   schedule, update)
+from jaxkv.sched.state import Request, StopSpec, init_state
 from oracle_proposer import OracleProposer
 
 VOCAB = 40

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxkv.config.checks import ParamTypeError
-from jaxkv.engine.requests import MAX_LOGPROBS, RequestTable
+from jaxkv.engine.requests import RequestTable
 from jaxkv.model.tokenizer import Tokenizer
+from jaxkv.sample.sampler import MAX_LOGPROBS
 from jaxkv.sample.sampler import SamplingParams
 
 VOCAB = 400

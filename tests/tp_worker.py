@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxkv import DataParallelLLM
 from jaxkv import LLM
-from jaxkv.config import ATTENTION_IMPLS
+from jaxkv.attention import ATTENTION_IMPLS
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_model_files

@@ -3,17 +3,17 @@
 
 The one module that sees every implementation, so the arrows run one way::
 
-    model / step / sharding ──► attention_impl ──► attention (the spec)
-                                      │ │                ▲
-                                      │ └──► attention_grouped ──┤  (masks, online softmax)
-                                      └──► pallas ───────┘  (merge_attention_states, kv walk)
+    layer / step / sharding ──► dispatch ──► reference (the spec)
+                                   │ │           ▲
+                                   │ └──► grouped ──┤  (masks, online softmax; kv_chunks)
+                                   └──► pallas/ ───┘  (merge_attention_states; kv_chunks)
 """
 
 from __future__ import annotations
 
+from jaxkv.attention import ATTENTION_IMPLS
 from jaxkv.attention.grouped import paged_attention_grouped
 from jaxkv.attention.reference import paged_attention_reference
-from jaxkv.config import ATTENTION_IMPLS
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
@@ -46,8 +46,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
         return paged_attention_grouped(q, k_pages, v_pages, block_tables, seq_lens,
                                        query_start_loc, row_queries=row_queries, **options)
     if impl == "pallas":
-        from jaxkv.attention.pallas import ragged_paged_attention  # imported lazily: Pallas is GPU-only code
+        from jaxkv.attention.pallas import ragged_paged_attention  # lazily: GPU-only code
 
         return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
                                       query_start_loc, interpret=interpret, **options)
-    raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of {ATTENTION_IMPLS}")
+    raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of "
+                     f"{ATTENTION_IMPLS}")

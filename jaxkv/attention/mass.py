@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.grouped import chunk_positions, kept_blocks, visited_chunks
+from jaxkv.attention.kv_chunks import chunk_positions, kept_blocks, visited_chunks
 from jaxkv.attention.reference import cap_logits, check_shapes, tile_index, visible
 from jaxkv.kvcache.pages import Pages, read_sequence_blocks
 

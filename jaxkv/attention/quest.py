@@ -43,7 +43,7 @@ full-precision residual lie inside the sequence's residual window, which ``selec
 selects (``residual_blocks``).
 
 In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool;
-jaxkv/model/llama.py ``quest_attention`` runs exactly this for the decode tokens of a step,
+jaxkv/attention/layer.py ``quest_attention`` runs exactly this for the decode tokens of a step,
 and for verified drafts, each at its own length: ``sparse_rows``):
 
     pool = cache.write_layer(pool, k, slot_mapping, md)                        # every step
@@ -55,7 +55,6 @@ and for verified drafts, each at its own length: ``sparse_rows``):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -71,25 +70,9 @@ __all__ = ["KeyBounds", "init_key_bounds", "written_keys", "update_key_bounds",
            "refresh_key_bounds", "copy_key_bounds",
            "key_bounds", "page_bounds", "page_scores", "min_budget", "select_pages",
            "quest_select", "check_selection", "sparse_decode_reference",
-           "quest_decode_reference", "QuestOptions", "sparse_rows"]
+           "quest_decode_reference", "sparse_rows"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class QuestOptions:
-    """Quest in the model's attention layer (static: part of the compiled step).
-
-    Attributes:
-      budget: pages each (decode sequence, kv head) attends to, forced pages included
-        (>= ``min_budget``); a budget of ``max_blocks`` pages selects every live page.
-      num_sinks: sink positions every decode token attends to.
-      recent: most recent positions every decode token attends to (itself included, >= 1).
-    """
-
-    budget: int
-    num_sinks: int = 0
-    recent: int = 1
 
 
 def sparse_rows(query_start_loc: jax.Array, seq_lens: jax.Array,

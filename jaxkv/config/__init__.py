@@ -32,6 +32,7 @@ import re
 import types
 import typing
 
+from jaxkv.attention import ATTENTION_IMPLS
 from jaxkv.config.checks import check_number, check_type
 from jaxkv.kvcache.spec import KV_ALIASES, KV_FORMATS, LAYOUTS, MODEL_DTYPES
 from jaxkv.retention import FullRetention, Retention
@@ -39,7 +40,6 @@ from jaxkv.retention.streaming import POSITIONS
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 PREFIX_CACHING_MODES = ("hash", "radix")
-ATTENTION_IMPLS = ("reference", "grouped", "pallas")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 RETENTION_MODES = ("full", "streaming", "h2o", "snapkv", "random")
 OFFLOAD_POLICIES = ("lru",)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from jaxkv.sample.sampler import SamplingParams
 from jaxkv.sched import scheduler
+from jaxkv.sched.state import Request, StopSpec
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,9 +127,9 @@ def _run_group(core, prompts: list[list[int]], params: BeamSearchParams) -> list
     beams: dict[str, tuple[int, list[int], float]] = {}   # id -> (prompt, tokens, cum logprob)
     for i, prompt in enumerate(prompts):
         rid = next(ids)
-        state = scheduler.add_request(state, scheduler.Request(
+        state = scheduler.add_request(state, Request(
             request_id=rid, prompt_token_ids=tuple(prompt),
-            stop=scheduler.StopSpec(max_tokens=params.max_tokens, ignore_eos=True)), config)
+            stop=StopSpec(max_tokens=params.max_tokens, ignore_eos=True)), config)
         beams[rid] = (i, list(prompt), 0.0)
     finished: list[list[tuple[list[int], float, str]]] = [[] for _ in prompts]
     try:

@@ -36,11 +36,13 @@ from collections.abc import Sequence
 from jaxkv.blocks.host_tier import SwapCostModel
 from jaxkv.config import EngineConfig
 from jaxkv.engine.outputs import RequestOutput
-from jaxkv.engine.requests import Request, RequestTable
+from jaxkv.engine.requests import EngineRequest, RequestTable
 from jaxkv.runner.compile_cache import enable_compilation_cache
 from jaxkv.runner.model_runner import ModelRunner, RowInput, StepOutput
 from jaxkv.sample.sampler import SamplingParams
 from jaxkv.sched import scheduler
+from jaxkv.sched.plan import StepPlan
+from jaxkv.sched.state import Request, SchedulerState, init_state, with_cost_model
 from jaxkv.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("jaxkv")
@@ -72,9 +74,9 @@ class EngineCore:
         self.tokenizer, self.model_config = r.tokenizer, r.model_config
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
-        self._state = scheduler.init_state(self.cache_config, r.disk)
+        self._state = init_state(self.cache_config, r.disk)
         if r.host_pool is not None:
-            self._state = scheduler.with_cost_model(self._state, SwapCostModel(
+            self._state = with_cost_model(self._state, SwapCostModel(
                 r.host_pool.block_bytes, *r.copy_bandwidth))
         try:   # a draft model is checked against the target (vocabulary) and loaded here
             self.speculator = Speculator.from_args(config.speculative, config, self.runner)
@@ -131,7 +133,7 @@ class EngineCore:
             nothing is queued then and the requests already in the engine keep running.
         """
         self._check_open()
-        new: list[tuple[Request, list[scheduler.Request]]] = []
+        new: list[tuple[EngineRequest, list[Request]]] = []
         ids = set()
         for i, r in enumerate(requests):
             try:
@@ -267,8 +269,8 @@ class EngineCore:
         self._busy_time += time.perf_counter() - t0
         return outputs
 
-    def _refit_cost(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
-                    seconds: float) -> scheduler.SchedulerState:
+    def _refit_cost(self, state: SchedulerState, plan: StepPlan,
+                    seconds: float) -> SchedulerState:
         """``state`` with the swap-or-recompute model's prefill rate refitted to the step just
         run (``seconds`` of device time; a moving average over steps of at least 64 tokens),
         when a host tier is on."""
@@ -277,10 +279,10 @@ class EngineCore:
         rate = plan.num_tokens / max(seconds, 1e-9)
         self._prefill_rate = rate if self._prefill_rate is None else (
             0.7 * self._prefill_rate + 0.3 * rate)
-        return scheduler.with_cost_model(state, dataclasses.replace(
+        return with_cost_model(state, dataclasses.replace(
             state.cost, prefill_tokens_per_s=self._prefill_rate))
 
-    def _failing_rows(self, plan: scheduler.StepPlan, rows: Sequence[RowInput]) -> dict[str, str]:
+    def _failing_rows(self, plan: StepPlan, rows: Sequence[RowInput]) -> dict[str, str]:
         """Of a step that failed before the device: the requests whose own rows fail alone,
         by request id -> the error text."""
         out = {}
@@ -292,7 +294,7 @@ class EngineCore:
                                f"{type(e).__name__}: {e}")
         return out
 
-    def _count(self, plan: scheduler.StepPlan, state: scheduler.SchedulerState) -> None:
+    def _count(self, plan: StepPlan, state: SchedulerState) -> None:
         self._num_lookup_tokens += plan.num_lookup_tokens
         self._num_hit_tokens += plan.num_hit_tokens
         self._num_host_hit_tokens += plan.num_host_hit_tokens
@@ -300,7 +302,7 @@ class EngineCore:
         self._num_computed_tokens += plan.num_tokens
         self._peak_usage = max(self._peak_usage, state.block_manager.usage())
 
-    def _apply(self, plan: scheduler.StepPlan, state: scheduler.SchedulerState,
+    def _apply(self, plan: StepPlan, state: SchedulerState,
                result: StepOutput, t0: float, now: float):
         """Hands each sequence's emitted tokens, in order, to its request's bookkeeping (text,
         logprobs, stop strings), up to the first that stops it (``scheduler.accepted_tokens``,
@@ -312,7 +314,7 @@ class EngineCore:
           error text).
         """
         samples = self._table.samples
-        touched: dict[str, Request] = {}
+        touched: dict[str, EngineRequest] = {}
         accepted = [result.tokens[row, :n] for row, n in enumerate(result.num_accepted)]
         stop_hits, errors = set(), {}
         for row, seq in enumerate(plan.seqs):
@@ -370,11 +372,11 @@ class EngineCore:
     # ------------------------------------------------------------------ drivers (beam search)
 
     @property
-    def scheduler_state(self) -> scheduler.SchedulerState:
+    def scheduler_state(self) -> SchedulerState:
         """The current (immutable) scheduler state."""
         return self._state
 
-    def run(self, state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+    def run(self, state: SchedulerState, plan: StepPlan,
             params: Sequence[SamplingParams]) -> StepOutput:
         """Runs a plan a driver scheduled itself from ``state`` (beam search): one
         ``SamplingParams`` per ``plan.seqs`` entry; the step's statistics are counted.
@@ -386,7 +388,7 @@ class EngineCore:
         self._count(plan, state)
         return self.runner.execute(plan, rows)
 
-    def commit(self, state: scheduler.SchedulerState) -> None:
+    def commit(self, state: SchedulerState) -> None:
         """Adopts a scheduler state a driver advanced from ``scheduler_state`` with sequences
         of its own (it must have released them all: none may be left that no request owns).
 
@@ -520,7 +522,7 @@ class EngineCore:
             self._closed = True
 
 
-def _rows(state: scheduler.SchedulerState, plan: scheduler.StepPlan,
+def _rows(state: SchedulerState, plan: StepPlan,
           params: Sequence[SamplingParams]) -> list[RowInput]:
     """The runner's per-row inputs of ``plan``: one ``SamplingParams`` per scheduled sequence,
     with that sequence's prompt and generated tokens from ``state``."""

@@ -4,7 +4,7 @@
 into ``RequestOutput``s; nothing here touches the device. A request with ``n > 1`` runs as ``n``
 scheduler sequences ``"<id>#<i>"`` whose seeds are ``seed + i`` (as vLLM does); samples ``i > 0``
 fork sample 0 once its prompt is computed, sharing the prompt's blocks (copy-on-write). Each
-``Sample`` keeps its detokenized text, stop strings and logprobs; its ``Request`` the metrics.
+``Sample`` keeps its detokenized text, stop strings and logprobs; its ``EngineRequest`` the metrics.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from jaxkv.config.checks import check_number, check_token_ids, check_type
 from jaxkv.engine.detokenize import IncrementalDetokenizer
 from jaxkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxkv.model.tokenizer import Tokenizer
-from jaxkv.sample.sampler import SamplingParams
-from jaxkv.sched import scheduler
+from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams
+from jaxkv.sched.state import FINISH_STOP, Request, RequestState, StopSpec
 
-MAX_LOGPROBS = 20
 FINISH_ERROR = "error"   # the request failed inside a step (RequestOutput.error says why)
 # The keys of a token prompt dict (vLLM's TokensPrompt, without multi-modal data).
 _PROMPT_KEYS = frozenset({"prompt_token_ids", "prompt"})
@@ -101,12 +100,12 @@ class Sample:
         comp.finish_reason = finish_reason
         if comp.stop_reason is None:   # no stop string trimmed it: all of the text
             comp.text = self.detokenizer.text + self.detokenizer.pending
-        if comp.stop_reason is None and finish_reason == scheduler.FINISH_STOP and comp.token_ids:
+        if comp.stop_reason is None and finish_reason == FINISH_STOP and comp.token_ids:
             comp.stop_reason = comp.token_ids[-1]
 
 
 @dataclasses.dataclass
-class Request:
+class EngineRequest:
     """Host bookkeeping of one request: its prompt, its ``n`` samples and its metrics."""
 
     request_id: str
@@ -141,7 +140,7 @@ class RequestTable:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, EngineRequest] = {}
         self.samples: dict[str, Sample] = {}
         self._ids = itertools.count()
 
@@ -177,7 +176,7 @@ class RequestTable:
 
     def new_request(self, prompt: str | dict, params: SamplingParams, *, priority: int = 0,
                     request_id: str | int | None = None, cache_salt: str | None = None
-                    ) -> tuple[Request, list[scheduler.Request]]:
+                    ) -> tuple[EngineRequest, list[Request]]:
         """Validates one request; returns it and its ``n`` scheduler requests, adding nothing
         (``add`` does, once the scheduler took them).
 
@@ -219,23 +218,23 @@ class RequestTable:
             samples.append(Sample(rid, p, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None),
                 IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)))
-            stop = scheduler.StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+            stop = StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
                                       stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                                       eos_token_ids=self.tokenizer.eos_token_ids)
-            reqs.append(scheduler.Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
+            reqs.append(Request(request_id=f"{rid}#{i}", prompt_token_ids=ids, stop=stop,
                                           arrival_time=now, priority=priority,
                                           cache_salt=cache_salt,
                                           fork_of=f"{rid}#0" if i else None))
-        return Request(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
+        return EngineRequest(rid, text, ids, samples, RequestMetrics(arrival_time=now)), reqs
 
-    def add(self, new: list[tuple[Request, list[scheduler.Request]]]) -> None:
+    def add(self, new: list[tuple[EngineRequest, list[Request]]]) -> None:
         """Registers requests from ``new_request`` that the scheduler has taken."""
         for req, reqs in new:
             self.requests[req.request_id] = req
             for r, sample in zip(reqs, req.samples):
                 self.samples[r.request_id] = sample
 
-    def collect_finished(self, finished: Mapping[str, scheduler.RequestState]
+    def collect_finished(self, finished: Mapping[str, RequestState]
                          ) -> list[RequestOutput]:
         """Finishes the samples of the scheduler's ``finished`` sequences; returns (and forgets)
         the requests whose samples are now all finished."""

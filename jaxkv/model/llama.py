@@ -29,15 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.attention import quest as quest
 from jaxkv.attention.dispatch import paged_attention
-from jaxkv.attention.mass import block_attention_mass
+from jaxkv.attention.layer import attend
+from jaxkv.attention.options import AttentionOptions, QuestOptions
 from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
-from jaxkv.retention import AttentionOptions
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
 
@@ -57,55 +56,6 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * xf.astype(x.dtype)
 
 
-def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):
-    """Decode attention over the selected pages: the jnp spec, or the Pallas kernel."""
-    if impl == "pallas":
-        from jaxkv.attention.pallas import sparse_paged_decode_attention  # GPU-only code, imported lazily
-        return sparse_paged_decode_attention(q, k_pool, v_pool, tables, lens, pages, count,
-                                             interpret=interpret)
-    return quest.sparse_decode_reference(q, k_pool, v_pool, tables, lens, pages, count)
-
-
-def quest_attention(q, k_pool, v_pool, bounds, md: AttentionMetadata, *,
-                    sparse: quest.QuestOptions, impl, interpret, attention=paged_attention,
-                    row_queries: int = 1, **options):
-    """Ragged attention whose decode tokens (and verified drafts) attend only to their Quest
-    pages (``quest.sparse_rows``: each at its own length, as the decode step it stands for).
-
-    Args:
-      q: [T, Hq, D] rotated queries of the step.
-      k_pool, v_pool: the layer's pools, this step's K/V already written.
-      bounds: the layer's ``KeyBounds`` (updated with this step's keys), or None for a KIVI
-        pool (bounds from its scale/zero).
-      md: the step's metadata (``md.num_drafts``: the drafts of each sequence, or None).
-      sparse: budget (pages), sinks and recent window (static).
-      impl, interpret, attention, options: the dense attention of the prefill chunks.
-      row_queries: the step's logits width W (static): the last W tokens of each sequence are
-        the candidates for sparse attention, and the dense attention's layout hint.
-
-    Returns:
-      (o [T, Hq, D], (pages int32 [S * W, Hkv, budget], count int32 [S * W, Hkv]) the
-      selection of each sequence's last W tokens, count 0 for tokens that stay dense).
-    """
-    T = q.shape[0]
-    rows, lens, all_sparse = quest.sparse_rows(md.query_start_loc, md.seq_lens, md.num_drafts,
-                                               row_queries)                 # [S * W], [S]
-    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-    dense_lens = jnp.where(all_sparse, q_lens, md.seq_lens)     # all sparse: null blocks only
-    dense_tables = jnp.where(all_sparse[:, None], 0, md.block_tables)
-    o = attention(q, k_pool, v_pool, dense_tables, dense_lens, md.query_start_loc, impl=impl,
-                  interpret=interpret, row_queries=row_queries, **options)
-    tables = jnp.repeat(md.block_tables, row_queries, axis=0)                   # [S * W, B]
-    q_rows = q[jnp.clip(rows, 0, T - 1)]                                         # [S * W, Hq, D]
-    pages, count = quest.quest_select(q_rows, k_pool, tables, lens,
-                                      budget=sparse.budget, bounds=bounds,
-                                      num_sinks=sparse.num_sinks, recent=sparse.recent)
-    out = _sparse_decode(q_rows, k_pool, v_pool, tables, lens, pages, count, impl=impl,
-                         interpret=interpret)
-    o = o.at[jnp.where(lens > 0, rows, T)].set(out.astype(o.dtype), mode="drop")
-    return o, (pages, count)
-
-
 class Attention(nnx.Module):
     def __init__(self, c: ModelConfig, dtype):
         E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -121,7 +71,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, rot, pools, md: AttentionMetadata, *, sink_rot=None,
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
-                 sparse: quest.QuestOptions | None = None, row_queries: int = 1):
+                 sparse: QuestOptions | None = None, row_queries: int = 1):
         """One layer's attention; ``rot``: the tokens' RoPE rotation (``rope.rotation``),
         ``sink_rot``: the one that scores the sinks (StreamingLLM's positions within the cache,
         with ``options.sink_position_cap``); ``pools`` = (k_pool, v_pool, KeyBounds or None);
@@ -131,9 +81,7 @@ class Attention(nnx.Module):
                               self.v_proj[...]))                      # [T, Hkv, D] x 2
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
-        if sink_rot is not None:                    # StreamingLLM: sinks seen from the cache
-            kw["q_sinks"] = rotate(q, sink_rot)
+        q_sinks = None if sink_rot is None else rotate(q, sink_rot)   # StreamingLLM's sinks
         q = rotate(q, rot)
         k = rotate(k, rot)
         k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
@@ -142,20 +90,9 @@ class Attention(nnx.Module):
         if bounds is not None:
             bounds = kvcache.refresh_key_bounds(bounds, k_pool, md.slot_mapping,
                                                 md.seq_lens.shape[0])
-        mass = None
-        if sparse is not None:
-            o, _ = quest_attention(q, k_pool, v_pool, bounds, md, sparse=sparse, impl=impl,
-                                   interpret=interpret, attention=attention,
-                                   row_queries=row_queries, **kw)
-        elif options.observe:   # H2O's statistic: the mass each block got, from the lse
-            o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens,
-                               md.query_start_loc, impl=impl, interpret=interpret,
-                               return_lse=True, row_queries=row_queries, **kw)
-            mass = block_attention_mass(q, k_pool, md.block_tables, md.seq_lens,
-                                        md.query_start_loc, lse, observe=options.observe, **kw)
-        else:
-            o = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                          impl=impl, interpret=interpret, row_queries=row_queries, **kw)
+        o, mass = attend(q, k_pool, v_pool, bounds, md, options=options, impl=impl,
+                         interpret=interpret, attention=attention, sparse=sparse,
+                         row_queries=row_queries, q_sinks=q_sinks)
         # one [T, Hq * D] @ [Hq * D, E] dot (both reshapes are bitcasts), so XLA transposes
         # the small activation, not the weight, when attention leaves o in another layout
         w_o = self.o_proj[...]
@@ -185,7 +122,7 @@ class DecoderLayer(nnx.Module):
 
 def _decoder_layer(graphdef, state, x, rot, sink_rot, pools, md: AttentionMetadata, *,
                    options: AttentionOptions, impl, interpret, attention,
-                   sparse: quest.QuestOptions | None, row_queries: int):
+                   sparse: QuestOptions | None, row_queries: int):
     """One decoder layer on the residual stream x [T, E]; returns (x [T, E], the layer's
     updated (k_pool, v_pool, bounds), block mass f32 [S, max_blocks] or None)."""
     layer = nnx.merge(graphdef, state)
@@ -225,7 +162,7 @@ class Transformer(nnx.Module):
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
                  logits_indices, *, impl, interpret, attention=paged_attention,
                  options: AttentionOptions | None = None,
-                 sparse: quest.QuestOptions | None = None, row_queries: int = 1):
+                 sparse: QuestOptions | None = None, row_queries: int = 1):
         c = self.config
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
@@ -281,7 +218,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
             interpret: bool = False, attention=paged_attention,
             attention_options: AttentionOptions | None = None,
-            sparse: quest.QuestOptions | None = None, row_queries: int = 1
+            sparse: QuestOptions | None = None, row_queries: int = 1
             ) -> tuple[jax.Array, kvcache.PagedKVCache] | tuple[jax.Array,
                                                                 kvcache.PagedKVCache, jax.Array]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.

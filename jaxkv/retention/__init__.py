@@ -26,13 +26,13 @@ victims: the baseline). ``from_args`` builds the policy of a ``jaxkv.config.Cach
 
 from __future__ import annotations
 
-from jaxkv.retention.full import AttentionOptions, FullRetention, Retention
+from jaxkv.retention.full import FullRetention, Retention
 from jaxkv.retention.h2o import H2ORetention
 from jaxkv.retention.random_evict import RandomRetention
 from jaxkv.retention.snapkv import SnapKVRetention
 from jaxkv.retention.streaming import StreamingRetention
 
-__all__ = ["AttentionOptions", "FullRetention", "H2ORetention", "RandomRetention", "Retention",
+__all__ = ["FullRetention", "H2ORetention", "RandomRetention", "Retention",
            "SnapKVRetention", "StreamingRetention", "from_args"]
 
 

@@ -54,7 +54,8 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.retention.full import AttentionOptions, Retention
+from jaxkv.attention.options import AttentionOptions
+from jaxkv.retention.full import Retention
 from jaxkv.retention.h2o import block_score, evict
 
 POOLINGS = ("max", "avg")

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxkv.retention.full import AttentionOptions, Retention
+from jaxkv.attention.options import AttentionOptions
+from jaxkv.retention.full import Retention
 
 POSITIONS = ("cache", "original")
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxkv.blocks.block_manager import NULL_BLOCK, cdiv
 from jaxkv.config import CacheConfig, SchedulerConfig
-from jaxkv.sched.scheduler import StepPlan
+from jaxkv.sched.plan import StepPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv.attention.quest import QuestOptions, min_budget
+from jaxkv.attention.options import QuestOptions
+from jaxkv.attention.quest import min_budget
 from jaxkv.config import CacheConfig, EngineConfig
-from jaxkv.engine.requests import MAX_LOGPROBS
 from jaxkv.kvcache import disk_store
 from jaxkv.kvcache.host_pool import HostKVPool
 from jaxkv.kvcache.pages import copy_blocks, init_cache
@@ -41,8 +41,8 @@ from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, huge_pages, memory_plan, sharding
 from jaxkv.runner.step import DeviceStepInput, make_step, step_rng
-from jaxkv.sample.sampler import SamplingParams, SamplingTensors
-from jaxkv.sched.scheduler import StepPlan
+from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams, SamplingTensors
+from jaxkv.sched.plan import StepPlan
 
 logger = logging.getLogger("jaxkv")
 

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxkv.attention.dispatch import paged_attention
-from jaxkv.attention.quest import QuestOptions
+from jaxkv.attention.options import QuestOptions
+from jaxkv.attention.options import AttentionOptions
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pages import PagedKVCache
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import forward
-from jaxkv.retention import AttentionOptions
 from jaxkv.runner import sharding
 from jaxkv.runner.batch import StepInput
 from jaxkv.sample.rejection import num_accepted

@@ -52,6 +52,7 @@ from jaxkv.config.checks import BOOLS, check_number, check_token_ids, check_type
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Padding of the history and stop-id arrays.
 PAD_ID = -1
+MAX_LOGPROBS = 20   # most top logprobs a request may ask for (OpenAI's cap)
 
 # The numeric fields of SamplingParams and their checks (vLLM's ranges), in field order.
 _NUMERIC_FIELDS = {

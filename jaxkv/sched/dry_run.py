@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from jaxkv.config import CacheConfig, SchedulerConfig
 from jaxkv.sched import scheduler
+from jaxkv.sched.state import Request, StopSpec, init_state
 
 
 def step_shapes(cache_config: CacheConfig, sched_config: SchedulerConfig,
@@ -22,10 +23,10 @@ def step_shapes(cache_config: CacheConfig, sched_config: SchedulerConfig,
     Raises:
       ValueError: a request that cannot fit (``scheduler.add_request``).
     """
-    state = scheduler.init_state(cache_config)
+    state = init_state(cache_config)
     for i, (ids, max_tokens) in enumerate(requests):
-        stop = scheduler.StopSpec(max_tokens=int(max_tokens), ignore_eos=True)
-        state = scheduler.add_request(state, scheduler.Request(
+        stop = StopSpec(max_tokens=int(max_tokens), ignore_eos=True)
+        state = scheduler.add_request(state, Request(
             request_id=i, prompt_token_ids=ids, stop=stop, arrival_time=i), sched_config)
     shapes = set()
     while state.requests:

@@ -33,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.requests import FINISH_ERROR
-from jaxkv.sched.scheduler import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from jaxkv.sched.state import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.sample.sampler import SamplingParams
 
-# OpenAI caps top_logprobs at 20; so does the engine (jaxkv.engine.requests.MAX_LOGPROBS).
+# OpenAI caps top_logprobs at 20; so does the engine (jaxkv.sample.sampler.MAX_LOGPROBS).
 MAX_TOP_LOGPROBS = 20
 
 

@@ -85,7 +85,7 @@ from jaxkv.model.llama import params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.runner.model_runner import ModelRunner, RowInput
 from jaxkv.sample.sampler import SamplingParams
-from jaxkv.sched.scheduler import ScheduledSeq, StepPlan
+from jaxkv.sched.plan import ScheduledSeq, StepPlan
 from jaxkv.sched.step_cost import StepCostModel
 
 _GREEDY = SamplingParams(temperature=0.0)

@@ -169,6 +169,8 @@ import numpy as np
 
 from jaxkv.config import EngineConfig, SpeculativeArgs
 from jaxkv.sched import scheduler
+from jaxkv.sched.plan import StepPlan
+from jaxkv.sched.state import RequestState, SchedulerState
 from jaxkv.sched.step_cost import StepCostModel
 from jaxkv.spec_decode.draft_lengths import (allocate_drafts, allocate_drafts_closed,
                                              best_num_drafts, fill_drafts)
@@ -215,13 +217,13 @@ def propose_batch(proposer: Proposer | BatchProposer,
     return {i: proposer.propose(tokens, k) for i, (tokens, k) in requests.items()}
 
 
-def _room(rs: scheduler.RequestState) -> int:
+def _room(rs: RequestState) -> int:
     """The most drafts a request can use this step: its tokens left before ``max_tokens``,
     less the one the step emits anyway (<= 0: none)."""
     return rs.request.stop.max_tokens - len(rs.output_token_ids) - 1
 
 
-def _history(rs: scheduler.RequestState) -> np.ndarray:
+def _history(rs: RequestState) -> np.ndarray:
     """int32 [L]: a request's prompt and output so far (what a proposer sees)."""
     return np.asarray(rs.token_ids(0, rs.num_tokens), np.int32)
 
@@ -333,7 +335,7 @@ class Speculator:
         forwards), read from the proposer (tests swap it) rather than kept."""
         return getattr(self.proposer, "forward_cost", None)
 
-    def drafts(self, state: scheduler.SchedulerState) -> dict[Hashable, tuple[int, ...]]:
+    def drafts(self, state: SchedulerState) -> dict[Hashable, tuple[int, ...]]:
         """Draft tokens for the running decodes of ``state`` (``scheduler.schedule``'s
         ``drafts``), each as long as its adaptive draft length; empty when speculation is
         off."""
@@ -348,7 +350,7 @@ class Speculator:
             return self._drafts_of_free_proposals(state)
         return self._drafts_of_chosen_lengths(state)
 
-    def _drafts_of_chosen_lengths(self, state: scheduler.SchedulerState
+    def _drafts_of_chosen_lengths(self, state: SchedulerState
                                   ) -> dict[Hashable, tuple[int, ...]]:
         """``drafts`` with the lengths chosen before proposing (for a proposer whose proposals
         cost a forward, and any speculator without step times): by the step-time rule with the
@@ -434,7 +436,7 @@ class Speculator:
         time."""
         return self.step_cost is None or self._probe_s > _EXPLORE_SHARE * self._measured_s
 
-    def _chosen_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable],
+    def _chosen_lengths(self, state: SchedulerState, ids: Sequence[Hashable],
                         rooms: Sequence[int]) -> tuple[dict[Hashable, int], bool] | None:
         """``_drafts_of_chosen_lengths``'s draft length of each decode in ``ids`` (those with
         room for a draft: ``rooms`` int [N], each one's ``_room``), before anything is
@@ -458,7 +460,7 @@ class Speculator:
         probe = not self._probes_over_budget and self.proposal_time(len(ids), 1) < plain
         return dict(zip(ids, ks)), probe
 
-    def _step_shape(self, state: scheduler.SchedulerState) -> tuple[int, int]:
+    def _step_shape(self, state: SchedulerState) -> tuple[int, int]:
         """The estimated ``(tokens, sequences)`` of the next step without drafts: its decodes
         and the running prefills' next chunks (within the token budget; requests the
         scheduler will admit from the queue are not foreseen)."""
@@ -477,7 +479,7 @@ class Speculator:
         forward = None if model is None else model.predict(num_decodes, num_decodes, False)
         return longest * (forward or 0.0)
 
-    def _drafts_of_free_proposals(self, state: scheduler.SchedulerState
+    def _drafts_of_free_proposals(self, state: SchedulerState
                                   ) -> dict[Hashable, tuple[int, ...]]:
         """``drafts`` of a proposer whose proposals are free (no ``forward_cost``) under the
         step-time rule: every decode is asked for its full length, then ``_step_lengths`` cuts
@@ -502,7 +504,7 @@ class Speculator:
         self._proposed += sum(ks or [])
         return out
 
-    def _step_lengths(self, state: scheduler.SchedulerState, ids: Sequence[Hashable],
+    def _step_lengths(self, state: SchedulerState, ids: Sequence[Hashable],
                       acceptance: Sequence[float], caps: Sequence[int], cold: Sequence[bool],
                       proposal_time: Callable[[int], float] | None = None) -> list[int] | None:
         """The step-time rule's draft lengths (int [N]) of the decodes ``ids`` (acceptance
@@ -574,7 +576,7 @@ class Speculator:
         return next((t for t, below in zip(candidates, [base] + candidates)
                      if reach > below and model.wants(t, num_seqs, True)), None)
 
-    def forget(self, state: scheduler.SchedulerState) -> None:
+    def forget(self, state: SchedulerState) -> None:
         """Releases the proposer's state of the requests proposed for that are no longer
         running in ``state`` (finished, aborted, failed, preempted)."""
         gone = {i for i in self._held if i not in state.running}
@@ -583,7 +585,7 @@ class Speculator:
             for request_id in gone:
                 self.proposer.release(request_id)
 
-    def record(self, plan: scheduler.StepPlan, tokens: np.ndarray,
+    def record(self, plan: StepPlan, tokens: np.ndarray,
                num_accepted: np.ndarray, seconds: float | None = None) -> None:
         """Measures and counts a step's drafts.
 

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxkv.attention.grouped import kept_blocks
+from jaxkv.attention.kv_chunks import kept_blocks
 from jaxkv.attention.pallas.kv_format import (QUANTIZED_CODE_DTYPES, KvLayout, check_head_dim,
                                               kv_operands, pool_dtype)
 from jaxkv.attention.pallas.kv_walk import attend_tiles, finalize, init_carry, kv_walk

@@ -1,0 +1,189 @@
+"""Admission, step 2 of ``schedule``: waiting requests enter with a prefill chunk while the
+budget, ``max_num_seqs`` and the free blocks allow, each from where it can resume: a swapped-out
+request from the host tier, a fork from its parent's blocks, any other from its longest cached
+prefix (device, host tier, disk). Plus the retention rule both steps 0 and 2 apply."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxkv.blocks import host_tier
+from jaxkv.blocks.block_manager import BlockManager
+from jaxkv.blocks.host_tier import NO_SLOT
+from jaxkv.config import SchedulerConfig
+from jaxkv.retention import Retention
+from jaxkv.sched.plan import PlanBuilder
+from jaxkv.sched.state import RequestState, SchedulerState, policy_key
+
+
+def retain(bm: BlockManager, retention: Retention, rs: RequestState) -> RequestState:
+    """``rs`` after giving back the blocks ``retention`` drops before its next query (at
+    ``num_computed_tokens``; the null block takes their table entries)."""
+    request_id, at = rs.request.request_id, rs.num_computed_tokens
+    if retention.history_dependent and at < len(rs.request.prompt_token_ids):
+        return rs   # the prompt is computed with full attention first
+    drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size,
+                            prompt_tokens=len(rs.request.prompt_token_ids))
+    if not drops:
+        return rs
+    bm.release_blocks(request_id, drops)
+    if retention.history_dependent and rs.first_drop is None:
+        return dataclasses.replace(rs, first_drop=at)
+    return rs
+
+
+def sees_kept(table: Sequence[int], num_computed: int, retention: Retention,
+              block_size: int) -> bool:
+    """Whether every block of ``table`` a query at ``num_computed`` may still see is kept."""
+    return all(b != 0 or retention.may_drop(num_computed, j, block_size)
+               for j, b in enumerate(table))
+
+
+def admit_waiting(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig) -> None:
+    """Admit waiting requests in queue order (``lpm``: longest cached prefix first), stopping at
+    the first that does not fit (no overtaking; a fork whose parent is not ready lets others
+    pass); then count, for ``lpm``'s age bound, the waiting requests the admitted overtook."""
+    for request_id in _candidates(b, config):
+        if b.budget <= 0 or len(b.running) >= config.max_num_seqs:
+            break
+        rs = b.requests[request_id]
+        admitted = (_admit_swapped(b, state, config, rs) if rs.swapped_tokens
+                    else _admit_prefix(b, state, config, rs))
+        if admitted is False:
+            break
+    if b.admitted:
+        last = max(policy_key(b.requests[i], config.policy) for i in b.admitted)
+        for i in b.waiting:
+            if policy_key(b.requests[i], config.policy) < last:
+                b.requests[i] = dataclasses.replace(b.requests[i],
+                                                    num_skipped=b.requests[i].num_skipped + 1)
+
+
+def _candidates(b: PlanBuilder, config: SchedulerConfig) -> list:
+    """The waiting ids in the order admission tries them: queue order, or under ``lpm`` the
+    longest cached prefix first, except that one overtaken ``lpm_max_skips`` times goes first."""
+    candidates = list(b.waiting)
+    if config.policy == "lpm":
+        def lpm_key(i):
+            rs = b.requests[i]
+            blocks, _, partial = b.bm.lookup(rs.token_ids(0, rs.num_tokens - 1),
+                                             rs.request.cache_salt)
+            hit = len(blocks) * b.bm.block_size + (partial[1] if partial else 0)
+            return (rs.num_skipped < config.lpm_max_skips, -hit)
+        candidates.sort(key=lpm_key)   # stable: FCFS among equals
+    return candidates
+
+
+def _hold(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: RequestState,
+          chunk_end: int) -> int:
+    """Tokens admission must find room for: the chunk, or for a request coming back from a
+    preemption all its known tokens its retention keeps at once (docs/scheduling.md)."""
+    if not rs.num_preemptions:   # first admission: this chunk only
+        return chunk_end
+    bound = state.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
+                                       b.bm.block_size, len(rs.request.prompt_token_ids))
+    return max(chunk_end, min(rs.num_tokens, bound * b.bm.block_size))
+
+
+def _reserve(b: PlanBuilder, rs: RequestState) -> int:
+    """Free blocks to leave: one of headroom per running request for a readmitted request."""
+    return len(b.running) if rs.num_preemptions else 0
+
+
+def _admit_swapped(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
+                   rs: RequestState) -> bool:
+    """A swapped-out request resumes where it stopped, its kept blocks back from the host."""
+    request_id, bm = rs.request.request_id, b.bm
+    n = min(rs.num_tokens - rs.swapped_tokens, b.budget)
+    slots = b.host.swapped(request_id)
+    kept = [slot != NO_SLOT for slot in slots]
+    if not bm.can_allocate_layout(kept, _hold(b, state, config, rs, rs.swapped_tokens + n),
+                                  reserve=_reserve(b, rs)):
+        return False
+    table = bm.allocate_layout(request_id, kept, rs.swapped_tokens + n,
+                               salt=rs.request.cache_salt)
+    b.host.swap_in(request_id)
+    b.swap_in.extend((slot, block) for slot, block in zip(slots, table) if slot != NO_SLOT)
+    rs = retain(bm, state.retention, dataclasses.replace(
+        rs, num_computed_tokens=rs.swapped_tokens, swapped_tokens=0))
+    b.admit(rs, n, config.policy)
+    return True
+
+
+def _admit_prefix(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
+                  rs: RequestState) -> bool | None:
+    """A fork shares its parent's prompt blocks (None: the parent is not ready, wait); a fork
+    whose parent dropped blocks it sees, and any other request, takes its cached prefix."""
+    parent = rs.request.fork_of
+    if parent in state.requests:
+        prs = state.requests[parent]
+        p = len(rs.request.prompt_token_ids)
+        if parent not in state.running or prs.num_computed_tokens < p - 1:
+            return None
+        hit = b.bm.block_table(parent)[:b.bm.blocks_for(p - 1)]
+        if sees_kept(hit, p - 1, state.retention, b.bm.block_size):
+            return _admit_fork(b, state, config, rs, prs, hit)
+    return _admit_cached(b, state, config, rs)
+
+
+def _admit_fork(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
+                rs: RequestState, prs: RequestState, hit: tuple[int, ...]) -> bool:
+    """Share the parent's blocks below its last prompt token, copying the last one if partial;
+    the fork starts from the parent's drops and scores."""
+    request_id, bm = rs.request.request_id, b.bm
+    num_cached = len(rs.request.prompt_token_ids) - 1
+    n = min(rs.num_tokens - num_cached, b.budget)
+    need = (bm.blocks_for(_hold(b, state, config, rs, num_cached + n)) - len(hit)
+            + (num_cached % bm.block_size > 0))
+    if need + _reserve(b, rs) > bm.num_free_blocks:
+        return False
+    bm.fork(prs.request.request_id, request_id, len(hit))
+    op = bm.copy_on_write(request_id, num_cached)
+    bm.append_slots(request_id, num_cached + n)
+    b.num_lookup += rs.num_tokens
+    scores = None if prs.block_scores is None else prs.block_scores[:len(hit)].copy()
+    _enter(b, state, config, rs, num_cached, n, op, first_drop=prs.first_drop,
+           block_scores=scores)
+    return True
+
+
+def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
+                  rs: RequestState) -> bool:
+    """Take the longest cached prefix of the tokens before the last observed ones (the device
+    pool, then the host tier and disk: those blocks are promoted into fresh device blocks)."""
+    request_id, bm = rs.request.request_id, b.bm
+    last = max(0, rs.num_tokens - max(1, state.retention.observe))   # SnapKV's window computes
+    hit, keys, partial, host_hits = host_tier.lookup(bm, b.host, rs.token_ids(0, last),
+                                                     rs.request.cache_salt)
+    b.disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
+    num_cached = (len(hit) * bm.block_size + sum(len(t) for _, t, _ in host_hits)
+                  + (partial[1] if partial else 0))
+    n = min(rs.num_tokens - num_cached, b.budget)
+    if not bm.can_allocate_cached(_hold(b, state, config, rs, num_cached + n), hit, partial,
+                                  reserve=_reserve(b, rs)):
+        return False
+    table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)], partial,
+                                   salt=rs.request.cache_salt, promoted=len(host_hits))
+    if host_hits:   # promoted: fresh blocks filled from the host, full ones cached
+        b.swap_in.extend((slot, table[len(hit) + i]) for i, (slot, _, _) in enumerate(host_hits))
+        bm.register(request_id, sum((tokens for _, tokens, _ in host_hits), ()))
+        b.num_host_hits += sum(len(tokens) for _, tokens, _ in host_hits)
+        b.num_disk_hits += sum(row is not None for *_, row in host_hits) * bm.block_size
+    if bm.prefix_cache is not None:
+        b.num_lookup += rs.num_tokens
+    _enter(b, state, config, rs, num_cached, n, op)
+    return True
+
+
+def _enter(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: RequestState,
+           num_cached: int, n: int, op: tuple[int, int] | None, **inherited) -> None:
+    """Admit ``rs`` with ``num_cached`` tokens found and ``n`` new ones (``op``: the copy its
+    partial hit or shared last block needs first)."""
+    if op is not None:
+        b.copy_ops.append(op)
+    b.cached[rs.request.request_id] = num_cached
+    rs = retain(b.bm, state.retention, dataclasses.replace(
+        rs, num_computed_tokens=num_cached,
+        num_cached_tokens=rs.num_cached_tokens or num_cached, **inherited))
+    b.admit(rs, n, config.policy)

@@ -145,7 +145,7 @@ def cmd_offload(a) -> dict:
                 LLM(a.model, tensor_parallel_size=tp, attention_impl=a.attention_impl,
                     kv_offload_bytes=1 << 20, preemption_mode="swap",
                     **dict(ENGINE, num_kv_blocks=24, max_model_len=88)) as llm:
-            assert llm.engine.runner.host_pool.staging == ("none" if staging == "auto" else staging)
+            assert llm.engine.runner.offload.pool.staging == ("none" if staging == "auto" else staging)
             out[key] = greedy(llm, a.tokens)
             sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
             llm.generate(other, sp, use_tqdm=False)

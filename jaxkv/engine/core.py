@@ -37,7 +37,9 @@ from jaxkv.blocks.host_tier import SwapCostModel
 from jaxkv.config import EngineConfig
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.engine.requests import EngineRequest, RequestTable
+from jaxkv.runner import huge_pages
 from jaxkv.runner.compile_cache import enable_compilation_cache
+from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.model_runner import ModelRunner, RowInput, StepOutput
 from jaxkv.sample.sampler import SamplingParams
 from jaxkv.sched import scheduler
@@ -69,15 +71,20 @@ class EngineCore:
         rc = config.runtime
         self.compilation_cache_dir = (enable_compilation_cache(rc.compilation_cache_dir)
                                       if rc.compilation_cache else None)
-        self.runner = ModelRunner(config)
-        r = self.runner
+        self.runner = r = ModelRunner(config)
+        huge_pages.collapse_in_background(r.params)   # CPU arrays only; advice only
+        if config.cache.kv_offload_bytes:
+            r.attach_offload(*KVOffload.build(
+                r.cache, r.kv_spec, config.cache, model_path=r.model_path,
+                model_config=r.model_config, tensor_parallel_size=r.tensor_parallel_size))
         self.tokenizer, self.model_config = r.tokenizer, r.model_config
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
-        self._state = init_state(self.cache_config, r.disk)
-        if r.host_pool is not None:
+        offload = r.offload
+        self._state = init_state(self.cache_config, None if offload is None else offload.disk)
+        if offload is not None:
             self._state = with_cost_model(self._state, SwapCostModel(
-                r.host_pool.block_bytes, *r.copy_bandwidth))
+                offload.pool.block_bytes, *offload.copy_bandwidth))
         try:   # a draft model is checked against the target (vocabulary) and loaded here
             self.speculator = Speculator.from_args(config.speculative, config, self.runner)
         except BaseException:
@@ -490,9 +497,10 @@ class EngineCore:
         ``kv_offload_d2h_bytes_per_s`` / ``_h2d_``, the fitted ``prefill_tokens_per_s``, and
         with ``kv_cache_dir`` the files ``kv_disk_blocks``, ``_written``, ``_loaded`` and
         ``_refused`` (corrupt or foreign files, logged and recomputed)."""
-        pool, host = self.runner.host_pool, self._state.host
-        if pool is None:
+        offload, host = self.runner.offload, self._state.host
+        if offload is None:
             return {}
+        pool = offload.pool
         out = {
             "kv_offload_blocks_total": host.num_slots,
             "kv_offload_blocks_prefix": host.num_prefix_blocks,
@@ -502,11 +510,11 @@ class EngineCore:
             "num_swap_preemptions": self._num_swapped,
             "kv_offload_bytes_out": pool.bytes_out,
             "kv_offload_bytes_in": pool.bytes_in,
-            "kv_offload_d2h_bytes_per_s": self.runner.copy_bandwidth[0],
-            "kv_offload_h2d_bytes_per_s": self.runner.copy_bandwidth[1],
+            "kv_offload_d2h_bytes_per_s": offload.copy_bandwidth[0],
+            "kv_offload_h2d_bytes_per_s": offload.copy_bandwidth[1],
             "prefill_tokens_per_s": self._prefill_rate,
         }
-        disk = self.runner.disk
+        disk = offload.disk
         if disk is not None:
             out |= {"kv_disk_blocks": len(disk), "kv_disk_written": disk.num_written,
                     "kv_disk_loaded": disk.num_loaded, "kv_disk_refused": disk.num_refused}
@@ -516,7 +524,9 @@ class EngineCore:
         """Frees device memory; the engine cannot be used afterwards."""
         if not self._closed:
             pc = self._state.block_manager.prefix_cache
-            self.runner.flush(() if pc is None else pc.full_blocks())
+            if self.runner.offload is not None:
+                self.runner.offload.flush(self.runner.cache,
+                                          () if pc is None else pc.full_blocks())
             self.runner.close()
             self.speculator.close()
             self._closed = True

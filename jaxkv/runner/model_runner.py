@@ -30,8 +30,6 @@ from tqdm.auto import tqdm
 from jaxkv.attention.options import QuestOptions
 from jaxkv.attention.quest import min_budget
 from jaxkv.config import CacheConfig, EngineConfig
-from jaxkv.kvcache import disk_store
-from jaxkv.kvcache.host_pool import HostKVPool
 from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import (KV_FORMATS, KVCacheSpec, default_group_size, kivi_residual_slots,
                                 resolve_kv_cache_dtype)
@@ -39,7 +37,8 @@ from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
 from jaxkv.retention import from_args
-from jaxkv.runner import batch, huge_pages, memory_plan, sharding
+from jaxkv.runner import batch, memory_plan, sharding
+from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.step import DeviceStepInput, make_step, step_rng
 from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams, SamplingTensors
 from jaxkv.sched.plan import StepPlan
@@ -254,11 +253,8 @@ class ModelRunner:
       sparse: Quest's static options (``quest_options``), or None (dense decode attention).
       mesh: the tensor-parallel mesh, or None on one device.
       params, cache, tokenizer, model_path: the loaded model and its KV cache.
-      host_pool: the host KV tier's bytes and copies (``kv_offload_bytes``;
-        jaxkv/kvcache/host_pool.py), or None.
-      disk: the persistent prefix cache (``kv_cache_dir``; jaxkv/kvcache/disk_store.py), or None.
-      copy_bandwidth: measured (device-to-host, host-to-device) bytes/s of block transfers at
-        start, or None without a host tier.
+      offload: the host KV tier and the persistent cache behind it (jaxkv/runner/kv_offload.py),
+        once the engine attaches one (``attach_offload``), else None.
 
     Raises:
       ValueError: naming the argument that cannot work (checked before weights load where
@@ -319,7 +315,6 @@ class ModelRunner:
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
         self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
-        huge_pages.collapse_in_background(self.params)        # CPU arrays only; advice only
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed
@@ -335,43 +330,7 @@ class ModelRunner:
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
         self._variants_run: set[tuple] = set()   # (step fn, T, S, width, logprobs)
-        self.host_pool = self.disk = self.copy_bandwidth = None
-        self._to_disk: list[tuple[int, int]] = []   # (slot, key) landing, then written to disk
-        if cc.kv_offload_bytes:
-            self._init_host_tier(cc, tp)
-
-    def _init_host_tier(self, cc, tp: int) -> None:
-        """The host tier of ``kv_offload_bytes`` (as many whole block units as fit), its copy
-        bandwidth measured, and the persistent cache behind it (``kv_cache_dir``)."""
-        if cc.preemption_mode == "swap" and self.kv_spec.format.kivi:
-            raise ValueError(f"preemption_mode='swap' cannot swap {self.kv_spec.kv_cache_dtype} "
-                             f"(KIVI) pools: their unsealed blocks live in the per-sequence "
-                             f"residual; use preemption_mode='auto' or 'recompute'")
-        pool = HostKVPool(self.cache, num_bytes=cc.kv_offload_bytes)
-        slots = pool.rows.shape[0]
-        if slots < 1:
-            raise ValueError(f"kv_offload_bytes={cc.kv_offload_bytes} holds no block: one "
-                             f"all-layer block is {pool.block_bytes} bytes")
-        self.host_pool = pool
-        self.cache, d2h, h2d = pool.measure(self.cache, 64)
-        self.copy_bandwidth = (d2h, h2d)
-        self.cache_config = dataclasses.replace(
-            self.cache_config, host_blocks=slots, preemption_mode=cc.preemption_mode,
-            swap_supported=not self.kv_spec.format.kivi)
-        logger.info("host KV tier: %d blocks of %d bytes (%.2f GiB), staging %s; copies "
-                    "%.2f GB/s out, %.2f GB/s in", slots, pool.block_bytes,
-                    slots * pool.block_bytes / 2**30, pool.staging, d2h / 1e9, h2d / 1e9)
-        if cc.kv_cache_dir is not None:
-            s = self.kv_spec
-            ns = disk_store.namespace(
-                model=disk_store.model_identity(self.model_path), config=repr(self.model_config),
-                kv_cache_dtype=s.kv_cache_dtype, dtype=s.dtype, block_size=s.block_size,
-                num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-                group_size=s.group_size, key_bounds=s.key_bounds, layout=s.layout,
-                tensor_parallel_size=tp,
-                unit=repr([(f[0], f[1], f[3]) for f in self.host_pool.fields]),
-                devices=len(self.host_pool.devices))
-            self.disk = disk_store.DiskKVStore(cc.kv_cache_dir, ns, self.host_pool.block_bytes)
+        self.offload: KVOffload | None = None   # the host tier, if the engine attaches one
 
     # ------------------------------------------------------------------ setup
 
@@ -463,8 +422,8 @@ class ModelRunner:
                 null = jnp.zeros(n, jnp.int32)
                 self.cache = copy_blocks(self.cache, null, null)   # null block onto itself
                 bar.update(1)
-        if self.host_pool is not None:   # the host tier's batched transfers
-            self.cache = self.host_pool.warmup(self.cache)
+        if self.offload is not None:   # the host tier's batched transfers
+            self.cache = self.offload.pool.warmup(self.cache)
         logger.info("compiled %d step variants in %.1f s", len(jobs), time.perf_counter() - t0)
         return len(jobs)
 
@@ -561,53 +520,22 @@ class ModelRunner:
         self.num_steps += 1
         return out
 
+    def attach_offload(self, offload: KVOffload, cache) -> None:
+        """Hands the runner a host KV tier built over its pool (``KVOffload.build``, which
+        returns the pool it measured with); the scheduler's ``cache_config`` gains the tier."""
+        self.offload, self.cache = offload, cache
+        self.cache_config = dataclasses.replace(
+            self.cache_config, host_blocks=offload.num_slots,
+            preemption_mode=offload.preemption_mode,
+            swap_supported=not self.kv_spec.format.kivi)
+
     def transfer(self, plan: StepPlan) -> None:
-        """Applies a plan's host-tier transfers (in jaxkv/blocks/host_tier.py's order): the
-        previous plan's swap-outs land (and its demoted prefix blocks go to disk), this plan's
-        swap-outs start (asynchronous: they overlap this step), its disk rows fill their host
-        slots, and its swap-ins write their device blocks."""
-        pool = self.host_pool
-        if pool is None:
+        """Applies a plan's host-tier transfers (``KVOffload.transfer``)."""
+        if self.offload is None:
             if plan.swap_out or plan.swap_in or plan.disk_loads:
                 raise ValueError("the plan moves KV to a host tier this engine does not have")
             return
-        self._land()
-        self._to_disk = [(slot, key) for _, slot, key in plan.swap_out if key is not None]
-        pool.swap_out(self.cache, [b for b, _, _ in plan.swap_out],
-                      [slot for _, slot, _ in plan.swap_out])
-        pool.write_rows([slot for slot, _ in plan.disk_loads], [row for _, row in plan.disk_loads])
-        self.cache = pool.swap_in(self.cache, [slot for slot, _ in plan.swap_in],
-                                  [b for _, b in plan.swap_in])
-
-    def flush(self, cached: Sequence[tuple[int, int]] = ()) -> None:
-        """Lands in-flight swap-outs and writes the demoted blocks still pending to disk; with
-        a persistent cache also the ``(key, block)`` device blocks ``cached`` (the device
-        prefix cache at close), in batches through host slot 0 onward."""
-        pool = self.host_pool
-        if pool is None:
-            return
-        self._land()
-        if self.disk is None:
-            return
-        todo = [(k, b) for k, b in cached if k not in self.disk]
-        n = pool.rows.shape[0]
-        saved = pool.rows[:min(n, len(todo))].copy()
-        for i in range(0, len(todo), n):
-            batch_ = todo[i:i + n]
-            pool.swap_out(self.cache, [b for _, b in batch_], list(range(len(batch_))))
-            pool.finish()
-            for slot, (key, _) in enumerate(batch_):
-                self.disk.store(key, pool.rows[slot])
-        pool.rows[:len(saved)] = saved
-
-    def _land(self) -> None:
-        """Lands the swap-outs in flight, and writes the demoted prefix blocks among them to
-        the persistent cache."""
-        self.host_pool.finish()
-        if self.disk is not None:
-            for slot, key in self._to_disk:
-                self.disk.store(key, self.host_pool.rows[slot])
-        self._to_disk = []
+        self.cache = self.offload.transfer(self.cache, plan)
 
     def _apply_copies(self, copy_ops: Sequence[tuple[int, int]]) -> None:
         """Applies a plan's copy-on-write block copies on the device, all at once."""

@@ -63,7 +63,7 @@ def test_kv_layouts_give_the_same_tokens(tiny, llm):
     """The CPU default (HND pools) and NHD pools give the same greedy tokens; the resolved
     layout follows the attention implementation and the format."""
     from jaxkv.config import EngineConfig
-    from jaxkv.runner.model_runner import resolve
+    from jaxkv.config.resolve import resolve
 
     assert llm.engine.runner.kv_spec.layout == "hnd"
     ps = prompts(4, seed=3)

@@ -11,6 +11,8 @@ edge (every submodule would otherwise depend on its own package).
 import ast
 from pathlib import Path
 
+import pytest
+
 import jaxkv
 
 ROOT = Path(jaxkv.__file__).resolve().parent
@@ -90,7 +92,8 @@ def test_the_scan_sees_function_level_and_relative_imports(tmp_path):
 def test_the_scan_sees_the_known_edges():
     graph = import_graph()
     assert "jaxkv.attention.reference" in graph["jaxkv.attention.pallas.decode"]
-    assert {"jaxkv.attention.reference", "jaxkv.attention.pallas"} <= graph["jaxkv.attention.dispatch"]  # lazy pallas import
+    assert {"jaxkv.attention.reference",   # the pallas import is a lazy one
+            "jaxkv.attention.pallas"} <= graph["jaxkv.attention.dispatch"]
 
 
 def test_jaxkv_has_no_import_cycles():
@@ -111,10 +114,67 @@ def external_imports(path: Path) -> set[str]:
 
 
 def test_the_block_owners_are_host_only():
-    """jaxkv/blocks/ (block manager, prefix cache, host tier) imports no jax and, of jaxkv,
-    only itself and the config: the scheduler copies and checks it as plain values."""
+    """jaxkv/blocks/ (block manager, prefix cache, host tier) imports, of jaxkv, only itself and
+    the config: the scheduler copies and checks it as plain values."""
     graph, modules = import_graph(), module_names()
     for name in (m for m in modules if m.startswith("jaxkv.blocks")):
-        assert not external_imports(modules[name]) & {"jax", "jaxlib", "flax"}, name
-        assert all(m.startswith("jaxkv.blocks") or m == "jaxkv.config" for m in graph[name]), (
+        assert all(m.startswith(("jaxkv.blocks", "jaxkv.config")) for m in graph[name]), (
             name, graph[name])
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others (itself excluded)."""
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def test_the_host_side_imports_no_jax():
+    """The scheduler, the block owners and the speculators' host side (and everything they
+    import) never import jax: they plan on plain values, on any machine, at Python speed."""
+    graph, modules = import_graph(), module_names()
+    host = [m for m in modules if m.startswith(("jaxkv.sched", "jaxkv.blocks"))] + [
+        "jaxkv.config", "jaxkv.spec_decode.ngram", "jaxkv.spec_decode.suffix",
+        "jaxkv.spec_decode.draft_lengths"]
+    for name in host:
+        for m in {name} | reachable(graph, name):
+            assert not external_imports(modules[m]) & {"jax", "jaxlib", "flax"}, (name, m)
+
+
+def room(module: str) -> str:
+    """A module's room: its folder under jaxkv/ (``jaxkv.sched``), or itself at the top."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_rooms_import_each_other_one_way():
+    """Folded to rooms (jaxkv/<folder>), the import graph has no cycle: every arrow between
+    two rooms runs one way, the order docs/structure.md draws."""
+    rooms: dict[str, set[str]] = {}
+    for a, targets in import_graph().items():
+        rooms.setdefault(room(a), set()).update(room(b) for b in targets if room(b) != room(a))
+    found = cycles(rooms)
+    assert found == [], "rooms that import each other: " + "; ".join(" <-> ".join(c)
+                                                                      for c in found)
+
+
+@pytest.mark.parametrize("lower,upper", [
+    ("jaxkv.runner", ("jaxkv.engine", "jaxkv.spec_decode", "jaxkv.entrypoints", "jaxkv.server")),
+    ("jaxkv.sched", ("jaxkv.engine", "jaxkv.runner", "jaxkv.spec_decode", "jaxkv.model")),
+    ("jaxkv.attention", ("jaxkv.engine", "jaxkv.sched", "jaxkv.runner", "jaxkv.model",
+                         "jaxkv.config", "jaxkv.retention", "jaxkv.spec_decode")),
+    ("jaxkv.kvcache", ("jaxkv.engine", "jaxkv.sched", "jaxkv.runner", "jaxkv.model",
+                       "jaxkv.attention", "jaxkv.spec_decode")),
+    ("jaxkv.model", ("jaxkv.engine", "jaxkv.sched", "jaxkv.runner", "jaxkv.retention",
+                     "jaxkv.spec_decode")),
+    ("jaxkv.sample", ("jaxkv.engine", "jaxkv.sched", "jaxkv.runner", "jaxkv.model")),
+])
+def test_a_lower_stage_never_imports_a_higher_one(lower, upper):
+    """The runner knows nothing of requests or the engine; kernels, the cache and the model
+    know nothing of the scheduler, the runner or the engine."""
+    graph = import_graph()
+    wrong = {(a, b) for a, targets in graph.items() if room(a) == lower
+             for b in targets if room(b) in upper}
+    assert not wrong, sorted(wrong)

@@ -11,7 +11,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from jaxkv.blocks.block_manager import NULL_BLOCK
-from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
+from jaxkv.config import CacheConfig, RetentionArgs, SchedulerConfig
 from jaxkv.retention import FullRetention, H2ORetention, StreamingRetention, from_args
 from jaxkv.runner import batch
 from jaxkv.sched.scheduler import abort, add_request, check_invariants, schedule, update
@@ -83,15 +83,15 @@ def test_attention_options():
 
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="kv_window_tokens"):
-        CacheArgs(kv_retention="streaming")
+        RetentionArgs(kv_retention="streaming")
     with pytest.raises(ValueError, match="kv_window_tokens=8 is used only"):
-        CacheArgs(kv_window_tokens=8)
+        RetentionArgs(kv_window_tokens=8)
     with pytest.raises(ValueError, match="kv_retention"):
-        CacheArgs(kv_retention="h3o")
+        RetentionArgs(kv_retention="h3o")
     with pytest.raises(ValueError, match="kv_positions"):
-        CacheArgs(kv_retention="streaming", kv_window_tokens=8, kv_positions="absolute")
+        RetentionArgs(kv_retention="streaming", kv_window_tokens=8, kv_positions="absolute")
     with pytest.raises(ValueError, match="own sliding_window=4096"):
-        from_args(CacheArgs(kv_retention="streaming", kv_window_tokens=8), 4096)
+        from_args(RetentionArgs(kv_retention="streaming", kv_window_tokens=8), 4096)
     with pytest.raises(ValueError, match="kv_window_tokens=8 must cover the KIVI"):
         StreamingRetention(window_tokens=8).check_block_size(16, 1)
 

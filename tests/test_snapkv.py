@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxkv import LLM, SamplingParams
-from jaxkv.config import CacheArgs, CacheConfig, SchedulerConfig
+from jaxkv.config import CacheConfig, RetentionArgs, SchedulerConfig
 from jaxkv.entrypoints.eval import retained_nll
 from jaxkv.retention import (FullRetention, H2ORetention, RandomRetention, SnapKVRetention,
                              from_args)
@@ -141,12 +141,12 @@ def test_random_drops_are_seeded_and_exact():
 
 
 def test_from_args_and_bad_arguments():
-    policy = from_args(CacheArgs(kv_retention="snapkv", kv_budget_tokens=256,
+    policy = from_args(RetentionArgs(kv_retention="snapkv", kv_budget_tokens=256,
                                  kv_observation_tokens=24))
     assert policy == SnapKVRetention(budget_tokens=256, sink_tokens=4, window_tokens=24)
     assert policy.attention.observe == 24 and policy.history_dependent
-    assert from_args(CacheArgs(kv_retention="snapkv", kv_budget_tokens=256)).window_tokens == 32
-    policy = from_args(CacheArgs(kv_retention="random", kv_budget_tokens=256))
+    assert from_args(RetentionArgs(kv_retention="snapkv", kv_budget_tokens=256)).window_tokens == 32
+    policy = from_args(RetentionArgs(kv_retention="random", kv_budget_tokens=256))
     assert policy == RandomRetention(budget_tokens=256, sink_tokens=4)
     assert policy.observe == 0 and policy.attention.observe == 0 and policy.history_dependent
     cases = [(dict(kv_retention="snapkv"), "kv_budget_tokens"),
@@ -159,7 +159,7 @@ def test_from_args_and_bad_arguments():
               "kv_budget_tokens=8 must exceed")]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
-            from_args(CacheArgs(**kw))
+            from_args(RetentionArgs(**kw))
     for kw, match in [(dict(pool_kernel=4), "pool_kernel=4"), (dict(pooling="sum"), "pooling"),
                       (dict(window_tokens=0), "kv_observation_tokens=0")]:
         with pytest.raises(ValueError, match=match):
@@ -298,9 +298,9 @@ def _run(path, kw, impl, prompts, n):
 
 def test_snapkv_small_budget_grouped_equals_reference_and_compresses_once(tiny):
     path, _ = tiny
-    policy = from_args(CacheArgs(**{k: SNAP[k] for k in
-                                    ("kv_retention", "kv_budget_tokens", "kv_observation_tokens",
-                                     "kv_sink_tokens")}))
+    policy = from_args(RetentionArgs(**{k: SNAP[k] for k in
+                                        ("kv_retention", "kv_budget_tokens",
+                                         "kv_observation_tokens", "kv_sink_tokens")}))
     runs = []
     for impl in ("grouped", "reference"):
         outs, compressed, held = _run(path, SNAP, impl, PROMPTS[::2], 60)

@@ -50,7 +50,7 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
 def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):
     """Decode attention over the selected pages: the jnp spec, or the Pallas kernel."""
     if impl == "pallas":
-        from jaxkv.attention.pallas import sparse_paged_decode_attention  # GPU-only code, imported lazily
+        from jaxkv.attention.pallas import sparse_paged_decode_attention  # lazily: GPU-only
         return sparse_paged_decode_attention(q, k_pool, v_pool, tables, lens, pages, count,
                                              interpret=interpret)
     return quest.sparse_decode_reference(q, k_pool, v_pool, tables, lens, pages, count)

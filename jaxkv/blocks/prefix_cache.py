@@ -37,7 +37,7 @@ import hashlib
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
-from jaxkv.config import PREFIX_CACHING_MODES
+from jaxkv.config.scheduler import PREFIX_CACHING_MODES
 
 T = TypeVar("T")
 

@@ -73,9 +73,9 @@ class EngineCore:
                                       if rc.compilation_cache else None)
         self.runner = r = ModelRunner(config)
         huge_pages.collapse_in_background(r.params)   # CPU arrays only; advice only
-        if config.cache.kv_offload_bytes:
+        if config.offload.kv_offload_bytes:
             r.attach_offload(*KVOffload.build(
-                r.cache, r.kv_spec, config.cache, model_path=r.model_path,
+                r.cache, r.kv_spec, config.offload, model_path=r.model_path,
                 model_config=r.model_config, tensor_parallel_size=r.tensor_parallel_size))
         self.tokenizer, self.model_config = r.tokenizer, r.model_config
         self.sched_config, self.cache_config = r.sched_config, r.cache_config

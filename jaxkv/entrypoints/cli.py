@@ -10,7 +10,8 @@ import logging
 import sys
 import time
 
-from jaxkv.config import EngineConfig, parse_bytes
+from jaxkv.config import EngineConfig
+from jaxkv.config.options import parse_bytes
 
 BENCH_MIN_PROMPT_LEN = 32   # bench's default shortest prompt and output, in tokens
 BENCH_MIN_OUTPUT_LEN = 16
@@ -200,10 +201,11 @@ def cmd_serve(a) -> int:
 
 
 def cmd_plan(a) -> int:
+    from jaxkv.config.resolve import resolve
     from jaxkv.kvcache.spec import KV_FORMATS
     from jaxkv.model.weights import load_config
     from jaxkv.runner import memory_plan
-    from jaxkv.runner.model_runner import plan_memory, resolve
+    from jaxkv.runner.model_runner import plan_memory
 
     engine = EngineConfig.from_cli(a)
     config = load_config(engine.model.model)

@@ -21,7 +21,7 @@ One module per policy: ``full.py`` (keep everything), ``streaming.py`` (Streamin
 sinks + a rolling window), ``h2o.py`` (heavy hitters by accumulated attention mass + a recent
 window, in a token budget), ``snapkv.py`` (the prompt compressed once at the end of prefill by
 its observation window's pooled attention) and ``random_evict.py`` (H2O's budget, random
-victims: the baseline). ``from_args`` builds the policy of a ``jaxkv.config.CacheArgs``.
+victims: the baseline). ``from_args`` builds the policy of a ``jaxkv.config.RetentionArgs``.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ __all__ = ["FullRetention", "H2ORetention", "RandomRetention", "Retention",
            "SnapKVRetention", "StreamingRetention", "from_args"]
 
 
-def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:
-    """The retention policy of a ``jaxkv.config.CacheArgs`` (``kv_retention`` and its fields).
+def from_args(args, model_sliding_window: int | None = None) -> Retention:
+    """The retention policy of a ``jaxkv.config.RetentionArgs`` (``kv_retention`` and its fields).
 
     Args:
-      cache_args: the engine's cache arguments.
+      args: the engine's retention arguments.
       model_sliding_window: the model's own sliding window (None for full attention).
 
     Raises:
@@ -48,21 +48,21 @@ def from_args(cache_args, model_sliding_window: int | None = None) -> Retention:
         random or SnapKV budget cannot hold its sinks and recent (observation) window, or the
         model already has a sliding window of its own.
     """
-    if cache_args.kv_retention == "full":
+    if args.kv_retention == "full":
         return FullRetention(sliding_window=model_sliding_window)
     if model_sliding_window is not None:
-        raise ValueError(f"kv_retention={cache_args.kv_retention!r}: the model already attends "
+        raise ValueError(f"kv_retention={args.kv_retention!r}: the model already attends "
                          f"through its own sliding_window={model_sliding_window}; use "
                          f"kv_retention='full'")
-    if cache_args.kv_retention in ("h2o", "random"):
-        policy = H2ORetention if cache_args.kv_retention == "h2o" else RandomRetention
-        return policy(budget_tokens=cache_args.kv_budget_tokens,
-                      sink_tokens=cache_args.kv_sink_tokens)
-    if cache_args.kv_retention == "snapkv":
-        window = cache_args.kv_observation_tokens
-        return SnapKVRetention(budget_tokens=cache_args.kv_budget_tokens,
-                               sink_tokens=cache_args.kv_sink_tokens,
+    if args.kv_retention in ("h2o", "random"):
+        policy = H2ORetention if args.kv_retention == "h2o" else RandomRetention
+        return policy(budget_tokens=args.kv_budget_tokens,
+                      sink_tokens=args.kv_sink_tokens)
+    if args.kv_retention == "snapkv":
+        window = args.kv_observation_tokens
+        return SnapKVRetention(budget_tokens=args.kv_budget_tokens,
+                               sink_tokens=args.kv_sink_tokens,
                                **({} if window is None else dict(window_tokens=window)))
-    return StreamingRetention(sink_tokens=cache_args.kv_sink_tokens,
-                              window_tokens=cache_args.kv_window_tokens,
-                              positions=cache_args.kv_positions)
+    return StreamingRetention(sink_tokens=args.kv_sink_tokens,
+                              window_tokens=args.kv_window_tokens,
+                              positions=args.kv_positions)

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxkv.config import CacheArgs
+from jaxkv.config import OffloadArgs
 from jaxkv.kvcache import disk_store
 from jaxkv.kvcache.host_pool import HostKVPool
 from jaxkv.kvcache.pages import PagedKVCache
@@ -45,7 +45,7 @@ class KVOffload:
         return self.pool.rows.shape[0]
 
     @classmethod
-    def build(cls, cache: PagedKVCache, spec: KVCacheSpec, cc: CacheArgs, *, model_path: Path,
+    def build(cls, cache: PagedKVCache, spec: KVCacheSpec, cc: OffloadArgs, *, model_path: Path,
               model_config: ModelConfig, tensor_parallel_size: int
               ) -> tuple[KVOffload, PagedKVCache]:
         """The host tier of ``cc.kv_offload_bytes`` over ``cache`` (as many whole block units as

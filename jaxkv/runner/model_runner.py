@@ -27,12 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxkv.attention.options import QuestOptions
-from jaxkv.attention.quest import min_budget
 from jaxkv.config import CacheConfig, EngineConfig
+from jaxkv.config.resolve import quest_options, resolve
 from jaxkv.kvcache.pages import copy_blocks, init_cache
-from jaxkv.kvcache.spec import (KV_FORMATS, KVCacheSpec, default_group_size, kivi_residual_slots,
-                                resolve_kv_cache_dtype)
+from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.weights import load_config, load_model_files
@@ -87,84 +85,6 @@ class StepOutput:
     block_mass: np.ndarray | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Resolved:
-    """The engine arguments whose defaults depend on the backend or the model.
-
-    Attributes:
-      dtype: parameter / activation dtype name (``"auto"``: bfloat16 on GPU, float32 on CPU).
-      attention_impl: ``"pallas"`` on GPU, ``"grouped"`` on CPU unless chosen (the
-        reference's results to float rounding, 2-5x faster there: bench/attention_cpu.py).
-      kv_cache_dtype: the canonical KV format name.
-      kv_layout: the pools' layout (``KVCacheSpec.layout``): ``"hnd"`` for a float format read
-        by the CPU paths (its gathered blocks need no transpose: bench/kv_layout.py), else
-        ``"nhd"`` unless chosen.
-      kv_group_size: KIVI's value group (default: the largest divisor of head_dim <= 32).
-      max_model_len: default ``min(model context, 8192)``.
-    """
-
-    dtype: str
-    attention_impl: str
-    kv_cache_dtype: str
-    kv_layout: str
-    kv_group_size: int
-    max_model_len: int
-
-
-def resolve(config: EngineConfig, model_config) -> Resolved:
-    """The backend- and model-dependent defaults of ``config`` for ``model_config``."""
-    on_gpu = jax.default_backend() == "gpu"
-    dtype = config.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if on_gpu else "float32"
-    impl = config.runtime.attention_impl or ("pallas" if on_gpu else "grouped")
-    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
-    layout = config.cache.kv_layout
-    if layout == "auto":
-        layout = "nhd" if impl == "pallas" or KV_FORMATS[kv_cache_dtype].quantized else "hnd"
-    return Resolved(
-        dtype=dtype, attention_impl=impl, kv_cache_dtype=kv_cache_dtype, kv_layout=layout,
-        kv_group_size=config.cache.kv_group_size or default_group_size(model_config.head_dim),
-        max_model_len=(config.scheduler.max_model_len
-                       or min(model_config.max_position_embeddings, 8192)))
-
-
-def quest_options(config: EngineConfig, model_config, max_blocks_per_seq: int,
-                  kivi: bool) -> QuestOptions | None:
-    """The static Quest options of ``config`` (None when ``sparse_attention`` is off): the
-    budget in whole blocks, capped at ``max_blocks_per_seq`` (a sequence's whole table: every
-    live page), with ``kv_sink_tokens`` sinks and ``sparse_recent_tokens`` recent positions.
-
-    Raises:
-      ValueError: naming the field, for a budget below the pages the sinks, the recent window
-        and the KIVI residual window force, under tensor parallelism, or for a model with its
-        own sliding window.
-    """
-    cc = config.cache
-    if cc.sparse_attention is None:
-        return None
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError(f"sparse_attention={cc.sparse_attention!r} runs on one device; "
-                         f"tensor_parallel_size={config.parallel.tensor_parallel_size} is not "
-                         f"supported with it yet")
-    if model_config.sliding_window is not None:
-        raise ValueError(f"sparse_attention={cc.sparse_attention!r}: the model attends through "
-                         f"its own sliding_window={model_config.sliding_window}, which the "
-                         f"sparse selection does not know")
-    bs = cc.block_size
-    need = min_budget(bs, num_sinks=cc.kv_sink_tokens, recent=cc.sparse_recent_tokens,
-                      residual_blocks=cc.kv_residual_blocks if kivi else 1)
-    budget = -(-cc.sparse_budget_tokens // bs)
-    if budget < need:
-        raise ValueError(f"sparse_budget_tokens={cc.sparse_budget_tokens} ({budget} blocks of "
-                         f"{bs}) must cover the {need} blocks that kv_sink_tokens="
-                         f"{cc.kv_sink_tokens}, sparse_recent_tokens={cc.sparse_recent_tokens}"
-                         + (f" and kv_residual_blocks={cc.kv_residual_blocks}" if kivi else "")
-                         + " may force")
-    return QuestOptions(budget=max(need, min(budget, max_blocks_per_seq)),
-                        num_sinks=cc.kv_sink_tokens, recent=cc.sparse_recent_tokens)
-
-
 def plan_memory(config: EngineConfig, model_config,
                 device_memory_bytes: int | None = None) -> memory_plan.MemoryPlan:
     """The memory plan of an engine config for a model on this backend, with ``kv_source``
@@ -183,7 +103,7 @@ def plan_memory(config: EngineConfig, model_config,
         CPU ``memory_plan.host_memory_budget()``).
     """
     r, cc, s = resolve(config, model_config), config.cache, config.scheduler
-    retention = from_args(cc, model_config.sliding_window)
+    retention = from_args(config.retention, model_config.sliding_window)
     retained = None if retention.name == "full" else retention.max_blocks(
         r.max_model_len, s.max_num_batched_tokens, cc.block_size)
     on_host = device_memory_bytes is None and jax.default_backend() == "cpu"
@@ -198,7 +118,8 @@ def plan_memory(config: EngineConfig, model_config,
               kv_cache_bytes=cc.kv_cache_memory_bytes, num_kv_blocks=cc.num_gpu_blocks_override,
               tensor_parallel_size=config.parallel.tensor_parallel_size,
               kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
-              retained_blocks_per_seq=retained, key_bounds=cc.sparse_attention is not None)
+              retained_blocks_per_seq=retained,
+              key_bounds=config.sparse.sparse_attention is not None)
     plan = memory_plan.plan(model_config, **kw)
     for field in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
         if getattr(cc, field) is not None:
@@ -291,18 +212,18 @@ class ModelRunner:
                            residual_blocks=cc.kv_residual_blocks,
                            num_residual_slots=kivi_residual_slots(
                                self.sched_config.max_num_seqs, cc.kv_residual_blocks),
-                           key_bounds=cc.sparse_attention is not None, layout=r.kv_layout)
+                           key_bounds=config.sparse.sparse_attention is not None, layout=r.kv_layout)
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.headline())
         if not self.memory_plan.runs:
             raise ValueError("the model does not fit: " + "; ".join(self.memory_plan.reasons))
         self.kv_spec = dataclasses.replace(spec, num_blocks=self.memory_plan.num_blocks)
         self._check_kv_support(self.kv_spec)
-        self.retention = from_args(cc, model_config.sliding_window)
+        self.retention = from_args(config.retention, model_config.sliding_window)
         self.retention.check_block_size(cc.block_size,
                                         cc.kv_residual_blocks if spec.format.kivi else 0)
         if self.retention.observe and config.speculative.speculative:
-            raise ValueError(f"kv_retention={cc.kv_retention!r} scores blocks by the sampling "
+            raise ValueError(f"kv_retention={config.retention.kv_retention!r} scores blocks by the sampling "
                              f"queries, which draft tokens would blur; speculative="
                              f"{config.speculative.speculative!r} is not supported with it")
         self.cache_config = CacheConfig(

@@ -2,8 +2,8 @@
 
 The jitted step computes a padded shape, ``T`` tokens (the smallest ``token_buckets`` entry that
 holds the step's tokens) by ``S`` sequences (``seq_buckets``; a decode-only step one of
-``decode_buckets`` on both axes where that is smaller, ``jaxkv.config.pad_step``), with logits
-width ``W = 1`` or, in a step that verifies drafts, ``W = 1 + num_speculative_tokens``
+``decode_buckets`` on both axes where that is smaller, ``jaxkv.config.shapes.pad_step``), with
+logits width ``W = 1`` or, in a step that verifies drafts, ``W = 1 + num_speculative_tokens``
 (jaxkv/runner/batch.py). Its time is a function of that shape (plus the context lengths, which drift
 slowly), so the model is a table of moving averages keyed by the padded shape::
 
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxkv.config import SchedulerConfig, pad_step
+from jaxkv.config import SchedulerConfig
+from jaxkv.config.shapes import pad_step
 
 _EMA = 0.3   # weight of a new duration in a key's moving average
 

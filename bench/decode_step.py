@@ -29,6 +29,7 @@ import collections
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +40,9 @@ from jaxkv import LLM, SamplingParams
 from jaxkv.data import austen
 from jaxkv.runner import batch
 from jaxkv.sched import scheduler
-from step_timing import loadavg, timed_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for lib/ and the suite
+from lib.step_timing import loadavg, timed_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF = ROOT / "models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf"

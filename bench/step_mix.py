@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from jaxkv import LLM, SamplingParams
-from step_timing import loadavg
-from throughput import workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/, for lib/ and the suite
+from lib.step_timing import loadavg  # noqa: E402
+from throughput import workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

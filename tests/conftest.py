@@ -3,8 +3,10 @@ import sys
 
 import pytest
 
-# tests import their small helpers (paged_runner) as top-level modules
+# tests import their small helpers (paged_runner) as top-level modules, and what they share with
+# the benchmarks from bench/lib (the ragged batch builder) through the repository root
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One fresh JAX compilation cache per test session, shared with its subprocesses (TP workers,
 # the live server) through the environment: a run never deserializes executables that other

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.reference import paged_attention_reference
 from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.key_bounds import written_keys
+from jaxkv.kvcache.pools import HNDPages, read_pages
 from jaxkv.kvcache.spec import KVCacheSpec
 
 
@@ -142,7 +144,7 @@ def test_hnd_pools_hold_the_nhd_pools_transposed():
     spec = dict(num_layers=2, num_blocks=N, block_size=bs, num_kv_heads=Hkv, head_dim=D,
                 key_bounds=True)
     nhd, hnd = (kvcache.init_cache(KVCacheSpec(**spec, layout=x)) for x in ("nhd", "hnd"))
-    assert isinstance(hnd.k[0], kvcache.HNDPages) and hnd.k[0].data.shape == (N, Hkv, bs, D)
+    assert isinstance(hnd.k[0], HNDPages) and hnd.k[0].data.shape == (N, Hkv, bs, D)
     assert hnd.k[0].shape == nhd.k[0].shape and hnd.nbytes == nhd.nbytes
     table = np.array(rng.permutation(np.arange(1, N))[:4], np.int32)
     for lo, hi in ((0, 6), (6, 7), (7, 14)):               # a chunk, a decode token, a chunk
@@ -151,8 +153,8 @@ def test_hnd_pools_hold_the_nhd_pools_transposed():
         k, v = (jnp.asarray(rng.standard_normal((hi - lo, Hkv, D)), jnp.float32)
                 for _ in range(2))
         nhd, hnd = (kvcache.write(c, 1, k, v, slots) for c in (nhd, hnd))
-        assert np.array_equal(kvcache.written_keys(hnd.k[1], slots),
-                              kvcache.written_keys(nhd.k[1], slots))
+        assert np.array_equal(written_keys(hnd.k[1], slots),
+                              written_keys(nhd.k[1], slots))
     src, dst = jnp.asarray(table[:2]), jnp.asarray(np.setdiff1d(np.arange(1, N), table)[:2])
     nhd, hnd = (kvcache.copy_blocks(c, src, dst) for c in (nhd, hnd))
     for a, b in zip(nhd.k + nhd.v, hnd.k + hnd.v):
@@ -164,8 +166,8 @@ def test_hnd_pools_hold_the_nhd_pools_transposed():
         assert np.array_equal(a, b)
     ids = jnp.asarray(np.concatenate([table, np.asarray(dst)]).reshape(2, 3))
     for heads_first in (False, True):
-        assert np.array_equal(kvcache.read_pages(hnd.v[1], ids, heads_first=heads_first),
-                              kvcache.read_pages(nhd.v[1], ids, heads_first=heads_first))
+        assert np.array_equal(read_pages(hnd.v[1], ids, heads_first=heads_first),
+                              read_pages(nhd.v[1], ids, heads_first=heads_first))
 
 
 def test_cache_rejects_bad_geometry():

@@ -21,8 +21,9 @@ from jaxkv.attention.kv_chunks import kept_blocks
 from jaxkv.attention.reference import paged_attention_reference, softmax_init, softmax_result
 from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.pools import HNDPages, read_sequence_blocks
 from jaxkv.kvcache.spec import KVCacheSpec
-from ragged_batches import table_batch
+from bench.lib.ragged_batches import table_batch
 
 F32 = dict(atol=2e-5, rtol=2e-5)
 OPTIONS = {
@@ -79,9 +80,9 @@ def jitted(fn, **options):
     return _jitted(fn, tuple(sorted(options.items())))
 
 
-def hnd(pool: jax.Array) -> kvcache.HNDPages:
+def hnd(pool: jax.Array) -> HNDPages:
     """The HND copy of an NHD float pool [N, bs, Hkv, D]."""
-    return kvcache.HNDPages(jnp.asarray(pool.transpose(0, 2, 1, 3)))
+    return HNDPages(jnp.asarray(pool.transpose(0, 2, 1, 3)))
 
 
 def assert_matches_reference(args, tol=F32, **opts):
@@ -352,7 +353,7 @@ def counting_reads(monkeypatch, module):
 
     def counting(pages, ids, logical, seq_lens, **kw):
         jax.debug.callback(lambda x: reads.append(x.ndim), ids)
-        return kvcache.read_sequence_blocks(pages, ids, logical, seq_lens, **kw)
+        return read_sequence_blocks(pages, ids, logical, seq_lens, **kw)
 
     monkeypatch.setattr(module, "read_sequence_blocks", counting)
     return reads

@@ -11,8 +11,8 @@ import pytest
 from jaxkv.attention import mass
 from jaxkv.attention.mass import block_attention_mass
 from jaxkv.attention.reference import paged_attention_reference, token_layout
-from jaxkv.kvcache.pages import quantize_pages, read_pages
-from ragged_batches import table_batch
+from jaxkv.kvcache.pools import quantize_pages, read_pages
+from bench.lib.ragged_batches import table_batch
 
 BS, HKV, G, D, NB = 4, 2, 2, 16, 48
 

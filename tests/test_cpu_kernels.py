@@ -11,6 +11,7 @@ import pytest
 from jaxkv import cpu_kernels
 from jaxkv.attention.grouped import native_rows
 from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.pools import HNDPages
 
 
 def numpy_attend(q, k, v, table, pos, soft_cap=None):
@@ -162,8 +163,8 @@ def test_grouped_path_takes_the_kernel_for_the_pools_it_reads():
                            head_dim=64, kv_cache_dtype=dtype, **kw)
         return kvcache.init_cache(spec).k[0]
 
-    f32 = kvcache.HNDPages(jnp.zeros((4, 2, 16, 64), jnp.float32))
-    bf16 = kvcache.HNDPages(jnp.zeros((4, 2, 16, 64), jnp.bfloat16))
+    f32 = HNDPages(jnp.zeros((4, 2, 16, 64), jnp.float32))
+    bf16 = HNDPages(jnp.zeros((4, 2, 16, 64), jnp.bfloat16))
     nhd = jnp.zeros((4, 16, 2, 64), jnp.float32)
     for p in (f32, bf16, pages("int8"), pages("fp8_e4m3"), pages("fp8_e5m2", static_scale=0.5)):
         assert native_rows(p, p)

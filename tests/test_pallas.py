@@ -28,7 +28,7 @@ from jaxkv.attention.pallas.kv_walk import kept_run
 from jaxkv.attention.pallas.ragged import _tile_schedule
 from jaxkv.attention.reference import (kv_tile_range, merge_attention_states,
                                        paged_attention_reference)
-from ragged_batches import table_batch
+from bench.lib.ragged_batches import table_batch
 from test_attention_grouped import drop_blocks, quantized_step
 
 # jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernels use it on purpose

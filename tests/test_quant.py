@@ -11,6 +11,7 @@ import pytest
 from jaxkv.attention.reference import paged_attention_reference
 from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache import quant
+from jaxkv.kvcache.pools import read_pages
 from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec, get_format
 
 FORMATS = tuple(name for name, f in KV_FORMATS.items() if f.quantized)
@@ -144,8 +145,8 @@ def test_reference_attention_reads_dequantized_pages(name):
     lengths = [9, 4, 6]
     c, tables, *_ = fill({"kv_cache_dtype": name, "num_residual_slots": 4}, lengths)
     ids = jnp.arange(c.num_blocks)
-    dense_k = kvcache.read_pages(c.k[0], ids)
-    dense_v = kvcache.read_pages(c.v[0], ids)
+    dense_k = read_pages(c.k[0], ids)
+    dense_v = read_pages(c.v[0], ids)
     q = outlier_data((sum(lengths), 4, 16), 7)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
     args = (jnp.asarray(tables), jnp.asarray(lengths, jnp.int32), qsl)
@@ -175,12 +176,12 @@ def test_copy_blocks_copies_codes_scales_and_residual(name):
     c2 = kvcache.copy_blocks(c, jnp.asarray(src), jnp.asarray(free, jnp.int32))
     ids_src, ids_dst = jnp.asarray(src), jnp.asarray(free)
     for pool in (c2.k[0], c2.v[0]):
-        np.testing.assert_array_equal(kvcache.read_pages(pool, ids_dst),
-                                      kvcache.read_pages(pool, ids_src))
+        np.testing.assert_array_equal(read_pages(pool, ids_dst),
+                                      read_pages(pool, ids_src))
         np.testing.assert_array_equal(pool.data[ids_dst], pool.data[ids_src])
         np.testing.assert_array_equal(pool.scale[ids_dst], pool.scale[ids_src])
-    np.testing.assert_array_equal(kvcache.read_pages(c2.k[0], ids_src),
-                                  kvcache.read_pages(before.k[0], ids_src))
+    np.testing.assert_array_equal(read_pages(c2.k[0], ids_src),
+                                  read_pages(before.k[0], ids_src))
     if name == "int4":
         slots = np.asarray(c2.k[0].res_slot)
         assert slots[free[1]] > 0 and slots[free[1]] != slots[src[1]] and slots[free[0]] == 0
@@ -195,7 +196,7 @@ def test_residual_slots_are_recycled():
     for i in range(6):
         blk = 1 + i % 7
         c = write(c, 0, x, x, jnp.asarray([blk * 4, blk * 4 + 1, blk * 4 + 2], jnp.int32))
-        got = kvcache.read_pages(c.k[0], jnp.asarray([blk]))[0, :3]
+        got = read_pages(c.k[0], jnp.asarray([blk]))[0, :3]
         np.testing.assert_array_equal(got, x)
     owners = np.asarray(c.k[0].res_owner)
     assert owners[0] == 0 and len(set(owners[1:])) == 2
@@ -291,8 +292,8 @@ def test_residual_window_holds_the_last_blocks_exactly(n):
     window = [tables[j] for j in range(max(full - 2, 0), nb)]
     assert sorted(np.nonzero(np.asarray(c3.k[0].res_slot))[0].tolist()) == sorted(window)
     assert np.asarray(c1.k[0].res_slot > 0).sum() == (n % 4 > 0)
-    got3 = np.asarray(kvcache.read_pages(c3.k[0], jnp.asarray(tables[:nb])))
-    got1 = np.asarray(kvcache.read_pages(c1.k[0], jnp.asarray(tables[:nb])))
+    got3 = np.asarray(read_pages(c3.k[0], jnp.asarray(tables[:nb])))
+    got1 = np.asarray(read_pages(c1.k[0], jnp.asarray(tables[:nb])))
     flat3, flat1 = got3.reshape(-1, 1, 8)[:n], got1.reshape(-1, 1, 8)[:n]
     first = max(full - 2, 0) * 4
     np.testing.assert_array_equal(flat3[first:], ks[first:])

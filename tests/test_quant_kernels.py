@@ -12,6 +12,7 @@ import pytest
 from jaxkv.attention.pallas import paged_decode_attention, ragged_paged_attention
 from jaxkv.attention.reference import paged_attention_reference
 from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.pools import quantize_pages, read_pages
 from jaxkv.kvcache.spec import KVCacheSpec
 
 H, HKV, D, BS, NB = 4, 2, 16, 8, 12
@@ -113,16 +114,16 @@ def test_quantize_pages_equals_writing_every_token(kv):
     """The benchmarks' whole-pool quantizer gives what writing and sealing every block gives."""
     lengths = [16, 24]                                       # whole blocks only: all sealed
     k, v, tables, lens = quantized_pools(kv, lengths, d=64, group_size=16)
-    pool = kvcache.read_pages(k, jnp.arange(NB))             # f32 [NB, BS, HKV, 64]
+    pool = read_pages(k, jnp.arange(NB))             # f32 [NB, BS, HKV, 64]
     raw = jnp.zeros((NB, BS, HKV, 64))
     rng = np.random.default_rng(0)                           # replays quantized_pools' draws
     rng.permutation(np.arange(1, NB))
     new = jnp.asarray(rng.normal(size=(sum(lengths), HKV, 64)), jnp.float32)
     ids = np.concatenate([tables[0, :2], tables[1, :3]])
     raw = raw.at[ids].set(new.reshape(-1, BS, HKV, 64))
-    q = kvcache.quantize_pages(raw, kv, axis="channel" if kv in ("int4", "int2") else "token",
+    q = quantize_pages(raw, kv, axis="channel" if kv in ("int4", "int2") else "token",
                                group_size=16)
-    np.testing.assert_array_equal(kvcache.read_pages(q, jnp.asarray(ids)), pool[ids])
+    np.testing.assert_array_equal(read_pages(q, jnp.asarray(ids)), pool[ids])
 
 
 def test_one_byte_pools_of_two_to_four_gib_are_refused():

@@ -25,8 +25,9 @@ from jaxkv.attention.quest import (KeyBounds, copy_key_bounds, init_key_bounds, 
 from jaxkv.attention.reference import paged_attention_reference
 from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.pools import read_pages
 from jaxkv.kvcache.spec import KVCacheSpec
-from ragged_batches import table_batch
+from bench.lib.ragged_batches import table_batch
 
 # jax >= 0.11 deprecates the Triton backend (still present in 0.12); the kernel uses it on purpose
 pytestmark = [pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated"),
@@ -152,7 +153,7 @@ def test_bounds_on_write_equal_bounds_from_scratch(kv):
     unheld = np.setdiff1d(np.arange(n), held)
     assert np.all(np.asarray(want.kmin)[unheld] == 0) and np.all(np.asarray(want.kmax)[unheld] == 0)
     # the bounds of C's block 2 no longer see A's keys: they are C's own
-    k2 = np.asarray(kvcache.read_pages(c.k[0], jnp.asarray([2])))[0]          # [bs, Hkv, D]
+    k2 = np.asarray(read_pages(c.k[0], jnp.asarray([2])))[0]          # [bs, Hkv, D]
     np.testing.assert_array_equal(np.asarray(bounds.kmin)[2], k2.min(0))
 
 
@@ -169,7 +170,7 @@ def test_kivi_bounds_bound_the_dequantized_keys(kv, axis):
     checked = 0
     for s, n in enumerate(np.asarray(batch["seq_lens"])):
         for j in range(n // BS):                              # sealed blocks, read as codes
-            keys = np.asarray(kvcache.read_pages(k, jnp.asarray([tables[s, j]]),
+            keys = np.asarray(read_pages(k, jnp.asarray([tables[s, j]]),
                                                  jnp.asarray([False])))[0]  # [bs, Hkv, D]
             assert np.all(keys >= lo[s, j]) and np.all(keys <= hi[s, j] + 1e-6 * np.abs(hi[s, j]))
             if axis == "channel":
@@ -190,7 +191,7 @@ def true_page_max(batch, window_ok=None):
     ``window_ok(s, j)`` False leaves page j of sequence s out (-inf)."""
     q = np.asarray(batch["q"], np.float64)
     S, Hq, D = q.shape
-    keys = np.asarray(kvcache.read_pages(batch["k_pages"], batch["block_tables"]), np.float64)
+    keys = np.asarray(read_pages(batch["k_pages"], batch["block_tables"]), np.float64)
     P = keys.shape[1]
     logits = np.einsum("shgd,spbhd->shpbg", q.reshape(S, HKV, Hq // HKV, D), keys)
     pos = np.arange(P * BS).reshape(P, BS)

@@ -140,7 +140,7 @@ def test_bad_streaming_arguments_fail_before_loading(tiny):
 def _sink_batch(seed=0, *, bs=4, Hkv=2, G=2, D=16, num_blocks=48):
     """A ragged batch (a prefill chunk after a cached prefix, decodes, a whole prompt, padding)
     with null blocks where streaming would have dropped them, and random q, sink q, pools."""
-    from ragged_batches import table_batch
+    from bench.lib.ragged_batches import table_batch
 
     rng = np.random.default_rng(seed)
     q_lens, kv_lens = [5, 1, 9, 1], [30, 17, 9, 41]
@@ -238,7 +238,7 @@ def test_dropped_blocks_are_invisible_in_every_implementation(impl):
     # causal prefix minus the dropped blocks; the null block holds large garbage
     from jaxkv.attention.dispatch import paged_attention
     from jaxkv.attention.reference import token_layout
-    from ragged_batches import table_batch
+    from bench.lib.ragged_batches import table_batch
 
     rng = np.random.default_rng(7)
     q_lens, kv_lens = [5, 1, 9, 1], [30, 17, 9, 41]

@@ -1,52 +1,6 @@
 """Ragged paged attention that reads each sequence's KV once: the fast path on CPU (plain XLA).
 
-Same contract as ``jaxkv.attention.reference.paged_attention_reference`` (the specification; see
-jaxkv/attention/reference.py for the ragged token layout and the masks), computed another way. The
-reference gathers a separate copy of the KV for every query token (``[T, chunk, ...]``, so a
-512-token prefill chunk copies its own KV 512 times per layer); here the KV is gathered per
-*sequence* and every query token of that sequence attends to the one copy. Each valid token is
-computed by exactly one of two paths:
-
-    tokens | s0 s0 s0 s0 s0 | s1 | s2 s2 s2 | pad pad |
-    rows   |             r0 | r1 |       r2 |         |  the LAST query token of each sequence
-    tiles  | t0----- t1-    |    | t2---    |         |  the others, block_q tokens of ONE sequence
-
-* rows: S queries (every decode token, and the last token of each prefill chunk) against their
-  sequence's KV, gathered once per sequence. With ``row_queries = R > 1`` a row is the last R
-  tokens of its sequence (a speculative step's token and its drafts: ``[S, Hkv, R * G]`` query
-  rows, each masked at its own position), so verifying drafts reads the KV once as decoding
-  does. The work is a list of units, one per (row, kv chunk) pair, every row's visited
-  chunks laid end to end; each loop step takes the next S units, gathers their chunks
-  (``[S, n, Hkv, bs, D]``: n blocks each, head-major, as an HND pool,
-  ``jaxkv.kvcache.pages.HNDPages``, stores them), scores them with batched dots over (unit, block,
-  kv head) and adds them to their rows' online softmax (``merge_units``). So a step costs what its
-  rows' own lengths cost, not S times the longest row's::
-
-      rows    r0: 3 chunks   r1: 1 chunk   r2: 2 chunks        (S = 3)
-      units   r0c0 r0c1 r0c2 | r1c0 r2c0 r2c1 |                 2 loop steps, not 3 x 3 units
-
-* tiles: ``block_q`` consecutive tokens of one sequence (a prefill chunk; a chunk with no cached
-  prefix is a dense causal block over its own KV) against that sequence's KV up to the tile's own
-  causal end, as ``[block_q * G, C]`` dots per kv head. A ``fori_loop`` over the non-empty tiles
-  only (a decode-only step runs none), each over its own visible kv chunks.
-
-Which kv chunks both paths visit (``visited_chunks``):
-
-* with a sliding window, only the sink chunks and the window's chunks
-  (``jaxkv.attention.reference.kv_tile_range``): the blocks a window's retention drops
-  (StreamingLLM) lie outside them;
-* without one, the kept blocks only: each row's logical block indices are compacted, its kept
-  (non-null) blocks first in order (``kept_blocks``), and a chunk is ``chunk`` consecutive
-  entries of that list, so a sequence whose policy dropped arbitrary blocks (H2O, SnapKV) costs
-  what its kept KV costs, not its logical length. A table without holes compacts to itself.
-
-Either way a slot's kv position comes from its logical block (``chunk_positions``), so every
-mask is the reference's, and a null entry among the visited ones is masked like a position past
-the end. Quantized pools are read with ``jaxkv.kvcache.pages.read_pages``
-(dequantized per sequence; KIVI blocks inside the reader's residual window from the
-full-precision residual), as the reference reads them. Shapes are static: one compilation per
-(T, S) bucket; the loop bounds are data-dependent.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -60,12 +14,11 @@ from jaxkv.attention.kv_chunks import chunk_positions, kept_blocks, visited_chun
 from jaxkv.attention.reference import (cap_logits, check_shapes, check_sink_queries, last_tokens,
                                        online_softmax_step, softmax_init, softmax_result,
                                        tile_index, visible)
-from jaxkv.kvcache.pages import HNDPages, Pages, QuantizedPages, read_sequence_blocks
+from jaxkv.kvcache.pools import HNDPages, Pages, QuantizedPages, read_sequence_blocks
 
 
 # Bytes of K (or V) one step of the row path gathers: they stay in cache between the gather
-# and the contractions that read it. 0.25-2 MiB time alike on a 2-core Xeon (4 MiB L2); 4 MiB and
-# more are slower (bench/row_path.py --chunk-bytes; BENCHMARKS.md).
+# and the contractions that read it (0.25-2 MiB time alike; 4 MiB and more are slower).
 _ROW_CHUNK_BYTES = 1 << 20
 
 
@@ -153,7 +106,7 @@ def paged_attention_grouped(q: jax.Array, k_pages: Pages, v_pages: Pages,
     Args:
       q: [T, num_heads, head_dim] queries of every token of the step (padding after qsl[-1]).
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool, an
-        array or a ``jaxkv.kvcache.pages.QuantizedPages``.
+        array or a ``jaxkv.kvcache.pools.QuantizedPages``.
       block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens.
       query_start_loc: int32 [S + 1] cumulative query lengths.

@@ -1,25 +1,6 @@
 """Attention mass per KV block: the statistic heavy-hitter eviction (H2O) ranks blocks by.
 
-For each sequence of a ragged step (jaxkv/attention/reference.py's layout), the softmax probability
-its last ``observe`` query tokens put on each logical block, summed over those tokens and every
-query head::
-
-    mass[s, j] = sum_{t in last observe tokens of s} sum_h sum_{p in block j, p seen by t}
-                 exp(score(t, h, p) - lse(t, h))
-
-so ``sum_j mass[s, j] = (observed tokens of s) x num_heads`` exactly. The log-sum-exps are the
-attention's own (``return_lse=True``), so this is one more pass over the keys of the observed
-rows only (no values), after the attention, with the attention's masks (causal, window, sinks,
-dropped blocks) and sink queries. A decode step observes its one token; a prefill chunk its last
-``observe`` tokens (H2O accumulates over every query: with ``observe`` at least the chunk size it
-does here too, at the cost of a gather per observed token).
-
-Keys are read per sequence, a chunk of ``kv_chunk_blocks`` blocks at a time, as
-``jaxkv.attention.grouped`` reads them: the window's chunks with a sliding window, the kept
-blocks only without one (``visited_chunks``: a sequence H2O or SnapKV thinned costs its kept
-blocks), quantized pools dequantized by ``read_pages``, KIVI's residual window in full
-precision (``jaxkv.kvcache.pages.read_sequence_blocks``).
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -30,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxkv.attention.kv_chunks import chunk_positions, kept_blocks, visited_chunks
 from jaxkv.attention.reference import cap_logits, check_shapes, tile_index, visible
-from jaxkv.kvcache.pages import Pages, read_sequence_blocks
+from jaxkv.kvcache.pools import Pages, read_sequence_blocks
 
 
 def block_attention_mass(q: jax.Array, k_pages: Pages, block_tables: jax.Array,

@@ -1,57 +1,6 @@
 """Quest-style query-aware sparse paged decode attention: the pure-jnp reference (the spec).
 
-Quest (Tang et al., ICML 2024) keeps the per-channel minimum and maximum of every page's keys.
-A decode query ``q`` can then bound the logit of any key ``k`` of a page from above, channel by
-channel, without reading the page:
-
-    q . k = Σ_c q_c k_c <= Σ_c max(q_c kmin_c, q_c kmax_c)            (kmin_c <= k_c <= kmax_c)
-          =  q+ . kmax + q- . kmin             q+ = max(q, 0), q- = min(q, 0)
-
-and each step attends only to the pages with the highest bound (plus the attention sinks and the
-recent window). One decode step of one layer:
-
-    KeyBounds kmin/kmax f32 [num_blocks, Hkv, D]  (float, fp8, int8 pools: kept up to date on
-        │                                          write; KIVI int4/int2: the stored per-channel
-        │                                          scale and zero point of each sealed block)
-        ▼ page_scores(q, bounds, block_tables)      f32 [S, Hkv, max_blocks], max over the GQA group
-        ▼ select_pages(scores, seq_lens, ...)       pages int32 [S, Hkv, budget] logical page ids,
-        │                                           ascending; count int32 [S, Hkv] valid entries
-        ▼ sparse_decode_reference(q, ..., pages, count)   attention over exactly those pages
-                                                          (Pallas: jaxkv/pallas/sparse.py)
-
-Pages are logical (``block_tables[s, page]`` is the physical block), so a selection is per
-(sequence, kv head): the G query heads of a kv head share its pages, and a page's score is the
-*max* of its G heads' bounds, still an upper bound of every logit the group can give one of its
-keys (a sum of bounds would bound nothing). Scores ignore ``sm_scale`` and ``soft_cap``: both
-are monotone, so the ranking is the same.
-
-Maintaining the bounds (float, fp8, int8 pools; ``KeyBounds`` and its upkeep live in
-jaxkv/kvcache/pages.py, re-exported here, so the cache keeps them beside its pools). Blocks fill in order
-from offset 0. ``update_key_bounds`` is the incremental form: a block written at offset 0 starts
-afresh, the others widen by the new keys; keys written and later dropped (rejected speculative
-drafts, the tail of a radix partial copy) stay inside the bounds until the block is rewritten
-from offset 0, so the bounds over-approximate (every score stays an upper bound: selection is
-safe, only less sharp). ``refresh_key_bounds`` (what the engine runs) is exact: it recomputes
-each written block from the pool over the offsets up to the highest one written in the step,
-so the bounds always equal ``key_bounds`` from scratch. A block copied whole (copy-on-write
-fork, radix partial copy) copies its bounds too (``copy_key_bounds``, in ``copy_blocks``).
-
-KIVI pools (int4/int2, keys per channel over a block's tokens) need no extra metadata: a sealed
-block's codes ``c in [0, qmax]`` dequantize to ``c * scale + zero``, so ``[zero, qmax * scale +
-zero]`` bounds every channel. Unsealed blocks (no statistics yet) and every block read from the
-full-precision residual lie inside the sequence's residual window, which ``select_pages`` always
-selects (``residual_blocks``).
-
-In a model's attention layer (pure functions of arrays; the bounds live beside the layer's pool;
-jaxkv/attention/layer.py ``quest_attention`` runs exactly this for the decode tokens of a step,
-and for verified drafts, each at its own length: ``sparse_rows``):
-
-    pool = cache.write_layer(pool, k, slot_mapping, md)                        # every step
-    bounds = refresh_key_bounds(bounds, pool, slot_mapping, num_seqs)      # exact bounds
-    pages, count = quest_select(q, pool, tables, lens, budget=b, bounds=bounds,  # decode rows
-                                num_sinks=n, recent=r)           # KIVI pools: bounds=None
-    out = sparse_decode_reference(q, pool, v_pool, tables, lens, pages, count)  # or the kernel
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -62,9 +11,9 @@ import jax.numpy as jnp
 
 from jaxkv.attention.reference import (cap_logits, check_shapes, last_tokens, online_softmax_step,
                                        softmax_init, softmax_result)
-from jaxkv.kvcache.pages import (KeyBounds, Pages, QuantizedPages, copy_key_bounds,
-                                 init_key_bounds, read_pages, refresh_key_bounds, take_blocks,
-                                 update_key_bounds, window_first, written_keys)
+from jaxkv.kvcache.key_bounds import (KeyBounds, copy_key_bounds, init_key_bounds,
+                                      refresh_key_bounds, update_key_bounds, written_keys)
+from jaxkv.kvcache.pools import Pages, QuantizedPages, read_pages, take_blocks, window_first
 
 __all__ = ["KeyBounds", "init_key_bounds", "written_keys", "update_key_bounds",
            "refresh_key_bounds", "copy_key_bounds",
@@ -313,7 +262,7 @@ def sparse_decode_reference(q: jax.Array, k_pages: Pages, v_pages: Pages,
     Args:
       q: [S, num_heads, head_dim] one query token per sequence.
       k_pages, v_pages: [num_blocks, block_size, Hkv, head_dim] one layer's pools, arrays or
-        ``QuantizedPages`` (read by ``jaxkv.kvcache.pages.read_pages``; a KIVI page inside the
+        ``QuantizedPages`` (read by ``jaxkv.kvcache.pools.read_pages``; a KIVI page inside the
         sequence's residual window from the full-precision residual, as the dense reference).
       block_tables: int32 [S, max_blocks] physical block of each logical page.
       seq_lens: int32 [S] kv lengths including the current token (0: padding, gives zeros).

@@ -1,27 +1,6 @@
 """Paged attention over a ragged batch: the pure-jnp reference (the specification).
 
-A step's batch is *ragged*: sequences contribute different numbers of query tokens (a prefill chunk,
-or one decode token), flattened into one token axis ``T``:
-
-    query_start_loc = [0, 5, 6, 9]          3 sequences: q_len 5 (prefill chunk), 1 (decode), 3
-    tokens          = | s0 s0 s0 s0 s0 | s1 | s2 s2 s2 | pad pad ... |   (padding after qsl[-1])
-    seq_lens        = [5, 40, 12]           kv length INCLUDING this step's tokens
-
-Causality with an offset: the i-th query token of sequence s (0-based within its chunk) sits at kv
-position ``q_pos = seq_lens[s] - q_len[s] + i`` and sees kv positions ``p <= q_pos``; with a sliding
-window W it sees only ``q_pos - p < W`` (W positions, itself included), except that the first
-``num_sinks`` positions (attention sinks) stay visible. Keys/values of position p of sequence s live
-in block ``block_tables[s, p // block_size]`` at offset ``p % block_size`` (see
-jaxkv/kvcache/pages.py). A table entry 0 (the null block) below ``seq_lens[s]`` is a block a KV
-retention policy dropped (jaxkv/retention/): its positions are not seen by any query.
-
-The reference below walks the kv axis in chunks of whole blocks with an online softmax (f32
-accumulators), which is also what the kernels do. Its memory is O(T * chunk) rather than
-O(T * max_kv_len), so the engine can use it on CPU. ``merge_attention_states`` combines results
-over disjoint kv ranges (the split-K kernel uses it). Nothing here imports the kernels: the
-explicit ``impl=`` choice between this reference and jaxkv.attention.pallas lives in
-jaxkv/attention/dispatch.py, so the arrows run attention_impl -> {attention, pallas} -> attention.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -30,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxkv.kvcache.pages import QuantizedPages, read_pages, residual_window
+from jaxkv.kvcache.pools import QuantizedPages, read_pages, residual_window
 
 def check_shapes(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc):
     """Raises ValueError unless the inputs have the shapes ``paged_attention_reference`` takes."""
@@ -193,8 +172,8 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     Args:
       q: [T, num_heads, head_dim] queries of every token of the step (padding after qsl[-1]).
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim] one layer's pool, an
-        array or a ``jaxkv.kvcache.pages.QuantizedPages`` (dequantized block by block, see
-        ``jaxkv.kvcache.pages.read_pages``).
+        array or a ``jaxkv.kvcache.pools.QuantizedPages`` (dequantized block by block, see
+        ``jaxkv.kvcache.pools.read_pages``).
       block_tables: int32 [S, max_blocks] physical block of each logical block (0 = null block:
         padding past the sequence, or a block a retention policy dropped, never seen).
       seq_lens: int32 [S] kv length of each sequence including this step's tokens.

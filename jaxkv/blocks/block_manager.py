@@ -1,49 +1,6 @@
 """BlockManager: host-side owner of the paged KV pool's blocks (numpy, no jax).
 
-It is the single source of truth for who owns which block: a free queue, a reference count per
-block, and one block table (logical block -> physical block id) per request. The device never
-allocates; it only reads the tables the scheduler copies into each step's plan.
-
-Block 0 is the null block. It is never allocated or freed, and appears in a block table only
-where a retention policy dropped a block (``release_blocks``, jaxkv/retention/): padding tokens
-write their K/V into it and padded or dropped block-table entries point at it, so every device
-index stays inside the pool while nothing real ever reads it. Here it doubles as the sentinel of the
-free queue, a circular doubly linked list threaded through two int32 arrays:
-
-    next_[0] -> first free block        prev_[0] -> last free block
-    free queue 5 <-> 6 <-> 7 <-> 2 <-> 1, held as:
-
-        block   0  1  2  3  4  5  6  7
-        next_   5  0  1  -  -  6  7  2       ('-' = -1: block in use)
-        prev_   1  2  7  -  -  0  5  6
-        ref     0  0  0  1  2  0  0  0
-
-Allocation pops from the head; ``free`` appends a table's blocks to the tail in *reverse* order.
-Freed blocks are therefore reused last (least recently freed first), and among one table's blocks
-the tail is reused before the head. That is the LRU eviction order the prefix cache will need
-(vLLM's free queue): a freed block keeps its K/V until reused, and a prompt's head blocks are the
-ones most likely to be shared. The linked list (rather than a deque) lets the prefix cache later
-take a cached block out of the middle of the queue in O(1).
-
-Forking shares blocks: ``fork`` gives the child the parent's first blocks and increments their ref
-counts. Before a request writes into a block another table also references (the partially filled
-last block of a fork), ``copy_on_write`` gives it a fresh block and returns the ``(src, dst)`` copy
-the engine applies on device (``jaxkv.kvcache.pages.copy_blocks``) before the step.
-
-Prefix caching (``prefix_caching="hash" | "radix"``, see jaxkv/blocks/prefix_cache.py). ``register``
-records the blocks a request has filled (called after the step that computed them), ``lookup``
-finds the longest cached prefix of a new request and ``allocate_cached`` shares those blocks (ref
-count + 1, taken out of the free queue if unreferenced). A cached block whose last reference goes
-stays cached in the free queue (at the tail: reused last, LRU); an uncached freed block goes to the
-*head*, so cached blocks are evicted (``PrefixCache.evict``, when ``_take`` pops them) only when
-no uncached free block is left. Radix mode also caches a request's partially filled last block
-when it frees it unshared (at the head too: it is the cheapest to lose); a later request reuses
-its first tokens through a copy.
-
-Copying is cheap and is how the pure scheduler treats a BlockManager as a value: ``copy`` duplicates
-three int32 [num_blocks] arrays and a dict whose block tables are immutable tuples shared between
-copies (see jaxkv/sched/scheduler.py). Mutating methods change only ``self``.
-"""
+Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 

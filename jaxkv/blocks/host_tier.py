@@ -1,43 +1,6 @@
 """The host KV tier: which host slots hold which KV blocks (host bookkeeping, no jax).
 
-A second, larger and slower pool of blocks in host memory, with two kinds of tenant:
-
-* **Prefix blocks** (the prefix cache's second tier). When the device pool reuses a cached block
-  (``BlockManager`` records the eviction), the block is *demoted*: its KV is copied to a host
-  slot under the same prefix key (hash of parent key + tokens + salt, jaxkv/blocks/prefix_cache.py)
-  instead of being lost. A lookup that runs out of device hits goes on in the host tier
-  (``lookup``): each further full block found there is *promoted*, copied back into a fresh
-  device block that joins the device prefix cache. The host keeps its copy (the tier is
-  inclusive), so a block demoted again costs no copy. Host prefix slots are evicted least
-  recently used first (``kv_offload_policy="lru"``); with a ``DiskKVStore`` (``kv_cache_dir``)
-  a demoted block is also written to disk, and a lookup that misses the host finds it there.
-  In radix mode a block comes with its node (parent key, tokens), partially filled blocks
-  included, and the host indexes them by parent as the device cache does: after the last full
-  hit, the longest token-granular match over both tiers (``lookup``) is the request's
-  next block, copied from the device or swapped in from the host into a fresh block of its
-  own (not cached: the request writes the rest of it). A partial block only takes a free host
-  slot (``demote``) and stays off the disk: a restarted engine's lookups reach disk files by
-  full-block keys only.
-* **Swapped sequences** (swap preemption). A preempted request's blocks are copied to host slots
-  it owns until it resumes, when they are copied into fresh device blocks. Those slots are never
-  evicted; prefix slots give way to them.
-
-Timing contract with the device (the runner applies a plan's transfers in this order, before the
-step's block copies and the step itself):
-
-    1. swap-outs   device block -> host slot   (reads blocks before anything rewrites them)
-    2. disk loads  file row      -> host slot
-    3. swap-ins    host slot     -> device block
-
-A host slot this plan reads (a swap-in) or writes (a swap-out, a disk load) is *busy*: it is
-neither evicted nor reused by another transfer of the same plan, and a slot given up this plan (a
-resumed request's) is only freed at the next plan (``begin_plan``), so a swap-out never overwrites a
-slot a swap-in of its own plan still has to read.
-
-``HostTier`` is a value the pure scheduler copies (``copy``) and mutates only as its copy,
-like the ``BlockManager``; the bytes live in the runner (jaxkv/kvcache/host_pool.py ``HostKVPool``).
-Swap or recompute is chosen per preempted request by ``SwapCostModel``.
-"""
+Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 
@@ -96,8 +59,8 @@ class HostTier:
 
     Args:
       num_slots: host blocks (all usable; there is no null slot).
-      disk: a ``jaxkv.kvcache.disk_store.DiskKVStore`` behind the prefix slots, or None. It is shared by
-        every copy (it is a cache of files, not scheduler state).
+      disk: a ``jaxkv.kvcache.disk_store.DiskKVStore`` behind the prefix slots, or None. It is
+        shared by every copy (it is a cache of files, not scheduler state).
     """
 
     def __init__(self, num_slots: int, disk=None):

@@ -1,35 +1,6 @@
 """Prefix cache: which KV blocks hold which token prefixes (host only, no jax).
 
-Two modes behind one small interface (``PrefixCache``), chosen by ``LLM(prefix_caching=...)``:
-
-* ``"hash"`` (vLLM's automatic prefix caching): a *full* block is keyed by
-  ``hash((parent key, its block_size tokens))``; the first block's parent is the root key of the
-  request's cache salt, so tenants with different salts never share. Only full blocks are cached.
-* ``"radix"`` (SGLang's RadixAttention, block-paged): the same hash chain, plus an index of each
-  key's children, so a lookup can end in a child that matches only partly (token granular).
-  Partially filled blocks are cached too, when their request frees them. The caller copies such
-  a block (copy-on-write) and recomputes from the first mismatching token. With a host tier
-  (jaxkv/blocks/host_tier.py) an evicted radix block, partial or full, is demoted with its ``node``
-  (parent key, tokens), so a partial match goes on there too.
-
-Example, block_size 4, radix mode (keys are hashes of (parent key, tokens))::
-
-    root(salt=None)
-      +-- b3 [The cat sat on]         full block
-      |     +-- b7 [the mat .]        partial block, 3 tokens (radix only)
-      |     +-- b5 [a hat and a]
-      +-- b9 [Once upon a time]
-
-    lookup "The cat sat on a hat in":  full blocks (b3,)
-                                       partial (b5, 2): copy b5, compute from token 6
-
-Keys are opaque to the caller: it walks ``root -> child -> child ...`` and remembers each
-request's chain of keys to register the blocks it fills later (``insert``). A block is cached
-(``in``) at most once; the block manager evicts it (``evict``) when it reuses the block. An
-evicted block's cached children stay: they are found again once the block is recomputed (its key
-is its content). Keys are 64-bit Python hashes of (parent key, tokens): a collision (probability
-~2^-64 per pair) would alias two prefixes, as in vLLM's default hash.
-"""
+Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 

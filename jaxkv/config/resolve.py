@@ -22,10 +22,10 @@ class Resolved:
     Attributes:
       dtype: parameter / activation dtype name (``"auto"``: bfloat16 on GPU, float32 on CPU).
       attention_impl: ``"pallas"`` on GPU, ``"grouped"`` on CPU unless chosen (the
-        reference's results to float rounding, 2-5x faster there: bench/attention_cpu.py).
+        reference's results to float rounding, 2-5x faster there: bench/experiments/attention_cpu.py).
       kv_cache_dtype: the canonical KV format name.
       kv_layout: the pools' layout (``KVCacheSpec.layout``): ``"hnd"`` for a float format read
-        by the CPU paths (its gathered blocks need no transpose: bench/kv_layout.py), else
+        by the CPU paths (its gathered blocks need no transpose: bench/experiments/kv_layout.py), else
         ``"nhd"`` unless chosen.
       kv_group_size: KIVI's value group (default: the largest divisor of head_dim <= 32).
       max_model_len: default ``min(model context, 8192)``.

@@ -1,40 +1,6 @@
 """Native CPU kernels: C++ behind XLA's FFI, built on this machine on first use.
 
-Two kernels over one layer's paged KV, in paged_attention.cc, for the two paths of the CPU
-attention (jaxkv/attention/grouped.py):
-
-* ``paged_rows``: each sequence's last R query tokens (decode tokens, a verify step's drafts)
-  against its paged KV;
-* ``paged_tiles``: the other tokens of a step (prefill chunks), causal, 32 tokens of one
-  sequence and one kv head per work item, each K block transposed once so that eight (AVX-512)
-  or four (AVX2) query rows at a time score it with block-wide vector FMAs.
-
-XLA's own version of these loops gathers every chunk of K and V into a fresh buffer and runs
-small batched dots on it; the kernels read each block of K and V in place. The pools: float32
-head-major ``[N, Hkv, bs, D]`` (``HNDPages``), bf16/f16 head-major, or int8/fp8 codes
-token-major ``[N, bs, Hkv, D]`` (``QuantizedPages`` with one scale per token and head, or a fixed
-scale); a 16-bit or coded block is decoded to float32 (code × scale, as
-``jaxkv.kvcache.quant.dequantize``) into a per-thread buffer as it is read.
-
-And one for the sampler (jaxkv/sample/sampler.py), in row_stats.cc:
-
-* ``row_stats``: each row's first argmax, maximum and log-sum-exp of a step's logits, read
-  while the row is in cache (XLA runs them as separate passes over [S, V]).
-
-And one for the model's dense layers (jaxkv/model/linear.py), in matmul.cc:
-
-* ``matmul`` / ``matmuls``: ``x @ w`` for a few rows of x (a decode step's tokens), the weight
-  read once (XLA's GEMM runs a fifth as fast at 8 rows as at 512): up to 8 rows in slices of
-  consecutive weight rows, each one contiguous run, summed afterwards; more rows in blocks of
-  columns; ``matmuls`` takes several weights of one x in one call.
-
-Build: ``g++ -O3 -march=native`` of the sources (common.h shared) into one library against
-``jax.ffi.include_dir()``, once per source text, compiler flags, jax version and CPU, into
-``~/.cache/jaxkv/cpu_kernels`` (or ``$JAXKV_CPU_KERNELS_DIR``); a build that fails (no compiler)
-leaves the XLA paths in place with one warning. ``JAXKV_CPU_KERNELS=0`` switches the kernels off
-(the XLA paths, e.g. to compare). Callers use them only where ``native()`` holds (JAX's default
-backend is the CPU), so a step traced for a GPU never contains the calls.
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

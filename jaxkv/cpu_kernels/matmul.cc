@@ -27,7 +27,7 @@
 //              and 32 rows): a block of 64-256 columns walked down the K rows four at a time,
 //              into the partial sums of all M rows in a per-thread buffer [M, cols] in L1;
 //   both:      two rows of x per register block, their four broadcasts held in registers
-//              (bench/dot_throughput.py: a strip of two vectors walked down K, one cache line
+//              (bench/experiments/dot_throughput.py: a strip of two vectors walked down K, one cache line
 //              per row 6 KB apart, was slower than XLA);
 //   w [N, K]:  three weight rows at a time, each a run of K floats, against kRows rows of x at
 //              a time, the rows a pass ahead prefetched.

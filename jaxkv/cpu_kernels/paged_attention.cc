@@ -1,9 +1,9 @@
 // Paged attention for the CPU path (jaxkv/attention/grouped.py), as XLA FFI custom calls, one
 // layer per call, over a pool of any of these element types (k and v alike):
 //
-//   f32                   [N, Hkv, bs, D]   head-major (jaxkv.kvcache.pages.HNDPages), read in
+//   f32                   [N, Hkv, bs, D]   head-major (jaxkv.kvcache.pools.HNDPages), read in
 //   place bf16, f16             [N, Hkv, bs, D]   head-major (HNDPages of a 16-bit cache)
-//   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.kvcache.pages.QuantizedPages) times
+//   int8, fp8 e4m3fn/e5m2 [N, bs, Hkv, D]   token-major codes (jaxkv.kvcache.pools.QuantizedPages) times
 //                                           one bf16 scale per token and head [N, bs, Hkv, 1],
 //                                           or one fixed scale for the whole pool
 //
@@ -178,7 +178,7 @@ inline int64_t lines(Run r) {
 // flight at once. The rows kernel computes little per byte of K and V, and without this the
 // lines of a block arrived a few at a time as its loops reached them (the hardware prefetcher
 // does not cross a 4 KiB page, one head's K of a block at SmolLM2's shapes): a 64-sequence
-// decode step's rows went from 3.6 to 3.0 ms (bench/attention_kernels.py, session 29). Touching
+// decode step's rows went from 3.6 to 3.0 ms (bench/experiments/attention_kernels.py, session 29). Touching
 // the next block instead (one block ahead) or prefetching it all at once measured no faster;
 // what does is Ahead below, the next block prefetched a share at a time.
 inline void touch(Run a, Run b) {
@@ -199,7 +199,7 @@ inline void touch(Run a, Run b) {
 // lines a call, spread over the current block's rows so that the next block's lines arrive
 // while this one computes.
 // Non-temporal (prefetchnta): each line is read during one block only. A 64-sequence decode
-// step of 512-token rows (bench/attention_kernels.py, two threads): 2.9-3.0 -> 2.1-2.2 ms in
+// step of 512-token rows (bench/experiments/attention_kernels.py, two threads): 2.9-3.0 -> 2.1-2.2 ms in
 // pool order, 3.0-3.1 -> 2.4-2.6 ms shuffled; as a plain prefetch (T0) only -4 to -8%, and
 // prefetching the next block all at once measured no faster (session 29).
 class Ahead {

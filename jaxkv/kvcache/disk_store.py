@@ -1,31 +1,6 @@
 """The persistent prefix cache: host-tier KV blocks as files a restarted engine hits.
 
-``LLM(kv_cache_dir=DIR, kv_offload_bytes=...)``. A prefix block demoted to the host tier
-(jaxkv/blocks/host_tier.py) is also written to ``DIR/<namespace>/<key>.kvb``; a lookup that misses
-the device pool and the host tier reads it back. Files are content-addressed: the key is the prefix
-hash chain (parent key + tokens, rooted in the cache salt: a tenant never reaches another's files),
-and the namespace directory is a digest of everything that fixes what the bytes mean: the model
-(its files' resolved path, size and mtime, and its hyper-parameters), the KV format and geometry as
-each device holds it (block size, layers, kv heads per device, head dim, dtype, tensor-parallel
-degree), the unit layout (jaxkv/kvcache/host_pool.py), the hash algorithm of the keys and this file
-format's version. Another model or format finds another directory.
-
-One file per block::
-
-    magic  b"JAXKVBLK"            8 bytes
-    version                       uint32 little-endian
-    namespace                     32 bytes (sha256, as the directory name)
-    key                           int64
-    payload length                uint64 (= the unit's block_bytes)
-    payload                       the block's unit row
-    sha256(header + payload)      32 bytes
-
-Every field is checked on load. A file that fails (truncated, corrupt, of another namespace or
-key, or of another version) is refused with ``KVCacheFileError`` naming the file and what is
-wrong; the store logs it, renames the file to ``*.corrupt`` (never read again) and reports a
-miss, so the engine recomputes that block and goes on serving. Writes go to a temporary file
-renamed into place, so a crash never leaves a half-written ``.kvb``.
-"""
+Design notes: docs/kv-cache.md."""
 
 from __future__ import annotations
 

@@ -1,37 +1,6 @@
 """Moving whole KV blocks between the device pool and the host tier's rows.
 
-A block's *unit* is everything the pool stores per block, in every layer: the K and V pages
-(codes, scales and zero points of a quantized pool, and its ``sealed`` flag) and Quest's key
-bounds. On the host a unit is one contiguous uint8 row: per device, the fields of every layer
-back to back, as that device holds them (under tensor parallelism each device offloads its own
-shard of the kv heads, and a multi-host process only its own devices')::
-
-    HostKVPool.rows  uint8 [num_slots, block_bytes]      block_bytes = devices x device_bytes
-        row = | device 0: k[0] page | v[0] page | k[1] page | ... | bounds[0].kmin | ... |
-              | device 1: ... |
-
-Transfers go in batches padded to one of ``TRANSFER_BUCKETS`` blocks (block 0, the null block,
-pads: its content is never read; a longer list goes as several batches), so the two jitted
-functions compile three times each (``warmup``):
-
-* ``swap_out(cache, blocks, slots)``: one jitted gather of the blocks' units (a new array per
-  field: the donated cache is never read by the copy), then ``copy_to_host_async`` on each;
-  the rows are filled by ``finish`` (called before the next transfer or step that needs
-  them), so the copy overlaps the step that follows it.
-* ``swap_in(cache, slots, blocks)``: the rows, cut back into fields, in one ``device_put``,
-  scattered by one jitted, donated update (a KIVI block comes back sealed, read from its codes;
-  swap preemption of KIVI pools is not offered, see ``supports_swap``).
-
-Staging (``HostKVPool(staging=...)``): the rows are numpy (the disk tier reads and writes them);
-a GPU copies at full speed only to and from page-locked memory, so with ``"pinned_host"`` (the
-default on a device that offers that memory kind and is not the CPU) each batch moves through
-``memory_kind="pinned_host"`` buffers: the gather's outputs land there (the DMA is part of the
-jitted gather, asynchronous like it), and a swap-in's parts are put there and the jitted
-scatter's DMA reads them; the rows take one host memcpy each way. ``"none"`` (the CPU default,
-whose host memory is the device's) copies device arrays with ``copy_to_host_async`` /
-``device_put``. ``measure`` times what the pool gets: the copy bandwidth the swap-or-recompute
-choice is fitted to.
-"""
+Design notes: docs/kv-cache.md."""
 
 from __future__ import annotations
 
@@ -42,7 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kvcache.pages import HNDPages, KeyBounds, PagedKVCache, QuantizedPages
+from jaxkv.kvcache.key_bounds import KeyBounds
+from jaxkv.kvcache.pages import PagedKVCache
+from jaxkv.kvcache.pools import HNDPages, QuantizedPages
 
 _UNIT_FIELDS = ("data", "scale", "zero", "sealed")   # the per-block arrays of a QuantizedPages
 

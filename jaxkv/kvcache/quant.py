@@ -1,31 +1,6 @@
 """KV quantization formats and the pure quantize / dequantize / pack functions.
 
-Formats (the quantized ``jaxkv.kvcache.spec.KV_FORMATS``; the functions take a ``KVFormat``):
-
-    name       stored as                 scheme                                   error bound
-    fp8_e4m3   float8_e4m3fn [.., D]     symmetric, scale = amax / 448 per group  |x| * 2^-4 + s *
-    2^-9 fp8_e5m2   float8_e5m2   [.., D]     symmetric, scale = amax / 57344          |x| * 2^-3 +
-    s * 2^-16 int8       int8          [.., D]     symmetric, scale = amax / 127            s / 2
-    int4       uint8 packed  [.., D / 2] asymmetric, scale = (max - min) / 15,      s / 2
-                                         zero = min
-    int2       uint8 packed  [.., D / 4] asymmetric, scale = (max - min) / 3        s / 2
-
-Scales and zero points are stored as bfloat16; quantization uses the *stored* (rounded) scale and
-zero, so the bounds above hold against what is dequantized (up to the bf16 rounding of the zero
-point, ``|min| * 2^-9``, and the clip at the ends of the range).
-
-Sub-byte packing splits the channel axis into halves (int4) or quarters (int2), so unpacking is a
-shift and a mask per part and a kernel does one dot per part against the matching slice of q:
-
-    int4, D = 8:   channel      0  1  2  3 | 4  5  6  7
-                   byte j = q[j] | q[j + D/2] << 4           byte 0 = [ q4 | q0 ]  (hi | lo nibble)
-
-    int2, D = 8:   byte j = q[j] | q[j + D/4] << 2 | q[j + D/2] << 4 | q[j + 3D/4] << 6
-                   byte 0 = [ q6 | q4 | q2 | q0 ],  byte 1 = [ q7 | q5 | q3 | q1 ]
-
-Grouping is chosen by the caller: the statistics are taken over ``axis`` (``-1`` with
-``group_size`` for per-token groups along head_dim; the token axis for KIVI's per-channel keys).
-"""
+Design notes: docs/kv-cache.md."""
 
 from __future__ import annotations
 

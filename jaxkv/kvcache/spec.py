@@ -1,44 +1,6 @@
 """The KV-format registry and ``KVCacheSpec``: the one place a KV format is named and described.
 
-Host-only (no jax import): the planner sizes pools from it before anything is allocated, the
-cache (jaxkv/kvcache/pages.py) allocates exactly the arrays it lists, the quantizer
-(jaxkv/kvcache/quant.py) and the kernels (jaxkv/pallas/kv_format.py) read the format's properties instead of its name.
-
-    name       stored as             bits  scheme                                  per-token bytes
-    fp32       float32               32    plain                                   4 D
-    bf16       bfloat16              16    plain                                   2 D
-    fp16       float16               16    plain                                   2 D
-    fp8_e4m3   float8_e4m3fn          8    symmetric, bf16 scale per token, head   D + 2
-    fp8_e5m2   float8_e5m2            8    symmetric, bf16 scale per token, head   D + 2
-    int8       int8                   8    symmetric, bf16 scale per token, head   D + 2
-    int4       uint8, 2 per byte      4    KIVI: asymmetric (scale, zero), keys    D / 2 + stats
-                                           per channel, values per token group,
-                                           a full-precision residual window
-    int2       uint8, 4 per byte      2    KIVI as int4                            D / 4 + stats
-
-Aliases: the model dtype names (``float32``, ``bfloat16``, ``float16``) name the float format
-that stores them, ``fp8`` is ``fp8_e4m3``; ``"auto"`` follows the model dtype
-(``resolve_kv_cache_dtype``).
-
-One layer's K (or V) pool of a ``KVCacheSpec`` (N = num_blocks, bs = block_size, H = num_kv_heads,
-D = head_dim, G = group_size, R = num_residual_slots + 1 with slot 0 the null slot):
-
-    float:     data  [N, bs, H, D]              the format's storage dtype (layout "nhd")
-                  or [N, H, bs, D]              (layout "hnd": the CPU path's default)
-    fp8/int8:  data  [N, bs, H, D]              codes
-               scale [N, bs, H, 1]              bf16 (absent with a static scale)
-    int4/int2: data  [N, bs, H, D / per_byte]   packed codes
-               scale, zero [N, 1, H, D]         bf16, axis "channel" (per channel over a block)
-                        or [N, bs, H, D / G]    bf16, axis "token"   (per token, G channels)
-               res_slot [N] int32, sealed [N] bool                       (per block)
-               residual [R, bs, H, D] model dtype, res_owner [R], res_stamp [R] int32,
-               clock [] int32                                            (the residual pool)
-
-With ``key_bounds`` (Quest sparse attention, jaxkv/attention/quest.py) a float, fp8 or int8
-cache also keeps, per layer beside its K pool, the per-block per-channel key bounds
-``kmin, kmax [N, H, D] float32`` (``bounds_arrays``); KIVI pools derive them from their stored
-per-channel scale and zero point, so they add nothing.
-"""
+Design notes: docs/kv-cache.md."""
 
 from __future__ import annotations
 
@@ -192,7 +154,7 @@ class KVCacheSpec:
       layout: how a float pool lies in memory (``LAYOUTS``): ``"nhd"`` [num_blocks, block_size,
         num_kv_heads, head_dim] (what the Pallas kernels read) or ``"hnd"`` [num_blocks,
         num_kv_heads, block_size, head_dim], where a gathered block is already in the order
-        the CPU path's batched dots read it (bench/kv_layout.py). Quantized pools are NHD.
+        the CPU path's batched dots read it (bench/experiments/kv_layout.py). Quantized pools are NHD.
 
     Raises:
       ValueError: naming the field, for any value the cache cannot be built with.

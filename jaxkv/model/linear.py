@@ -1,13 +1,9 @@
 """The model's dense products, ``x @ w``: on CPU, a step of a few rows takes the C++ kernel.
 
-XLA's CPU GEMM is as fast as torch's or faster at 128-512 rows, but at 8 rows it runs at a fifth
-of that (23 GFLOP/s on a 2-core AVX2 EPYC, bench/dot_throughput.py). ``jaxkv.cpu_kernels.matmul``
-reads each weight row by row into the partial sums of all the step's rows: 1.4-2.0x XLA's speed
-on SmolLM2's MLP at 8-32 rows and 1.2-2.6x on its tied head there (session 31), slower at 64
-and at 1 row (a pure weight stream, which XLA's reads contiguously); bench/dot_throughput.py.
-In the engine's decode step at 32 sequences the kernel took the step from 175 to 129 ms, at 64
-it would add 9% (BENCHMARKS.md, session 27). ``linears`` gives several weights of one x to one
-kernel call. It is taken where
+XLA's CPU GEMM runs a few-row product far below its large-batch speed;
+``jaxkv.cpu_kernels.matmul`` reads each weight row by row into the partial sums of all the
+step's rows, faster there (BENCHMARKS.md, "Grouped CPU attention and the C++ kernels").
+``linears`` gives several weights of one x to one kernel call. It is taken where
 
 * JAX's default backend is the CPU and the kernels are built (``cpu_kernels.native()``),
 * the step has ``MIN_ROWS`` to ``SMALL_ROWS`` rows (decided at trace time: the row count is

@@ -33,7 +33,9 @@ from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.layer import attend
 from jaxkv.attention.options import AttentionOptions, QuestOptions
 from jaxkv.kvcache import pages as kvcache
+from jaxkv.kvcache.key_bounds import refresh_key_bounds
 from jaxkv.kvcache.metadata import AttentionMetadata
+from jaxkv.kvcache.pools import write_layer
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
@@ -84,11 +86,11 @@ class Attention(nnx.Module):
         q_sinks = None if sink_rot is None else rotate(q, sink_rot)   # StreamingLLM's sinks
         q = rotate(q, rot)
         k = rotate(k, rot)
-        k_pool = kvcache.write_layer(pools[0], k, md.slot_mapping, md)
-        v_pool = kvcache.write_layer(pools[1], v, md.slot_mapping, md)
+        k_pool = write_layer(pools[0], k, md.slot_mapping, md)
+        v_pool = write_layer(pools[1], v, md.slot_mapping, md)
         bounds = pools[2]
         if bounds is not None:
-            bounds = kvcache.refresh_key_bounds(bounds, k_pool, md.slot_mapping,
+            bounds = refresh_key_bounds(bounds, k_pool, md.slot_mapping,
                                                 md.seq_lens.shape[0])
         o, mass = attend(q, k_pool, v_pool, bounds, md, options=options, impl=impl,
                          interpret=interpret, attention=attention, sparse=sparse,

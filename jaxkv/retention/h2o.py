@@ -1,31 +1,6 @@
 """H2O retention (Zhang et al. 2023, "Heavy-Hitter Oracle"), at block granularity.
 
-A sequence keeps at most ``budget_tokens`` of KV: its sink blocks, the blocks of its most recent
-``recent_tokens`` positions, and, in the rest of the budget, the *heavy hitters*: the blocks
-whose keys have received the most attention so far. H2O's paper splits the budget in half
-(recent window : heavy hitters = 1 : 1), the default here.
-
-The prompt is computed with full attention (nothing is dropped before its last token is in the
-cache, as in the paper, where eviction starts with generation). From then on the attention mass
-of every query that samples a token (the prompt's last token, then each generated token) is
-added per logical block (the step returns ``jaxkv.attention.mass.block_attention_mass`` of each
-sampling sequence's last query token, summed over layers and heads; ``scheduler.update`` adds
-it to the request's ``block_scores``). These positions do not depend on how the prompt was
-chunked or batched, so neither do the scores nor the tokens. Before each step the
-lowest-scoring unprotected blocks go back until the sequence holds its budget (ties: the older
-block goes first), so memory stays at ``budget + one step``::
-
-    budget 8 blocks, recent 4 blocks, 1 sink block, scores after 13 blocks:
-        logical  0   1   2   3   4   5   6   7   8 | 9  10  11  12
-        score    -  .1  .9  .2  .05 .6  .3  .4  .7 | (recent window)
-        keep     S       H           H       H   H |  R   R   R   R    dropped: 1, 3, 4, 6
-
-Dropping is at block granularity (the paper evicts tokens): a block's score is its tokens'
-summed mass. Unlike a window, what a later block's KV holds depends on what was dropped while
-it was computed (``history_dependent``), so the prefix cache registers only blocks computed
-before the first drop (the prompt's; a hit never covers the prompt's last token, whose query
-starts the scores, so hits stay exact). A preempted request is recomputed with fresh scores.
-"""
+Design notes: docs/retention.md."""
 
 from __future__ import annotations
 

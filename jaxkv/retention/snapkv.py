@@ -1,52 +1,7 @@
 """SnapKV retention (Li et al. 2024, "SnapKV: LLM Knows What You Are Looking for Before
 Generation"), at block granularity.
 
-The prompt is computed with full attention and compressed ONCE, when its last token is in the
-cache: the attention of the *observation window* (the prompt's last ``window_tokens = w``
-tokens, the paper's default 32) ranks the earlier blocks; the sequence keeps its sink blocks,
-the window's blocks and the top-ranked blocks in ``budget_tokens`` in all; everything generated
-after that is kept (the paper compresses the prompt's KV only, generation appends). A request
-thus holds ``budget + generated`` tokens at most, not ``prompt + generated``.
-
-Scores. The step returns the attention mass of each sampling sequence's last ``observe = w``
-query tokens per logical block, summed over layers and heads (``jaxkv.attention.mass``); the
-sampling row of the prompt is its last chunk, so at the first decode the request's
-``block_scores`` hold exactly the window's mass on each block (the paper sums the window's
-softmax weights over its queries too, per head; blocks are shared by every head here, so heads
-are summed as well). When the prompt's last chunk is shorter than ``w`` (a chunk boundary within
-``w`` tokens of its end: a prompt longer than ``max_num_batched_tokens``, or a step shared with
-other requests), the window is that chunk's tokens only (fewer queries, still at least one).
-A prefix-cache hit leaves at least ``w`` tokens to compute (the scheduler looks hits up below
-``num_tokens - observe``), so a hit does not shorten the window.
-
-Pooling. The paper max-pools the per-token scores over neighbouring positions (kernel 7) before
-the top-k, so a selected token brings its neighbours along. The step gives one score per
-block, and a block already keeps the tokens around a hot one. ``pool_blocks`` pools block scores
-over ``radius = (pool_kernel // 2 + block_size // 2) // block_size`` neighbouring blocks each
-side: a neighbour counts when the kernel's half-width covers at least half a block, so the
-pooling spreads a score about as far as the paper's token kernel does (radius 0, no pooling, for
-kernel 7 at block sizes 8 and 16; 1 at block size 4; 2 at block size 2), by max (default) or by
-mean with zero padding (the paper's ``avg_pool1d``). Rounding the radius up instead (one
-neighbour each side at block size 16) spreads a score over 48 tokens, and on the passkey suite
-(BENCHMARKS.md) the peaks' neighbours then crowd the needle's block out of the budget::
-
-    block size 4, kernel 7 (radius 1), budget 6 blocks, 1 sink block, window 8 (26 tokens):
-        logical  0    1    2    3  | 4    5    6   (window: blocks 4..6, from position 18)
-        score    -   .1   .9   .05 |
-        pooled   -   .9   .9   .9  |     (max over j-1..j+1 within the candidates 1..3)
-        keep     S    P    P    -  | W    W    W     dropped: 3 (ties on pooled: by score)
-
-The pooling runs over the candidate blocks only (between the sinks and the window): the sinks
-draw most of the attention of every query and are kept anyway, and the paper too pools the
-prefix without the window.
-
-Selection is by ``(pooled, score)``, ties going to the younger block. Like H2O the policy is
-``history_dependent``: the prefix cache registers only blocks before the first drop (the
-prompt's, computed with full attention), so hits stay exact. A preempted request is recomputed:
-its prompt (and outputs) are prefilled again and compressed from that recompute's scores (when
-the recompute's chunk that passes the prompt's end does not sample, the scores are zero, and the
-most recent prompt blocks are kept). A fork starts from its parent's drops and scores.
-"""
+Design notes: docs/retention.md."""
 
 from __future__ import annotations
 
@@ -151,7 +106,8 @@ class SnapKVRetention(Retention):
         """
         if prompt_tokens is None:
             raise ValueError("kv_retention='snapkv' compresses a prompt: drops needs "
-                             "prompt_tokens (jaxkv.entrypoints.eval.retained_nll: pass prompt_tokens)")
+                             "prompt_tokens (jaxkv.entrypoints.eval.retained_nll: pass "
+                             "prompt_tokens)")
         sinks, window = self._protected(prompt_tokens, block_size)
         prompt_blocks = min(-(-prompt_tokens // block_size), len(table))
         kept = [j for j in range(prompt_blocks) if table[j]]

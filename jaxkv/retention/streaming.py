@@ -1,31 +1,6 @@
 """StreamingLLM retention (Xiao et al. 2023): attention sinks plus a rolling window.
 
-Each query sees the first ``S = sink_tokens`` positions of its sequence and the last ``W =
-window_tokens`` positions up to itself (``jaxkv.attention.reference.visible``). A block none of
-whose positions any later query can see is given back to the pool, so a sequence holds at most the
-sink blocks, the window's blocks and one step's new blocks, however long it grows (and may grow
-past the model's context: ``max_model_len`` then bounds only positions, not memory):
-
-    block_size 4, S = 2, W = 6, next query at position 13 (sees 0, 1 and 8..13):
-
-        logical   0          1          2          3
-        table   [ b5 ] [ 0 (dropped) ] [ b9 ]    [ b2 ]      0 = the null block
-        held      p0 p1 (sinks) p2 p3    p8..p11    p12 p13..
-                  the sink block stays whole; block 1 (p4..p7) left the window
-
-Positions (``positions``):
-
-* ``"cache"`` (StreamingLLM's choice, needed past the model's context): a token's position is
-  its index in the cache ``[sinks | window]``, so a query sits at ``min(p, S + W - 1)``. Keys
-  are stored rotated at their original positions, and only the sinks are rescored: RoPE's score
-  depends on ``query position - key position`` alone, a window key's distance to its query is
-  ``p_q - p_k`` in both numberings, and a sink key ``i`` stored at position ``i`` gets distance
-  ``min(p_q, S + W - 1) - i`` by rotating the *query* to ``min(p_q, S + W - 1)`` for the sink
-  scores (``AttentionOptions.sink_position_cap``). This is exactly the in-cache numbering with
-  no key re-rotated on eviction and no pre-RoPE keys stored, so it works unchanged for every KV
-  format (a quantized key is never dequantized and requantized).
-* ``"original"``: every token keeps its position in the text (sinks drift ever further away).
-"""
+Design notes: docs/retention.md."""
 
 from __future__ import annotations
 

@@ -1,45 +1,6 @@
 """StepPlan -> StepInput: the padded int32 arrays the device step reads (numpy, no jax).
 
-This is the host/device contract. Shapes are padded to the smallest fitting bucket
-``T`` in ``scheduler_config.token_buckets`` and ``S`` in ``scheduler_config.seq_buckets`` (a
-decode-only step to one of ``decode_buckets`` on both axes where that is smaller:
-``SchedulerConfig.padded_shape``) so the jitted step compiles once per (T, S) bucket and never
-in steady state. ``M = max_blocks_per_seq = cdiv(max_model_len, block_size)`` is fixed by the
-configs.
-
-Example: block_size 4; sequence A computes a prefill chunk of 5 tokens (positions 0..4, table
-[7, 2]); B decodes one token at position 9 (table [4, 9, 1]); buckets T = 8, S = 4:
-
-    token axis t        0    1    2    3    4  |  5  |  6    7
-    sequence            A    A    A    A    A  |  B  |  pad  pad
-    positions           0    1    2    3    4  |  9  |  0    0
-    slot_mapping       28   29   30   31    8  |  5  |  0    0
-                        '--- block 7 ---'  blk 2  blk 1   null block 0 (written, never read)
-                        slot = block_tables[s, p // 4] * 4 + p % 4:  A p4 -> 2*4+0,  B p9 -> 1*4+1
-
-    query_start_loc [S+1]   0  5  6  6  6       padding sequences repeat the last value (q_len 0)
-    seq_lens        [S]     5 10  0  0          kv length including this step's tokens
-    block_tables    [S, M]  A: 7 2 0 0 ...      logical block j of sequence s -> physical block
-                            B: 4 9 1 0 ...      (0 = null block padding)
-                            pad: 0 0 0 0 ...
-    logits_indices  [S, 1]  4  5  0  0          last token of each sampling sequence, else 0
-    sample_mask     [S]     T  T  F  F
-    num_drafts      [S]     0  0  0  0
-
-Speculative decoding (jaxkv/sched/scheduler.py, multi-token steps): a decode carrying ``k`` draft
-tokens has ``1 + k`` query tokens and ``1 + k`` logits rows, so ``logits_indices`` is ``[S, W]``
-with ``W = 1 + max_drafts`` as soon as one sequence of the plan has drafts (``W = 1`` otherwise:
-two compiled widths, not one per draft count). If B above carried drafts 77 78 (positions 10,
-11, slots 6, 7), with ``max_drafts = 3``::
-
-    token axis          A A A A A  B  77 78  (T = 8)
-    logits_indices [S, 4]   A: 4 0 0 0       row (s, j) = the token whose next token is
-                            B: 5 6 7 0       predicted: B's last token, then each draft
-    num_drafts     [S]      0 2 0 0          draft j of s is token_ids[logits_indices[s, j + 1]]
-
-The physical pool this indexes is described in jaxkv/kvcache/pages.py; block 0 is the null block
-(jaxkv/blocks/block_manager.py), so padding never indexes outside the pool.
-"""
+Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 

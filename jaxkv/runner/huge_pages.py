@@ -13,9 +13,7 @@ process's mappings: a 2 MiB page must lie inside one mapping, so an edge that re
 allocation stays on small pages.
 
 Advice only: where the kernel is older, transparent huge pages are off, or the platform is not
-Linux, nothing happens and nothing fails. With the weights collapsed a decode step of 8 rows ran
-2-3% faster and one of 32 rows 7% (bench/step_ab.py ``--set jaxkv.runner.huge_pages.ENABLED=False``,
-BENCHMARKS.md).
+Linux, nothing happens and nothing fails. What it gains: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ _MADV_HUGEPAGE = 14
 _MADV_COLLAPSE = 25
 _ATTEMPTS = 4
 
-ENABLED = True       # read when an engine loads its weights (bench/step_ab.py switches it)
+ENABLED = True       # read when an engine loads its weights (bench/experiments/step_ab.py switches it)
 
 
 @functools.cache

@@ -1,40 +1,6 @@
 """Tensor parallelism: logical axis rules -> ``NamedSharding``s over a ``Mesh(("dp", "tp"))``.
 
-The model and the cache name *logical* axes only (``jaxkv.model.llama.logical_axes``,
-``jaxkv.kvcache.pages.logical_axes``); this module is the one place that maps them to mesh axes:
-
-    logical axis   mesh axis     what is split over the tp devices
-    vocab          tp            embedding rows, LM-head columns
-    heads          tp            q heads (q_proj columns, o_proj rows)
-    kv_heads       tp            k/v heads (k_proj/v_proj columns, the KV pools' head axis)
-    mlp            tp            gate/up columns, down_proj rows
-    embed, head_dim, norm        replicated
-
-One engine's mesh has shape ``{"dp": 1, "tp": N}``; data-parallel replicas
-(jaxkv.engine.data_parallel) are independent engines over the rows of a ``{"dp": M, "tp": N}`` mesh.
-Inside the jitted step GSPMD partitions the einsums from these parameter shardings, so the o_proj
-and down_proj contractions over a split axis each end in one all-reduce (2 per layer, asserted on
-the compiled HLO by tests/test_sharding.py); the attention kernel, which XLA cannot partition, runs
-under ``shard_map`` on each device's kv-head shard.
-
-Multi-host (jax.distributed): every process runs the same command (``jaxkv generate ...
---coordinator-address host:port --num-processes P --process-id i``, or
-``initialize_distributed`` before any other jax call; the coordinator address may come from jax's
-own ``JAX_COORDINATOR_ADDRESS`` env var). The engine mesh then spans all processes' devices and
-each process runs the *identical* pure host scheduler on the same prompts: same plans, same
-step inputs (placed with ``put_replicated``: each process fills only its own devices), same
-sampled tokens (replicated, read back with ``to_host``). No plan is broadcast, so there is no
-host-to-host traffic besides XLA's collectives; the price is that every process must be given
-the same requests in the same order (tests/test_sharding.py runs two CPU processes on
-127.0.0.1 and checks they produce the tokens of one process).
-
-KV-head replication (as vLLM): when ``num_kv_heads < N`` (and ``N % num_kv_heads == 0``), every
-kv head is repeated ``N // num_kv_heads`` times, so device ``d`` holds kv head
-``d // (N // num_kv_heads)``, exactly the kv head of the q heads it holds:
-
-    Hq = 8, Hkv = 2, N = 4:   q heads  [0 1 | 2 3 | 4 5 | 6 7]   (device 0..3)
-                              kv heads [0   | 0   | 1   | 1  ]   (kv head 0 on devices 0 and 1)
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 
@@ -48,8 +14,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxkv.attention.dispatch import paged_attention
-from jaxkv.kvcache.pages import HNDPages, PagedKVCache, abstract_cache
+from jaxkv.kvcache.pages import PagedKVCache, abstract_cache
 from jaxkv.kvcache.pages import logical_axes as cache_logical_axes
+from jaxkv.kvcache.pools import HNDPages
 from jaxkv.kvcache.spec import KVCacheSpec
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes
@@ -183,7 +150,8 @@ def cache_specs(tree, *, rules=LOGICAL_AXIS_RULES):
 def cache_shardings(cache: PagedKVCache | KVCacheSpec, mesh: Mesh, *,
                     rules=LOGICAL_AXIS_RULES) -> PagedKVCache:
     """A PagedKVCache of ``NamedSharding``s for ``cache`` (or the cache a ``KVCacheSpec``
-    describes, ``jaxkv.kvcache.pages.init_cache(spec, shardings)``), any format: see ``cache_specs``.
+    describes, ``jaxkv.kvcache.pages.init_cache(spec, shardings)``), any format: see
+    ``cache_specs``.
 
     ``num_kv_heads`` of the spec is the (possibly replicated, ``tp_config``) total; each device
     holds ``num_kv_heads // tp`` heads of every pool-shaped array.

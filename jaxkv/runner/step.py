@@ -8,7 +8,7 @@ The cache is donated, so its pools are updated in place. Every input is padded o
 never again in steady state; ``num_logprobs`` is the only static argument besides the model config.
 Each sequence has ``W`` logits rows (``W = 1``, or ``1 + num_speculative_tokens`` in a step that
 verifies drafts: a second compiled width): row ``(s, j)`` is sampled like any row (the sampler
-sees ``S x W`` rows, ``s * W + j``), and ``rejection_sampler.num_accepted`` says how many of
+sees ``S x W`` rows, ``s * W + j``), and ``sample.rejection.num_accepted`` says how many of
 sequence ``s``'s ``W`` tokens it emits.
 """
 

@@ -1,38 +1,6 @@
 """Sampling: per-request ``SamplingParams`` (host) and one pure jitted sampler over a batch (device).
 
-The host describes every request of a step with a ``SamplingParams`` (vLLM's field names and
-defaults). ``SamplingTensors.from_params`` turns the batch into fixed-shape numpy arrays, padded to
-the engine's sequence bucket ``S``, and ``sample(logits, tensors, rng)`` draws one token per row
-inside the engine's jitted step. Per-request behaviour is data, never a static argument, so one
-compiled sampler serves every mix of greedy, seeded and penalised requests. ``SamplingParams``
-checks every field on construction with the shared checks of ``jaxkv.config.checks``.
-
-Processing order of one row (``process_logits``), as in vLLM:
-
-    raw logits [V] ─► penalties ─► min_tokens (stop/eos ids -> -inf) ─► / temperature
-                  ─► top-k ─► top-p ─► min-p ─► argmax (greedy) | argmax(+ Gumbel noise) (random)
-
-* Penalties follow vLLM's formulas: the repetition penalty divides positive / multiplies negative
-  logits of every token seen in the prompt *or* the output; the frequency penalty subtracts
-  ``penalty x count`` and the presence penalty ``penalty x [count > 0]`` over *output* tokens only.
-* The token history is a padded id array ``history [S, L]`` (prompt ids, then output ids, then -1
-  padding) with ``prompt_lens [S]``, turned into per-vocab counts on the device by a scatter-add.
-  Ids rather than host-built ``[S, V]`` counts: ``L`` (a length bucket) is far smaller than a
-  32K-152K vocabulary, so a step moves ``S x L`` instead of ``S x V`` int32 to the device. When no
-  row of the batch uses a penalty, the builder sends a 1-wide all-padding history.
-* Filters keep tokens by value, so ties at a threshold are all kept: top-k keeps logits ``>=`` the
-  k-th largest; top-p keeps probabilities ``>=`` that of the last token of the smallest
-  highest-first prefix whose mass reaches ``top_p`` (so the top token always survives); min-p keeps
-  probabilities ``>= min_p x max probability``. Each filter sees the distribution renormalised over
-  the survivors of the previous one.
-* Randomness is per row: a seeded request uses ``fold_in(PRNGKey(seed), step)``, where ``step`` is
-  its number of generated tokens, so its tokens do not depend on its batch position or neighbours;
-  an unseeded request uses ``fold_in(rng, row)`` of the engine's per-step ``rng``. The token is the
-  argmax of the processed logits plus Gumbel noise (exact categorical sampling). For parallel
-  sampling (``n > 1``) the engine gives child ``i`` the seed ``seed + i``, as vLLM does.
-* Logprobs are those of the raw model distribution, ``log_softmax(raw logits)`` before penalties,
-  temperature and filters (vLLM's default ``logprobs_mode="raw_logprobs"``).
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

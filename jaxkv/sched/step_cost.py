@@ -1,27 +1,6 @@
 """The step-time model: what one engine step costs on the device, by the shape it pads to.
 
-The jitted step computes a padded shape, ``T`` tokens (the smallest ``token_buckets`` entry that
-holds the step's tokens) by ``S`` sequences (``seq_buckets``; a decode-only step one of
-``decode_buckets`` on both axes where that is smaller, ``jaxkv.config.shapes.pad_step``), with
-logits width ``W = 1`` or, in a step that verifies drafts, ``W = 1 + num_speculative_tokens``
-(jaxkv/runner/batch.py). Its time is a function of that shape (plus the context lengths, which drift
-slowly), so the model is a table of moving averages keyed by the padded shape::
-
-    key = (T, S, has drafts)      time(key) = EMA of the measured step durations with that key
-
-fed by ``EngineCore`` with the same device time per step that refits the offload cost model's
-prefill rate (``runner.device_time`` around ``runner.execute``). Two things keep it honest:
-
-* The first duration of a key is dropped: it holds that shape's compilation (or its load from
-  the persistent compilation cache), unless every shape was compiled before (``compiled``:
-  the runner's warm-up ran), when the first duration is already a step's.
-* A key counts as measured for ``refresh`` observations after its last one; after that it is
-  stale (its time is still returned, but ``wants`` asks for it to be measured again, so a
-  speculator that stopped drafting re-measures the draft step, and vice versa, as contexts grow).
-
-There is no interpolation between buckets: an unmeasured shape has no time (``predict`` is
-None) and the caller either measures it (``wants`` / ``tried``) or does not choose it.
-"""
+Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 

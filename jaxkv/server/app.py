@@ -312,6 +312,16 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     app = FastAPI(title="jaxkv", version=jaxkv.__version__, lifespan=lifespan)
     app.state.server = server
 
+    _add_error_handlers(app)
+    _add_info_routes(app, server, model_path)
+    _add_generation_routes(app, server)
+    return Gate(app, api_key=api_key, max_body=max_request_bytes)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: ours, a bad field, a route's HTTP error, a body
+    that does not validate (400 naming the field)."""
+
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
         return e.response()
@@ -330,6 +340,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def invalid(_: Request, e: RequestValidationError):
         message, param = protocol.validation_error(list(e.errors()))
         return APIError(400, message, "BadRequestError", param).response()
+
+
+def _add_info_routes(app: FastAPI, server: Server, model_path: str | None) -> None:
+    """``/health``, ``/version``, ``/metrics``, ``/v1/models``, ``/tokenize``, ``/detokenize``."""
 
     @app.get("/health")
     async def health():
@@ -377,6 +391,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
         return {"prompt": server.core.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def _add_generation_routes(app: FastAPI, server: Server) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``, streamed by SSE or whole."""
 
     @app.post("/v1/completions")
     async def completions(req: protocol.CompletionRequest, request: Request):
@@ -426,8 +444,6 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 n=req.n, fmt=fmt), media_type="text/event-stream")
         outs = await server.final(request, streams)
         return protocol.chat_body(rid, server.name, outs[0], fmt)
-
-    return Gate(app, api_key=api_key, max_body=max_request_bytes)
 
 
 def _prompt_text(server: Server, prompt) -> str:

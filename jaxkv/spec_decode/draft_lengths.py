@@ -1,21 +1,6 @@
 """How many drafts each request carries: the arithmetic of adaptive draft lengths.
 
-A request whose drafts are each accepted with probability ``a`` (given the ones before it were)
-emits ``E(k) = 1 + a + ... + a^k`` tokens in expectation from ``k`` drafts (Leviathan et al.).
-Three rules turn estimates of ``a`` into draft lengths; jaxkv/spec_decode/speculator.py's
-``Speculator`` decides which applies and where the estimates and step times come from:
-
-* ``best_num_drafts``: per request, under a fixed cost ``c`` of a draft as a fraction of a
-  decode step, the ``k`` maximising ``E(k) / (1 + c k)`` (a speculator without step times).
-* ``allocate_drafts``: a whole step's draft lengths maximising expected emitted tokens per
-  second under measured step times by padded shape (a batch that stays full), the proposals'
-  own time included when they cost any (a draft model's forwards); ``fill_drafts`` fills a
-  given number of drafts in the same order.
-* ``allocate_drafts_closed``: the same for a closed batch (nothing waits), minimising the
-  batch's expected remaining time.
-
-Pure functions of plain sequences (host-side Python, called before every step).
-"""
+Design notes: docs/speculative-decoding.md."""
 
 from __future__ import annotations
 

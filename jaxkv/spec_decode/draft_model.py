@@ -1,72 +1,7 @@
 """The draft-model proposer of speculative decoding (``speculative="draft"``): a small model with
 the target's tokenizer, run by the engine's own device machinery over its own paged KV cache.
 
-    proposer = DraftModelProposer.from_config(engine_config, target_runner)
-    drafts = proposer.propose_batch({request_id: (token_ids, k), ...})   # {id: k greedy tokens}
-    proposer.release(request_id)                        # finished, aborted, preempted
-
-    write_truncated_draft("SmolLM2-135M-Instruct", "drafts/smollm2-skip12-18",
-                          [*range(12), *range(18, 30)])   # a draft: 24 of the 30 layers
-    write_reduced_head_draft("drafts/trained2", "drafts/trained2-v8k", frequent_ids)
-
-The device side is a second ``jaxkv.runner.model_runner.ModelRunner`` (the draft's params, donated
-cache, jitted step, buckets: the same code as the target's), fed ``StepPlan``s this module
-builds itself, block tables from its own ``BlockManager``. It needs no scheduler: it computes
-whatever the target's scheduler decided the requests are.
-
-Keeping the draft cache in sync. The proposer remembers, per request, the tokens whose K/V its
-cache holds (``cached``). A call with the request's tokens ``t_0 .. t_{L-1}`` (prompt + output so
-far) and a draft length ``k``:
-
-    cached     t_0 ............ t_{n-1} | d_1 .. d_{k-1}        (last call: drafts written too)
-    now        t_0 ............ t_{n-1} | a_1 .. a_m  t'         (accepted drafts, correction)
-    keep       = min(common prefix of cached and now, L - 1)    (the rewind: like the target's
-                                                                 counter, rejected slots are
-                                                                 simply overwritten later)
-    catch-up   positions keep .. L-1 (chunked to max_num_batched_tokens, batched across
-               requests); the logits at t_{L-1} give d_1
-    decode     k - 1 steps of one token per request, batched: d_j at position L - 1 + j gives
-               d_{j+1}
-    cached     := t_0 .. t_{L-1} d_1 .. d_{k-1}                  (L + k - 1 tokens, the table
-                                                                 truncated / grown to fit)
-
-A rejected draft costs nothing to undo, a draft the target accepted is not recomputed (it is in
-the common prefix), and a request preempted or changed in any other way is caught up from the
-longest prefix that still matches. ``release`` frees a request's blocks (``Speculator`` calls it
-for every request that is no longer running: finished, aborted, preempted).
-
-Cost. Every draft forward is one engine step of the draft (a jitted call and a host round trip
-for its tokens): ``1 + (k - 1)`` per target step, plus the draft's own prefill of each prompt. On
-SmolLM2-135M (CPU) layer-subset drafts accept too little for their cost (BENCHMARKS.md: 0.6-2%
-for its first 8 layers, 9-26% for the best 24); the machinery's ceiling, the target as its own
-draft, accepts every draft. Each forward's wall time goes into ``forward_cost`` (by padded
-shape), which the adaptive draft length adds to the target's step time when it chooses the
-step's draft lengths, before the draft runs (``Speculator.proposal_time``): a draft that costs
-about what the target does stops drafting.
-
-Exactness. The drafts are greedy (the draft's argmax), i.e. point masses, which the rejection
-sampler verifies exactly by Leviathan et al.'s rule (jaxkv/sample/rejection.py): greedy and
-seeded outputs equal non-speculative decoding, and sampled outputs keep the target's
-distribution, whatever the draft model (it only changes how many drafts are accepted).
-
-A reduced LM head (FR-Spec, Zhao et al. 2025). A small draft's forward is mostly its LM head
-(SmolLM2's 49,152 x 576 is 28M weights; a 2-layer trunk is 7M). ``write_reduced_head_draft``
-keeps the head's columns for a set of frequent tokens only (``ModelConfig.draft_vocab_size``;
-the input embedding stays whole), and the proposer maps the draft's argmax column back to its
-token id (the checkpoint's ``head_token_ids``). Its greedy draft is the full draft's argmax
-among those tokens: unchanged wherever that argmax is among them, and a token outside them is
-never proposed (it would be rejected or accepted exactly as any other draft: exactness does
-not depend on the draft).
-
-The draft's pool. By default ``num_blocks = target blocks + max_num_seqs x (cdiv(k, block_size) +
-1)`` (the target's pool, which bounds the tokens of its running requests, plus room for every
-sequence's drafts and a partial block), at most ``max_num_seqs x cdiv(max_model_len, block_size) +
-1`` (every sequence at full length), at the draft's own KV bytes per token (a draft with fewer
-layers or heads costs that much less). The draft's cache is in the draft's dtype
-(``kv_cache_dtype="auto"``, whatever the target's format: a small model's KV is small) without
-prefix caching. A request whose catch-up does not fit in the free blocks gets no drafts that
-step (with the default size that happens only when the target shares many prefix blocks).
-"""
+Design notes: docs/speculative-decoding.md."""
 
 from __future__ import annotations
 

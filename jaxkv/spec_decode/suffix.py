@@ -1,35 +1,7 @@
 """The suffix proposer of speculative decoding (``speculative="suffix"``; SuffixDecoding, Oliaro
 et al. 2024): prompt lookup over every request the engine has served, not one request alone.
 
-    proposer = SuffixProposer(max_depth=16, cache_tokens=16384, min_probability=0.1)
-    proposer.propose_batch({"a": (tokens_a, 4), "b": (tokens_b, 4)})   # {id: drafts}
-    proposer.release("a")   # "a" stopped running: its tokens stay indexed until evicted
-
-One trie counts every substring of up to ``max_depth`` tokens of the indexed token sequences:
-each running request's prompt + output (extended as it grows), and the sequences of requests
-that stopped running, kept oldest-out while they hold at most ``cache_tokens`` tokens. (A
-request is indexed as its last proposal saw it: the tokens its last step emitted, one plus any
-accepted drafts, are not.) A node
-is the path from the root, and its count the number of places that path occurs. A request's
-drafts (its tokens ``c``, ``k`` wanted):
-
-1. the longest suffix of ``c`` of at most ``max_depth - 1`` tokens that occurs followed by some
-   token (its node has children);
-2. then, token by token, the child with the highest count (the smallest token id among
-   equals), while the product of the chosen children's shares of their siblings' counts, the
-   draft's estimated probability, stays at least ``min_probability``; when the path reaches
-   ``max_depth`` tokens, step 1 again on ``c`` + the drafts so far.
-
-So the request's own prompt serves as the ``ngram`` proposer's prompt lookup does, and so do the
-outputs of earlier requests: workloads that repeat themselves across requests (templated
-answers, agent loops, a chat's earlier turns) draft from them (SuffixDecoding reports up to 5.3x
-on agentic SQL). A longer suffix is present only where every shorter one is, and has children
-only where every shorter one has, so step 1 is a binary search: O(max_depth log max_depth) dict
-lookups per request and step, and indexing a token costs O(max_depth). Host-side Python, no
-model; its drafts are point masses, verified exactly (jaxkv/sample/rejection.py). A
-``BatchProposer`` of jaxkv/spec_decode/speculator.py, whose ``release`` hands a request over to the
-cache.
-"""
+Design notes: docs/speculative-decoding.md."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
 """Paged decode attention on GPU with split-K (flash-decoding), Pallas (Triton lowering).
 
-One query token per sequence (the decode step). The grid is ``(S, num_kv_heads, num_splits)``:
-the kv tiles a sequence's token can see, walked as in ragged.py (kv_walk.py), are cut into
-``num_splits`` contiguous runs, one per program, so a small batch still fills the GPU. With a
-sliding window those are the logical sink and window tiles; without one, the tiles of the
-*kept run* (the row's non-null blocks laid end to end, ``kept_blocks``), so the splits share
-only the KV a retention policy kept. Each program writes a normalized partial output and its
-log-sum-exp; ``jaxkv.attention.reference.merge_attention_states`` combines them in JAX:
-
-    table row s     | 7 | 0 | 3 | 0 | 0 | 9 | 4 | 2 | 5 | 0 | 8 | 6 |     (0 = dropped)
-    kept run        | 7  3 | 9  4 | 2  5 | 8  6 |                         block_kv = 2 * block_size
-    visited tiles   |  v0  |  v1  |  v2  |  v3  |
-                    | split 0     | split 1     |   (num_splits = 2) -> (o_j, lse_j) -> merge
-
-GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to
-a power of two >= 16, Triton's dot minimum), so each gathered K/V tile serves the whole group.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -183,7 +168,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Args:
       q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
-        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.kvcache.pages.QuantizedPages``
+        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.kvcache.pools.QuantizedPages``
         (dequantized in-kernel). head_dim must be a power of two >= 16.
       block_tables: int32 [S, max_blocks] page ids in ``[0, num_blocks)`` (padding entries 0).
       seq_lens: int32 [S] kv length of each sequence including this step's token.

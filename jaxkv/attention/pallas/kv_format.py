@@ -1,27 +1,6 @@
 """How the kernels read a kv tile from any pool format: float, fp8/int8 codes, or packed KIVI.
 
-``kv_operands`` turns one layer's K/V pools into the flat list of kernel operands plus a static
-``KvLayout``; ``load_chunk`` gathers one kv tile of one head-dim *chunk* and dequantizes it in
-registers. The kernels work chunk by chunk along head_dim, so a packed pool never has to be
-re-assembled into a [block_kv, D] tile (Triton can't concatenate or reshape tiles):
-
-    float / fp8 / int8:   one chunk, the whole head_dim            chunks = ((0, D, 0, 0),)
-    int4, D = 64, G = 32: byte j holds channels j and j + 32         chunks = ((0, 32, 0, 0),
-                          (part 0 = low nibble, part 1 = high)                 (32, 32, 0, 1))
-    int2, D = 64, G = 32: byte j holds channels j, j+16, j+32, j+48  chunks = ((0, 16, 0, 0),
-                                                                               (16, 16, 0, 1), ...)
-
-A chunk ``(ch0, width, byte0, part)`` covers channels ``[ch0, ch0 + width)``, read from bytes
-``[byte0, byte0 + width)`` shifted right by ``part * bits``. ``width = min(G, D * bits / 8)`` so a
-chunk never straddles a per-token value group (G = ``group_size``), and ``q . k`` and ``p @ v``
-become one dot per chunk (width >= 16, Triton's dot minimum).
-
-KIVI pools (int4/int2) dequantize as ``code * scale + zero`` with per-channel key statistics
-``[num_blocks, 1, Hkv, D]`` (one group = the tokens of a block) or per-token groups
-``[num_blocks, block_size, Hkv, D / G]``; a page inside the sequence's residual window (its last
-R pages: ``logical >= kv_len // block_size - (R - 1)``) that has a residual slot is read from the
-full-precision residual pool instead (see jaxkv/kvcache/pages.py).
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -145,7 +124,7 @@ def check_offsets(operands) -> None:
 def kv_operands(k_pages, v_pages):
     """Kernel operands of one layer's pools: (k operands + v operands, ``KvLayout``).
 
-    Float pools pass [k, v]. fp8/int8 ``jaxkv.kvcache.pages.QuantizedPages`` pass their codes
+    Float pools pass [k, v]. fp8/int8 ``jaxkv.kvcache.pools.QuantizedPages`` pass their codes
     [num_blocks, block_size, Hkv, D] and bf16 per-token scales [num_blocks, block_size, Hkv, 1]
     (none with a static scale). KIVI int4/int2 pools pass, for K then V: packed codes
     uint8 [num_blocks, block_size, Hkv, D * bits / 8], scale and zero (bf16, per channel
@@ -157,7 +136,7 @@ def kv_operands(k_pages, v_pages):
         head_dim chunks narrower than 16 channels (e.g. int2 with head_dim < 64), and for code
         pools ``check_offsets`` refuses.
     """
-    from jaxkv.kvcache.pages import HNDPages, QuantizedPages   # the cache pytree only; no engine import
+    from jaxkv.kvcache.pools import HNDPages, QuantizedPages
 
     if isinstance(k_pages, HNDPages):
         raise ValueError("the Pallas kernels read NHD pools, not HNDPages (kv_layout='hnd')")

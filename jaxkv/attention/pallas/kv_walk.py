@@ -1,32 +1,6 @@
 """The kv walk shared by the Pallas kernels (ragged.py, decode.py, sparse.py).
 
-A program attends its q rows to a list of kv tiles of ``block_kv`` positions, one loop step per
-tile, with an online softmax (``attend_tiles``). A *tile map* says which kv positions loop step
-``v`` visits; there are two:
-
-* ``logical_tiles``: tiles of the logical kv axis (the sink tiles, then the window's or the
-  causal range's, ``jaxkv.attention.reference.kv_tile_range``); a null block (0, dropped) inside
-  them is gathered and masked. The kernels use it with a sliding window.
-* ``run_tiles``: a *run* of logical blocks laid end to end, in tiles of ``block_kv`` positions
-  (``block_kv`` and ``block_size`` independent):
-
-      run entries   = [0, 2, 5, 6]   (logical blocks, count = 4), block_size 4, block_kv 8
-      run rank r    | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15 |
-      logical block |    0    |    2    |     5     |      6      |
-      kv tile       |       v = 0       |         v = 1           |
-
-      rank r -> entry e = r // block_size, logical = entries[e], offset r % block_size,
-                kv position = logical * block_size + offset (masked unless e < count and causal)
-
-  The positions of the last tile past the run (e >= count) re-read the last entry's block,
-  masked, so no load leaves the run. The run is either the kept (non-null) blocks of a row in
-  logical order (``kept_run`` over ``jaxkv.attention.grouped.kept_blocks``, the walk without
-  a sliding window, where a row thinned to 25% of its blocks costs 25% of the reads), or Quest's
-  selected pages of a kv head (sparse.py).
-
-Either way each position's kv position comes from its logical block, so every mask (causal,
-sinks, soft cap, KIVI's residual window, the sink queries) is the reference's.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 

@@ -1,43 +1,6 @@
 """Ragged paged attention on GPU: one Pallas (Triton) launch for prefill chunks and decodes.
 
-The specification is ``jaxkv.attention.reference.paged_attention_reference``; the kernel computes
-the same thing for a ragged batch (see jaxkv/attention/reference.py for the token layout and the masks).
-
-Work decomposition: the grid is ``(num_tiles, num_kv_heads)``. A *q tile* is ``block_q``
-consecutive tokens of ONE sequence; the schedule of tiles is built in JAX from
-``query_start_loc`` (static upper bound on the tile count, empty tiles at the end):
-
-    tokens   | s0 s0 s0 s0 s0 | s1 | s2 s2 s2 | pad ...          (block_q = 2)
-    tiles    | t0    t1    t2 | t3 | t4    t5 | t6 t7 ...  (n_valid = 0: nothing to do)
-
-GQA packing: the G = Hq / Hkv query heads of one kv head are rows, so one gathered K/V tile
-serves the whole group. The wrapper lays q out kv-head-major with G padded to a power of two:
-
-    q_rows[h, t * G_pad + g, :] = q[t, h * G + g, :]        (zeros for g >= G)
-    a q tile = q_rows[h, tok0 * G_pad : (tok0 + block_q) * G_pad, :]  -> [block_q * G_pad, D]
-    row r of the tile = token tok0 + r // G_pad, head g = r % G_pad
-
-The kv axis is walked in tiles of ``block_kv`` positions (kv_walk.py); each tile gathers its
-page ids from the block table per position (``page = table[seq, logical]``, offset
-``p % block_size``), so ``block_kv`` and ``block_size`` are independent. Only the tiles a q tile
-can see are visited, up to its causal end:
-
-* with a sliding window, the logical tiles of the window and the sink tiles at the front:
-
-      kv tiles   | S | S | . | . | . | W | W | W |       S = sink tiles, W = window tiles,
-      loop v     | 0 | 1 |               2   3   4          . = skipped entirely
-
-* without one, the kept blocks only: the wrapper compacts each table row (``kept_blocks``:
-  kept logical indices first, in order, and their running count) and a tile is ``block_kv``
-  consecutive positions of that run, so a row whose retention (H2O, SnapKV) dropped blocks
-  reads only what it kept (a table without drops compacts to itself):
-
-      table row  | 7 | 0 | 0 | 3 | 0 | 9 | 4 |   (0 = dropped), block_kv = 2 * block_size
-      kept run   | 7   3 | 9   4 |                logical blocks 0, 3 | 5, 6
-      loop v     |   0   |   1   |
-
-This file also holds the input checks shared by the wrappers of decode.py and sparse.py.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -360,7 +323,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q: [T, num_heads, head_dim] float32/bfloat16/float16 queries of every token of the step;
         tokens ``t >= query_start_loc[-1]`` are padding.
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
-        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.kvcache.pages.QuantizedPages``
+        page pool (block 0 is the null block), or fp8/int8 ``jaxkv.kvcache.pools.QuantizedPages``
         (dequantized in-kernel). head_dim must be a power of two >= 16.
       block_tables: int32 [S, max_blocks] physical page of each logical block; every entry must be
         a page id in ``[0, num_blocks)`` (padding entries 0).

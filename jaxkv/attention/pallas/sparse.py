@@ -1,37 +1,6 @@
 """Sparse paged decode attention on GPU: only the selected pages are read, Pallas (Triton).
 
-The specification is ``jaxkv.attention.quest.sparse_decode_reference``; the selection (Quest's
-page scores and top pages, plus sinks and the recent window) comes from
-``jaxkv.attention.quest.quest_select`` or any other int32 ``pages [S, Hkv, K]`` /
-``count [S, Hkv]`` pair of logical page ids.
-
-Grid ``(S, num_kv_heads, num_splits)``. Program (s, h, j) walks the *selected run* of kv head h,
-the ``count[s, h] * block_size`` positions of its selected pages laid end to end, in tiles of
-``block_kv`` positions, and takes the j-th contiguous share of those tiles (split-K):
-
-    pages[s, h] = [0, 5, 9, 12, ...]   (logical pages, count = 4), block_size 4, block_kv 8
-
-    run rank r   | 0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15 |
-    page         |    0    |    5    |     9     |     12      |
-    kv tile      |       t0          |          t1             |   -> split j gets tiles
-                                                                        [j * per, (j+1) * per)
-
-    position r -> selected entry e = r // block_size, logical = pages[s, h, e],
-                  physical = block_tables[s, logical], offset r % block_size,
-                  kv position = logical * block_size + offset  (masked unless < seq_len, e < count)
-
-so ``block_kv`` and ``block_size`` are independent, and the pages outside the selection are never
-touched: the positions of the last tile past the run (e >= count) re-read the last selected page
-(masked), so no load leaves the selection. The walk is kv_walk.py's ``run_tiles`` (the one the
-dense kernels use for their kept blocks) and ``attend_tiles``: each program gathers its page ids
-from the (whole-array) selection and block table refs; every tile is dequantized in registers
-through ``kv_format.load_chunk`` (float, fp8/int8, packed KIVI int4/int2 with the residual
-window), and the per-split (output, log-sum-exp) pairs are combined by
-``jaxkv.attention.reference.merge_attention_states``.
-
-GQA: the G query heads of a kv head are the rows of one [G_pad, head_dim] q block (G padded to a
-power of two >= 16), as in decode.py.
-"""
+Design notes: docs/attention.md."""
 
 from __future__ import annotations
 
@@ -152,7 +121,7 @@ def sparse_paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax
     Args:
       q: [S, num_heads, head_dim] float32/bfloat16/float16, one query token per sequence.
       k_pages, v_pages: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype; one layer's
-        page pool (block 0 is the null block), or ``jaxkv.kvcache.pages.QuantizedPages`` (fp8/int8
+        page pool (block 0 is the null block), or ``jaxkv.kvcache.pools.QuantizedPages`` (fp8/int8
         codes, packed KIVI int4/int2 with the full-precision residual; dequantized in-kernel).
         head_dim must be a power of two >= 16.
       block_tables: int32 [S, max_blocks] page ids in ``[0, num_blocks)`` (padding entries 0).

@@ -1,25 +1,6 @@
 """AsyncLLM: the asyncio facade over ``EngineCore`` (vLLM's ``AsyncLLM`` shape).
 
-    engine = AsyncLLM(model="SmolLM2-135M-Instruct", max_num_seqs=64)
-    async for out in engine.generate("Once upon a time", SamplingParams(max_tokens=32),
-                                     request_id="r1"):
-        print(out.outputs[0].text)
-    await engine.abort("r1")
-    engine.shutdown()
-
-One background thread runs the device loop; any number of coroutines (on one event loop or on
-several) share it::
-
-    coroutine ── add (validated in a worker thread, under the engine lock) ──► EngineCore
-    device thread: loop { apply queued aborts; step(); route each output to its request's
-                          asyncio.Queue via loop.call_soon_threadsafe }
-    coroutine ◄── RequestOutput after every step that adds tokens, the last one finished
-
-A coroutine that is cancelled, or whose generator is closed early, aborts its request: the
-device thread frees its blocks before its next step. If a step raises an error that no single
-request can be blamed for, every in-flight request gets that error, and the engine refuses new
-work (``EngineDeadError``).
-"""
+Design notes: docs/engine.md."""
 
 from __future__ import annotations
 

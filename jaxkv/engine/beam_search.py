@@ -1,23 +1,6 @@
 """Beam search in the core: beams are scheduler requests that share KV blocks.
 
-    llm.beam_search(["The cat"], BeamSearchParams(beam_width=4, max_tokens=16))
-
-Each round every live beam computes one token and returns its top ``2 * beam_width`` logprobs
-(the step's raw ``log_softmax``). Per prompt, the candidates ``beam + token`` are ranked by
-cumulative logprob; an eos candidate (unless ``ignore_eos``) becomes a finished hypothesis, the
-best ``beam_width`` others are the next beams. A next beam is ``scheduler.fork`` of its parent:
-it shares every parent block, and only the parent's last, partially filled block is copied when
-a second child writes into it (copy-on-write); parents are then released. So ``w`` beams of ``L``
-tokens hold about ``L / block_size + w`` blocks instead of ``w * L / block_size``::
-
-    prompt blocks  [p0][p1][p2 ..]          shared by all beams (ref count w)
-    beam 0         [p0][p1][p2 a b]         owns p2 after the others copied it
-    beam 1         [p0][p1][p2'a c]         p2' = copy of p2, then writes c
-
-The final ranking is vLLM's: ``cum_logprob / len(tokens) ** length_penalty`` over finished
-hypotheses and the last beams, with ``tokens`` = prompt + generated tokens (an eos at the end not
-counted), best ``beam_width`` returned.
-"""
+Design notes: docs/engine.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """EngineCore: the only step loop of jaxkv. Requests in, outputs keyed by request id out.
 
-    core = EngineCore(EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct"))
-    core.add_request("Once upon a time", SamplingParams(max_tokens=8), request_id="a")
-    while core.has_unfinished_requests():
-        for request_id, out in core.step().items(): ...
-
-One step::
-
-    speculator.drafts(state) ─► scheduler.schedule(state, drafts) ─► StepPlan
-        ─► runner.execute(plan, rows) ─► tokens [S, W], num_accepted [S], logprobs
-                                                                                │
-    outputs {request_id: RequestOutput} ◄── RequestTable (text, stops) ◄───────┤
-                                            scheduler.update(state, plan, tokens)
-
-The core owns the immutable scheduler state (replaced, never mutated, so a failing call leaves
-it as it was), the ``ModelRunner`` (params, donated cache, jitted step), the ``RequestTable``
-(per-request host bookkeeping) and the ``Speculator`` (draft proposals,
-jaxkv/spec_decode/speculator.py). It is single-threaded: the facades (``LLM`` in
-jaxkv/engine/llm.py, ``AsyncLLM`` in jaxkv/engine/async_llm.py) serialise their calls.
-
-Request isolation: every field of a request is validated before it is queued (``add_request``
-raises and queues nothing). A failure during a step that belongs to one request (its sampling
-tensors cannot be built, its detokenization raises) ends that request alone with
-``finish_reason="error"`` and the error text in ``RequestOutput.error``; the others continue.
-"""
+Design notes: docs/engine.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """Perplexity of a model on a text with a chosen KV cache dtype, read through the engine path.
 
-Every token goes through the same code as generation: the model forward writes its K/V into a
-paged cache (quantized on write / on seal) and attends over the paged cache with
-``paged_attention``; nothing uses a separate full-precision forward. The text is cut into windows
-of ``context`` tokens that advance by ``stride`` (HF's strided perplexity); each window is fed in
-chunks of ``chunk`` tokens (chunked prefill), so later chunks attend to earlier chunks through the
-(quantized) cache, and only the last ``stride`` tokens of a window are scored (all of the first):
-
-    tokens   |--------- window 0 ---------|
-                          |--------- window 1 ---------|        stride = context / 2
-    scored   |xxxxxxxxxxxxxxxxxxxxxxxxxxxx|xxxxxxxxxxxxxx|
-
-A chunk's K/V are written before its queries attend, so an int4/int2 block that seals inside a
-chunk and lies outside the KIVI residual window (``residual_blocks`` R: the unsealed block plus
-the last R - 1 sealed blocks) is read quantized even by its own tokens. With ``chunk`` at most
-``(R - 1) * block_size`` every query reads at least the last ``(R - 1) * block_size - chunk``
-tokens before its chunk, and its own chunk, in full precision: within ``chunk`` tokens of what
-decoding sees. With R = 1 every sealed block is read quantized (stricter than KIVI, whose prefill
-attends to exact K/V).
-
-``token_agreement`` decodes a fixed reference continuation one token per step (the generation
-path) and reports how often each step's argmax matches the reference. ``retained_nll`` scores
-every token of one long text through a pool that keeps only what a KV retention policy keeps
-(StreamingLLM's protocol, past the model's context).
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """A Llama-family decoder (Llama, Qwen2, Mistral) in Flax NNX over a paged KV cache.
 
-The NNX modules define the parameter tree (with a logical axis name on every parameter, for
-the sharding rules); the engine holds parameters as a plain nested dict and calls the pure
-function ``forward(params, ...)``, which merges them into the module graph inside jit.
-
-One forward serves a ragged batch that mixes prefill chunks and decode tokens: each layer
-projects q/k/v for the step's tokens [T], rotates q/k, writes k/v into the cache at
-``slot_mapping`` and attends over the paged cache (jaxkv.attention.dispatch).
-
-With Quest (``sparse=QuestOptions``, jaxkv/attention/quest.py) the decode sequences of the
-step (query of one token) attend only to their selected pages; the prefill chunks stay dense:
-
-    dense attention   prefill chunks as given; each decode sequence shrunk to kv length 1 over
-                      the null block (its row is overwritten below), so it reads ~nothing
-    quest             q of the decode rows [S] -> quest_select (key bounds: the cache's
-                      KeyBounds, or a KIVI pool's scale/zero) -> sparse decode attention over
-                      the selected pages (the jnp spec on CPU, the Pallas kernel with "pallas")
-    o[row of s] = sparse output of s, for every decode sequence s
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
 """JAX's persistent compilation cache, switched on for jaxkv so a second start skips XLA compiles.
 
-Every executable JAX compiles (the engine's step buckets, the sampler, cache copies, the small
-jitted helpers) is written to a directory on disk, keyed by the computation, the jax/jaxlib
-version, the backend and the compile options; a later process that builds the same computation
-loads the executable instead of compiling it. This works on CPU as well as GPU/TPU in jax 0.10.
-
-Directory, first that is set:
-
-1. the ``cache_dir`` argument of ``enable_compilation_cache``;
-2. the ``JAXKV_COMPILATION_CACHE_DIR`` environment variable;
-3. ``$XDG_CACHE_HOME/jaxkv/jax-<jax version>`` (``~/.cache`` when ``XDG_CACHE_HOME`` is unset).
-
-The jax version in the default path only keeps caches of different installs apart for cleanup;
-entries of another version never match anyway, because the version is part of every key.
-
-JAX writes an entry only if compiling took at least ``jax_persistent_cache_min_compile_time_secs``
-(default 1 s) and the entry is large enough; on CPU most of the engine's compilations take less
-than a second, so both thresholds are lifted here and every executable is written.
-
-The cache is trusted code: whoever can write to the directory can make this process run
-arbitrary code, so never point it at a directory others can write to.
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

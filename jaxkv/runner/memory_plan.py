@@ -1,24 +1,6 @@
 """Memory planner: how many KV blocks fit on a device, and plain-language advice when they do not.
 
-Host-only arithmetic (no jax import), so it runs before anything is allocated:
-
-    device_memory_bytes x memory_utilization = budget
-    budget = weights + activations (estimate) + KV pool [+ headroom left unused]
-    KV pool = num_blocks x kv_bytes_per_block                         (num_blocks counts null block 0)
-    kv_bytes_per_block = block_size x 2 (K and V) x num_layers x num_kv_heads x
-                         kv_bytes_per_vector(dtype, head_dim)         (KIVI: see kv_bytes_per_block)
-
-The KV size is GQA-aware: it counts *kv* heads. (The seed article's Llama-3-8B figure uses 32 heads;
-the model has 8 kv heads, so its 128 KiB/token in bf16 is a quarter of the article's 512 KiB.)
-
-``plan`` reports two levels of fitting. ``runs``: weights, activations and one sequence of
-``max_model_len`` tokens fit, so the engine can start (the scheduler preempts under load).
-``fits``: additionally ``max_num_seqs`` sequences of ``max_model_len`` tokens fit at once, so no
-request is ever preempted. When ``fits`` is False, ``reasons`` walks the OOM checklist (shorter
-``max_model_len``, fewer ``max_num_seqs``, a quantized KV cache, bf16 weights, a higher
-``memory_utilization``, tensor parallelism, a smaller ``max_num_batched_tokens``) with the concrete
-value of each lever that would fit.
-"""
+Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 

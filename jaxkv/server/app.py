@@ -1,24 +1,6 @@
 """The OpenAI-compatible server: a FastAPI app over one ``AsyncLLM``, served by uvicorn.
 
-    jaxkv serve --model SmolLM2-135M-Instruct --port 8000 [--api-key KEY] [engine flags]
-
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /metrics``, ``GET /version``.
-
-* In front, the ``Gate`` (gate.py): 503 + ``Retry-After`` while draining, 401 without the API
-  key, 413 for a body over ``--max-request-bytes``.
-* Every request is validated before anything is queued; a bad one gets a 400 in OpenAI's error
-  schema with the engine's own error text, and never touches the others; 404 for an unknown
-  model. Prompts are tokenized in a worker thread (the event loop keeps answering) and checked
-  against max_model_len before their ids are.
-* Streaming is server-sent events, one chunk per engine step per choice, ``data: [DONE]`` last;
-  with ``stream_options.include_usage`` a final chunk carries ``usage`` and ``choices: []``.
-* A client that disconnects aborts its requests (streamed or not): the device thread frees their
-  blocks before its next step.
-* SIGTERM: the server keeps listening but answers 503 to new requests while those in flight
-  finish, for up to ``--shutdown-timeout`` seconds; then it aborts the rest, frees the engine
-  and exits 0. A second signal stops it at once.
-"""
+Design notes: docs/server.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """Prometheus metrics of the server under vLLM's names, so its dashboards and routers (the
 Gateway API inference extension's endpoint picker, llm-d) read jaxkv unmodified.
 
-Two sources, one registry per server (never the process-global one, so several apps coexist):
-
-* the engine's own counters, read at scrape time from ``EngineCore.stats()`` by a collector:
-  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM's) and the counters
-  ``vllm:num_preemptions``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens),
-  and the speculative-decoding counters ``vllm:spec_decode_num_drafts``,
-  ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens`` (zero
-  without ``--speculative``); with a host KV tier (``--kv-offload-size``) also
-  ``jaxkv:prefix_cache_hits_by_tier{tier=device|host|disk}``, ``jaxkv:num_swap_preemptions``
-  and the gauge ``jaxkv:kv_offload_usage_perc``;
-* per request, observed when its outputs reach the server (from the engine's timestamps, not
-  the server's clock): counters ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
-  ``vllm:request_success{finished_reason}`` (exposed with the ``_total`` suffix; ``abort``
-  counts the requests the server aborts, as when their client disconnects) and histograms
-  ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
-  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``.
-
-Every metric carries the ``model_name`` label, and every series exists from the start (at zero,
-``vllm:request_success`` once per finish reason), as vLLM's do, so a dashboard or router sees
-them before the first request finishes.
-"""
+Design notes: docs/server.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
 """The wire format of the OpenAI-compatible server: request models and response bodies.
 
-Requests are pydantic models in strict mode (an int field takes an int, not ``"3"`` or ``true``),
-with OpenAI's fields and vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``priority``, ``cache_salt``). Values are range-checked by
-``SamplingParams`` itself, so the server's 400 text is the engine's ``ValueError`` text, except
-for fields the engine knows under another name or not at all (``logprobs``, ``top_logprobs``,
-``max_completion_tokens``), checked here so that the 400 names the field the client sent.
-
-No field is silently ignored. A field jaxkv does not implement is a 400 naming it (``param``):
-``UNSUPPORTED`` ones (``best_of``, ``logit_bias``, ``response_format``, ``tools`` ...) with the
-reason, unless set to the value that asks for nothing (``best_of: 1``, ``response_format:
-{"type": "text"}``, ``tools: []``, ``tool_choice: "none"``); an unknown one as OpenAI's own API
-answers it ("Unrecognized request argument"), where vLLM logs a warning and ignores it: a typo
-(``temprature``) or another server's extension must not change the output unnoticed. Only
-``IGNORED`` OpenAI fields that cannot change the output (``metadata``, ``store`` ...) are
-accepted and dropped. Text must be valid Unicode: a lone surrogate (JSON's ``"\\ud800"``) is a
-400 naming its field (``check_unicode``).
-
-Logprobs: completions use the legacy schema (``tokens``, ``token_logprobs``, ``top_logprobs`` as
-``{token: logprob}``, keeping the best logprob where two tokens share a text, ``text_offset``);
-chat uses ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``, a
-list per position, so two tokens that decode to the same text (byte-fallback pieces of one
-character) stay apart, each with its exact ``bytes``.
-"""
+Design notes: docs/server.md."""
 
 from __future__ import annotations
 

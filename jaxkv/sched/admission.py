@@ -81,7 +81,7 @@ def _hold(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: Re
     preemption all its known tokens its retention keeps at once (docs/scheduling.md)."""
     if not rs.num_preemptions:   # first admission: this chunk only
         return chunk_end
-    bound = state.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
+    bound = state.cache.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
                                        b.bm.block_size, len(rs.request.prompt_token_ids))
     return max(chunk_end, min(rs.num_tokens, bound * b.bm.block_size))
 
@@ -105,7 +105,7 @@ def _admit_swapped(b: PlanBuilder, state: SchedulerState, config: SchedulerConfi
                                salt=rs.request.cache_salt)
     b.host.swap_in(request_id)
     b.swap_in.extend((slot, block) for slot, block in zip(slots, table) if slot != NO_SLOT)
-    rs = retain(bm, state.retention, dataclasses.replace(
+    rs = retain(bm, state.cache.retention, dataclasses.replace(
         rs, num_computed_tokens=rs.swapped_tokens, swapped_tokens=0))
     b.admit(rs, n, config.policy)
     return True
@@ -122,7 +122,7 @@ def _admit_prefix(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
         if parent not in state.running or prs.num_computed_tokens < p - 1:
             return None
         hit = b.bm.block_table(parent)[:b.bm.blocks_for(p - 1)]
-        if sees_kept(hit, p - 1, state.retention, b.bm.block_size):
+        if sees_kept(hit, p - 1, state.cache.retention, b.bm.block_size):
             return _admit_fork(b, state, config, rs, prs, hit)
     return _admit_cached(b, state, config, rs)
 
@@ -153,7 +153,7 @@ def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
     """Take the longest cached prefix of the tokens before the last observed ones (the device
     pool, then the host tier and disk: those blocks are promoted into fresh device blocks)."""
     request_id, bm = rs.request.request_id, b.bm
-    last = max(0, rs.num_tokens - max(1, state.retention.observe))   # SnapKV's window computes
+    last = max(0, rs.num_tokens - max(1, state.cache.retention.observe))   # SnapKV's window computes
     hit, keys, partial, host_hits = host_tier.lookup(bm, b.host, rs.token_ids(0, last),
                                                      rs.request.cache_salt)
     b.disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
@@ -183,7 +183,7 @@ def _enter(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: R
     if op is not None:
         b.copy_ops.append(op)
     b.cached[rs.request.request_id] = num_cached
-    rs = retain(b.bm, state.retention, dataclasses.replace(
+    rs = retain(b.bm, state.cache.retention, dataclasses.replace(
         rs, num_computed_tokens=num_cached,
         num_cached_tokens=rs.num_cached_tokens or num_cached, **inherited))
     b.admit(rs, n, config.policy)

@@ -65,7 +65,7 @@ def add_request(state: SchedulerState, request: Request,
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
             f"exceeds max_model_len={config.max_model_len}")
-    need = state.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size,
+    need = state.cache.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size,
                                       len(request.prompt_token_ids))
     if need > bm.num_blocks - 1:
         raise ValueError(
@@ -103,7 +103,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     if b.host is not None:
         b.host.begin_plan()
     for request_id in b.running:   # 0. blocks no later query sees go back to the pool first
-        b.requests[request_id] = retain(b.bm, state.retention, b.requests[request_id])
+        b.requests[request_id] = retain(b.bm, state.cache.retention, b.requests[request_id])
     _schedule_running(b, state, config)                 # 1.
     if not b.preempted:                                 # 2. unless this step had to preempt
         admit_waiting(b, state, config)
@@ -203,7 +203,7 @@ def _sequences(b: PlanBuilder, state: SchedulerState, taken: Mapping[Hashable, t
         start = rs.num_computed_tokens
         draft = taken.get(request_id, ())
         sample = start + n == rs.num_tokens
-        observe |= sample and state.retention.wants_scores(
+        observe |= sample and state.cache.retention.wants_scores(
             len(rs.request.prompt_token_ids), rs.first_drop, b.bm.block_size)
         seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n) + draft, start,
                                  sample, b.bm.block_table(request_id),
@@ -219,11 +219,11 @@ def _swap_out(state: SchedulerState, bm: BlockManager, host: HostTier | None,
     a pool that cannot swap, ``preemption_mode="recompute"``, or under ``"auto"`` a cost
     model that does not estimate copying its kept blocks out and back faster than recomputing
     its tokens beyond the ones its registered blocks would give back as prefix hits."""
-    if host is None or not state.swap_supported or state.preemption_mode == "recompute":
+    if host is None or not state.cache.swap_supported or state.cache.preemption_mode == "recompute":
         return None
     request_id = rs.request.request_id
     table = bm.block_table(request_id)
-    if state.preemption_mode == "auto":
+    if state.cache.preemption_mode == "auto":
         uncached = rs.num_computed_tokens - bm.num_registered(request_id) * bm.block_size
         kept = sum(b != NULL_BLOCK for b in table)
         if state.cost is None or not state.cost.prefers_swap(kept, uncached):
@@ -459,7 +459,7 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
                f"block_size)")
         at = rs.num_computed_tokens - rs.num_draft_tokens
         dropped = [j for j, b in enumerate(table) if b == 0]
-        _check(all(state.retention.may_drop(at, j, bm.block_size) for j in dropped),
+        _check(all(state.cache.retention.may_drop(at, j, bm.block_size) for j in dropped),
                f"request {request_id!r}: dropped blocks {dropped} include one its policy keeps")
 
 

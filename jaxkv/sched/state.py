@@ -14,7 +14,6 @@ import numpy as np
 from jaxkv.blocks.block_manager import BlockManager
 from jaxkv.blocks.host_tier import HostTier, SwapCostModel
 from jaxkv.config import CacheConfig
-from jaxkv.retention import FullRetention, Retention
 
 FINISH_STOP = "stop"      # stop token, eos, or the engine's stop string
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -137,31 +136,29 @@ class SchedulerState:
     Attributes:
       block_manager: block ownership; tables exist exactly for the running requests.
       requests: live (waiting or running) requests by id.
+      cache: the settings fixed for the engine's life (``CacheConfig``): the pool, the KV
+        retention policy (which blocks ``schedule`` gives back before allocating, how many a
+        request may hold; jaxkv/retention/), the preemption mode and whether the pool's
+        blocks swap exactly (not KIVI). Everything else here changes from step to step.
       waiting: ids without blocks, most urgent first (policy key order).
       running: ids with blocks, most urgent first (policy key order).
       finished: requests finished or aborted since the last ``schedule``, by id.
       num_added: requests added so far (the next ``RequestState.order``).
-      retention: the KV retention policy (jaxkv/retention/): which blocks ``schedule`` gives
-        back before allocating, and how many a request may hold.
       host: the host KV tier (jaxkv/blocks/host_tier.py): demoted prefix blocks and swapped-out
         sequences; None without one.
-      preemption_mode: ``"recompute"``, ``"swap"`` or ``"auto"`` (``CacheConfig``).
-      swap_supported: whether the pool's blocks can be swapped exactly (not KIVI).
       cost: the swap-or-recompute cost model ``"auto"`` decides by; the engine refits it from
         its measurements (``with_cost_model``).
     """
 
     block_manager: BlockManager
     requests: Mapping[Hashable, RequestState]
+    cache: CacheConfig
     waiting: tuple[Hashable, ...] = ()
     running: tuple[Hashable, ...] = ()
     finished: Mapping[Hashable, RequestState] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
     num_added: int = 0
-    retention: Retention = FullRetention()
     host: HostTier | None = None
-    preemption_mode: str = "recompute"
-    swap_supported: bool = True
     cost: SwapCostModel | None = None
 
 
@@ -175,9 +172,7 @@ def init_state(cache_config: CacheConfig, disk=None) -> SchedulerState:
     if cache_config.host_blocks:
         host = HostTier(cache_config.host_blocks, disk)
         bm.record_evictions = bm.prefix_cache is not None
-    return SchedulerState(bm, types.MappingProxyType({}), retention=cache_config.retention,
-                          host=host, preemption_mode=cache_config.preemption_mode,
-                          swap_supported=cache_config.swap_supported)
+    return SchedulerState(bm, types.MappingProxyType({}), cache_config, host=host)
 
 
 def with_cost_model(state: SchedulerState, cost: SwapCostModel) -> SchedulerState:

@@ -179,10 +179,15 @@ def compile_for(target: Path, fn, args, dump: Path) -> tuple[list[Kernel], float
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     from jax._src import config as jax_config
 
-    lowered = jax.jit(fn).lower(*args)
+    # jax > 0.10.2: Pallas-Triton asks the (abstract) mesh for the GPU (gpu_info.get_gpu_info);
+    # the topology mesh's abstract mesh carries AbstractDevice(device_kind='NVIDIA H100 ...').
+    with jax.sharding.use_abstract_mesh(target_mesh(target).abstract_mesh):
+        lowered = jax.jit(fn).lower(*args)
     start = time.perf_counter()
     with jax_config.enable_compilation_cache(False):   # a cache hit would compile (dump) nothing
-        compiled = lowered.compile(compiler_options={"xla_dump_to": str(dump)})
+        # newer XLA dumps the PTX only for emitters matching xla_dump_emitter_re
+        compiled = lowered.compile(compiler_options={"xla_dump_to": str(dump),
+                                                     "xla_dump_emitter_re": "ptx"})
     seconds = time.perf_counter() - start
     limit = smem_limit(target)
     every = launches(dump)

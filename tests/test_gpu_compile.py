@@ -167,9 +167,11 @@ def run_ptxas(kernel: Kernel, dump: Path) -> None:
     kernel.static_smem = int(m.group(1)) if m else 0
 
 
-def compile_for(target: Path, fn, args, dump: Path) -> tuple[list[Kernel], float]:
-    """Compiles ``jax.jit(fn)`` for ``target`` on ``args`` (ShapeDtypeStruct pytrees without
-    sharding); returns (the jaxkv Triton kernels with their ptxas reports, compile seconds).
+def compile_for(target: Path, fn, args, dump: Path, static: dict | None = None,
+                with_compiled: bool = False):
+    """Compiles ``jax.jit(fn)`` (or a jitted ``fn`` with its ``static`` keywords) for ``target``
+    on ``args`` (ShapeDtypeStruct pytrees without sharding); returns (the jaxkv Triton kernels
+    with their ptxas reports, compile seconds), and the compiled executable ``with_compiled``.
 
     Raises:
       jax.errors.JaxRuntimeError: the compile failed (e.g. RESOURCE_EXHAUSTED for shared memory
@@ -182,7 +184,9 @@ def compile_for(target: Path, fn, args, dump: Path) -> tuple[list[Kernel], float
     # jax > 0.10.2: Pallas-Triton asks the (abstract) mesh for the GPU (gpu_info.get_gpu_info);
     # the topology mesh's abstract mesh carries AbstractDevice(device_kind='NVIDIA H100 ...').
     with jax.sharding.use_abstract_mesh(target_mesh(target).abstract_mesh):
-        lowered = jax.jit(fn).lower(*args)
+        # an already-jitted fn (the engine step) lowers itself: its donation stays
+        lowered = (fn.lower(*args, **(static or {})) if hasattr(fn, "lower")
+                   else jax.jit(fn).lower(*args))
     start = time.perf_counter()
     with jax_config.enable_compilation_cache(False):   # a cache hit would compile (dump) nothing
         # newer XLA dumps the PTX only for emitters matching xla_dump_emitter_re
@@ -204,7 +208,7 @@ def compile_for(target: Path, fn, args, dump: Path) -> tuple[list[Kernel], float
     for p in dump.iterdir():    # keep the thunk sequence and the kernels' PTX for a post-mortem
         if not (p.name.endswith(".thunk_sequence.txt") or str(p) in keep):
             p.unlink()
-    return kernels, seconds
+    return (kernels, seconds, compiled) if with_compiled else (kernels, seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -600,3 +604,70 @@ if __name__ == "__main__":     # compile every case and print (or write) the tab
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(table)
     print(table)
+
+
+# --------------------------------------------------------------------------------------------
+# the whole engine step
+# --------------------------------------------------------------------------------------------
+
+
+def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int):
+    """The jitted engine step of ``config`` on the Pallas path and its abstract arguments: params
+    (bf16), a pool of ``kv`` holding ``seqs`` sequences of ``context`` positions, a ragged step
+    of ``tokens`` tokens over ``seqs`` sequences, its sampling arrays and rng."""
+    from jaxkv.kvcache.pages import abstract_cache
+    from jaxkv.kvcache.spec import KVCacheSpec
+    from jaxkv.model.llama import param_shapes
+    from jaxkv.runner.step import DeviceStepInput, make_step
+    from jaxkv.sample.sampler import SamplingTensors
+
+    width = context // BLOCK_SIZE
+    spec = KVCacheSpec(num_layers=config.num_layers, num_blocks=seqs * width + 1,
+                       block_size=BLOCK_SIZE, num_kv_heads=config.num_kv_heads,
+                       head_dim=config.head_dim, dtype="bfloat16", kv_cache_dtype=kv)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
+    inputs = DeviceStepInput(
+        token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
+        query_start_loc=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(seqs, width),
+        logits_indices=i32(seqs, 1), num_drafts=i32(seqs),
+        sample_mask=jax.ShapeDtypeStruct((seqs,), jnp.bool_))
+    sampling = SamplingTensors.from_params([], vocab_size=config.vocab_size, prompt_token_ids=[],
+                                           output_token_ids=[], pad_to=seqs)
+    sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    args = (param_shapes(config, jnp.bfloat16), abstract_cache(spec), inputs, sampling, rng)
+    return make_step(config, attention_impl="pallas"), args, spec
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8", "int4"])
+def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(kv, tmp_path, monkeypatch):
+    """The whole jitted step (model forward, Pallas attention, sampler) of a Llama-3-8B-shaped
+    model (two of its layers: the kernels and fusions are per layer) compiles for an H100; the
+    quantized pool is read in place (no float array of the pool's shape anywhere in the
+    program: no fusion dequantizes a copy), the donated pool is aliased to the output, and XLA's
+    workspace stays within the memory planner's activation estimate."""
+    from jaxkv.model.config import ModelConfig
+    from jaxkv.runner.memory_plan import activation_bytes_estimate
+
+    # the CPU kernels are chosen by JAX's default backend (the CPU here), not by the target
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    config = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_layers=2, num_heads=32, num_kv_heads=8,
+                         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
+                         max_position_embeddings=8192, tie_word_embeddings=False)
+    tokens, seqs = 256, 16
+    step, args, spec = engine_step_args(config, kv, tokens, seqs, context=4096)
+    kernels, _, compiled = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0},
+                                       with_compiled=True)
+    assert [k.name for k in kernels] == ["jaxkv_ragged_paged_attention"] * config.num_layers
+    for k in kernels:
+        assert k.spill_stores == k.spill_loads == 0, k
+    pool = f"{spec.num_blocks},{BLOCK_SIZE},{config.num_kv_heads},{config.head_dim}"
+    hlo = compiled.as_text()
+    assert not re.findall(rf"\b(?:f32|bf16|f16)\[{pool}\]", hlo), "a float copy of the pool"
+    memory = compiled.memory_analysis()
+    pool_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[1]))
+    assert memory.alias_size_in_bytes >= pool_bytes, (memory.alias_size_in_bytes, pool_bytes)
+    estimate = activation_bytes_estimate(config, dtype="bfloat16", kv_cache_dtype=kv,
+                                         max_num_batched_tokens=tokens, max_num_seqs=seqs)
+    assert memory.temp_size_in_bytes <= estimate, (memory.temp_size_in_bytes, estimate)

@@ -639,10 +639,22 @@ def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int):
     return make_step(config, attention_impl="pallas"), args, spec
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8", "int4"])
-def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(kv, tmp_path, monkeypatch):
-    """The whole jitted step (model forward, Pallas attention, sampler) of a Llama-3-8B-shaped
-    model (two of its layers: the kernels and fusions are per layer) compiles for an H100; the
+STEP_MODELS = {   # two layers of each: the kernels and fusions are per layer
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),   # the default
+}
+
+
+@pytest.mark.parametrize("model,kv", [("llama3-8b", "fp8_e4m3"), ("llama3-8b", "int8"),
+                                      ("llama3-8b", "int4"), ("smollm2-135m", "int8")])
+def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(model, kv, tmp_path,
+                                                                    monkeypatch):
+    """The whole jitted step (model forward, Pallas attention, sampler) of the default model's
+    and a Llama-3-8B's shapes (two layers each) compiles for an H100; the
     quantized pool is read in place (no float array of the pool's shape anywhere in the
     program: no fusion dequantizes a copy), the donated pool is aliased to the output, and XLA's
     workspace stays within the memory planner's activation estimate."""
@@ -651,10 +663,8 @@ def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(kv, tmp_path,
 
     # the CPU kernels are chosen by JAX's default backend (the CPU here), not by the target
     monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
-    config = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
-                         intermediate_size=14336, num_layers=2, num_heads=32, num_kv_heads=8,
-                         head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
-                         max_position_embeddings=8192, tie_word_embeddings=False)
+    config = ModelConfig(architecture="llama", num_layers=2, rms_norm_eps=1e-5,
+                         rope_scaling=None, **STEP_MODELS[model])
     tokens, seqs = 256, 16
     step, args, spec = engine_step_args(config, kv, tokens, seqs, context=4096)
     kernels, _, compiled = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0},

@@ -157,6 +157,49 @@ def test_decode_bucket_runs_decode_steps_on_its_rows_with_the_same_tokens(tiny, 
         assert engine.num_compilations() == 3
 
 
+def test_pallas_decode_steps_run_split_k_with_the_same_tokens(tiny, llm, caplog):
+    """On the Pallas path (interpret mode) a decode-only step runs a variant of its own whose
+    attention is the split-K decode kernel, with the default CPU path's tokens; warmup compiles
+    it for every decode shape, and a steady state compiles nothing more."""
+    ps = prompts(3, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    with LLM(str(tiny[0]), **ENGINE, decode_buckets=(4,), attention_impl="pallas",
+             interpret=True) as engine, caplog.at_level("INFO", logger="jaxkv"):
+        outs = engine.generate(ps, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert "4 tokens, 4 sequences (width 1, 0 logprobs, decode-only True)" in caplog.text
+        assert "(width 1, 0 logprobs, decode-only False)" in caplog.text       # the prefill
+        runner = engine.engine.runner
+        kernels = {d: str(runner._step_fn.trace(runner.params, runner.cache,
+                                                *runner._padded_args(16, 8), num_logprobs=0,
+                                                decode_only=d).jaxpr) for d in (False, True)}
+        assert "jaxkv_paged_decode_attention" in kernels[True]
+        assert "jaxkv_ragged_paged_attention" not in kernels[True]
+        assert "jaxkv_ragged_paged_attention" in kernels[False]
+        assert engine.warmup() == 4     # (16, 8), (64, 8); decode-only (4, 4) and (16, 8)
+        engine.generate(ps[::-1] + ps, params, use_tqdm=False)
+        assert engine.num_compilations() == 4
+
+
+@pytest.mark.parametrize("retention", [
+    dict(kv_retention="h2o", kv_budget_tokens=32, kv_sink_tokens=0),      # the kernel's lse
+    pytest.param(dict(kv_retention="streaming", kv_sink_tokens=4, kv_window_tokens=28),
+                 marks=pytest.mark.slow)])            # sink queries: also test_pallas.py
+def test_pallas_split_k_decode_keeps_retention_tokens(tiny, retention):
+    """H2O's block mass (from the decode kernel's lse) and StreamingLLM's window, sinks and sink
+    queries through split-K decode give the grouped path's tokens."""
+    ps = prompts(3, seed=9)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = {}
+    for impl in ("grouped", "pallas"):
+        with LLM(str(tiny[0]), **ENGINE, **retention, attention_impl=impl,
+                 interpret=impl == "pallas") as engine:
+            got[impl] = [o.outputs[0].token_ids
+                         for o in engine.generate(ps, params, use_tqdm=False)]
+    assert got["pallas"] == got["grouped"]
+
+
 def test_generation_with_penalties_does_not_recompile_as_sequences_grow(tiny):
     with LLM(str(tiny[0]), **ENGINE) as engine:
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,

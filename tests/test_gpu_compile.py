@@ -649,12 +649,16 @@ STEP_MODELS = {   # two layers of each: the kernels and fusions are per layer
 }
 
 
-@pytest.mark.parametrize("model,kv", [("llama3-8b", "fp8_e4m3"), ("llama3-8b", "int8"),
-                                      ("llama3-8b", "int4"), ("smollm2-135m", "int8")])
-def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(model, kv, tmp_path,
-                                                                    monkeypatch):
+@pytest.mark.parametrize("model,kv,decode_only", [
+    ("llama3-8b", "fp8_e4m3", False), ("llama3-8b", "int8", False), ("llama3-8b", "int4", False),
+    ("smollm2-135m", "int8", False),
+    ("llama3-8b", "fp8_e4m3", True), ("llama3-8b", "int4", True), ("smollm2-135m", "int8", True)])
+def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(model, kv, decode_only,
+                                                                    tmp_path, monkeypatch):
     """The whole jitted step (model forward, Pallas attention, sampler) of the default model's
-    and a Llama-3-8B's shapes (two layers each) compiles for an H100; the
+    and a Llama-3-8B's shapes (two layers each) compiles for an H100: a mixed step (256 tokens
+    over 16 sequences) with the ragged kernel, and a decode-only step (16 sequences) with the
+    split-K kernel at the engine's split count for the H100's 132 SMs. The
     quantized pool is read in place (no float array of the pool's shape anywhere in the
     program: no fusion dequantizes a copy), the donated pool is aliased to the output, and XLA's
     workspace stays within the memory planner's activation estimate."""
@@ -665,11 +669,17 @@ def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(model, kv, tm
     monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
     config = ModelConfig(architecture="llama", num_layers=2, rms_norm_eps=1e-5,
                          rope_scaling=None, **STEP_MODELS[model])
-    tokens, seqs = 256, 16
-    step, args, spec = engine_step_args(config, kv, tokens, seqs, context=4096)
-    kernels, _, compiled = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0},
-                                       with_compiled=True)
-    assert [k.name for k in kernels] == ["jaxkv_ragged_paged_attention"] * config.num_layers
+    seqs, context = 16, 4096
+    tokens = seqs if decode_only else 256
+    step, args, spec = engine_step_args(config, kv, tokens, seqs, context=context)
+    kernels, _, compiled = compile_for(H100, step, args, tmp_path, with_compiled=True,
+                                       static={"num_logprobs": 0, "decode_only": decode_only})
+    name = "jaxkv_paged_decode_attention" if decode_only else "jaxkv_ragged_paged_attention"
+    assert [k.name for k in kernels] == [name] * config.num_layers
+    if decode_only:
+        splits = default_num_splits(seqs, config.num_kv_heads, context, DecodeConfig().block_kv,
+                                    num_sms=132)
+        assert splits > 1 and {k.grid for k in kernels} == {(seqs, config.num_kv_heads, splits)}
     for k in kernels:
         assert k.spill_stores == k.spill_loads == 0, k
     pool = f"{spec.num_blocks},{BLOCK_SIZE},{config.num_kv_heads},{config.head_dim}"

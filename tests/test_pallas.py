@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.kv_chunks import kept_blocks
 from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, check_page_ids, default_num_splits,
+                                    decode_step_attention,
                                     default_ragged_config, paged_decode_attention,
                                     ragged_paged_attention)
 from jaxkv.attention.pallas.kv_walk import kept_run
@@ -208,8 +209,41 @@ def test_default_num_splits_fills_the_gpu_and_keeps_two_tiles_per_split():
     assert default_num_splits(128, 8, 32768, 64) == 1           # 1024 programs already
     assert default_num_splits(1, 8, 256, 64) == 2               # only 4 tiles
     assert default_num_splits(1, 1, 1 << 20, 64) == 64          # capped
+    assert default_num_splits(16, 8, 32768, 64) == 4            # 128 programs, 264 wanted
+    assert default_num_splits(16, 8, 32768, 64, num_sms=264) == 8   # a larger GPU: 528
+    assert default_num_splits(16, 8, 32768, 64, num_sms=32) == 1
     assert default_ragged_config(8, 8, 4, 128).block_q * 4 == 16
     assert default_ragged_config(8192, 1, 4, 128).block_q * 4 == 64
+
+
+@pytest.mark.parametrize("T,S,options", [
+    (6, 6, {}),                                                # the engine's decode shape
+    (8, 5, dict(soft_cap=20.0)),                               # more token rows than sequences
+    (4, 6, dict(sliding_window=20, num_sinks=3, q_sinks=True)),   # fewer
+])
+def test_decode_step_attention_is_the_ragged_step(T, S, options):
+    """A decode-only ragged step (token s is sequence s's, padding sequences after) through the
+    split-K kernel equals the reference: out and lse of every token, zeros and -inf for the
+    padding ones; through ``dispatch.paged_attention(decode_only=True)`` under jit too."""
+    rng = np.random.default_rng(T * S)
+    n = min(T, S) - 1                                           # real sequences
+    kv_lens = [1, 17, 40, 64, 9][:n]
+    batch = make_batch(rng, [1] * n, kv_lens, Hq=8, Hkv=2, D=32, bs=8, pad_tokens=T - n,
+                       pad_seqs=S - n)
+    if options.get("q_sinks"):
+        options = {**options, "q_sinks": jnp.asarray(rng.standard_normal(batch["q"].shape),
+                                                      jnp.float32)}
+    want, want_lse = paged_attention_reference(**batch, **options, return_lse=True)
+    out, lse = decode_step_attention(**batch, **options, return_lse=True, interpret=True)
+    assert out.shape == (T, 8, 32) and lse.shape == (T, 8)
+    assert_close(out[:n], want[:n], jnp.float32)
+    assert_close(lse[:n], want_lse[:n], jnp.float32)
+    assert np.all(np.asarray(out[n:]) == 0) and np.all(np.isneginf(np.asarray(lse[n:])))
+    f = jax.jit(functools.partial(paged_attention, impl="pallas", interpret=True,
+                                  decode_only=True, **options))
+    assert_close(f(**batch)[:n], want[:n], jnp.float32)
+    text = str(jax.make_jaxpr(f)(**batch))
+    assert "jaxkv_paged_decode_attention" in text and "jaxkv_ragged" not in text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from jaxkv.attention.reference import paged_attention_reference
 
 def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
                     impl: str = "reference", interpret: bool = False, row_queries: int = 1,
-                    **options):
+                    decode_only: bool = False, **options):
     """Ragged paged attention with an explicit implementation choice.
 
     Args:
@@ -31,6 +31,9 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
       row_queries: how many trailing tokens of each sequence the grouped path computes as
         rows, with its decode tokens (static; a speculative step's ``1 + k``); a layout hint
         that does not change the result, which the other implementations do not need.
+      decode_only: the caller's promise that every sequence has at most one query token,
+        sequence s's being ``q[s]`` (static; ``AttentionMetadata.decode_only``): the Pallas
+        path then runs the split-K decode kernel instead of the ragged one.
       **options: ``sm_scale``, ``sliding_window``, ``num_sinks``, ``soft_cap``, ``q_sinks``.
 
     Returns:
@@ -46,9 +49,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc
         return paged_attention_grouped(q, k_pages, v_pages, block_tables, seq_lens,
                                        query_start_loc, row_queries=row_queries, **options)
     if impl == "pallas":
-        from jaxkv.attention.pallas import ragged_paged_attention  # lazily: GPU-only code
+        from jaxkv.attention import pallas  # lazily: GPU-only code
 
-        return ragged_paged_attention(q, k_pages, v_pages, block_tables, seq_lens,
-                                      query_start_loc, interpret=interpret, **options)
+        kernel = pallas.decode_step_attention if decode_only else pallas.ragged_paged_attention
+        return kernel(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc,
+                      interpret=interpret, **options)
     raise ValueError(f"impl={impl!r} is not an attention implementation; choose one of "
                      f"{ATTENTION_IMPLS}")

@@ -40,11 +40,12 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
     if options.observe:   # H2O's statistic: the mass each block got, from the lse
         o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
                            impl=impl, interpret=interpret, return_lse=True,
-                           row_queries=row_queries, **kw)
+                           row_queries=row_queries, decode_only=md.decode_only, **kw)
         return o, block_attention_mass(q, k_pool, md.block_tables, md.seq_lens,
                                        md.query_start_loc, lse, observe=options.observe, **kw)
     return attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                     impl=impl, interpret=interpret, row_queries=row_queries, **kw), None
+                     impl=impl, interpret=interpret, row_queries=row_queries,
+                     decode_only=md.decode_only, **kw), None
 
 
 def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):
@@ -84,7 +85,8 @@ def quest_attention(q, k_pool, v_pool, bounds, md: AttentionMetadata, *,
     dense_lens = jnp.where(all_sparse, q_lens, md.seq_lens)     # all sparse: null blocks only
     dense_tables = jnp.where(all_sparse[:, None], 0, md.block_tables)
     o = attention(q, k_pool, v_pool, dense_tables, dense_lens, md.query_start_loc, impl=impl,
-                  interpret=interpret, row_queries=row_queries, **options)
+                  interpret=interpret, row_queries=row_queries, decode_only=md.decode_only,
+                  **options)
     tables = jnp.repeat(md.block_tables, row_queries, axis=0)                   # [S * W, B]
     q_rows = q[jnp.clip(rows, 0, T - 1)]                                         # [S * W, Hq, D]
     pages, count = quest.quest_select(q_rows, k_pool, tables, lens,

@@ -142,6 +142,9 @@ class SchedulerConfig:
         not among them."""
         pairs = [(t, n) for t in self.token_buckets
                  for n, below in zip(self.seq_buckets, (0, *self.seq_buckets)) if below < t]
+        return pairs, sorted(set(self.decode_shapes()) - set(pairs))
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """The padded shapes ``(T, S)`` of the decode-only steps (one token per sequence)."""
         most = min(self.max_num_seqs, self.max_num_batched_tokens)
-        decode = sorted({self.padded_shape(n, n) for n in range(1, most + 1)} - set(pairs))
-        return pairs, decode
+        return sorted({self.padded_shape(n, n) for n in range(1, most + 1)})

@@ -15,7 +15,7 @@ import jax
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["slot_mapping", "query_start_loc", "seq_lens", "block_tables", "num_drafts"],
-         meta_fields=[])
+         meta_fields=["decode_only"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where each token's K/V goes and what each sequence attends to.
@@ -28,6 +28,9 @@ class AttentionMetadata:
       num_drafts: optional int32 [S]: how many of each sequence's query tokens are speculative
         drafts (its last ones; jaxkv/runner/batch.py); None: no drafts. Quest attends drafts
         sparsely as the decode steps they stand for (``jaxkv.attention.quest.sparse_rows``).
+      decode_only: static: a promise that the step is decode-only, every sequence at most one
+        query token and sequence s's the s-th (``query_start_loc[s] = s`` up to the padding
+        sequences). The Pallas path then runs split-K decode (jaxkv/attention/dispatch.py).
     """
 
     slot_mapping: jax.Array     # [T]
@@ -35,3 +38,4 @@ class AttentionMetadata:
     seq_lens: jax.Array         # [S]
     block_tables: jax.Array     # [S, B]
     num_drafts: jax.Array | None = None  # [S]
+    decode_only: bool = False

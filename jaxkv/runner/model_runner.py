@@ -190,6 +190,8 @@ class ModelRunner:
         self.model_config = model_config
         r = resolve(config, model_config)
         self.attention_impl, self.kv_cache_dtype = r.attention_impl, r.kv_cache_dtype
+        # decode-only steps take the split-K kernel (a step variant of their own) on Pallas
+        self.split_k_decode = self.attention_impl == "pallas"
         tp = pc.tensor_parallel_size
         if pc.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={pc.data_parallel_size}: one engine is one "
@@ -250,7 +252,7 @@ class ModelRunner:
                                if options.observe else self._step_fn)
         self.num_steps = 0
         self.device_time = 0.0   # seconds from a step's dispatch until its tokens are on the host
-        self._variants_run: set[tuple] = set()   # (step fn, T, S, width, logprobs)
+        self._variants_run: set[tuple] = set()   # (step fn, T, S, width, logprobs, decode)
         self.offload: KVOffload | None = None   # the host tier, if the engine attaches one
 
     # ------------------------------------------------------------------ setup
@@ -302,7 +304,9 @@ class ModelRunner:
 
         Steps that ask for top logprobs compile once more per logprobs bucket (1, 5, 20), and
         with speculative decoding each pair is compiled at the verify width too; with a
-        retention policy that scores blocks, each pair with and without the block mass.
+        retention policy that scores blocks, each pair with and without the block mass. On
+        the Pallas path, decode-only steps (``SchedulerConfig.decode_shapes``) compile a
+        variant of their own, which runs the split-K decode kernel.
         Also compiles the copy-on-write block copy for every padded batch size and the host
         tier's transfers (not counted).
         With the persistent compilation cache on, a later start loads these from disk.
@@ -314,29 +318,32 @@ class ModelRunner:
         """
         s = self.sched_config
         buckets, decode = s.step_shapes() if shapes is None else (sorted(shapes), [])
-        pairs = [(t, n, w) for t, n in buckets for w in sorted({1, 1 + self.max_drafts})]
-        pairs += [(t, n, 1) for t, n in decode]          # decode-only steps: no drafts
+        widths = sorted({1, 1 + self.max_drafts})
+        variants = [(t, n, w, False) for t, n in buckets for w in widths]   # (T, S, W, decode)
+        if self.split_k_decode:        # every decode shape, as a decode-only variant
+            decode = [x for x in s.decode_shapes() if shapes is None or x in set(shapes)]
+        variants += [(t, n, 1, self.split_k_decode) for t, n in decode]   # no drafts
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
         fns = self._step_fns()
-        logger.info("compiling %d step variants (%s)", len(pairs) * len(fns),
-                    ", ".join(f"{t}x{n}" for t, n, _ in pairs))
+        logger.info("compiling %d step variants (%s)", len(variants) * len(fns),
+                    ", ".join(f"{t}x{n}" for t, n, *_ in variants))
         t0 = time.perf_counter()
-        with tqdm(total=len(pairs) * len(fns) + len(copies), desc="Compiling step buckets",
+        with tqdm(total=len(variants) * len(fns) + len(copies), desc="Compiling step buckets",
                   unit="shape", disable=not progress) as bar, ThreadPoolExecutor(2) as compiler:
             jobs = []                       # (variant, args, its compile), in order
-            for i, (t, n, w) in enumerate(pairs):
-                bar.set_postfix(traced=f"{i}/{len(pairs)}", tokens=t, seqs=n, width=w)
+            for i, (t, n, w, d) in enumerate(variants):
+                bar.set_postfix(traced=f"{i}/{len(variants)}", tokens=t, seqs=n, width=w)
                 args = self._padded_args(t, n, w)
                 for fn in fns:
                     job = compiler.submit(fn.lower(self.params, self.cache, *args,
-                                                   num_logprobs=0).compile)
+                                                   num_logprobs=0, decode_only=d).compile)
                     job.add_done_callback(lambda _: bar.update(1))
-                    jobs.append(((fn, t, n, w, 0), args, job))
-            bar.set_postfix(traced=f"{len(pairs)}/{len(pairs)}")
+                    jobs.append(((fn, t, n, w, 0, d), args, job))
+            bar.set_postfix(traced=f"{len(variants)}/{len(variants)}")
             for variant, args, job in jobs:
                 job.result()
                 self.cache, tokens, *_ = variant[0](self.params, self.cache, *args,
-                                                    num_logprobs=0)
+                                                    num_logprobs=0, decode_only=variant[-1])
                 tokens.block_until_ready()
                 self._variants_run.add(variant)
             for n in copies:   # a step copies at most one block per sequence, padded to 2^k
@@ -419,15 +426,18 @@ class ModelRunner:
         t_device = time.perf_counter()
         step_fn = self._step_fn if plan.observe else self._blind_step_fn
         variants = step_fn._cache_size()
-        key = (step_fn, len(inputs.token_ids), len(inputs.seq_lens), width, num_logprobs)
+        decode_only = self.split_k_decode and width == 1 and inputs.num_tokens == inputs.num_seqs
+        key = (step_fn, len(inputs.token_ids), len(inputs.seq_lens), width, num_logprobs,
+               decode_only)
         if key not in self._variants_run:
-            logger.info("compiling the step for %d tokens, %d sequences (width %d, %d logprobs): "
-                        "its first use", *key[1:])
+            logger.info("compiling the step for %d tokens, %d sequences (width %d, %d logprobs, "
+                        "decode-only %s): its first use", *key[1:])
             self._variants_run.add(key)
         self.cache, *out = step_fn(
             self.params, self.cache, *self._to_device((
                 DeviceStepInput.from_host(inputs), sampling,
-                step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs)
+                step_rng(self._seed, self.num_steps))), num_logprobs=num_logprobs,
+            decode_only=decode_only)
         tokens, accepted, logprobs, (top_ids, top_vals), mass = out
         out = StepOutput(*(self._to_host(x)
                            for x in (tokens, accepted, logprobs, top_ids, top_vals)),

@@ -5,7 +5,7 @@
 
 The cache is donated, so its pools are updated in place. Every input is padded on the host to a
 (T tokens, S sequences) bucket (jaxkv/runner/batch.py), so the step compiles once per bucket and
-never again in steady state; ``num_logprobs`` is the only static argument besides the model config.
+never again in steady state; ``num_logprobs`` and ``decode_only`` are its static arguments.
 Each sequence has ``W`` logits rows (``W = 1``, or ``1 + num_speculative_tokens`` in a step that
 verifies drafts: a second compiled width): row ``(s, j)`` is sampled like any row (the sampler
 sees ``S x W`` rows, ``s * W + j``), and ``sample.rejection.num_accepted`` says how many of
@@ -77,23 +77,25 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
-      num_logprobs=0) -> (cache, tokens int32 [S, W], num_accepted int32 [S], logprobs
-      f32 [S, W], (top_ids int32 [S, W, N], top_values f32 [S, W, N]), block_mass)``, jitted
-      with the cache donated; ``sampling`` has ``S x W`` rows; sequence ``s`` emits
-      ``tokens[s, :num_accepted[s]]`` with those rows' raw logprobs and top logprobs;
-      ``block_mass`` is f32 [S, max_blocks] (the attention mass per KV block, when
-      ``attention_options.observe``; jaxkv/attention/mass.py) or None.
+      num_logprobs=0, decode_only=False) -> (cache, tokens int32 [S, W], num_accepted int32
+      [S], logprobs f32 [S, W], (top_ids int32 [S, W, N], top_values f32 [S, W, N]),
+      block_mass)``, jitted with the cache donated; ``sampling`` has ``S x W`` rows; sequence
+      ``s`` emits ``tokens[s, :num_accepted[s]]`` with those rows' raw logprobs and top
+      logprobs; ``block_mass`` is f32 [S, max_blocks] (the attention mass per KV block, when
+      ``attention_options.observe``; jaxkv/attention/mass.py) or None. ``decode_only``: the
+      caller's promise that every sequence has one token and no drafts
+      (``AttentionMetadata.decode_only``; the Pallas path's split-K decode).
     """
 
     attention = paged_attention if mesh is None else sharding.sharded_attention(mesh)
 
-    @partial(jax.jit, donate_argnums=1, static_argnames="num_logprobs")
+    @partial(jax.jit, donate_argnums=1, static_argnames=("num_logprobs", "decode_only"))
     def step(params, cache: PagedKVCache, inputs: DeviceStepInput, sampling: SamplingTensors,
-             rng: jax.Array, *, num_logprobs: int = 0):
+             rng: jax.Array, *, num_logprobs: int = 0, decode_only: bool = False):
         md = AttentionMetadata(slot_mapping=inputs.slot_mapping,
                                query_start_loc=inputs.query_start_loc,
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
-                               num_drafts=inputs.num_drafts)
+                               num_drafts=inputs.num_drafts, decode_only=decode_only)
         s, w = inputs.logits_indices.shape
         logits, cache, *mass = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),

@@ -20,8 +20,9 @@ from jaxkv.attention.pallas.ragged import (check_kv_inputs, check_options, check
                                            kept_operands, next_pow2, whole_block)
 from jaxkv.attention.reference import check_sink_queries, merge_attention_states
 
-# Programs that keep an H100/H200 (132 SMs) busy: about two per SM.
-_TARGET_PROGRAMS = 264
+# SMs of an H100 / H200 SXM: the target when the default device is not a GPU (interpret mode,
+# the deviceless compile check)
+_H100_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,19 @@ class DecodeConfig:
         check_tuning(self, ("block_kv", "num_warps"))
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_kv: int) -> int:
+def target_sm_count() -> int:
+    """SMs of the GPU the kernel is compiled for: the abstract mesh's device (a deviceless
+    compile under ``jax.sharding.use_abstract_mesh``), else the default device when it is a
+    GPU, else an H100's 132."""
+    abstract = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if getattr(abstract, "num_cores", None):
+        return abstract.num_cores
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", 0) if device.platform == "gpu" else 0) or _H100_SMS
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_kv: int,
+                       num_sms: int | None = None) -> int:
     """Splits so that ``S * Hkv * splits`` reaches ~2 programs per SM, each with >= 2 kv tiles.
 
     Args:
@@ -50,11 +63,13 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_
       num_kv_heads: Hkv.
       max_kv_len: the longest kv length the block table can hold (max_blocks * block_size).
       block_kv: kv positions per tile.
+      num_sms: the target's SM count; default ``target_sm_count()``.
 
     Returns:
       A power of two in ``[1, 64]``.
     """
-    want = next_pow2(max(1, -(-_TARGET_PROGRAMS // (num_seqs * num_kv_heads))))
+    programs = 2 * (num_sms or target_sm_count())
+    want = next_pow2(max(1, -(-programs // (num_seqs * num_kv_heads))))
     most = max(1, max_kv_len // (2 * block_kv))
     return max(1, min(want, 1 << (most.bit_length() - 1), 64))
 
@@ -218,3 +233,38 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         sliding_window=sliding_window, num_sinks=num_sinks if sliding_window is not None else 0,
         soft_cap=soft_cap, interpret=interpret, config=config)
     return (out, lse) if return_lse else out
+
+
+def decode_step_attention(q: jax.Array, k_pages, v_pages, block_tables: jax.Array,
+                          seq_lens: jax.Array, query_start_loc: jax.Array, *,
+                          return_lse: bool = False, q_sinks: jax.Array | None = None,
+                          **options):
+    """A decode-only ragged step through the split-K kernel: ``ragged_paged_attention``'s
+    signature and result for a step whose sequence s has at most one query token, ``q[s]``
+    (``query_start_loc[s] = s`` up to the padding sequences, which have none).
+
+    The ragged kernel's grid at batch S is ``S x Hkv`` programs (8 of an H100's 132 SMs for
+    one Llama-3-8B sequence); split-K adds ``default_num_splits`` programs along the kv axis.
+
+    Args:
+      q: [T, Hq, D] (T may differ from S: tokens past the real ones are padding).
+      query_start_loc: int32 [S + 1]; a sequence with no query token attends to nothing.
+      q_sinks, return_lse, **options: as in ``paged_decode_attention``.
+
+    Returns:
+      out [T, Hq, D] (zeros for padding tokens), and with ``return_lse`` also lse f32 [T, Hq]
+      (-inf for padding tokens).
+    """
+    T, S = q.shape[0], block_tables.shape[0]
+    has_q = query_start_loc[1:] > query_start_loc[:-1]                           # [S]
+    out, lse = paged_decode_attention(
+        _rows(q, S), k_pages, v_pages, block_tables, jnp.where(has_q, seq_lens, 0),
+        return_lse=True, q_sinks=None if q_sinks is None else _rows(q_sinks, S), **options)
+    out, lse = _rows(out, T), _rows(lse, T, -jnp.inf)        # sequence s's row is token s
+    return (out, lse) if return_lse else out
+
+
+def _rows(x, n: int, fill=0):
+    """x's first n rows, padded with ``fill`` to n: [n, ...]."""
+    m = min(n, x.shape[0])
+    return jnp.pad(x[:m], ((0, n - m),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)

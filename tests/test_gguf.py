@@ -138,6 +138,9 @@ def write_tiny_gguf(path, bpe, *, tied=False, qtypes=None, add_bos=False, arch="
         if arch == "qwen2":
             for proj, rows in (("q", HQ * D), ("k", HKV * D), ("v", HKV * D)):
                 add(f"{p}attn_{proj}.bias", f"{hp}self_attn.{proj}_proj.bias", (rows,))
+        if arch == "qwen3":
+            for proj in ("q", "k"):
+                add(f"{p}attn_{proj}_norm.weight", f"{hp}self_attn.{proj}_norm.weight", (D,))
         add(p + "attn_v.weight", hp + "self_attn.v_proj.weight", (HKV * D, E), qtypes["attn_v"])
         add(p + "attn_output.weight", hp + "self_attn.o_proj.weight", (E, HQ * D),
             qtypes["attn_output"])
@@ -172,10 +175,14 @@ def test_tiny_gguf_dequantization_and_unpermutation(tmp_path, bpe, tied):
         np.testing.assert_array_equal(m.tensors[k], want, err_msg=k)
 
 
-def test_tiny_qwen2_gguf_has_biases_and_no_permutation(tmp_path, bpe):
-    expected = write_tiny_gguf(tmp_path / "qwen2.gguf", bpe, arch="qwen2")
-    m = load_model_files(tmp_path / "qwen2.gguf")
-    assert (m.config.architecture, m.config.attention_bias) == ("qwen2", True)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_gguf_has_its_tensors_and_no_permutation(tmp_path, bpe, arch):
+    """Qwen2's q/k/v biases, Qwen3's per-head q/k norms; q/k rows in HF order as stored."""
+    expected = write_tiny_gguf(tmp_path / f"{arch}.gguf", bpe, arch=arch)
+    m = load_model_files(tmp_path / f"{arch}.gguf")
+    c = m.config
+    assert (c.architecture, c.attention_bias, c.qk_norm) == (arch, arch == "qwen2",
+                                                             arch == "qwen3")
     assert set(m.tensors) == set(expected)
     for k, want in expected.items():
         np.testing.assert_array_equal(m.tensors[k], want, err_msg=k)
@@ -224,7 +231,7 @@ def test_unsupported_quant_type_is_named(tmp_path, bpe):
 
 def test_unsupported_architecture_is_named(tmp_path, bpe):
     write_tiny_gguf(tmp_path / "gpt2.gguf", bpe, arch="gpt2")
-    with pytest.raises(ValueError, match=r"general.architecture='gpt2'.*supported: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"general.architecture='gpt2'.*supported: llama, qwen2, qwen3"):
         load_model_files(tmp_path / "gpt2.gguf")
 
 

@@ -28,7 +28,7 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
             rms_norm_eps=1e-6)
 def _hf_config(kind, **overrides):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[kind]
+           "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[kind]
     return cls(**{**TINY, **overrides})
 
 
@@ -58,6 +58,7 @@ def hf_tokenizer_dir(tmp_path_factory, austen):
                                 "original_max_position_embeddings": 64}}),
     ("qwen2", {}),
     ("mistral", {"sliding_window": 16, "head_dim": 16}),
+    ("qwen3", {"head_dim": 16}),
 ])
 def test_hf_dir_tensors_and_config_equal_transformers(tmp_path, hf_tokenizer_dir, kind,
                                                       overrides):
@@ -76,6 +77,7 @@ def test_hf_dir_tensors_and_config_equal_transformers(tmp_path, hf_tokenizer_dir
     assert c.rms_norm_eps == hf.rms_norm_eps
     assert c.tie_word_embeddings == hf.tie_word_embeddings
     assert c.attention_bias == (kind == "qwen2")
+    assert c.qk_norm == (kind == "qwen3")
     assert c.sliding_window == (16 if kind == "mistral" else None)
     if "rope_scaling" in overrides:
         assert c.rope_scaling == RopeScaling(original_max_position_embeddings=64)

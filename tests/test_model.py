@@ -31,6 +31,8 @@ CASES = {
         rope_theta=500000.0, tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(TINY, num_key_value_heads=4)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, sliding_window=8)),
+    # q/k norms per head; head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, head_dim=32)),
 }
 
 
@@ -46,6 +48,10 @@ def hf_model(case, tmp_path):
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**kwargs, attn_implementation="eager")
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():    # norm weights away from HF's init (ones), so each is checked
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
     model.save_pretrained(tmp_path)
     return model, tmp_path
 
@@ -86,9 +92,10 @@ def test_greedy_parity_with_transformers(case, impl, tmp_path):
     if case == "mistral":
         assert config.sliding_window == 8
     prompt = list(np.random.default_rng(1).integers(3, 256, size=20))
+    model.generation_config.eos_token_id = None     # plain argmax, as PagedRunner.greedy
     with torch.no_grad():
-        hf = model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                            do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        hf = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
         full = torch.tensor([prompt + hf])
         hf_logits = model(full).logits[0].numpy()
     runner = PagedRunner(params, config, block_size=4, max_len=64, attention_impl=impl)
@@ -118,6 +125,31 @@ def test_paged_decode_equals_full_forward_without_cache():
     full = PagedRunner(params, config, block_size=64, seed=4).prefill(tokens)
     np.testing.assert_allclose(stepwise, full, atol=2e-5, rtol=2e-5)
     assert runner.cache.k[0].shape[0] > len(tokens) // 4   # the pool really is paged
+
+
+@pytest.mark.parametrize("arch,fields,window", [
+    ("mistral", dict(sliding_window=16), 16),
+    ("mistral", dict(sliding_window=None), None),
+    ("qwen3", dict(sliding_window=16), None),                          # use_sliding_window unset
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), 16),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=4), None),
+    ("qwen3", dict(layer_types=["full_attention"] * 4, max_window_layers=28), None),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2),
+     "max_window_layers=2"),
+    ("qwen3", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2),
+     "layer_types=\\['sliding_attention'"),
+])
+def test_config_json_sliding_window_per_architecture(arch, fields, window):
+    """config.json's sliding window as HF applies it (Mistral: always; Qwen2/3: with
+    use_sliding_window, from layer max_window_layers on; layer_types where given); a model
+    mixing window and full layers is refused naming the fields."""
+    cfg = dict(model_type=arch, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+               num_hidden_layers=4, vocab_size=100, **fields)
+    if isinstance(window, str):
+        with pytest.raises(ValueError, match=f"{window}.*mixes sliding-window and full"):
+            ModelConfig.from_hf_dict(cfg)
+    else:
+        assert ModelConfig.from_hf_dict(cfg).sliding_window == window
 
 
 @needs_hf

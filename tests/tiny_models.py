@@ -19,7 +19,8 @@ CHAT_TEMPLATE = (
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS_IDS = [2, 0]
-CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+                  "qwen3": "Qwen3Config"}
 
 
 # Engine limits for the tiny model: small buckets (fast compiles) and a pool that holds the batch.

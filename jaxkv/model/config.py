@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+from jaxkv.model.architectures import ARCHITECTURES
+
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +37,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral).
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
 
     Attributes:
       architecture: one of ``SUPPORTED_ARCHITECTURES``.
@@ -55,6 +57,7 @@ class ModelConfig:
         draft model's reduced head, jaxkv/spec_decode/draft_model.py, which maps its columns back
         to token ids), or None: every token (``vocab_size``).
       attention_bias: q/k/v projections carry a bias (Qwen2).
+      qk_norm: each q and k head is RMS-normalised over head_dim before RoPE (Qwen3).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
     """
@@ -73,6 +76,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -138,8 +142,8 @@ class ModelConfig:
                 theta = cfg["rope_parameters"].get("rope_theta")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            window = cfg.get("sliding_window") if model_type == "mistral" or cfg.get(
-                "use_sliding_window") else None
+            arch = ARCHITECTURES[model_type]
+            window = _uniform_window(cfg, arch.window, source)
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -154,10 +158,35 @@ class ModelConfig:
                 rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
+                qk_norm=arch.qk_norm,
                 sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
+
+
+
+def _uniform_window(cfg: dict[str, Any], rule: str | None, source: str) -> int | None:
+    """The sliding window of every layer, or None when no layer has one.
+
+    ``rule`` is the architecture's (``Architecture.window``); ``layer_types``, where present,
+    says it per layer. Raises ValueError if the layers mix sliding-window and full attention.
+    """
+    n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
+    first = n                                       # layers from ``first`` on slide
+    if rule == "always" and window:
+        first = 0
+    elif rule == "use_sliding_window" and cfg.get("use_sliding_window"):
+        first = int(cfg.get("max_window_layers") or 0)     # Qwen2/Qwen3's rule
+    sliding = {i >= first for i in range(n)}
+    if cfg.get("layer_types"):
+        sliding = {t == "sliding_attention" for t in cfg["layer_types"]}
+    if len(sliding) > 1:
+        raise ValueError(f"{source}: layer_types={cfg.get('layer_types')}, max_window_layers="
+                         f"{cfg.get('max_window_layers')}: a model that mixes sliding-window and "
+                         f"full-attention layers is not supported yet; supported: one kind in "
+                         f"every layer")
+    return int(window) if sliding == {True} and window else None

@@ -8,7 +8,7 @@ rotates interleaved pairs ``(x[2i], x[2i+1])``; HF (and jaxkv) rotate halves
 
     GGUF row  h*D + 2*i + j   <-   HF row  h*D + j*D/2 + i      (i < D/2, j in {0, 1})
 
-Qwen2 GGUFs are not permuted (its converter keeps HF's layout).
+Qwen2 and Qwen3 GGUFs are not permuted (their converter keeps HF's layout).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from jaxkv.model.architectures import ARCHITECTURES, GGUF_ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
 SUPPORTED_QUANT_TYPES = tuple(gguf.GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))
 
@@ -42,6 +43,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -146,7 +149,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
     eos = [metadata_field(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
     bos = metadata_field(reader, "tokenizer.ggml.bos_token_id", None)
     return ModelConfig(
-        architecture=arch,
+        architecture=GGUF_ARCHITECTURES[arch].model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(metadata_field(reader, f"{arch}.feed_forward_length")),
@@ -159,6 +162,7 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         max_position_embeddings=int(metadata_field(reader, f"{arch}.context_length")),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
+        qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
     )
@@ -185,15 +189,16 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
                 f"{file}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which is "
                 f"not supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
     out = {}
+    permuted = ARCHITECTURES[config.architecture].gguf_permuted_qk
     for t in reader.tensors:
         name = hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists ne0 (the fastest axis) first
         # np.array copies, so no result aliases the file's memory map.
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(shape)
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+        if permuted and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config.num_heads)
-        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+        elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, config.num_kv_heads)
         out[name] = w
     return out

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral) in Flax NNX over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV cache.
 
 Design notes: docs/runtime.md."""
 
@@ -53,6 +53,10 @@ class Attention(nnx.Module):
             self.k_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
             self.v_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
         self.bias = c.attention_bias
+        if c.qk_norm:     # Qwen3: RMSNorm over head_dim, one weight shared by the heads
+            self.q_norm = RMSNorm(D, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(D, c.rms_norm_eps, dtype)
+        self.qk_norm = c.qk_norm
 
     def __call__(self, x, rot, pools, md: AttentionMetadata, *, sink_rot=None,
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
@@ -66,6 +70,8 @@ class Attention(nnx.Module):
                               self.v_proj[...]))                      # [T, Hkv, D] x 2
         if self.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:                                              # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         q_sinks = None if sink_rot is None else rotate(q, sink_rot)   # StreamingLLM's sinks
         q = rotate(q, rot)
         k = rotate(k, rot)
@@ -291,6 +297,9 @@ def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
         p + "post_attention_layernorm.weight":
             (("layers", i, "post_attention_layernorm", "weight"), lambda w: w),
     }
+    if c.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            m[p + f"self_attn.{n}.weight"] = (a + (n, "weight"), lambda w: w)
     if c.attention_bias:
         m[p + "self_attn.q_proj.bias"] = (a + ("q_bias",), lambda b: b.reshape(Hq, D))
         m[p + "self_attn.k_proj.bias"] = (a + ("k_bias",), lambda b: b.reshape(Hkv, D))

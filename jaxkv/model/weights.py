@@ -46,7 +46,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``self_attn.q_proj.weight [Hq*D, E]``, ``self_attn.{k,v}_proj.weight [Hkv*D, E]``,
     ``self_attn.o_proj.weight [E, Hq*D]``, q/k/v biases ``[Hq*D]``/``[Hkv*D]`` when
     ``attention_bias``, ``mlp.{gate,up}_proj.weight [F, E]``, ``mlp.down_proj.weight [E, F]``,
-    ``input_layernorm.weight [E]``, ``post_attention_layernorm.weight [E]``; then
+    ``input_layernorm.weight [E]``, ``post_attention_layernorm.weight [E]``, and
+    ``self_attn.{q,k}_norm.weight [D]`` with ``qk_norm``; then
     ``model.norm.weight [E]`` and ``lm_head.weight [V, E]`` unless embeddings are tied.
     """
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -70,6 +71,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+        if config.qk_norm:
+            d = (config.head_dim,)
+            shapes |= {p + "self_attn.q_norm.weight": d, p + "self_attn.k_norm.weight": d}
     return shapes
 
 

@@ -1,0 +1,74 @@
+"""Each architecture through the engine against HF transformers (fp32, CPU): greedy tokens and
+per-token logprobs of 64 generated tokens, through chunked prefill, continuous batching with
+other requests, prefix-cache hits and preemption, on tiny random checkpoints written by
+transformers with shapes that reach each architecture's edge cases."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxkv import LLM, SamplingParams  # noqa: E402
+from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+
+# per architecture: transformers' config fields beyond tiny_models' defaults (64 wide, 2
+# layers, 4 q / 2 kv heads)
+ARCHITECTURES = {
+    # q/k norms per head; head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64
+    "qwen3": dict(head_dim=32),
+}
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
+              token_buckets=(8, 32), seq_buckets=(4,), prefix_caching="hash",
+              num_kv_blocks=40)     # 39 usable blocks of 8: the four requests (84-214 tokens) do not fit
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    save_tokenizer(path)
+    model = save_tiny_model(path, request.param, **ARCHITECTURES[request.param])
+    with torch.no_grad():    # norm weights away from HF's init (ones), so each is checked
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None    # plain argmax, as ignore_eos
+    return request.param, path, model
+
+
+def hf_reference(model, prompt_ids):
+    """(greedy tokens, the chosen tokens' logprobs) of HF generate + one full forward."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)[0]
+        logits = model(out[None]).logits[0, len(prompt_ids) - 1:-1].double()
+    tokens = out[len(prompt_ids):]
+    logprobs = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), tokens]
+    return tokens.tolist(), logprobs.numpy()
+
+
+def test_engine_equals_transformers(checkpoint):
+    """Four requests, two of them sharing a 96-token prefix with a finished one (prefix hits),
+    prompts longer than a step's 32 tokens (chunked prefill), batched together in a pool too
+    small for all of them (preemption): every request's tokens and logprobs are HF's."""
+    arch, path, model = checkpoint
+    text = austen_text(8000)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    with LLM(str(path), **ENGINE) as llm:
+        ids = llm.tokenizer.encode(text)
+        shared = ids[:96]
+        prompts = [shared + ids[200:240], ids[300:450], shared + ids[500:530], ids[600:620]]
+        first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+        outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
+                                    use_tqdm=False)
+        stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 2 * 88, stats          # whole blocks of the 96
+    assert stats["num_preemptions"] > 0, stats
+    for prompt, out in zip(prompts, outs):
+        want_tokens, want_logprobs = hf_reference(model, prompt)
+        got = out.outputs[0]
+        assert got.token_ids == want_tokens, arch
+        logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)

@@ -17,6 +17,11 @@ from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E4
 ARCHITECTURES = {
     # q/k norms per head; head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64
     "qwen3": dict(head_dim=32),
+    # 8 experts, top 2 (more experts than a decode step's tokens use), renormalised
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    # a dense layer among the MoE ones, top 3 of 6 not renormalised, Qwen3's attention
+    "qwen3_moe": dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                      moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False),
 }
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
               token_buckets=(8, 32), seq_buckets=(4,), prefix_caching="hash",

@@ -20,7 +20,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 EOS_IDS = [2, 0]
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-                  "qwen3": "Qwen3Config"}
+                  "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
+                  "qwen3_moe": "Qwen3MoeConfig"}
 
 
 # Engine limits for the tiny model: small buckets (fast compiles) and a pool that holds the batch.

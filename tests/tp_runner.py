@@ -19,7 +19,10 @@ REPO = WORKER.parents[1]
 # head counts that divide 8; llama's 2 kv heads are repeated at TP 4 and 8, qwen2 has biases.
 # hidden 128 gives head_dim 16, the smallest the Pallas kernels take.
 TINY = {"llama": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2),
-        "qwen2": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4)}
+        "qwen2": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4),
+        # experts split over tp along their SwiGLU width, the router replicated
+        "mixtral": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2)}
 
 
 def worker_env(devices: int) -> dict:

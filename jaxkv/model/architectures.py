@@ -20,6 +20,9 @@ class Architecture:
       window: when ``config.json``'s ``sliding_window`` applies: ``"always"`` (Mistral),
         ``"use_sliding_window"`` (only when that flag is set: Qwen2, Qwen3) or None.
       gguf_permuted_qk: llama.cpp's converter permuted the q/k rows (``gguf.unpermute_qk``).
+      moe: the names of a mixture-of-experts layer's tensors, or None (dense only).
+      norm_topk_prob: the router renormalises its top-k weights always (True: Mixtral), or
+        as ``config.json``'s ``norm_topk_prob`` says (None: Qwen3-MoE, default false).
     """
 
     model_type: str
@@ -28,6 +31,20 @@ class Architecture:
     qk_norm: bool = False
     window: str | None = None
     gguf_permuted_qk: bool = False
+    moe: MoeNames | None = None
+    norm_topk_prob: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeNames:
+    """HF tensor names of an MoE layer under ``model.layers.{i}.{block}.``: the router
+    ``{router}.weight`` [X, E] and expert e's ``experts.{e}.{gate|up|down}.weight``."""
+
+    block: str
+    router: str
+    gate: str
+    up: str
+    down: str
 
 
 ARCHITECTURES = {a.model_type: a for a in (
@@ -35,6 +52,10 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("mistral", window="always"),
     Architecture("qwen2", gguf="qwen2", attention_bias=True, window="use_sliding_window"),
     Architecture("qwen3", gguf="qwen3", qk_norm=True, window="use_sliding_window"),
+    Architecture("mixtral", window="always",
+                 moe=MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2"), norm_topk_prob=True),
+    Architecture("qwen3_moe", qk_norm=True, window="use_sliding_window",
+                 moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")),
 )}
 GGUF_ARCHITECTURES = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
 

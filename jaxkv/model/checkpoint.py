@@ -148,9 +148,8 @@ def read_config(path: str | Path) -> ModelConfig | None:
     if cfg is None:
         return None
     scaling = cfg.pop("rope_scaling")
-    eos = tuple(cfg.pop("eos_token_ids"))
-    return ModelConfig(**cfg, rope_scaling=None if scaling is None else RopeScaling(**scaling),
-                       eos_token_ids=eos)
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}   # JSON lists
+    return ModelConfig(**cfg, rope_scaling=None if scaling is None else RopeScaling(**scaling))
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -37,7 +37,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the
+    mixtures of experts Mixtral and Qwen3-MoE).
 
     Attributes:
       architecture: one of ``SUPPORTED_ARCHITECTURES``.
@@ -58,6 +59,12 @@ class ModelConfig:
         to token ids), or None: every token (``vocab_size``).
       attention_bias: q/k/v projections carry a bias (Qwen2).
       qk_norm: each q and k head is RMS-normalised over head_dim before RoPE (Qwen3).
+      num_experts: experts ``X`` of each MoE layer (jaxkv/model/moe.py); 0: a dense model.
+      num_experts_per_tok: experts ``k`` each token is routed to (``1 <= k <= X``).
+      moe_intermediate_size: an expert's SwiGLU width (default ``intermediate_size``).
+      norm_topk_prob: the router renormalises the top-k weights to sum to 1.
+      dense_layers: layers of an MoE model whose feed-forward is the dense MLP (Qwen3-MoE's
+        ``mlp_only_layers`` and ``decoder_sparse_step``).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
     """
@@ -77,6 +84,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -100,6 +112,15 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.num_experts < 0 or (self.moe_intermediate_size or 1) < 1:
+            raise ValueError(f"num_experts={self.num_experts} must be >= 0 and "
+                             f"moe_intermediate_size={self.moe_intermediate_size} >= 1")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"dense_layers={self.dense_layers} must be layer indices in "
+                             f"[0, num_layers={self.num_layers})")
         if self.draft_vocab_size is not None and (
                 self.tie_word_embeddings or not 1 <= self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} needs an untied LM head "
@@ -109,6 +130,15 @@ class ModelConfig:
     def num_logits(self) -> int:
         """The LM head's width ``V``: ``draft_vocab_size`` or ``vocab_size``."""
         return self.draft_vocab_size or self.vocab_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i``'s feed-forward is the mixture of experts (else the dense MLP)."""
+        return self.num_experts > 0 and i not in self.dense_layers
+
+    @property
+    def expert_size(self) -> int:
+        """An expert's SwiGLU width ``F``."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -160,6 +190,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
                 qk_norm=arch.qk_norm,
+                **_moe_fields(cfg, arch),
                 sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -190,3 +221,21 @@ def _uniform_window(cfg: dict[str, Any], rule: str | None, source: str) -> int |
                          f"full-attention layers is not supported yet; supported: one kind in "
                          f"every layer")
     return int(window) if sliding == {True} and window else None
+
+
+def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
+    """ModelConfig's MoE fields from an MoE architecture's ``config.json`` (none if dense)."""
+    if arch.moe is None:
+        return {}
+    n = int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    normalize = arch.norm_topk_prob
+    return dict(
+        num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"])
+        if cfg.get("moe_intermediate_size") else None,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False) if normalize is None
+                            else normalize),
+        dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with
+jaxkv/model/moe.py) in Flax NNX over a paged KV cache.
 
 Design notes: docs/runtime.md."""
 
@@ -19,6 +20,8 @@ from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.key_bounds import refresh_key_bounds
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pools import write_layer
+from jaxkv.model import moe
+from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
 from jaxkv.model.rope import inv_frequencies, rotate, rotation
@@ -103,12 +106,31 @@ class MLP(nnx.Module):
         return linear(jax.nn.silu(gate) * up, self.down_proj[...])
 
 
-class DecoderLayer(nnx.Module):
+class MoE(nnx.Module):
+    """The mixture-of-experts feed-forward (jaxkv/model/moe.py): router [E, X], experts'
+    gate and up [X, E, F], down [X, F, E]."""
+
     def __init__(self, c: ModelConfig, dtype):
+        E, F, X = c.hidden_size, c.expert_size, c.num_experts
+        self.router = _param((E, X), dtype, ("embed", "experts"))
+        self.gate_proj = _param((X, E, F), dtype, ("experts", "embed", "mlp"))
+        self.up_proj = _param((X, E, F), dtype, ("experts", "embed", "mlp"))
+        self.down_proj = _param((X, F, E), dtype, ("experts", "mlp", "embed"))
+        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+
+    def __call__(self, x):  # [T, E]
+        weights, experts = moe.route(linear(x, self.router[...]).astype(jnp.float32),
+                                     self.top_k, self.normalize)         # [T, k] x 2
+        return moe.experts_mlp(x, weights, experts, self.gate_proj[...], self.up_proj[...],
+                               self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: ModelConfig, dtype, index: int):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.self_attn = Attention(c, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype)
+        self.mlp = MoE(c, dtype) if c.is_moe_layer(index) else MLP(c, dtype)
 
 
 def _decoder_layer(graphdef, state, x, rot, sink_rot, pools, md: AttentionMetadata, *,
@@ -145,7 +167,7 @@ class Transformer(nnx.Module):
     def __init__(self, c: ModelConfig, dtype=jnp.float32):
         self.config = c
         self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, ("vocab", "embed"))
-        self.layers = _List([DecoderLayer(c, dtype) for _ in range(c.num_layers)])
+        self.layers = _List([DecoderLayer(c, dtype, i) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         if not c.tie_word_embeddings:
             self.lm_head = _param((c.hidden_size, c.num_logits), dtype, ("embed", "vocab"))
@@ -280,8 +302,8 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: 
         treedef, [init(path, leaf, k) for (path, leaf), k in zip(leaves, keys)])
 
 
-def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
-    """HF tensor name -> (params path, converter from the HF [out, in] array)."""
+def _hf_layer_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]]:
+    """HF tensor name (or names) -> (params path, converter from the HF [out, in] arrays)."""
     E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     p = f"model.layers.{i}."
     a = ("layers", i, "self_attn")
@@ -297,6 +319,8 @@ def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
         p + "post_attention_layernorm.weight":
             (("layers", i, "post_attention_layernorm", "weight"), lambda w: w),
     }
+    if c.is_moe_layer(i):
+        m = {k: v for k, v in m.items() if ".mlp." not in k} | _hf_moe_map(c, i)
     if c.qk_norm:
         for n in ("q_norm", "k_norm"):
             m[p + f"self_attn.{n}.weight"] = (a + (n, "weight"), lambda w: w)
@@ -304,6 +328,19 @@ def _hf_layer_map(c: ModelConfig, i: int) -> dict[str, tuple[tuple, Any]]:
         m[p + "self_attn.q_proj.bias"] = (a + ("q_bias",), lambda b: b.reshape(Hq, D))
         m[p + "self_attn.k_proj.bias"] = (a + ("k_bias",), lambda b: b.reshape(Hkv, D))
         m[p + "self_attn.v_proj.bias"] = (a + ("v_bias",), lambda b: b.reshape(Hkv, D))
+    return m
+
+
+def _hf_moe_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]]:
+    """HF names of layer i's router and experts -> (params path, converter); each projection's
+    X per-expert [out, in] matrices (a tuple of names) are stacked into [X, in, out]."""
+    names = ARCHITECTURES[c.architecture].moe
+    p, a = f"model.layers.{i}.{names.block}.", ("layers", i, "mlp")
+    m = {p + f"{names.router}.weight": (a + ("router",), lambda w: w.T)}
+    for ours, theirs in (("gate_proj", names.gate), ("up_proj", names.up),
+                         ("down_proj", names.down)):
+        names_e = tuple(f"{p}experts.{e}.{theirs}.weight" for e in range(c.num_experts))
+        m[names_e] = (a + (ours,), lambda *ws: np.stack([w.T for w in ws]))
     return m
 
 
@@ -329,13 +366,15 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jn
     shapes = param_shapes(config, dtype)
     params: dict = {}
     for name, (path, convert) in mapping.items():
-        if name not in tensors:
-            raise ValueError(f"{source}: tensor {name!r} is missing")
-        value = np.asarray(convert(np.asarray(tensors[name])))
+        names = name if isinstance(name, tuple) else (name,)     # a tuple: stacked experts
+        for n in names:
+            if n not in tensors:
+                raise ValueError(f"{source}: tensor {n!r} is missing")
+        value = np.asarray(convert(*(np.asarray(tensors[n]) for n in names)))
         want = functools.reduce(lambda d, k: d[k], path, shapes).shape
         if value.shape != want:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tensors[name].shape}, "
-                             f"which does not convert to {want}")
+            raise ValueError(f"{source}: tensor {names[0]!r} has shape "
+                             f"{np.shape(tensors[names[0]])}, which does not convert to {want}")
         node = params
         for k in path[:-1]:
             node = node.setdefault(k, {})

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.model import safetensors_loader, store
+from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.tokenizer import Tokenizer
 
@@ -47,7 +48,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``self_attn.o_proj.weight [E, Hq*D]``, q/k/v biases ``[Hq*D]``/``[Hkv*D]`` when
     ``attention_bias``, ``mlp.{gate,up}_proj.weight [F, E]``, ``mlp.down_proj.weight [E, F]``,
     ``input_layernorm.weight [E]``, ``post_attention_layernorm.weight [E]``, and
-    ``self_attn.{q,k}_norm.weight [D]`` with ``qk_norm``; then
+    ``self_attn.{q,k}_norm.weight [D]`` with ``qk_norm``, an MoE layer's router and experts
+    (``_moe_shapes``) for the MLP; then
     ``model.norm.weight [E]`` and ``lm_head.weight [V, E]`` unless embeddings are tied.
     """
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -74,6 +76,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             d = (config.head_dim,)
             shapes |= {p + "self_attn.q_norm.weight": d, p + "self_attn.k_norm.weight": d}
+        if config.is_moe_layer(i):
+            shapes = {k: v for k, v in shapes.items() if not k.startswith(p + "mlp.")}
+            shapes |= _moe_shapes(config, p)
+    return shapes
+
+
+def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's router [X, E] and each expert's gate/up [F, E] and down [E, F]."""
+    names = ARCHITECTURES[config.architecture].moe
+    e, f, p = config.hidden_size, config.expert_size, f"{prefix}{names.block}."
+    shapes = {f"{p}{names.router}.weight": (config.num_experts, e)}
+    for x in range(config.num_experts):
+        q = f"{p}experts.{x}."
+        shapes |= {q + f"{names.gate}.weight": (f, e), q + f"{names.up}.weight": (f, e),
+                   q + f"{names.down}.weight": (e, f)}
     return shapes
 
 

@@ -26,7 +26,7 @@ MESH_AXES = ("dp", "tp")
 # logical axis name -> mesh axis (None: replicated). The only place mesh axes are named.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | None], ...] = (
     ("vocab", "tp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"),
-    ("embed", None), ("head_dim", None), ("norm", None))
+    ("embed", None), ("head_dim", None), ("norm", None), ("experts", None))
 
 
 def _split_problems(config: ModelConfig, n: int) -> list[str]:
@@ -34,6 +34,7 @@ def _split_problems(config: ModelConfig, n: int) -> list[str]:
     out = []
     for name, size in (("num_heads", config.num_heads), ("intermediate_size",
                        config.intermediate_size), ("vocab_size", config.vocab_size),
+                       ("moe_intermediate_size", config.expert_size),
                        ("draft_vocab_size", config.draft_vocab_size or n)):
         if size % n:
             out.append(f"{name}={size} is not divisible by {n}")

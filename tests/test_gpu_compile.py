@@ -691,3 +691,53 @@ def test_engine_step_compiles_for_h100_and_reads_the_pool_in_place(model, kv, de
     estimate = activation_bytes_estimate(config, dtype="bfloat16", kv_cache_dtype=kv,
                                          max_num_batched_tokens=tokens, max_num_seqs=seqs)
     assert memory.temp_size_in_bytes <= estimate, (memory.temp_size_in_bytes, estimate)
+
+
+# --------------------------------------------------------------------------------------------
+# the mixture of experts' grouped matmul (jaxkv/model/grouped_matmul.py)
+# --------------------------------------------------------------------------------------------
+
+MOE_SHAPES = {   # (rows A = tokens x top_k, K, N, experts X)
+    "mixtral-8x7b-prefill-gate": (512, 4096, 14336, 8),
+    "mixtral-8x7b-prefill-down": (512, 14336, 4096, 8),
+    "mixtral-8x7b-decode8-gate": (16, 4096, 14336, 8),
+    "qwen3-30b-a3b-decode64-gate": (512, 2048, 768, 128),
+    "qwen3-30b-a3b-decode64-down": (512, 768, 2048, 128),
+}
+
+
+@pytest.mark.parametrize("case_id", list(MOE_SHAPES))
+def test_grouped_matmul_compiles_for_h100(case_id, tmp_path):
+    """The Pallas grouped matmul at Mixtral-8x7B and Qwen3-30B-A3B shapes (bf16): one launch
+    of (row tiles + experts) x column tiles programs, within shared memory, no spills."""
+    from jaxkv.model.grouped_matmul import grouped_matmul, rows_per_tile
+
+    A, K, N, X = MOE_SHAPES[case_id]
+    args = (jax.ShapeDtypeStruct((A, K), jnp.bfloat16), jax.ShapeDtypeStruct((X, K, N),
+            jnp.bfloat16), jax.ShapeDtypeStruct((X,), jnp.int32))
+    kernels, _ = compile_for(H100, functools.partial(grouped_matmul, impl="pallas"), args,
+                             tmp_path)
+    assert [k.name for k in kernels] == ["jaxkv_grouped_matmul"]
+    k = kernels[0]
+    assert k.grid[:2] == (-(-A // rows_per_tile(A, X)) + X, N // (128 if N % 128 == 0 else 64))
+    assert k.smem + k.static_smem <= smem_limit(H100)
+    assert (k.spill_stores, k.spill_loads) == (0, 0) and k.registers <= 128, k
+
+
+def test_moe_engine_step_compiles_for_h100_with_the_grouped_kernel(tmp_path, monkeypatch):
+    """A Mixtral-shaped engine step (two layers, 8 experts, top 2) compiled deviceless for an
+    H100 takes the Pallas grouped matmul (``lax.platform_dependent`` picks it for the target,
+    not the CPU's tile loop): three launches a layer beside the attention, no spills."""
+    from jaxkv.model.config import ModelConfig
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    config = ModelConfig(architecture="mixtral", num_layers=2, rms_norm_eps=1e-5,
+                         rope_scaling=None, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True, **{**STEP_MODELS["llama3-8b"], "vocab_size": 32000})
+    step, args, _ = engine_step_args(config, "fp8_e4m3", 256, 16, context=4096)
+    kernels, _ = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0})
+    names = [k.name.split("__")[0] for k in kernels]     # XLA suffixes a second variant
+    assert names.count("jaxkv_grouped_matmul") == 3 * config.num_layers, names
+    assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
+    for k in kernels:
+        assert k.spill_stores == k.spill_loads == 0, k

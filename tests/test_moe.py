@@ -1,6 +1,9 @@
-"""The mixture-of-experts layer (jaxkv/model/moe.py) against dense references: the router's
-top-k, the CPU tile loop and ``jax.lax.ragged_dot`` as grouped matmuls, and the whole layer
-against a loop over every expert."""
+"""The mixture-of-experts layer (jaxkv/model/moe.py) against dense references: the grouped
+matmul's CPU tile loop and Pallas kernel (interpret mode; compiled for an H100 in
+tests/test_gpu_compile.py), the router's top-k, and the whole layer against a loop over every
+expert."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxkv.model import moe
+from jaxkv.model.grouped_matmul import grouped_matmul, tile_schedule
 from jaxkv.model.config import ModelConfig
 
 
@@ -18,20 +22,26 @@ def dense_grouped(rows, w, sizes):
                      for r, g in enumerate(group)])
 
 
+@pytest.mark.parametrize("impl", ["tiles", "pallas"])
 @pytest.mark.parametrize("sizes", [
-    [0, 5, 0, 0, 11, 3],            # empty groups, a group over two 8-row tiles
-    [40, 0, 0, 0, 0, 0],            # one expert takes every row
+    [0, 21, 0, 0, 40, 3],           # empty groups, groups over two and three 16-row tiles
+    [64, 0, 0, 0, 0, 0],            # one expert takes every row
     [1, 1, 1, 1, 1, 1],             # a decode step: rows spread thin
 ])
-def test_grouped_matmul_tiles_and_ragged_dot_equal_the_spec(sizes):
+def test_grouped_matmul_equals_the_spec(sizes, impl):
     rng = np.random.default_rng(len(sizes) + sizes[0])
-    rows = rng.standard_normal((sum(sizes), 16)).astype(np.float32)
-    w = rng.standard_normal((6, 16, 24)).astype(np.float32)
+    rows = rng.standard_normal((sum(sizes), 32)).astype(np.float32)
+    w = rng.standard_normal((6, 32, 48)).astype(np.float32)
     want = dense_grouped(rows, w, np.array(sizes))
     g = jnp.asarray(sizes, jnp.int32)
-    tiled = jax.jit(moe._tiled_grouped_matmul)(rows, w, g)
-    np.testing.assert_allclose(tiled, want, atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(jax.lax.ragged_dot(rows, w, g), want, atol=1e-4, rtol=1e-4)
+    got = jax.jit(functools.partial(grouped_matmul, impl=impl, interpret=True))(rows, w, g)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tile_schedule_covers_each_row_once_and_skips_empty_groups():
+    sched, used = tile_schedule(jnp.asarray([0, 21, 0, 5], jnp.int32), 8, 16)
+    assert int(used) == 3
+    assert np.asarray(sched).tolist() == [[1, 0, 16], [1, 16, 5], [3, 21, 5]] + [[3, 0, 0]] * 5
 
 
 @pytest.mark.parametrize("top_k,normalize", [(2, True), (3, False), (1, True)])

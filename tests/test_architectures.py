@@ -17,6 +17,10 @@ from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E4
 ARCHITECTURES = {
     # q/k norms per head; head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64
     "qwen3": dict(head_dim=32),
+    # sliding (window 16: prompts run several blocks past it) and full layers, soft-caps
+    "gemma2": dict(num_hidden_layers=3, head_dim=32, sliding_window=16,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=8.0),
     # 8 experts, top 2 (more experts than a decode step's tokens use), renormalised
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     # a dense layer among the MoE ones, top 3 of 6 not renormalised, Qwen3's attention
@@ -77,3 +81,16 @@ def test_engine_equals_transformers(checkpoint):
         assert got.token_ids == want_tokens, arch
         logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
         np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(kv_retention="h2o", kv_budget_tokens=64), "kv_retention='h2o'"),
+    (dict(sparse_attention="quest", sparse_budget_tokens=64), "sparse_attention='quest'"),
+])
+def test_layer_kinds_refuse_retention_and_quest_naming_the_field(tmp_path, kwargs, field):
+    """Gemma 2's sliding layers attend through the model's own window; a retention policy or
+    Quest over them is refused before any weight loads (until the hybrid cache)."""
+    save_tokenizer(tmp_path)
+    save_tiny_model(tmp_path, "gemma2", **ARCHITECTURES["gemma2"])
+    with pytest.raises(ValueError, match=f"{field}.*own sliding_window=16"):
+        LLM(str(tmp_path), **ENGINE, **kwargs)

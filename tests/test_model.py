@@ -33,6 +33,11 @@ CASES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY, sliding_window=8)),
     # q/k norms per head; head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 64
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, head_dim=32)),
+    # a sliding (window 8 < the 52 tokens) and a full layer; scale from query_pre_attn_scalar,
+    # soft-caps small enough to bite, head_dim 32 != hidden / heads
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        TINY, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True)),
     # 8 experts, top 2: a decode token uses 2, a prefill chunk of 7 at most 14 rows of 8
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         TINY, num_local_experts=8, num_experts_per_tok=2)),

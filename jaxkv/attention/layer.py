@@ -30,6 +30,8 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
       (o [T, Hq, D], block mass f32 [S, max_blocks] or None).
     """
     kw = dict(sliding_window=options.sliding_window, num_sinks=options.num_sinks)
+    kw.update({k: v for k, v in (("sm_scale", options.sm_scale), ("soft_cap", options.soft_cap))
+               if v is not None})
     if q_sinks is not None:
         kw["q_sinks"] = q_sinks
     if sparse is not None:

@@ -24,12 +24,16 @@ class AttentionOptions:
       observe: > 0: the step also returns the attention mass per KV block of each sequence's
         last ``observe`` query tokens, summed over layers and heads (jaxkv/attention/mass.py;
         H2O's scores).
+      sm_scale, soft_cap: the model's own softmax scale (default ``1/sqrt(head_dim)``) and
+        logit soft-cap (Gemma 2), which the decoder sets per layer.
     """
 
     sliding_window: int | None = None
     num_sinks: int = 0
     sink_position_cap: int | None = None
     observe: int = 0
+    sm_scale: float | None = None
+    soft_cap: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)

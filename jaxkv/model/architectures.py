@@ -18,7 +18,11 @@ class Architecture:
       qk_norm: an RMSNorm over head_dim on each q and k head before RoPE
         (``self_attn.{q,k}_norm``; Qwen3).
       window: when ``config.json``'s ``sliding_window`` applies: ``"always"`` (Mistral),
-        ``"use_sliding_window"`` (only when that flag is set: Qwen2, Qwen3) or None.
+        ``"use_sliding_window"`` (only when that flag is set: Qwen2, Qwen3), ``"layer_types"``
+        (in the layers ``layer_types`` names sliding: Gemma 2) or None.
+      gemma: Gemma's decoder: RMSNorm scaled by ``1 + w``, embeddings scaled by
+        ``sqrt(hidden_size)``, a norm after attention and around the MLP, GELU (tanh) SwiGLU,
+        ``query_pre_attn_scalar`` and the logit soft-caps.
       gguf_permuted_qk: llama.cpp's converter permuted the q/k rows (``gguf.unpermute_qk``).
       moe: the names of a mixture-of-experts layer's tensors, or None (dense only).
       norm_topk_prob: the router renormalises its top-k weights always (True: Mixtral), or
@@ -31,6 +35,7 @@ class Architecture:
     qk_norm: bool = False
     window: str | None = None
     gguf_permuted_qk: bool = False
+    gemma: bool = False
     moe: MoeNames | None = None
     norm_topk_prob: bool | None = None
 
@@ -52,6 +57,7 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("mistral", window="always"),
     Architecture("qwen2", gguf="qwen2", attention_bias=True, window="use_sliding_window"),
     Architecture("qwen3", gguf="qwen3", qk_norm=True, window="use_sliding_window"),
+    Architecture("gemma2", window="layer_types", gemma=True),
     Architecture("mixtral", window="always",
                  moe=MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2"), norm_topk_prob=True),
     Architecture("qwen3_moe", qk_norm=True, window="use_sliding_window",

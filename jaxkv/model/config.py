@@ -12,6 +12,7 @@ from typing import Any
 from jaxkv.model.architectures import ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,14 @@ class ModelConfig:
       dense_layers: layers of an MoE model whose feed-forward is the dense MLP (Qwen3-MoE's
         ``mlp_only_layers`` and ``decoder_sparse_step``).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
+      layer_types: per layer ``"sliding_attention"`` (the window) or ``"full_attention"``, for a
+        model that mixes them (Gemma 2); empty: every layer as ``sliding_window`` says.
+      gemma: Gemma's decoder (``Architecture.gemma``): ``1 + w`` norms, scaled embeddings,
+        sandwich norms, GELU (tanh) MLP.
+      query_pre_attn_scalar: the attention scale is ``query_pre_attn_scalar ** -0.5`` (Gemma);
+        None: ``head_dim ** -0.5``.
+      attn_logit_softcapping, final_logit_softcapping: logits become ``c * tanh(x / c)`` in
+        the attention and at the LM head (Gemma 2); None: no cap.
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
     """
 
@@ -90,6 +99,11 @@ class ModelConfig:
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     draft_vocab_size: int | None = None
@@ -112,6 +126,10 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 or None")
+        if self.layer_types and (len(self.layer_types) != self.num_layers or not set(
+                self.layer_types) <= set(LAYER_TYPES) or self.sliding_window is None):
+            raise ValueError(f"layer_types={self.layer_types} must name one of {LAYER_TYPES} "
+                             f"for each of num_layers={self.num_layers}, with a sliding_window")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
@@ -130,6 +148,12 @@ class ModelConfig:
     def num_logits(self) -> int:
         """The LM head's width ``V``: ``draft_vocab_size`` or ``vocab_size``."""
         return self.draft_vocab_size or self.vocab_size
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer ``i``'s sliding window (None: full attention)."""
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i``'s feed-forward is the mixture of experts (else the dense MLP)."""
@@ -173,7 +197,7 @@ class ModelConfig:
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             arch = ARCHITECTURES[model_type]
-            window = _uniform_window(cfg, arch.window, source)
+            window, layer_types = _layer_windows(cfg, arch.window, source)
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -190,6 +214,8 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
                 qk_norm=arch.qk_norm,
+                layer_types=layer_types,
+                **_gemma_fields(cfg, arch),
                 **_moe_fields(cfg, arch),
                 sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -200,12 +226,20 @@ class ModelConfig:
 
 
 
-def _uniform_window(cfg: dict[str, Any], rule: str | None, source: str) -> int | None:
-    """The sliding window of every layer, or None when no layer has one.
+def _layer_windows(cfg: dict[str, Any], rule: str | None,
+                   source: str) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding window, ModelConfig's ``layer_types``): the window of every layer and no
+    types, None when no layer has one, or with ``rule == "layer_types"`` (Gemma 2) the window
+    and ``config.json``'s types when they mix sliding and full layers.
 
     ``rule`` is the architecture's (``Architecture.window``); ``layer_types``, where present,
-    says it per layer. Raises ValueError if the layers mix sliding-window and full attention.
+    says it per layer. Raises ValueError if the layers mix kinds and the architecture cannot.
     """
+    types = tuple(cfg.get("layer_types") or ())
+    if rule == "layer_types" and not types:          # Gemma 2's default: even layers slide
+        types = tuple(LAYER_TYPES[i % 2] for i in range(int(cfg["num_hidden_layers"])))
+    if rule == "layer_types" and len(set(types)) > 1:
+        return int(cfg["sliding_window"]), types
     n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
     first = n                                       # layers from ``first`` on slide
     if rule == "always" and window:
@@ -213,14 +247,14 @@ def _uniform_window(cfg: dict[str, Any], rule: str | None, source: str) -> int |
     elif rule == "use_sliding_window" and cfg.get("use_sliding_window"):
         first = int(cfg.get("max_window_layers") or 0)     # Qwen2/Qwen3's rule
     sliding = {i >= first for i in range(n)}
-    if cfg.get("layer_types"):
-        sliding = {t == "sliding_attention" for t in cfg["layer_types"]}
+    if types:
+        sliding = {t == "sliding_attention" for t in types}
     if len(sliding) > 1:
         raise ValueError(f"{source}: layer_types={cfg.get('layer_types')}, max_window_layers="
                          f"{cfg.get('max_window_layers')}: a model that mixes sliding-window and "
                          f"full-attention layers is not supported yet; supported: one kind in "
                          f"every layer")
-    return int(window) if sliding == {True} and window else None
+    return (int(window) if sliding == {True} and window else None), ()
 
 
 def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
@@ -239,3 +273,16 @@ def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False) if normalize is None
                             else normalize),
         dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
+
+
+def _gemma_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
+    """ModelConfig's Gemma fields from a Gemma ``config.json`` (none for other families)."""
+    if not arch.gemma:
+        return {}
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation={cfg['hidden_activation']!r} is not supported; "
+                         f"supported: 'gelu_pytorch_tanh'")
+    caps = {k: float(cfg[k]) if cfg.get(k) else None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return dict(gemma=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or
+                                                        cfg.get("head_dim")), **caps)

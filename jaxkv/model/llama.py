@@ -1,11 +1,13 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; Mixtral and Qwen3-MoE with
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2; Mixtral and Qwen3-MoE with
 jaxkv/model/moe.py) in Flax NNX over a paged KV cache.
 
 Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -34,13 +36,17 @@ def _param(shape, dtype, axes):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype):
-        self.weight = _param((dim,), dtype, ("norm",))
-        self.eps = eps
+    """``w * x / rms(x)``; Gemma's (``offset``) scales by ``1 + w`` in float32, then casts."""
 
-    def __call__(self, x):  # [T, E]
+    def __init__(self, dim: int, eps: float, dtype, offset: bool = False):
+        self.weight = _param((dim,), dtype, ("norm",))
+        self.eps, self.offset = eps, offset
+
+    def __call__(self, x):  # [..., dim]
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -100,10 +106,12 @@ class MLP(nnx.Module):
         self.gate_proj = _param((E, F), dtype, ("embed", "mlp"))
         self.up_proj = _param((E, F), dtype, ("embed", "mlp"))
         self.down_proj = _param((F, E), dtype, ("mlp", "embed"))
+        self.gelu = c.gemma                        # GELU (tanh), HF's gelu_pytorch_tanh
 
     def __call__(self, x):  # [T, E]
         gate, up = linears(x, (self.gate_proj[...], self.up_proj[...]))   # [T, F] x 2
-        return linear(jax.nn.silu(gate) * up, self.down_proj[...])
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return linear(act * up, self.down_proj[...])
 
 
 class MoE(nnx.Module):
@@ -127,9 +135,14 @@ class MoE(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, c: ModelConfig, dtype, index: int):
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        norm = functools.partial(RMSNorm, c.hidden_size, c.rms_norm_eps, dtype, c.gemma)
+        self.input_layernorm = norm()
         self.self_attn = Attention(c, dtype)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm()   # Gemma: of the attention's output
+        if c.gemma:                              # Gemma: the MLP between two norms of its own
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.gemma = c.gemma
         self.mlp = MoE(c, dtype) if c.is_moe_layer(index) else MLP(c, dtype)
 
 
@@ -143,6 +156,10 @@ def _decoder_layer(graphdef, state, x, rot, sink_rot, pools, md: AttentionMetada
         layer.input_layernorm(x), rot, pools, md, sink_rot=sink_rot, options=options,
         impl=impl, interpret=interpret, attention=attention, sparse=sparse,
         row_queries=row_queries)
+    if layer.gemma:
+        x = x + layer.post_attention_layernorm(h)
+        return x + layer.post_feedforward_layernorm(
+            layer.mlp(layer.pre_feedforward_layernorm(x))), pools, mass
     x = x + h
     return x + layer.mlp(layer.post_attention_layernorm(x)), pools, mass
 
@@ -168,7 +185,7 @@ class Transformer(nnx.Module):
         self.config = c
         self.embed_tokens = _param((c.vocab_size, c.hidden_size), dtype, ("vocab", "embed"))
         self.layers = _List([DecoderLayer(c, dtype, i) for i in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, c.gemma)
         if not c.tie_word_embeddings:
             self.lm_head = _param((c.hidden_size, c.num_logits), dtype, ("embed", "vocab"))
 
@@ -183,6 +200,8 @@ class Transformer(nnx.Module):
         sink_rot = (None if options.sink_position_cap is None else
                     rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq))
         x = self.embed_tokens[...][token_ids]                            # [T, E]
+        if c.gemma:                      # scaled by sqrt(E), rounded to the weights' dtype
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         ks, vs, bs = [], [], []
         mass = 0.0 if options.observe else None                          # [S, max_blocks]
         decoder_layer = _traced_once(_decoder_layer)
@@ -190,8 +209,8 @@ class Transformer(nnx.Module):
             bounds = cache.bounds[i] if cache.bounds else None
             x, (k_pool, v_pool, bounds), layer_mass = decoder_layer(
                 *nnx.split(layer), x, rot, sink_rot, (cache.k[i], cache.v[i], bounds), md,
-                options=options, impl=impl, interpret=interpret, attention=attention,
-                sparse=sparse, row_queries=row_queries)
+                options=layer_options(c, i, options), impl=impl, interpret=interpret,
+                attention=attention, sparse=sparse, row_queries=row_queries)
             ks.append(k_pool)
             vs.append(v_pool)
             if bounds is not None:
@@ -203,8 +222,22 @@ class Transformer(nnx.Module):
         x = self.norm(x)
         logits = (linear_t(x, self.embed_tokens[...]) if c.tie_word_embeddings
                   else linear(x, self.lm_head[...])).astype(jnp.float32)    # [S or T, V]
+        if c.final_logit_softcapping:                                    # Gemma 2
+            cap = c.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
         cache = kvcache.PagedKVCache(k=tuple(ks), v=tuple(vs), bounds=tuple(bs))
         return (logits, cache) if mass is None else (logits, cache, mass)
+
+
+def layer_options(c: ModelConfig, i: int, options: AttentionOptions) -> AttentionOptions:
+    """Layer i's attention options: the step's (a retention policy's), with the model's own
+    per-layer window (a full layer of a model mixing kinds drops it), scale and soft-cap."""
+    if not (c.layer_types or c.query_pre_attn_scalar or c.attn_logit_softcapping):
+        return options
+    return dataclasses.replace(
+        options, sliding_window=options.sliding_window if c.layer_window(i) else None,
+        sm_scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
+        soft_cap=c.attn_logit_softcapping)
 
 
 @functools.lru_cache(maxsize=16)
@@ -319,6 +352,9 @@ def _hf_layer_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]
         p + "post_attention_layernorm.weight":
             (("layers", i, "post_attention_layernorm", "weight"), lambda w: w),
     }
+    if c.gemma:
+        for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            m[p + f"{n}.weight"] = (("layers", i, n, "weight"), lambda w: w)
     if c.is_moe_layer(i):
         m = {k: v for k, v in m.items() if ".mlp." not in k} | _hf_moe_map(c, i)
     if c.qk_norm:

@@ -48,7 +48,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     ``self_attn.o_proj.weight [E, Hq*D]``, q/k/v biases ``[Hq*D]``/``[Hkv*D]`` when
     ``attention_bias``, ``mlp.{gate,up}_proj.weight [F, E]``, ``mlp.down_proj.weight [E, F]``,
     ``input_layernorm.weight [E]``, ``post_attention_layernorm.weight [E]``, and
-    ``self_attn.{q,k}_norm.weight [D]`` with ``qk_norm``, an MoE layer's router and experts
+    ``self_attn.{q,k}_norm.weight [D]`` with ``qk_norm``, Gemma's
+    ``{pre,post}_feedforward_layernorm.weight [E]``, an MoE layer's router and experts
     (``_moe_shapes``) for the MLP; then
     ``model.norm.weight [E]`` and ``lm_head.weight [V, E]`` unless embeddings are tied.
     """
@@ -76,6 +77,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.qk_norm:
             d = (config.head_dim,)
             shapes |= {p + "self_attn.q_norm.weight": d, p + "self_attn.k_norm.weight": d}
+        if config.gemma:
+            shapes |= {p + "pre_feedforward_layernorm.weight": (e,),
+                       p + "post_feedforward_layernorm.weight": (e,)}
         if config.is_moe_layer(i):
             shapes = {k: v for k, v in shapes.items() if not k.startswith(p + "mlp.")}
             shapes |= _moe_shapes(config, p)

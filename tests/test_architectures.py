@@ -21,6 +21,11 @@ ARCHITECTURES = {
     "gemma2": dict(num_hidden_layers=3, head_dim=32, sliding_window=16,
                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                    final_logit_softcapping=8.0),
+    # 5 sliding : 1 full (+ 1), q/k norms, local RoPE base 1e4, linearly scaled global
+    "gemma3_text": dict(num_hidden_layers=7, head_dim=32, sliding_window=16,
+                        query_pre_attn_scalar=24, rope_parameters=dict(
+                            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                            sliding_attention=dict(rope_type="default", rope_theta=1e4))),
     # 8 experts, top 2 (more experts than a decode step's tokens use), renormalised
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
     # a dense layer among the MoE ones, top 3 of 6 not renormalised, Qwen3's attention

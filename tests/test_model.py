@@ -38,6 +38,13 @@ CASES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         TINY, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    # 5 sliding : 1 full (+ a sliding 7th), Gemma q/k norms, local RoPE base 1e4 and a
+    # linearly scaled global one
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        TINY, num_hidden_layers=7, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        tie_word_embeddings=True, rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+            sliding_attention=dict(rope_type="default", rope_theta=1e4)))),
     # 8 experts, top 2: a decode token uses 2, a prefill chunk of 7 at most 14 rows of 8
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         TINY, num_local_experts=8, num_experts_per_tok=2)),
@@ -158,16 +165,25 @@ def test_paged_decode_equals_full_forward_without_cache():
      "max_window_layers=2"),
     ("qwen3", dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2),
      "layer_types=\\['sliding_attention'"),
+    ("gemma2", dict(sliding_window=16), (16, ("sliding_attention", "full_attention") * 2)),
+    ("gemma3_text", dict(sliding_window=16, num_hidden_layers=7),
+     (16, ("sliding_attention",) * 5 + ("full_attention", "sliding_attention"))),
+    ("gemma3_text", dict(sliding_window=16, sliding_window_pattern=2),
+     (16, ("sliding_attention", "full_attention") * 2)),
 ])
 def test_config_json_sliding_window_per_architecture(arch, fields, window):
     """config.json's sliding window as HF applies it (Mistral: always; Qwen2/3: with
-    use_sliding_window, from layer max_window_layers on; layer_types where given); a model
-    mixing window and full layers is refused naming the fields."""
-    cfg = dict(model_type=arch, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-               num_hidden_layers=4, vocab_size=100, **fields)
+    use_sliding_window, from layer max_window_layers on; layer_types where given; Gemma 2/3
+    without layer_types: every 2nd / 6th (sliding_window_pattern) layer full); a model other
+    than Gemma mixing window and full layers is refused naming the fields."""
+    cfg = dict(dict(model_type=arch, hidden_size=64, num_attention_heads=4,
+                    intermediate_size=128, num_hidden_layers=4, vocab_size=100), **fields)
     if isinstance(window, str):
         with pytest.raises(ValueError, match=f"{window}.*mixes sliding-window and full"):
             ModelConfig.from_hf_dict(cfg)
+    elif isinstance(window, tuple):      # Gemma: the window, and which layers have it
+        c = ModelConfig.from_hf_dict(cfg)
+        assert (c.sliding_window, c.layer_types) == window
     else:
         assert ModelConfig.from_hf_dict(cfg).sliding_window == window
 

@@ -19,7 +19,10 @@ class Architecture:
         (``self_attn.{q,k}_norm``; Qwen3).
       window: when ``config.json``'s ``sliding_window`` applies: ``"always"`` (Mistral),
         ``"use_sliding_window"`` (only when that flag is set: Qwen2, Qwen3), ``"layer_types"``
-        (in the layers ``layer_types`` names sliding: Gemma 2) or None.
+        (in the layers ``layer_types`` names sliding: Gemma 2 and 3) or None.
+      layer_period: without ``layer_types`` in ``config.json``, every ``layer_period``-th
+        layer is a full one, the others slide (Gemma 2: 2; Gemma 3: 6, or its
+        ``sliding_window_pattern``).
       gemma: Gemma's decoder: RMSNorm scaled by ``1 + w``, embeddings scaled by
         ``sqrt(hidden_size)``, a norm after attention and around the MLP, GELU (tanh) SwiGLU,
         ``query_pre_attn_scalar`` and the logit soft-caps.
@@ -35,6 +38,7 @@ class Architecture:
     qk_norm: bool = False
     window: str | None = None
     gguf_permuted_qk: bool = False
+    layer_period: int = 2
     gemma: bool = False
     moe: MoeNames | None = None
     norm_topk_prob: bool | None = None
@@ -58,6 +62,7 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("qwen2", gguf="qwen2", attention_bias=True, window="use_sliding_window"),
     Architecture("qwen3", gguf="qwen3", qk_norm=True, window="use_sliding_window"),
     Architecture("gemma2", window="layer_types", gemma=True),
+    Architecture("gemma3_text", window="layer_types", layer_period=6, gemma=True, qk_norm=True),
     Architecture("mixtral", window="always",
                  moe=MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2"), norm_topk_prob=True),
     Architecture("qwen3_moe", qk_norm=True, window="use_sliding_window",

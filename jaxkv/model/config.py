@@ -17,7 +17,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type == "llama3"``).
+    """RoPE frequency scaling: Llama-3's (``rope_type == "llama3"``) or ``"linear"`` (every
+    frequency divided by ``factor``: Gemma 3's global layers).
 
     Attributes mirror HF's ``rope_scaling`` dict: ``factor``, ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``.
@@ -30,10 +31,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        if self.rope_type != "llama3":
-            raise ValueError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: 'llama3'"
-            )
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
+                             f"supported: 'llama3', 'linear'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,10 @@ class ModelConfig:
       head_dim: per-head width ``D``.
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: RoPE base.
-      rope_scaling: optional Llama-3 frequency scaling.
+      rope_scaling: optional frequency scaling (of the full-attention layers, where
+        ``rope_local_theta`` is set).
+      rope_local_theta: the sliding-window layers' own RoPE base (Gemma 3), or None: theirs
+        is the full layers' rotation.
       max_position_embeddings: the model's trained context length.
       tie_word_embeddings: LM head reuses the embedding table.
       draft_vocab_size: columns of an untied LM head that scores a subset of the vocabulary (a
@@ -89,6 +92,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_local_theta: float | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -180,24 +184,10 @@ class ModelConfig:
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
-            rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-            scaling = None
-            if rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
-                scaling = RopeScaling(
-                    rope_type=rs.get("rope_type", rs.get("type")),
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                    original_max_position_embeddings=int(
-                        rs.get("original_max_position_embeddings", 8192)),
-                )
-            theta = cfg.get("rope_theta")
-            if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-                theta = cfg["rope_parameters"].get("rope_theta")
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             arch = ARCHITECTURES[model_type]
-            window, layer_types = _layer_windows(cfg, arch.window, source)
+            window, layer_types = _layer_windows(cfg, arch, source)
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -208,8 +198,7 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(theta if theta is not None else 10000.0),
-                rope_scaling=scaling,
+                **_rope_fields(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
@@ -226,18 +215,21 @@ class ModelConfig:
 
 
 
-def _layer_windows(cfg: dict[str, Any], rule: str | None,
+def _layer_windows(cfg: dict[str, Any], arch,
                    source: str) -> tuple[int | None, tuple[str, ...]]:
     """(the sliding window, ModelConfig's ``layer_types``): the window of every layer and no
-    types, None when no layer has one, or with ``rule == "layer_types"`` (Gemma 2) the window
-    and ``config.json``'s types when they mix sliding and full layers.
+    types, None when no layer has one, or with ``Architecture.window == "layer_types"``
+    (Gemma) the window and the types when they mix sliding and full layers.
 
-    ``rule`` is the architecture's (``Architecture.window``); ``layer_types``, where present,
-    says it per layer. Raises ValueError if the layers mix kinds and the architecture cannot.
+    ``layer_types``, where ``config.json`` has it, says it per layer. Raises ValueError if the
+    layers mix kinds and the architecture cannot.
     """
-    types = tuple(cfg.get("layer_types") or ())
-    if rule == "layer_types" and not types:          # Gemma 2's default: even layers slide
-        types = tuple(LAYER_TYPES[i % 2] for i in range(int(cfg["num_hidden_layers"])))
+    rule, types = arch.window, tuple(cfg.get("layer_types") or ())
+    if rule == "layer_types" and not types:          # every period-th layer full
+        period = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                     or arch.layer_period)
+        types = tuple(LAYER_TYPES[(i + 1) % period == 0]
+                      for i in range(int(cfg["num_hidden_layers"])))
     if rule == "layer_types" and len(set(types)) > 1:
         return int(cfg["sliding_window"]), types
     n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
@@ -284,5 +276,27 @@ def _gemma_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
                          f"supported: 'gelu_pytorch_tanh'")
     caps = {k: float(cfg[k]) if cfg.get(k) else None
             for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     return dict(gemma=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or
-                                                        cfg.get("head_dim")), **caps)
+                                                        head_dim), **caps)
+
+
+def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta``, ``rope_scaling`` and ``rope_local_theta`` of a ``config.json``: HF's
+    ``rope_scaling`` / ``rope_theta``, or transformers 5's ``rope_parameters`` (one dict, or
+    one per layer type: Gemma 3's full and sliding layers)."""
+    params = cfg.get("rope_parameters") or {}
+    local = cfg.get("rope_local_base_freq")                    # older Gemma 3 configs
+    if "full_attention" in params:
+        local = params.get("sliding_attention", {}).get("rope_theta", local)
+        params = params["full_attention"]
+    rs = cfg.get("rope_scaling") or params
+    kind = rs.get("rope_type", rs.get("type")) if rs else None
+    scaling = None if kind in (None, "default") else RopeScaling(
+        rope_type=kind, factor=float(rs["factor"]),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
+    return dict(rope_theta=float(theta), rope_scaling=scaling,
+                rope_local_theta=None if local is None else float(local))

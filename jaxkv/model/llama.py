@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2; Mixtral and Qwen3-MoE with
-jaxkv/model/moe.py) in Flax NNX over a paged KV cache.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3; Mixtral and Qwen3-MoE
+with jaxkv/model/moe.py) in Flax NNX over a paged KV cache.
 
 Design notes: docs/runtime.md."""
 
@@ -62,9 +62,9 @@ class Attention(nnx.Module):
             self.k_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
             self.v_bias = _param((Hkv, D), dtype, ("kv_heads", "head_dim"))
         self.bias = c.attention_bias
-        if c.qk_norm:     # Qwen3: RMSNorm over head_dim, one weight shared by the heads
-            self.q_norm = RMSNorm(D, c.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(D, c.rms_norm_eps, dtype)
+        if c.qk_norm:     # Qwen3, Gemma 3: RMSNorm over head_dim, one weight for the heads
+            self.q_norm = RMSNorm(D, c.rms_norm_eps, dtype, c.gemma)
+            self.k_norm = RMSNorm(D, c.rms_norm_eps, dtype, c.gemma)
         self.qk_norm = c.qk_norm
 
     def __call__(self, x, rot, pools, md: AttentionMetadata, *, sink_rot=None,
@@ -197,6 +197,8 @@ class Transformer(nnx.Module):
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
         rot = rotation(positions, inv_freq)                              # once for every layer
+        local_rot = (rot if c.rope_local_theta is None       # Gemma 3's sliding layers' own
+                     else rotation(positions, inv_frequencies(c, local=True)))
         sink_rot = (None if options.sink_position_cap is None else
                     rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq))
         x = self.embed_tokens[...][token_ids]                            # [T, E]
@@ -208,7 +210,8 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             bounds = cache.bounds[i] if cache.bounds else None
             x, (k_pool, v_pool, bounds), layer_mass = decoder_layer(
-                *nnx.split(layer), x, rot, sink_rot, (cache.k[i], cache.v[i], bounds), md,
+                *nnx.split(layer), x, local_rot if c.layer_window(i) else rot, sink_rot,
+                (cache.k[i], cache.v[i], bounds), md,
                 options=layer_options(c, i, options), impl=impl, interpret=interpret,
                 attention=attention, sparse=sparse, row_queries=row_queries)
             ks.append(k_pool)

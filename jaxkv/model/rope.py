@@ -1,4 +1,5 @@
-"""Rotary position embeddings in HF's rotate-half (NeoX) pairing, with Llama-3 frequency scaling.
+"""Rotary position embeddings in HF's rotate-half (NeoX) pairing, with Llama-3 or linear
+frequency scaling.
 
 Pairing: dimension ``i`` rotates with ``i + D/2`` (GGUF files store llama.cpp's interleaved
 pairing; the GGUF loader un-permutes q/k rows into this layout, so one convention serves all).
@@ -15,13 +16,18 @@ import numpy as np
 from jaxkv.model.config import ModelConfig
 
 
-def inv_frequencies(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies float32 [head_dim // 2], Llama-3 scaled when ``config.rope_scaling`` is set."""
+def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies float32 [head_dim // 2]: the full layers' (scaled when
+    ``config.rope_scaling`` is set), or with ``local`` the sliding layers' own
+    (``rope_local_theta``, unscaled: Gemma 3)."""
     D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
-    rs = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
+    rs = None if local else config.rope_scaling
     if rs is None:
         return inv.astype(np.float32)
+    if rs.rope_type == "linear":
+        return (inv / rs.factor).astype(np.float32)
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * math.pi / inv

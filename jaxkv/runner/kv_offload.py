@@ -29,14 +29,12 @@ class KVOffload:
       disk: the persistent prefix cache (``kv_cache_dir``; jaxkv/kvcache/disk_store.py), or None.
       copy_bandwidth: (device-to-host, host-to-device) bytes/s of block transfers measured at
         start.
-      preemption_mode: ``CacheArgs.preemption_mode``, for the scheduler's config.
     """
 
     def __init__(self, pool: HostKVPool, disk: disk_store.DiskKVStore | None,
-                 copy_bandwidth: tuple[float, float], preemption_mode: str):
+                 copy_bandwidth: tuple[float, float]):
         self.pool, self.disk = pool, disk
         self.copy_bandwidth = copy_bandwidth
-        self.preemption_mode = preemption_mode
         self._to_disk: list[tuple[int, int]] = []   # (slot, key) landing, then written to disk
 
     @property
@@ -77,7 +75,7 @@ class KVOffload:
                 unit=repr([(f[0], f[1], f[3]) for f in pool.fields]),
                 devices=len(pool.devices))
             disk = disk_store.DiskKVStore(cc.kv_cache_dir, ns, pool.block_bytes)
-        return cls(pool, disk, (d2h, h2d), cc.preemption_mode), cache
+        return cls(pool, disk, (d2h, h2d)), cache
 
     def transfer(self, cache: PagedKVCache, plan: StepPlan) -> PagedKVCache:
         """Applies a plan's transfers (in jaxkv/blocks/host_tier.py's order): the previous

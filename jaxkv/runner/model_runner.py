@@ -451,13 +451,13 @@ class ModelRunner:
         self.num_steps += 1
         return out
 
-    def attach_offload(self, offload: KVOffload, cache) -> None:
+    def attach_offload(self, offload: KVOffload, cache, preemption_mode: str) -> None:
         """Hands the runner a host KV tier built over its pool (``KVOffload.build``, which
-        returns the pool it measured with); the scheduler's ``cache_config`` gains the tier."""
+        returns the pool it measured with); the scheduler's ``cache_config`` gains the tier
+        and ``preemption_mode`` (``OffloadArgs.preemption_mode``)."""
         self.offload, self.cache = offload, cache
         self.cache_config = dataclasses.replace(
-            self.cache_config, host_blocks=offload.num_slots,
-            preemption_mode=offload.preemption_mode,
+            self.cache_config, host_blocks=offload.num_slots, preemption_mode=preemption_mode,
             swap_supported=not self.kv_spec.format.kivi)
 
     def transfer(self, plan: StepPlan) -> None:

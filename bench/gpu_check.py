@@ -1,116 +1,185 @@
-"""GPU check of the jaxkv Pallas attention kernels: correctness, decode bandwidth, prefill speed,
-and the engine end to end.
+"""GPU check of jaxkv in one process: the Pallas attention kernels against the reference at real
+sizes, the decode bandwidth and prefill speed table, and the engine end to end.
 
-Run from the repository root (finishes in under 9 minutes on an H200; sections (a)-(e) need only
-jax + numpy, (f) jaxkv's engine imports: safetensors, tokenizers, jinja2, tqdm, which the H200
-image holds; ``gguf``, which it lacks, is imported only when a GGUF file is read, and (f) does not
-read one):
+Run from the repository root (sections (a)-(e) need only jax + numpy; (f) jaxkv's engine imports:
+safetensors, tokenizers, jinja2, tqdm, which the GPU image holds; ``gguf``, which it lacks, is
+imported only to read a GGUF file, and (f) reads none):
 
-    PYTHONPATH=. python3 bench/gpu_check.py                 # writes $OUT/gpu_check.{md,json}
-    PYTHONPATH=. python3 bench/gpu_check.py --dry-run       # tiny sizes, interpret mode, CPU
+    PYTHONPATH=. python3 bench/gpu_check.py                  # < 8 min: $OUT/gpu_check.{md,json}
+    PYTHONPATH=. python3 bench/gpu_check.py --quick          # < 3 min
+    PYTHONPATH=. python3 bench/gpu_check.py --dry-run        # CPU: tiny sizes, interpret mode
+    JAX_PLATFORMS=cpu PYTHONPATH=. VENV/bin/python bench/gpu_check.py --prepare DIR   # here
+    PYTHONPATH=. python3 bench/gpu_check.py --artifacts DIR  # on the device: load, not compile
 
-Sections:
-  (a) every kernel variant vs jaxkv.attention.reference.paged_attention_reference at real sizes; plus KIVI
-      int4/int2 pools (bf16 q, head_dim 128; ragged and split-K decode kernels vs the reference
-      on the same QuantizedPages): a fully sealed quantize_pages pool and a pool written through
-      cache.init_cache + cache.write whose sequences end in unsealed blocks (the residual path);
-  (b) decode: batch x context x GQA grid, bf16, head_dim 128; achieved GB/s = KV bytes read / time,
-      as a fraction of the device-to-device copy bandwidth measured in the same run, next to the
-      ragged kernel on the same decode batch and jax.experimental.pallas.ops.gpu.paged_attention;
-  (b2) quantized decode: fp8_e4m3, int8 (bf16 per-token scales) and KIVI int4, int2 (keys per
-      channel, values per token in groups of 32) pools at 8k and 32k context, GQA 4, the bf16
-      rows' batches and q: ms per call, GB/s over the bytes the kernel reads (codes + scales +
-      zero points + int32 res_slot per page + the residual's null slot), the speedup over the
-      bf16 row of the same batch, and issue #6's targets at 32k (>= 1.7x fp8/int8, >= 2.5x int4)
-      as pass/fail;
-  (b3) Quest sparse decode (jaxkv.attention.quest + jaxkv.attention.pallas.sparse) against the dense split-K
-      decode kernel at 8k and 32k context, bf16, GQA 4, token budgets 512 and 2048 (sinks and
-      the recent window included): the selected pages' bytes + the key bounds' bytes actually
-      read, GB/s, speed-up over dense paged_decode_attention, for the kernel alone (selection
-      given) and for the whole step (scores + top pages + kernel), and the kernel vs the sparse
-      reference on the same selection (run after (c), before (d));
-  (b4) kept-blocks decode (issue 13): tables keeping 25% of each sequence's blocks (scattered, the
-      last one kept; the rest the null block, as H2O / SnapKV leave them) at 8k and 32k context,
-      bf16, GQA 4: the split-K decode kernel's kept walk (the default without a window) vs the
-      dense walk of the same table (every logical tile, null blocks gathered and masked, forced
-      by a window covering the whole context): the bytes each reads (kept pages' K+V vs every
-      logical position's), ms, GB/s, speed-up, and the two outputs' max difference (run after
-      (b), before (c));
-  (c) prefill: one 8k-token causal prompt through the ragged kernel vs dense flash attention
-      (pallas ops.gpu.attention.mha with K/V repeated to every head, and
-      jax.nn.dot_product_attention);
-  (d) a small tuning sweep of the kernels' configs, while time is left;
-  (e) host KV offload (issue 14): device-to-host and host-to-device GB/s of 16-token all-layer
-      block units of an 8B-class geometry (32 layers, 8 kv heads, head_dim 128, bf16: 2 MiB a
-      block) through jaxkv.kvcache.host_pool.HostKVPool (the engine's path: jitted gather into
-      numpy rows, rows -> device_put -> jitted donated scatter; staged through pinned_host
-      buffers, the GPU default, and without them, copy_to_host_async), single
-      blocks vs batches of 8 / 64 / 512, and a contiguous buffer moved by jax.device_put to
-      ``memory_kind="pinned_host"`` vs a jitted copy whose output lives there (targets on H200:
-      >= 40 GB/s D2H, >= 45 GB/s H2D); run after (c);
-  (f) end to end (issue 16), run last: ``jaxkv.LLM`` on a random-weight model of SmolLM2-135M's
-      geometry (30 layers, hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocab 49152,
-      tied embeddings, rope theta 1e5), written on the machine as an HF directory (config.json,
-      bf16 safetensors, a word-level tokenizer over the whole vocabulary) and loaded by the
-      engine's own loader; bf16, the engine's default attention (``pallas`` on GPU, recorded per
-      row). Batch 1 / 16 / 64 of 128 random prompt ids and 128 greedy output tokens each
-      (ignore_eos), after a warm-up generate of the same batch (compiles excluded; a recompile
-      in the timed run is counted): output tokens/s over the whole run (prefill included), the
-      mean decode step ms, and the host share of step time, (wall - device) / wall of each
-      ``llm.step()``, device = the jitted step from dispatch to tokens on the host
-      (bench/lib/step_timing.py, shared with bench/decode_step.py). A row whose requests do not get
-      exactly 128 tokens fails the run.
-Every timing runs the op ``inner`` times inside one jitted loop (each call feeds a scalar of its
-output into the next q, so nothing is hoisted), repeated ``reps`` times: median and min/max are
-per call. Every section is guarded: a failure is recorded in the report, the script goes on.
-Time guards: no bf16 decode measurement starts after 300 s, no quantized one after 360 s, no
-kept-blocks one after 380 s, no sweep one after 400 s, no sparse one after 420 s; (f) starts
-only before 440 s, and no end-to-end row starts after 500 s or when the previous row's time
-would carry it past 530 s. The speedup
-targets are reported, not part of the exit status; a sparse row whose kernel disagrees with the
-sparse reference, or a kept-blocks row whose two walks disagree, fails the run.
+Compiles run ahead: a second pass over (a)-(d), in a thread, with shapes only (``Run``'s
+abstract pass, the one --prepare makes), lowers every executable the run will ask for and hands
+it to a pool of cpu_count - 2 threads that compile it (or load it, below); the run waits only
+for the executable it needs next. (f) starts after every such executable is got, so that its
+host timings do not share the CPU with compiles.
+
+Modes:
+  (default) every section, under the time guards below.
+  --quick: 62 executables instead of 277, one LLM instead of four. (a) keeps every kernel,
+    format and option at real sizes but not every product (``QUICK_POOLS``: split-K at auto
+    splits only, the same kernel as splits=1 on a larger grid; fp32 plain; the sparse kernel
+    on bf16, int8 and a written int4 pool, the hardest of its readers): 49 executables of 84;
+    (b) at 32k context, batches 8 and 128, GQA 4, with (b2)'s fp8 and int4 rows (the headline
+    bandwidths and two targets: 10 of 88); (c) the ragged kernel and cuDNN (2 of 5); one (f)
+    row (SmolLM2's geometry, bf16 KV, batch 64); no (b3), (b4), (d), (e).
+  --dry-run: tiny sizes in Pallas interpret mode on the CPU, no time guards. Every executable is
+    also archived (OUT/artifacts/cpu.zip), and the archived copy loaded back and used, so the
+    archive path runs too; ``--quick`` selects as above; ``--prepare``/``--artifacts`` work
+    with this CPU as the target.
+  --prepare DIR: no device and nothing run: every executable of (a)-(d) of the full run (the
+    quick run's are among them) is compiled here for ``--target`` (tests/gpu_targets/NAME.txtpb,
+    default h100_sxm) and archived in DIR/NAME.zip (bench/lib/gpu_artifacts.py). Needs the
+    device's jax, jaxlib and jax CUDA plugin versions, with ptxas (bench/README.md).
+  --artifacts PATH (repeatable; a zip, or a folder of them): an executable an archive holds is
+    loaded instead of compiled, where the archive's manifest matches this process (jax, jaxlib
+    and plugin versions, XLA_FLAGS, the kernels' sources, GPU generation); else everything is
+    compiled and the report says why. The first loaded executable of each section is compiled
+    too, to time both and compare their outputs.
+  A device run archives what it compiled in OUT/artifacts/<device kind>.zip (up to 15 MiB) for
+  a rerun to load. The JSON's ``executables`` has each one's section, whether it was got ahead,
+  its lower, compile or load seconds, and how long the run waited for it; the report sums them.
+
+Sections, in the order they run:
+  (a) every kernel (ragged, split-K decode at 1 and auto splits, Quest's sparse decode) vs the
+      pure-jnp reference (jaxkv.attention.reference, jaxkv.attention.quest) on 8 sequences of
+      1-1000 query tokens over 1-32768 kv positions (head_dim 128, 8 kv heads, GQA 4), on every
+      pool format: bf16 and fp32 (plain, window 1024 + 4 sinks, soft-cap 30), fp8_e4m3, int8,
+      KIVI int4/int2 fully sealed (``quantize_pages``) and KIVI pools written through
+      ``cache.write`` whose sequences end in unsealed blocks (the residual path); the sparse
+      kernel on Quest's pages (budget 512 tokens) with and without soft-cap;
+  (b) decode: contexts 32k, 8k, 512 (longest first: a time guard drops the short ones) x GQA 4, 8
+      x batches 1-128, bf16, head_dim 128, 8 kv heads; GB/s = KV bytes read / time, as a
+      fraction of the device-to-device copy bandwidth measured first in the same run; our
+      split-K kernel, the ragged kernel on the same decode batch, and
+      jax.experimental.pallas.ops.gpu.paged_attention;
+  (b2) quantized decode, after each context's bf16 rows: fp8_e4m3, int8 (bf16 per-token scales),
+      KIVI int4/int2 pools at 32k, the bf16 rows' batches and q: ms, GB/s over the bytes the
+      kernel reads (codes + scales + zero points + int32 res_slot per page + the residual's null
+      slot), the speedup over the bf16 row, issue #6's targets (>= 1.7x fp8/int8, >= 2.5x int4);
+  (c) prefill: one 8k-token causal prompt through the ragged kernel (3 configs) vs dense flash
+      attention (pallas ops.gpu.attention.mha with K/V repeated to every head, cuDNN's
+      jax.nn.dot_product_attention); TFLOP/s = 4 * Hq * D * T * (T + 1) / 2 causal flops / time;
+  (f) end to end (issue 16): ``jaxkv.LLM`` on random-weight models written on the machine as HF
+      directories (bench/lib/random_model.py, in a background thread from the start of the
+      run): SmolLM2-135M's geometry (30 layers, hidden 576, 9 q / 3 kv heads of 64, tied
+      vocab 49152) and a Llama-3-8B-shaped model with 4 of its 32 layers (hidden 4096, 32 q / 8
+      kv heads of 128, intermediate 14336, untied vocab 128256: 1.9B parameters, 3.9 GB to
+      write and load where 32 layers would be 16 GB), each with bf16 and fp8_e4m3 KV; 128
+      random prompt ids and 128 greedy tokens a request (ignore_eos) after a warm-up generate
+      of the same batch (compiles excluded; a recompile in the timed run is counted): output
+      tokens/s, the decode step's ms, and the host share (wall - device) / wall of each
+      ``llm.step()`` (bench/lib/step_timing.py). A row whose requests do not get exactly 128
+      tokens fails the run;
+  (b3) Quest sparse decode vs the dense split-K kernel at 8k and 32k, bf16, GQA 4, budgets 512 and
+      2048 tokens: bytes read, GB/s, speed-up of the kernel alone and of the whole step (scores
+      + top pages + kernel), the kernel vs the sparse reference;
+  (b4) kept-blocks decode (issue 13): tables keeping 25% of each sequence's blocks, the kept walk
+      vs the dense walk of the same table (a window covering the whole context): bytes, ms,
+      GB/s, speed-up, and the two outputs' difference;
+  (e) host KV offload (issue 14): HostKVPool D2H/H2D GB/s of 2 MiB all-layer blocks (8B-class),
+      staged through pinned_host and not, batches of 1-512; raw device_put vs a jitted copy to
+      ``pinned_host`` (targets on H200: >= 40 GB/s D2H, >= 45 GB/s H2D);
+  (d) a tuning sweep of the decode kernel's configs, with the time left.
+Every timing runs the op ``inner`` times inside one jitted loop (each call feeds its output into
+the next q, so nothing is hoisted), ``reps`` times: median and min/max per call. Every section and
+row is guarded: a failure is recorded, the run goes on. Exit status 0: every kernel matched the
+reference, every sparse / kept / end-to-end row is ok and no section failed.
+
+Time guards (seconds since the process started; full | quick): no bf16 decode row starts after
+200 | 110, no quantized one after 230 | 120; (f) starts before 260 | 135, no end-to-end row after
+400 | 135, nor one the previous row's time (its LLM's build included) would carry past 430 |
+170; then sparse rows until 420, kept-blocks rows until 430, offload before 430, sweep rows
+until 440 (full only). The report counts the rows each guard dropped.
+
+Time estimate (no device has run this yet: from the structure, and compile times measured
+deviceless here). The full run has 277 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (d) 36, the copy 1. Their
+deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
+(load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
+loop, 0.2-0.5 s to lower it. At ~2.5 s a compile and ~0.3 s a lowering on the device, one after
+another the full run's would take ~13 min, more than the whole run may. Ahead on 14 threads,
+the lowering in one thread (~85 s) bounds them: all are got by ~100 s (the CPU dry run: 122
+executables, every one got ahead). Run time besides: start-up ~10 s, (a) ~10 s (the references
+at 32k), (b) ~15 s, an LLM's build and warm-up compiles ~25 s: (f) 4 LLMs and 6 rows ~150 s,
+(b3)-(d) ~40 s. Full: ~300 s (< 8 min; if compiles run slower, the guards end it by ~445 s);
+quick: ~30 s ahead, ~35 s of runs, ~35 s of (f): ~100 s (< 3 min; guards by ~170 s). A loaded
+executable costs no lowering and ~0.05 s (on the CPU here) instead of its compile: with an
+archive, the pass ahead is done within seconds.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import functools
-import gc
-import json
-import math
-import os
-import platform
-import statistics
-import sys
-import tempfile
 import time
-import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+START = time.perf_counter()    # the time guards count from the process start, imports included
 
+import argparse  # noqa: E402 - after START
+import concurrent.futures  # noqa: E402
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_splits,
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_splits,  # noqa: E402
                                     paged_decode_attention, ragged_paged_attention)
-from jaxkv.attention.reference import paged_attention_reference
-from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec
+from jaxkv.attention.reference import paged_attention_reference  # noqa: E402
+from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for lib/
-from lib.random_model import SPECIAL_TOKENS, write_random_model  # noqa: E402 - after the path
-from lib.step_timing import timed_step  # noqa: E402
-
-# (f): SmolLM2-135M's sizes (HF config.json fields); its other fields are in write_random_model
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+from lib import gpu_artifacts as artifacts  # noqa: E402
+from lib.gpu_e2e import (LLAMA3_8B_L4, SMOLLM2_135M, E2EModel, build_llm, e2e_row,  # noqa: E402
+                         write_models)
+from lib.gpu_report import (QUANT_TARGETS, fmt_decode_row, fmt_e2e_row,  # noqa: E402
+                            fmt_kept_row, fmt_quant_row, fmt_sparse_row, markdown)
 
 TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+KIVI_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.kivi)   # int4, int2
+TARGETS = Path(__file__).resolve().parents[1] / "tests" / "gpu_targets"   # data, not imported
+
+
+# --------------------------------------------------------------------------------------------
+# settings
+# --------------------------------------------------------------------------------------------
+
+
+# (a): (pool, option sets, kernels); sparse runs on the option sets it takes (soft-cap)
+FLOAT_VARIANTS = ("plain", "window+sinks", "softcap")
+EVERY_KERNEL = ("ragged", "decode splits=1", "decode splits=auto", "sparse")
+QUANT_KERNELS = ("ragged", "decode splits=auto", "sparse")
+QUANT_POOLS = ("fp8_e4m3", "int8", "int4", "int2", "int4 written", "int2 written")
+FULL_POOLS = (("bfloat16", FLOAT_VARIANTS, EVERY_KERNEL), ("float32", FLOAT_VARIANTS, EVERY_KERNEL),
+              *((pool, ("plain",), QUANT_KERNELS) for pool in QUANT_POOLS))
+# quick: split-K at auto splits only, fp32 plain, sparse on bf16 / int8 / a written int4 pool
+DENSE_KERNELS = ("ragged", "decode splits=auto")
+QUICK_POOLS = (("bfloat16", FLOAT_VARIANTS, QUANT_KERNELS), ("float32", ("plain",), DENSE_KERNELS),
+               ("fp8_e4m3", ("plain",), DENSE_KERNELS), ("int8", ("plain",), QUANT_KERNELS),
+               ("int4", ("plain",), DENSE_KERNELS), ("int2", ("plain",), DENSE_KERNELS),
+               ("int4 written", ("plain",), QUANT_KERNELS))
+
+SECTIONS = ("copy_gbps", "correctness", "decode", "prefill", "e2e", "sparse", "kept", "offload",
+            "sweep")
+PREPARED = ("copy_gbps", "correctness", "decode", "prefill", "sparse", "kept", "sweep")
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Problem sizes of one run (real GPU sizes or the dry run's tiny ones)."""
+    """Problem sizes, selections and time guards of one run."""
 
     interpret: bool
     head_dim: int
@@ -123,85 +192,200 @@ class Settings:
     copy_bytes: int
     reps: int
     target_s: float          # wall time of one timed repetition (sets the inner loop count)
-    decode_until_s: float    # no new decode measurement starts after this many seconds
-    sweep_until_s: float     # nor a tuning-sweep one (the whole run must stay < 9 minutes)
-    correctness: tuple[dict, ...]
+    q_lens: tuple[int, ...]  # (a): query tokens and kv lengths of its sequences
+    kv_lens: tuple[int, ...]
+    window: int              # (a): the window of its window+sinks option set
     sweep_block_kv: tuple[int, ...]
     sweep_launch: tuple[tuple[int, int], ...]     # (num_warps, num_stages)
-    quant_contexts: tuple[int, ...] = ()          # contexts of the quantized decode rows
+    e2e_models: tuple[E2EModel, ...]
+    pools: tuple = FULL_POOLS                     # (a): (pool, option sets, kernels)
+    sections: tuple[str, ...] = SECTIONS
+    until: tuple[tuple[str, float], ...] = ()     # time guards; a missing one never stops
+    quant_contexts: tuple[int, ...] = ()          # (b2)
     quant_dtypes: tuple[str, ...] = ("fp8_e4m3", "int8", "int4", "int2")
-    quant_groups: tuple[int, ...] = (4,)          # GQA groups of the quantized decode rows
-    quant_until_s: float = 360.0  # no quantized decode row starts after this (bf16 rows: 300 s)
+    quant_groups: tuple[int, ...] = (4,)
     target_context: int = 32768   # context at which QUANT_TARGETS are judged
-    sparse_contexts: tuple[int, ...] = ()         # contexts of the Quest sparse decode rows
+    prefill_configs: tuple = (None, RaggedConfig(block_q=32, block_kv=64, num_warps=8,
+                                                 num_stages=2),
+                              RaggedConfig(block_q=16, block_kv=128, num_warps=8, num_stages=3))
+    prefill_peers: tuple[str, ...] = ("mha", "dpa")
+    sparse_contexts: tuple[int, ...] = ()         # (b3)
     sparse_batches: tuple[int, ...] = (8, 32)
     sparse_budgets: tuple[int, ...] = (512, 2048)  # tokens attended per (sequence, kv head)
     sparse_sinks: int = 16        # sink tokens always attended
     sparse_recent: int = 64       # recent tokens always attended (the current one included)
-    sparse_until_s: float = 420.0  # no sparse decode row starts after this
-    kept_contexts: tuple[int, ...] = ()           # (b4): contexts of the kept-blocks rows
+    kept_contexts: tuple[int, ...] = ()           # (b4)
     kept_batches: tuple[int, ...] = (8, 32)
-    kept_fraction: float = 0.25    # blocks of each sequence its table keeps
-    kept_until_s: float = 380.0    # no kept-blocks row starts after this
+    kept_fraction: float = 0.25
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
-    e2e_model: tuple[tuple[str, int], ...] = tuple(SMOLLM2_135M.items())  # (f): the model's sizes
-    e2e_batches: tuple[int, ...] = (1, 16, 64)
     e2e_prompt: int = 128          # random prompt token ids per request
     e2e_tokens: int = 128          # output tokens per request (greedy, ignore_eos)
     e2e_warmup_tokens: int = 16    # the warm-up generate's (same batch and prompt length)
     e2e_impl: str | None = None    # attention_impl (None: the engine's default for the backend)
-    e2e_start_until_s: float = 440.0  # (f) does not start after this
-    e2e_until_s: float = 500.0     # no end-to-end row starts after this,
-    e2e_end_s: float = 530.0       # nor one the previous row's time would carry past this
+
+    def until_s(self, guard: str) -> float:
+        return dict(self.until).get(guard, math.inf)
 
 
-REAL = Settings(
+FULL_UNTIL = (("decode", 200.0), ("quant", 230.0), ("e2e_start", 260.0), ("e2e", 400.0),
+              ("e2e_end", 430.0), ("sparse", 420.0), ("kept", 430.0), ("offload", 430.0),
+              ("sweep", 440.0))
+QUICK_UNTIL = (("decode", 110.0), ("quant", 120.0), ("e2e_start", 135.0), ("e2e", 135.0),
+               ("e2e_end", 170.0))
+
+FULL = Settings(
     interpret=False, head_dim=128, num_kv_heads=8, block_size=16,
-    batches=(1, 8, 32, 128), contexts=(512, 2048, 8192, 32768), groups=(4, 8),
+    batches=(1, 8, 32, 128), contexts=(512, 8192, 32768), groups=(4, 8),
     prefill_tokens=8192, copy_bytes=2 << 30, reps=5, target_s=0.02,
-    decode_until_s=300.0, sweep_until_s=400.0,
-    correctness=(
-        dict(q_lens=(1000, 1, 1, 300, 1, 1, 1024, 1),
-             kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768)),
-    ),
-    sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
-    quant_contexts=(8192, 32768), sparse_contexts=(8192, 32768), kept_contexts=(8192, 32768))
+    q_lens=(1000, 1, 1, 300, 1, 1, 1024, 1), kv_lens=(1000, 4000, 8191, 2348, 17, 1, 1040, 32768),
+    window=1024, sweep_block_kv=(32, 64, 128), sweep_launch=((4, 2), (4, 3), (8, 2)),
+    e2e_models=(E2EModel("SmolLM2-135M's geometry", tuple(SMOLLM2_135M.items()),
+                         (("auto", (1, 64)), ("fp8_e4m3", (64,)))),
+                E2EModel("Llama-3-8B's shape, 4 of its 32 layers", tuple(LLAMA3_8B_L4.items()),
+                         (("auto", (1, 32)), ("fp8_e4m3", (32,))))),
+    until=FULL_UNTIL, quant_contexts=(32768,), sparse_contexts=(8192, 32768),
+    kept_contexts=(8192, 32768))
 # head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
     interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
-    batches=(1, 2), contexts=(64,), groups=(4,),
-    prefill_tokens=64, copy_bytes=1 << 20, reps=2, target_s=0.0,
-    # the dry run checks that every row runs, not how fast: no time budget (a loaded CPU in CI
-    # would otherwise drop the last rows)
-    decode_until_s=math.inf, sweep_until_s=math.inf,
-    correctness=(dict(q_lens=(5, 1, 1), kv_lens=(5, 30, 9)),),
-    sweep_block_kv=(16,), sweep_launch=((4, 2),), quant_contexts=(64,), quant_until_s=math.inf,
-    target_context=64, sparse_contexts=(64,), sparse_batches=(2,), sparse_budgets=(32, 48),
-    sparse_sinks=8, sparse_recent=8, sparse_until_s=math.inf,
-    kept_contexts=(64,), kept_batches=(2,), kept_until_s=math.inf,
-    offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
-    e2e_model=tuple(dict(vocab_size=300, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1).items()),
-    e2e_batches=(1, 4), e2e_prompt=16, e2e_tokens=4, e2e_warmup_tokens=2, e2e_impl="pallas",
-    e2e_start_until_s=math.inf, e2e_until_s=math.inf, e2e_end_s=math.inf)
-
-# Issue #6: decode speedup over the bf16 pool of the same batch at ``target_context`` (32k).
-QUANT_TARGETS = {"fp8_e4m3": 1.7, "int8": 1.7, "int4": 2.5}
-# packed KIVI pools (int4, int2): K per channel, V per token (G = 32 at head_dim 128)
-KIVI_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.kivi)
+    batches=(1, 2), contexts=(64,), groups=(4,), prefill_tokens=64, copy_bytes=1 << 20, reps=2,
+    target_s=0.0, q_lens=(5, 1, 1), kv_lens=(5, 30, 9), window=7,
+    sweep_block_kv=(16,), sweep_launch=((4, 2),),
+    # two tiny Llamas: tied (SmolLM2-like) and untied with GQA 4 (8B-like)
+    e2e_models=(E2EModel("tiny", tuple(dict(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=2,
+                                             num_key_value_heads=1).items()),
+                         (("auto", (1, 4)), ("fp8_e4m3", (4,)))),
+                E2EModel("tiny untied", tuple(dict(vocab_size=300, hidden_size=128,
+                                                   intermediate_size=256, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=1,
+                                                   tie_word_embeddings=False).items()),
+                         (("auto", (4,)), ("fp8_e4m3", (4,))))),
+    quant_contexts=(64,), target_context=64, sparse_contexts=(64,), sparse_batches=(2,),
+    sparse_budgets=(32, 48), sparse_sinks=8, sparse_recent=8, kept_contexts=(64,),
+    kept_batches=(2,), offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
+    e2e_prompt=16, e2e_tokens=4, e2e_warmup_tokens=2, e2e_impl="pallas")
 
 
-class Clock:
-    """Seconds since the run started."""
+def quick(s: Settings, *, batches: tuple[int, ...], until) -> Settings:
+    """``s`` reduced to the quick run: the longest context at ``batches``, GQA 4, fp8 and int4
+    pools, the ragged prefill and cuDNN, one end-to-end row (the first model, bf16 KV, the
+    largest batch), QUICK_POOLS in (a); every executable one of ``s``'s."""
+    first = s.e2e_models[0]
+    model = dataclasses.replace(first, runs=(("auto", (max(first.runs[0][1]),)),))
+    return dataclasses.replace(
+        s, pools=QUICK_POOLS, sections=("copy_gbps", "correctness", "decode", "prefill", "e2e"),
+        contexts=s.contexts[-1:], quant_contexts=s.contexts[-1:], batches=batches, groups=(4,),
+        quant_dtypes=("fp8_e4m3", "int4"), prefill_configs=(None,), prefill_peers=("dpa",),
+        e2e_models=(model,), until=until)
 
-    def __init__(self):
-        self.start = time.perf_counter()
 
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+QUICK = quick(FULL, batches=(8, 128), until=QUICK_UNTIL)
+DRY_QUICK = quick(DRY, batches=(2,), until=())
+
+
+# --------------------------------------------------------------------------------------------
+# one run: its executables, clock and errors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """A pass over the sections: on the device's arrays, or ``abstract`` (shapes only: every
+    executable is handed to ``exes.ahead`` and nothing runs; --prepare, and the pass that
+    compiles ahead of a device run)."""
+
+    settings: Settings
+    exes: artifacts.Executables
+    abstract: bool = False
+    section: str = ""
+    copy_gbps: float = 1.0
+    errors: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)   # rows a guard dropped
+
+    @staticmethod
+    def elapsed() -> float:
+        return time.perf_counter() - START
+
+    def late(self, guard: str, rows: int = 1, ahead_s: float = 0.0) -> bool:
+        """``ahead_s`` from now is past the ``guard`` time (never in an abstract pass); counts the
+        ``rows`` it drops."""
+        if self.abstract or self.elapsed() + ahead_s <= self.settings.until_s(guard):
+            return False
+        self.skipped[guard] = self.skipped.get(guard, 0) + rows
+        return True
+
+    def data(self, fn, *args):
+        """fn(*args): arrays of a row's inputs (their shapes in an abstract pass)."""
+        return jax.eval_shape(fn, *args) if self.abstract else fn(*args)
+
+    def executable(self, name: str, fn, args):
+        """The executable of jax.jit(fn) on ``args`` (None in an abstract pass, which starts
+        getting it)."""
+        if self.abstract:
+            self.exes.ahead(name, fn, args, self.section)
+            return None
+        return self.exes.get(name, fn, args, self.section)
+
+    def call(self, label: str, fn, *args):
+        """jax.jit(fn)(*args) through the run's executables (the outputs' shapes in an abstract
+        pass)."""
+        exe = self.executable(f"{label}: {artifacts.describe(fn)}", fn, args)
+        return jax.eval_shape(fn, *args) if exe is None else exe(*args)
+
+    def time_op(self, label: str, fn, args, *, est_s: float):
+        """Per-call seconds of fn(*args): (median, min, max) over ``reps`` repetitions of a
+        jitted loop of ``inner`` calls; None in an abstract pass."""
+        s = self.settings
+        inner = max(1, min(200, int(s.target_s / max(est_s, 1e-6))))
+        exe = self.executable(f"time x{inner} {label}: {artifacts.describe(fn)}",
+                              looped(fn, inner), args)
+        if exe is None:
+            return None
+        jax.block_until_ready(exe(*args))                          # warm up
+        times = []
+        for _ in range(s.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(*args))
+            times.append((time.perf_counter() - t0) / inner)
+        return float(np.median(times)), float(min(times)), float(max(times))
+
+    def timed(self, row: dict, name: str | None, label: str, fn, args,
+              nbytes: int | None = None, est_s: float | None = None) -> None:
+        """``time_op`` into ``row``: ``{name}_ms``, min/max, and with ``nbytes`` GB/s and the
+        fraction of the copy bandwidth (``ms``, ``gbps``, ... without a name); an error into
+        ``{name}_error``. ``est_s`` (default: ``nbytes`` at 3 TB/s) sets the loop's length."""
+        p = f"{name}_" if name else ""
+        try:
+            t = self.time_op(label, fn, args, est_s=nbytes / 3e12 + 5e-6 if est_s is None
+                             else est_s)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row[f"{p}error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            return
+        if t is None:
+            return
+        med, lo, hi = t
+        row.update({f"{p}ms": med * 1e3, f"{p}min_ms": lo * 1e3, f"{p}max_ms": hi * 1e3})
+        if nbytes is not None:
+            row.update({f"{p}gbps": nbytes / med / 1e9,
+                        f"{p}frac_copy": nbytes / med / 1e9 / self.copy_gbps})
+
+
+def looped(fn, inner: int):
+    """jit(q, *rest) -> runs fn ``inner`` times, each call's output (q's shape) the next q.
+
+    Feeding the whole output back keeps every call, and all of each output, live: nothing can be
+    hoisted out of the loop or sliced away.
+    """
+
+    def run(q, *rest):
+        def body(_, q):
+            return fn(q, *rest).reshape(q.shape).astype(q.dtype)
+        return jax.lax.fori_loop(0, inner, body, q)
+
+    return jax.jit(run)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,31 +393,44 @@ class Clock:
 # --------------------------------------------------------------------------------------------
 
 
-def make_paged(key, kv_lens, *, Hkv, D, bs, dtype):
-    """Pools [P, bs, Hkv, D] and int32 block tables from a random permutation of page ids 1.."""
+def page_tables(kv_lens, bs: int):
+    """int32 block tables (numpy) over a random permutation of page ids 1.., and the lengths."""
     blocks = [-(-n // bs) for n in kv_lens]
-    num_blocks = 1 + sum(blocks)
-    max_blocks = max(blocks)
-    perm = np.random.default_rng(0).permutation(np.arange(1, num_blocks)).astype(np.int32)
-    tables = np.zeros((len(kv_lens), max_blocks), np.int32)
+    perm = np.random.default_rng(0).permutation(np.arange(1, 1 + sum(blocks))).astype(np.int32)
+    tables = np.zeros((len(kv_lens), max(blocks)), np.int32)
     used = 0
     for s, nb in enumerate(blocks):
         tables[s, :nb] = perm[used:used + nb]
         used += nb
-    kk, kv = jax.random.split(key)
-    shape = (num_blocks, bs, Hkv, D)
-    return (jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype),
-            jnp.asarray(tables), jnp.asarray(np.asarray(kv_lens, np.int32)))
+    return tables, np.asarray(kv_lens, np.int32)
+
+
+def random_pools(seed: int, num_blocks: int, s: Settings, dtype):
+    """(K, V) pools [num_blocks, block_size, Hkv, D] of normal values."""
+    kk, kv = jax.random.split(jax.random.key(seed))
+    shape = (num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+    return jax.random.normal(kk, shape, dtype), jax.random.normal(kv, shape, dtype)
+
+
+def make_paged(run: Run, seed: int, kv_lens, dtype=jnp.bfloat16):
+    """(K, V, tables, lens): pools of every sequence's blocks (shapes in an abstract pass)."""
+    tables, lens = page_tables(kv_lens, run.settings.block_size)
+    k, v = run.data(functools.partial(random_pools, seed, 1 + int(np.sum(tables > 0)),
+                                      run.settings, dtype))
+    return k, v, jnp.asarray(tables), jnp.asarray(lens)
+
+
+def normal(run: Run, seed: int, shape, dtype=jnp.bfloat16):
+    return run.data(lambda: jax.random.normal(jax.random.key(seed), shape, dtype))
 
 
 def max_err(got, want):
-    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+    return float(np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))))
 
 
 def is_close(got, want, dtype_name):
-    tol = TOL[dtype_name]
     return bool(np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                            atol=tol["atol"], rtol=tol["rtol"]))
+                            **TOL[dtype_name]))
 
 
 @functools.partial(jax.jit, static_argnames=("kv_cache_dtype",))
@@ -247,7 +444,7 @@ def quantize_kv(k, v, kv_cache_dtype: str):
             quantize_pages(v, kv_cache_dtype, axis="token"))
 
 
-def written_kivi_pools(k, v, tables, lens, kv_cache_dtype: str):
+def written_kivi_pools(k, v, *, tables: np.ndarray, lens: np.ndarray, kv_cache_dtype: str):
     """KIVI (K, V) pools built the serving way: ``init_cache`` + one ``cache.write`` of every
     token of every sequence (the values of the float pools ``k``, ``v`` at the same slots).
     Blocks filled to the end are sealed (codes); the tail block of a sequence whose length is
@@ -255,15 +452,12 @@ def written_kivi_pools(k, v, tables, lens, kv_cache_dtype: str):
     from jaxkv.kvcache import pages as kvcache
 
     num_blocks, bs, hkv, d = k.shape
-    tables_np, lens_np = np.asarray(tables), np.asarray(lens)
-    pos = [np.arange(n) for n in lens_np]
-    blk = np.concatenate([tables_np[s, p // bs] for s, p in enumerate(pos)]).astype(np.int32)
-    off = np.concatenate([p % bs for p in pos]).astype(np.int32)
+    pos = [np.arange(n) for n in lens]
+    blk = jnp.asarray(np.concatenate([tables[s, p // bs] for s, p in enumerate(pos)]), jnp.int32)
+    off = jnp.asarray(np.concatenate([p % bs for p in pos]), jnp.int32)
     c = kvcache.init_cache(KVCacheSpec(num_layers=1, num_blocks=num_blocks, block_size=bs,
                                        num_kv_heads=hkv, head_dim=d, dtype=jnp.dtype(k.dtype).name,
-                                       kv_cache_dtype=kv_cache_dtype,
-                                       num_residual_slots=len(lens_np)))
-    blk, off = jnp.asarray(blk), jnp.asarray(off)
+                                       kv_cache_dtype=kv_cache_dtype, num_residual_slots=len(lens)))
     c = jax.jit(kvcache.write, static_argnums=1)(c, 0, k[blk, off], v[blk, off], blk * bs + off)
     return c.k[0], c.v[0]
 
@@ -288,6 +482,16 @@ def wide_offsets(pool):
     return dataclasses.replace(pool, **pad)
 
 
+def quantized_pools(k, v, kv_cache_dtype: str):
+    """``quantize_kv``'s pools with ``wide_offsets``."""
+    return tuple(wide_offsets(p) for p in quantize_kv(k, v, kv_cache_dtype))
+
+
+def nbytes(a) -> int:
+    """Bytes of an array or a ShapeDtypeStruct."""
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
 def read_bytes(pool, pages_read: int) -> int:
     """Bytes the kernels read from one pool for ``pages_read`` pages: a float pool's pages; a
     ``QuantizedPages``' codes + scales + zero points (per-page slices of every [num_blocks, ...]
@@ -296,153 +500,23 @@ def read_bytes(pool, pages_read: int) -> int:
     ``quantize_pages`` pool only the null slot, which every sealed page reads, and one empty
     slot)."""
     if not hasattr(pool, "data"):
-        return pool.nbytes // pool.shape[0] * pages_read
-    per_page = sum(a.nbytes for a in (pool.data, pool.scale, pool.zero, pool.res_slot)
+        return nbytes(pool) // pool.shape[0] * pages_read
+    per_page = sum(nbytes(a) for a in (pool.data, pool.scale, pool.zero, pool.res_slot)
                    if a is not None) // pool.data.shape[0]
-    return per_page * pages_read + (0 if pool.residual is None else pool.residual.nbytes)
+    return per_page * pages_read + (0 if pool.residual is None else nbytes(pool.residual))
 
 
-# --------------------------------------------------------------------------------------------
-# timing
-# --------------------------------------------------------------------------------------------
+def is_kivi(pool) -> bool:
+    return hasattr(pool, "format") and pool.format.kivi
 
 
-def looped(fn, inner: int):
-    """jit(q, *rest) -> runs fn ``inner`` times, each call's output (q's shape) the next q.
+def quest_pages(q, k, tables, lens, *, budget: int, num_sinks: int, recent: int):
+    """Quest's (pages, count): bounds from the pool (``key_bounds``; a KIVI pool's statistics)."""
+    from jaxkv.attention.quest import key_bounds, quest_select
 
-    Feeding the whole output back keeps every call, and all of each output, live: nothing can be
-    hoisted out of the loop or sliced away.
-    """
-
-    def run(q, *rest):
-        def body(_, q):
-            return fn(q, *rest).reshape(q.shape).astype(q.dtype)
-        return jax.lax.fori_loop(0, inner, body, q)
-
-    return jax.jit(run)
-
-
-def time_op(fn, args, *, settings: Settings, est_s: float):
-    """Per-call seconds of fn(*args): (median, min, max, inner) over settings.reps repetitions."""
-    inner = max(1, min(200, int(settings.target_s / max(est_s, 1e-6))))
-    run = looped(fn, inner)
-    jax.block_until_ready(run(*args))                         # compile + warm up
-    times = []
-    for _ in range(settings.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append((time.perf_counter() - t0) / inner)
-    return float(np.median(times)), float(min(times)), float(max(times)), inner
-
-
-def copy_bandwidth(settings: Settings) -> float:
-    """Device-to-device copy bandwidth in GB/s: x + 1 reads and writes copy_bytes each."""
-    x = jnp.zeros((settings.copy_bytes // 2,), jnp.bfloat16)
-    est = 2 * settings.copy_bytes / 3e12
-    med, _, _, _ = time_op(lambda x: x + 1, (x,), settings=settings, est_s=est)
-    return 2 * settings.copy_bytes / med / 1e9
-
-
-# --------------------------------------------------------------------------------------------
-# (a) correctness
-# --------------------------------------------------------------------------------------------
-
-
-def check_correctness(settings: Settings, peer, errors: list[str]):
-    """{"ours": rows, "peer": rows}; a failing peer is appended to ``errors``."""
-    rows, peer_rows = [], []
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    Hq = 4 * Hkv
-    window = 7 if settings.interpret else 1024
-    variants = [("plain", {}), ("window+sinks", dict(sliding_window=window, num_sinks=4)),
-                ("softcap", dict(soft_cap=30.0))]
-    for case in settings.correctness:
-        q_lens, kv_lens = case["q_lens"], case["kv_lens"]
-        for dtype in (jnp.bfloat16, jnp.float32):
-            name = jnp.dtype(dtype).name
-            k, v, tables, lens = make_paged(jax.random.key(1), kv_lens, Hkv=Hkv, D=D, bs=bs,
-                                            dtype=dtype)
-            T = sum(q_lens) + 5
-            q = jax.random.normal(jax.random.key(2), (T, Hq, D), dtype)
-            qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-            n = sum(q_lens)
-            S = len(kv_lens)
-            qd = q[:S]
-            qsl_d = jnp.arange(S + 1, dtype=jnp.int32)
-            for label, opts in variants:
-                want = paged_attention_reference(q, k, v, tables, lens, qsl, **opts)
-                got = ragged_paged_attention(q, k, v, tables, lens, qsl, **opts,
-                                             interpret=settings.interpret)
-                rows.append(dict(kernel="ragged", variant=label, dtype=name,
-                                 max_err=max_err(got[:n], want[:n]),
-                                 ok=is_close(got[:n], want[:n], name)
-                                 and bool(jnp.all(got[n:] == 0))))
-                want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d, **opts)
-                for splits in (1, None):
-                    got_d = paged_decode_attention(qd, k, v, tables, lens, num_splits=splits,
-                                                   **opts, interpret=settings.interpret)
-                    rows.append(dict(kernel=f"decode splits={splits or 'auto'}", variant=label,
-                                     dtype=name, max_err=max_err(got_d, want_d),
-                                     ok=is_close(got_d, want_d, name)))
-            if dtype == jnp.bfloat16:
-                rows += check_kivi(settings, (k, v, tables, lens), q, qsl, n, errors)
-            if peer is not None and dtype == jnp.bfloat16:
-                want_d = paged_attention_reference(qd, k, v, tables, lens, qsl_d)
-                try:
-                    got_p = peer(qd, to_hnd(k), to_hnd(v), tables, lens)
-                    peer_rows.append(dict(kernel="jax paged_attention (peer)", variant="plain",
-                                          dtype=name, max_err=max_err(got_p, want_d),
-                                          ok=is_close(got_p, want_d, name)))
-                except Exception as e:  # noqa: BLE001 - the peer is not under test
-                    errors.append(f"peer correctness: {type(e).__name__}: {str(e)[:200]}")
-    return dict(ours=rows, peer=peer_rows)
-
-
-def check_kivi(settings: Settings, paged, q, qsl, n: int, errors: list[str]) -> list[dict]:
-    """Rows of the KIVI int4/int2 pools (K per channel, V per token): the ragged kernel and the
-    split-K decode kernel (default splits) vs the reference on the same ``QuantizedPages``, for
-    a fully sealed ``quantize_pages`` pool (what the decode rows time) and a pool written through
-    ``cache.write`` whose sequences end in unsealed blocks (read from the residual)."""
-    k, v, tables, lens = paged
-    S = lens.shape[0]
-    qd, qsl_d = q[:S], jnp.arange(S + 1, dtype=jnp.int32)
-    tails = int(np.sum(np.asarray(lens) % settings.block_size != 0))
-    rows = []
-    for kv in KIVI_DTYPES:
-        for label in (f"{kv} sealed (quantize_pages)", f"{kv} written, {tails} unsealed tails"):
-            try:
-                if "sealed (" in label:
-                    kq, vq = quantize_kv(k, v, kv)
-                else:
-                    kq, vq = written_kivi_pools(k, v, tables, lens, kv)
-                    got_tails = int(jnp.sum(kq.res_slot > 0))
-                    if got_tails != tails:
-                        raise AssertionError(f"{got_tails} unsealed blocks, expected {tails}")
-                want = paged_attention_reference(q, kq, vq, tables, lens, qsl)
-                got = ragged_paged_attention(q, kq, vq, tables, lens, qsl,
-                                             interpret=settings.interpret)
-                rows.append(dict(kernel="ragged", variant=label, dtype="bfloat16",
-                                 max_err=max_err(got[:n], want[:n]),
-                                 ok=is_close(got[:n], want[:n], "bfloat16")
-                                 and bool(jnp.all(got[n:] == 0))))
-                want_d = paged_attention_reference(qd, kq, vq, tables, lens, qsl_d)
-                got_d = paged_decode_attention(qd, kq, vq, tables, lens,
-                                               interpret=settings.interpret)
-                rows.append(dict(kernel="decode splits=auto", variant=label, dtype="bfloat16",
-                                 max_err=max_err(got_d, want_d),
-                                 ok=is_close(got_d, want_d, "bfloat16")))
-                del kq, vq
-            except Exception as e:  # noqa: BLE001 - recorded, the other pools go on
-                traceback.print_exc()
-                errors.append(f"correctness {label}: {type(e).__name__}: {str(e)[:200]}")
-                rows.append(dict(kernel="ragged + decode", variant=label, dtype="bfloat16",
-                                 max_err=float("nan"), ok=False))
-    return rows
-
-
-# --------------------------------------------------------------------------------------------
-# (b) decode bandwidth
-# --------------------------------------------------------------------------------------------
+    bounds = None if is_kivi(k) else key_bounds(k, tables, lens)
+    return quest_select(q, k, tables, lens, budget=budget, bounds=bounds, num_sinks=num_sinks,
+                        recent=recent)
 
 
 def to_hnd(pool):
@@ -456,213 +530,444 @@ def ragged_decode(q, k, v, tables, lens, *, interpret):
     return ragged_paged_attention(q, k, v, tables, lens, qsl, interpret=interpret)
 
 
-def make_peer(settings: Settings):
-    """jax.experimental.pallas.ops.gpu.paged_attention(q, k_hnd, v_hnd, tables, lens)."""
+def peer_paged_attention(q, k_hnd, v_hnd, tables, lens, *, interpret):
+    """jax.experimental.pallas.ops.gpu.paged_attention on our decode batch (q scaled by
+    1/sqrt(D): it applies no scale)."""
     from jax.experimental.pallas.ops.gpu import paged_attention as jpa
 
-    def peer(q, k_hnd, v_hnd, tables, lens):
-        pages = tables.shape[1]
-        k_splits = math.gcd(16, pages)
-        ppcb = math.gcd(8, pages // k_splits)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        return jpa.paged_attention((q * scale).astype(q.dtype), k_hnd, v_hnd, tables, lens,
-                                   k_splits=k_splits, pages_per_compute_block=ppcb,
-                                   interpret=settings.interpret)
-
-    return peer
+    pages = tables.shape[1]
+    k_splits = math.gcd(16, pages)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return jpa.paged_attention((q * scale).astype(q.dtype), k_hnd, v_hnd, tables, lens,
+                               k_splits=k_splits,
+                               pages_per_compute_block=math.gcd(8, pages // k_splits),
+                               interpret=interpret)
 
 
-def bench_decode(settings: Settings, clock: Clock, peer, copy_gbps: float) -> list[dict]:
+# --------------------------------------------------------------------------------------------
+# (a) correctness
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Inputs:
+    """One pool's arguments: the ragged step's (q, qsl over every token, padding after n) and
+    the decode batch's (qd: each sequence's first query; Quest's pages of it)."""
+
+    q: object
+    qd: object
+    k: object
+    v: object
+    tables: object
+    lens: object
+    qsl: object
+    qsl_d: object
+    n: int
+    selection: tuple | None = None
+
+
+def variant_options(variant: str, s: Settings) -> dict:
+    return {"plain": {}, "window+sinks": dict(sliding_window=s.window, num_sinks=4),
+            "softcap": dict(soft_cap=30.0)}[variant]
+
+
+def pool_inputs(run: Run, pool: str, base, tables: np.ndarray, lens: np.ndarray) -> Inputs:
+    """The arguments of ``pool``: bfloat16 (``base``), float32, fp8/int8/int4/int2 quantized
+    from ``base``, or "int4 written"/"int2 written" (``written_kivi_pools``: the sequences whose
+    length is not a multiple of block_size end in an unsealed block, checked)."""
+    s = run.settings
+    fmt = pool.split()[0]
+    if pool == "float32":
+        k, v = run.data(functools.partial(random_pools, 1, base[0].shape[0], s, jnp.float32))
+    elif pool == "bfloat16":
+        k, v = base
+    elif pool.endswith("written"):
+        k, v = run.data(functools.partial(written_kivi_pools, tables=tables, lens=lens,
+                                          kv_cache_dtype=fmt), *base)
+        tails = int(np.sum(lens % s.block_size != 0))
+        if not run.abstract and int(jnp.sum(k.res_slot > 0)) != tails:
+            raise AssertionError(f"{int(jnp.sum(k.res_slot > 0))} unsealed blocks, expected "
+                                 f"{tails}")
+    else:
+        k, v = run.data(functools.partial(quantized_pools, kv_cache_dtype=fmt), *base)
+    q = normal(run, 2, (sum(s.q_lens) + 5, 4 * s.num_kv_heads, s.head_dim),
+               jnp.float32 if pool == "float32" else jnp.bfloat16)
+    S = len(lens)
+    qd = run.data(lambda q: q[:S], q)
+    return Inputs(q, qd, k, v, jnp.asarray(tables), jnp.asarray(lens),
+                  jnp.asarray(np.concatenate([[0], np.cumsum(s.q_lens)]), jnp.int32),
+                  jnp.arange(S + 1, dtype=jnp.int32), sum(s.q_lens))
+
+
+def kernel_calls(kernel: str, opts: dict, x: Inputs, interpret: bool):
+    """(kernel fn, its args, reference fn, its args) of one (a) row."""
+    from jaxkv.attention.pallas import sparse_paged_decode_attention
+    from jaxkv.attention.quest import sparse_decode_reference
+
+    decode = (x.qd, x.k, x.v, x.tables, x.lens)
+    if kernel == "ragged":
+        args = (x.q, x.k, x.v, x.tables, x.lens, x.qsl)
+        return (functools.partial(ragged_paged_attention, **opts, interpret=interpret), args,
+                functools.partial(paged_attention_reference, **opts), args)
+    if kernel == "sparse":
+        args = decode + tuple(x.selection)
+        return (functools.partial(sparse_paged_decode_attention, **opts, interpret=interpret),
+                args, functools.partial(sparse_decode_reference, **opts), args)
+    splits = kernel.split("=")[1]
+    return (functools.partial(paged_decode_attention, **opts, interpret=interpret,
+                              num_splits=None if splits == "auto" else int(splits)), decode,
+            functools.partial(paged_attention_reference, **opts), decode + (x.qsl_d,))
+
+
+def correctness_row(run: Run, kernel: str, pool: str, variant: str, opts: dict,
+                    x: Inputs) -> dict | None:
+    """One kernel on one pool and option set vs its reference (None in an abstract pass); a ragged
+    row also needs zeros for the padding tokens."""
+    dtype = "float32" if pool == "float32" else "bfloat16"
+    row = dict(kernel=kernel, pool=pool, variant=variant, dtype=dtype)
+    s = run.settings
+    try:
+        if kernel == "sparse" and x.selection is None:      # Quest's pages, once per pool
+            select = functools.partial(quest_pages, budget=s.sparse_budgets[0] // s.block_size,
+                                       num_sinks=s.sparse_sinks, recent=s.sparse_recent)
+            x.selection = run.call("quest select", select, x.qd, x.k, x.tables, x.lens)
+        fn, args, ref, ref_args = kernel_calls(kernel, opts, x, s.interpret)
+        got = run.call("check", fn, *args)
+        want = run.call("reference", ref, *ref_args)
+        if run.abstract:
+            return None
+        n = x.n if kernel == "ragged" else got.shape[0]
+        row.update(max_err=max_err(got[:n], want[:n]),
+                   ok=is_close(got[:n], want[:n], dtype) and bool(jnp.all(got[n:] == 0)))
+    except Exception as e:  # noqa: BLE001 - recorded, the other rows go on
+        traceback.print_exc()
+        run.errors.append(f"correctness {kernel} {pool} {variant}: {type(e).__name__}: "
+                          f"{str(e)[:200]}")
+        row.update(max_err=float("nan"), ok=False)
+    return row
+
+
+def check_correctness(run: Run) -> dict:
+    """{"ours": rows, "peer": rows}: ``Settings.pools``' kernels x option sets x pools, and jax's
+    paged_attention on the bf16 pool (a failing peer is an error of the run)."""
+    s = run.settings
+    tables, lens = page_tables(s.kv_lens, s.block_size)
+    base = run.data(functools.partial(random_pools, 1, 1 + int(np.sum(tables > 0)), s,
+                                      jnp.bfloat16))
+    rows, peer = [], []
+    for pool, variants, kernels in s.pools:
+        try:
+            x = pool_inputs(run, pool, base, tables, lens)
+        except Exception as e:  # noqa: BLE001 - recorded, the other pools go on
+            traceback.print_exc()
+            run.errors.append(f"correctness {pool}: {type(e).__name__}: {str(e)[:200]}")
+            rows.append(dict(kernel=", ".join(kernels), pool=pool, variant="-", dtype="-",
+                             max_err=float("nan"), ok=False))
+            continue
+        for variant in variants:
+            opts = variant_options(variant, s)
+            for kernel in kernels:
+                if kernel == "sparse" and set(opts) - {"soft_cap"}:
+                    continue                      # the sparse kernel takes no window
+                row = correctness_row(run, kernel, pool, variant, opts, x)
+                rows += [row] if row else []
+        if pool == "bfloat16":
+            peer = check_peer(run, x)
+    return dict(ours=rows, peer=peer)
+
+
+def check_peer(run: Run, x: Inputs) -> list[dict]:
+    try:
+        fn = functools.partial(peer_paged_attention, interpret=run.settings.interpret)
+        got = run.call("check", fn, x.qd, run.data(to_hnd, x.k), run.data(to_hnd, x.v),
+                       x.tables, x.lens)
+        want = run.call("reference", paged_attention_reference, x.qd, x.k, x.v, x.tables,
+                        x.lens, x.qsl_d)
+    except Exception as e:  # noqa: BLE001 - the peer is not under test
+        run.errors.append(f"peer correctness: {type(e).__name__}: {str(e)[:200]}")
+        return []
+    if run.abstract:
+        return []
+    return [dict(kernel="jax paged_attention (peer)", pool="bfloat16", variant="plain",
+                 dtype="bfloat16", max_err=max_err(got, want), ok=is_close(got, want,
+                                                                           "bfloat16"))]
+
+
+# --------------------------------------------------------------------------------------------
+# (b) decode bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+def bench_decode(run: Run) -> list[dict]:
+    """bf16 rows per (context, GQA, batch), longest context first; after each context in
+    ``quant_contexts`` its quantized rows (``bench_quant_decode``) on the same pools."""
+    s = run.settings
     rows = []
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    dtype = jnp.bfloat16
-    for ctx in settings.contexts:
-        max_b = max(settings.batches)
-        if clock.elapsed() > settings.decode_until_s:
-            break
-        k, v, tables_all, _ = make_paged(jax.random.key(ctx), [ctx] * max_b, Hkv=Hkv, D=D,
-                                         bs=bs, dtype=dtype)
-        k_hnd, v_hnd = to_hnd(k), to_hnd(v)
+    per_ctx = len(s.groups) * len(s.batches)
+    for ctx in sorted(s.contexts, reverse=True):
+        if run.late("decode", per_ctx):
+            continue
+        k, v, tables_all, _ = make_paged(run, ctx, [ctx] * max(s.batches))
+        hnd = (run.data(to_hnd, k), run.data(to_hnd, v))
         bf16_rows = {}
-        for G in settings.groups:
-            for B in settings.batches:
-                if clock.elapsed() > settings.decode_until_s:
-                    break
-                tables = tables_all[:B]
-                lens = jnp.full((B,), ctx, jnp.int32)
-                q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
-                kv_bytes = B * ctx * Hkv * D * 2 * 2
-                est = kv_bytes / 3e12 + 5e-6
-                row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes)
-                ours = functools.partial(paged_decode_attention, interpret=settings.interpret)
-                ragged = functools.partial(ragged_decode, interpret=settings.interpret)
-                timed = [("ours", ours, (q, k, v, tables, lens)),
-                         ("ragged", ragged, (q, k, v, tables, lens))]
-                if peer is not None:
-                    timed.append(("peer", peer, (q, k_hnd, v_hnd, tables, lens)))
-                for name, fn, args in timed:
-                    try:
-                        med, lo, hi, inner = time_op(fn, args, settings=settings, est_s=est)
-                        gbps = kv_bytes / med / 1e9
-                        row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
-                                    f"{name}_max_ms": hi * 1e3, f"{name}_gbps": gbps,
-                                    f"{name}_frac_copy": gbps / copy_gbps})
-                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                        row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
-                bf16_rows[G, B] = row
-                print(fmt_decode_row(row), flush=True)
-        del k_hnd, v_hnd
+        for G in s.groups:
+            for B in s.batches:
+                if run.late("decode"):
+                    continue
+                row = decode_row(run, ctx, G, B, k, v, hnd, tables_all[:B])
+                if row is not None:
+                    rows.append(row)
+                    bf16_rows[G, B] = row
+        del hnd
         gc.collect()
-        if ctx in settings.quant_contexts:
-            rows += bench_quant_decode(settings, clock, bf16_rows, k, v, tables_all, copy_gbps)
+        if ctx in s.quant_contexts:
+            rows += bench_quant_decode(run, bf16_rows, ctx, k, v, tables_all)
         del k, v
         gc.collect()
     return rows
 
 
-def bench_quant_decode(settings: Settings, clock: Clock, bf16_rows: dict, k, v, tables_all,
-                       copy_gbps: float) -> list[dict]:
-    """Decode rows of the quantized pools (each dtype quantized once from the bf16 pools of the
-    context) for the batches of the bf16 rows at GQA ``quant_groups``, same q: ms per call, GB/s
-    over the bytes the kernel reads (``read_bytes``) and the speedup over the bf16 row's time."""
+def decode_row(run: Run, ctx: int, G: int, B: int, k, v, hnd, tables) -> dict | None:
+    """Our split-K kernel, the ragged kernel and the peer on one decode batch."""
+    s = run.settings
+    lens = jnp.full((B,), ctx, jnp.int32)
+    q = normal(run, B, (B, G * s.num_kv_heads, s.head_dim))
+    kv_bytes = B * ctx * s.num_kv_heads * s.head_dim * 2 * 2
+    row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes)
+    for name, fn, args in (
+            ("ours", functools.partial(paged_decode_attention, interpret=s.interpret),
+             (q, k, v, tables, lens)),
+            ("ragged", functools.partial(ragged_decode, interpret=s.interpret),
+             (q, k, v, tables, lens)),
+            ("peer", functools.partial(peer_paged_attention, interpret=s.interpret),
+             (q, *hnd, tables, lens))):
+        run.timed(row, name, "decode", fn, args, kv_bytes)
+    if run.abstract:
+        return None
+    print(fmt_decode_row(row), flush=True)
+    return row
+
+
+def bench_quant_decode(run: Run, bf16_rows: dict, ctx: int, k, v, tables_all) -> list[dict]:
+    """Decode rows of the quantized pools (each dtype quantized once from the context's bf16
+    pools) for the batches of the bf16 rows at GQA ``quant_groups``, same q: ms, GB/s over the
+    bytes the kernel reads (``read_bytes``) and the speedup over the bf16 row's time."""
     from jaxkv.attention.pallas.kv_format import check_pallas_support
 
+    s = run.settings
     rows = []
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    for kv in settings.quant_dtypes:
-        if clock.elapsed() > settings.quant_until_s:
-            break
+    for kv in s.quant_dtypes:
+        if run.late("quant", len(s.quant_groups) * len(s.batches)):
+            continue
         try:
-            check_pallas_support(KVCacheSpec(num_layers=1, num_blocks=2, block_size=bs,
-                                             num_kv_heads=Hkv, head_dim=D, dtype="bfloat16",
-                                             kv_cache_dtype=kv))
+            check_pallas_support(KVCacheSpec(num_layers=1, num_blocks=2, block_size=s.block_size,
+                                             num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                                             dtype="bfloat16", kv_cache_dtype=kv))
         except ValueError as e:
             print(f"skipping {kv} decode rows: {e}", flush=True)
             continue
-        kq, vq = (wide_offsets(p) for p in quantize_kv(k, v, kv))
-        for G in settings.quant_groups:
-            for B in settings.batches:
-                bf16 = bf16_rows.get((G, B))
-                if bf16 is None or "ours_ms" not in bf16:
-                    continue
-                if clock.elapsed() > settings.quant_until_s:
-                    break
-                ctx = bf16["context"]
-                tables, lens = tables_all[:B], jnp.full((B,), ctx, jnp.int32)
-                q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), jnp.bfloat16)
-                pages = B * -(-ctx // bs)
-                kv_bytes = read_bytes(kq, pages) + read_bytes(vq, pages)
-                row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes, kv_cache_dtype=kv,
-                           bf16_ms=bf16["ours_ms"], bf16_kv_bytes=bf16["kv_bytes"])
-                fn = functools.partial(paged_decode_attention, interpret=settings.interpret)
-                try:
-                    med, lo, hi, _ = time_op(fn, (q, kq, vq, tables, lens), settings=settings,
-                                             est_s=kv_bytes / 3e12 + 5e-6)
-                    gbps = kv_bytes / med / 1e9
-                    row.update(ours_ms=med * 1e3, ours_min_ms=lo * 1e3, ours_max_ms=hi * 1e3,
-                               ours_gbps=gbps, ours_frac_copy=gbps / copy_gbps,
-                               speedup_vs_bf16=bf16["ours_ms"] / (med * 1e3))
-                    target = QUANT_TARGETS.get(kv) if ctx == settings.target_context else None
-                    if target is not None:
-                        row.update(target=target, target_met=row["speedup_vs_bf16"] >= target)
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    row["ours_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
-                print(fmt_quant_row(row), flush=True)
+        kq, vq = run.data(functools.partial(quantized_pools, kv_cache_dtype=kv), k, v)
+        for G in s.quant_groups:
+            for B in s.batches:
+                bf16 = bf16_rows.get((G, B), {})
+                timed_bf16 = run.abstract or "ours_ms" in bf16
+                if timed_bf16 and not run.late("quant"):
+                    row = quant_row(run, kv, ctx, G, B, kq, vq, tables_all[:B], bf16)
+                    rows += [row] if row else []
         del kq, vq
         gc.collect()
     return rows
 
 
+def quant_row(run: Run, kv: str, ctx: int, G: int, B: int, kq, vq, tables, bf16: dict):
+    s = run.settings
+    lens = jnp.full((B,), ctx, jnp.int32)
+    q = normal(run, B, (B, G * s.num_kv_heads, s.head_dim))
+    fn = functools.partial(paged_decode_attention, interpret=s.interpret)
+    pages = B * -(-ctx // s.block_size)
+    kv_bytes = read_bytes(kq, pages) + read_bytes(vq, pages)
+    row = dict(batch=B, context=ctx, group=G, kv_bytes=kv_bytes, kv_cache_dtype=kv)
+    run.timed(row, "ours", "decode", fn, (q, kq, vq, tables, lens), kv_bytes)
+    if run.abstract:
+        return None
+    row.update(bf16_ms=bf16["ours_ms"], bf16_kv_bytes=bf16["kv_bytes"])
+    if "ours_ms" in row:
+        row["speedup_vs_bf16"] = bf16["ours_ms"] / row["ours_ms"]
+        target = QUANT_TARGETS.get(kv) if ctx == s.target_context else None
+        if target is not None:
+            row.update(target=target, target_met=row["speedup_vs_bf16"] >= target)
+    print(fmt_quant_row(row), flush=True)
+    return row
+
+
 # --------------------------------------------------------------------------------------------
-# (b3) Quest sparse decode
+# copy bandwidth, (c) prefill
 # --------------------------------------------------------------------------------------------
 
 
-def bench_sparse(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
-    """Quest sparse decode rows: per (context, batch) the dense split-K kernel, then per token
-    budget the pages Quest selects (``quest_select`` over the pool's ``key_bounds``), the sparse
-    kernel vs ``sparse_decode_reference`` on them, and the timings of the kernel alone and of the
-    whole step (scores + selection + kernel). Bytes read: the selected pages' K and V
-    (pages x block_size x head_dim x 2 B x 2, summed over sequences and kv heads) for the kernel,
-    plus the f32 kmin/kmax of every page of every sequence for the whole step."""
-    from jaxkv.attention.pallas import sparse_paged_decode_attention
-    from jaxkv.attention.quest import key_bounds, quest_select, sparse_decode_reference
+def increment(x):
+    return x + 1
 
+
+def copy_bandwidth(run: Run) -> float:
+    """Device-to-device copy bandwidth in GB/s: x + 1 reads and writes copy_bytes each."""
+    n = run.settings.copy_bytes
+    x = run.data(lambda: jnp.zeros((n // 2,), jnp.bfloat16))
+    row = {}
+    run.timed(row, "copy", "copy", increment, (x,), est_s=2 * n / 3e12)
+    if "copy_error" in row:
+        raise RuntimeError(row["copy_error"])
+    return 0.0 if run.abstract else 2 * n / row["copy_ms"] * 1e3 / 1e9
+
+
+def dense_kv(pool, tables):
+    """[1, T, Hkv, D]: the first sequence's positions of ``pool``, in order."""
+    bs = pool.shape[1]
+    pos = jnp.arange(tables.shape[1] * bs)
+    return pool[tables[0, pos // bs], pos % bs][None]
+
+
+def mha_repeated(q, k, v, *, sm_scale: float, interpret: bool):
+    """Pallas' dense flash attention (ops.gpu.attention.mha), K/V repeated to every q head."""
+    from jax.experimental.pallas.ops.gpu import attention
+
+    G = q.shape[1] // k.shape[2]
+    return attention.mha(q[None], jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), None,
+                         sm_scale=sm_scale, causal=True, interpret=interpret)
+
+
+def dense_dpa(q, k, v, *, scale: float, implementation: str):
+    return jax.nn.dot_product_attention(q[None], k, v, scale=scale, is_causal=True,
+                                        implementation=implementation)
+
+
+def bench_prefill(run: Run) -> list[dict]:
+    """One causal prompt of ``prefill_tokens``: the ragged kernel at each of ``prefill_configs``,
+    then ``prefill_peers`` on the dense K/V: ms and TFLOP/s."""
+    s = run.settings
+    D, Hkv, T = s.head_dim, s.num_kv_heads, s.prefill_tokens
+    Hq = 4 * Hkv
+    k, v, tables, lens = make_paged(run, 3, [T])
+    q = normal(run, 4, (T, Hq, D))
+    dense = (q, run.data(dense_kv, k, tables), run.data(dense_kv, v, tables))
+    flops = 4 * Hq * D * T * (T + 1) / 2                        # causal: QK^T and PV
+    impl = "xla" if s.interpret else "cudnn"
+    cases = [(f"jaxkv ragged (paged) {cfg or 'default'}",
+              functools.partial(ragged_paged_attention, config=cfg, interpret=s.interpret),
+              (q, k, v, tables, lens, jnp.asarray([0, T], jnp.int32)))
+             for cfg in s.prefill_configs]
+    peers = {"mha": ("pallas ops.gpu.attention.mha (dense, K/V repeated)",
+                     functools.partial(mha_repeated, sm_scale=1 / math.sqrt(D),
+                                       interpret=s.interpret)),
+             "dpa": (f"jax.nn.dot_product_attention (dense, {impl})",
+                     functools.partial(dense_dpa, scale=1 / math.sqrt(D), implementation=impl))}
+    cases += [(*peers[p], dense) for p in s.prefill_peers]
     rows = []
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    G, dtype = 4, jnp.bfloat16
-    page_bytes = bs * D * jnp.dtype(dtype).itemsize * 2          # K + V of one page, one head
-    for ctx in settings.sparse_contexts:
-        for B in settings.sparse_batches:
-            if clock.elapsed() > settings.sparse_until_s:
-                return rows
-            k, v, tables, lens = make_paged(jax.random.key(100 + ctx), [ctx] * B, Hkv=Hkv, D=D,
-                                            bs=bs, dtype=dtype)
-            q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
-            bounds = jax.jit(key_bounds)(k, tables, lens)
-            dense_bytes = B * ctx * Hkv * D * 2 * 2
-            bounds_bytes = 2 * tables.size * Hkv * D * 4
-            dense = functools.partial(paged_decode_attention, interpret=settings.interpret)
-            try:
-                dense_s, _, _, _ = time_op(dense, (q, k, v, tables, lens), settings=settings,
-                                           est_s=dense_bytes / 3e12 + 5e-6)
-            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                rows.append(dict(batch=B, context=ctx, group=G,
-                                 dense_error=f"{type(e).__name__}: {str(e)[:200]}"))
+    for name, fn, args in cases:
+        row = dict(kernel=name, tokens=T, num_heads=Hq, num_kv_heads=Hkv, head_dim=D, flops=flops)
+        run.timed(row, None, "prefill", fn, args, est_s=flops / 300e12)
+        if run.abstract:
+            continue
+        if "ms" in row:
+            row["tflops"] = flops / row["ms"] / 1e9
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (b3) Quest sparse decode, (b4) kept-blocks decode
+# --------------------------------------------------------------------------------------------
+
+
+def quest_decode(q, k, v, tables, lens, bounds, *, budget: int, num_sinks: int, recent: int,
+                 interpret: bool):
+    """The whole sparse step: page scores from ``bounds``, the top pages, the sparse kernel."""
+    from jaxkv.attention.pallas import sparse_paged_decode_attention
+    from jaxkv.attention.quest import quest_select
+
+    pages, count = quest_select(q, k, tables, lens, budget=budget, bounds=bounds,
+                                num_sinks=num_sinks, recent=recent)
+    return sparse_paged_decode_attention(q, k, v, tables, lens, pages, count,
+                                         interpret=interpret)
+
+
+def bench_sparse(run: Run) -> list[dict]:
+    """Quest sparse decode rows: per (context, batch) the dense split-K kernel, then per token
+    budget the pages Quest selects, the sparse kernel vs ``sparse_decode_reference`` on them,
+    and the timings of the kernel alone and of the whole step (scores + selection + kernel).
+    Bytes read: the selected pages' K and V for the kernel, plus the f32 kmin/kmax of every page
+    of every sequence for the whole step."""
+    from jaxkv.attention.quest import key_bounds
+
+    s = run.settings
+    rows = []
+    for ctx in s.sparse_contexts:
+        for B in s.sparse_batches:
+            if run.late("sparse", len(s.sparse_budgets)):
                 continue
-            for budget_tokens in settings.sparse_budgets:
-                if clock.elapsed() > settings.sparse_until_s:
-                    return rows
-                opts = dict(budget=budget_tokens // bs, num_sinks=settings.sparse_sinks,
-                            recent=settings.sparse_recent)
-                row = dict(batch=B, context=ctx, group=G, budget_tokens=budget_tokens,
-                           dense_ms=dense_s * 1e3, dense_bytes=dense_bytes,
-                           dense_gbps=dense_bytes / dense_s / 1e9)
-                try:
-                    pages, count = jax.jit(functools.partial(quest_select, **opts))(
-                        q, k, tables, lens, bounds=bounds)
-                    kernel = functools.partial(sparse_paged_decode_attention,
-                                               interpret=settings.interpret)
-                    got = kernel(q, k, v, tables, lens, pages, count)
-                    want = sparse_decode_reference(q, k, v, tables, lens, pages, count)
-                    kv_read = int(jnp.sum(count)) * page_bytes
-                    row.update(pages_read=int(jnp.sum(count)), kernel_bytes=kv_read,
-                               quest_bytes=kv_read + bounds_bytes, max_err=max_err(got, want),
-                               ok=is_close(got, want, "bfloat16"))
-
-                    def quest(q, k, v, tables, lens, bounds):
-                        sel = quest_select(q, k, tables, lens, bounds=bounds, **opts)
-                        return kernel(q, k, v, tables, lens, *sel)
-
-                    for name, fn, args, nbytes in (
-                            ("kernel", kernel, (q, k, v, tables, lens, pages, count), kv_read),
-                            ("quest", quest, (q, k, v, tables, lens, bounds),
-                             kv_read + bounds_bytes)):
-                        med, lo, hi, _ = time_op(fn, args, settings=settings,
-                                                 est_s=nbytes / 3e12 + 5e-6)
-                        row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
-                                    f"{name}_max_ms": hi * 1e3,
-                                    f"{name}_gbps": nbytes / med / 1e9,
-                                    f"{name}_frac_copy": nbytes / med / 1e9 / copy_gbps,
-                                    f"{name}_speedup": dense_s / med})
-                except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                rows.append(row)
-                print(fmt_sparse_row(row), flush=True)
+            k, v, tables, lens = make_paged(run, 100 + ctx, [ctx] * B)
+            q = normal(run, B, (B, 4 * s.num_kv_heads, s.head_dim))
+            args = (q, k, v, tables, lens)
+            dense = dict(batch=B, context=ctx, group=4,
+                         dense_bytes=B * ctx * s.num_kv_heads * s.head_dim * 2 * 2)
+            run.timed(dense, "dense", "decode",
+                      functools.partial(paged_decode_attention, interpret=s.interpret), args,
+                      dense["dense_bytes"])
+            if "dense_error" in dense:
+                rows.append(dense)
+                continue
+            bounds = run.call("key bounds", key_bounds, k, tables, lens)
+            for budget in s.sparse_budgets:
+                if not run.late("sparse"):
+                    row = sparse_row(run, dict(dense, budget_tokens=budget), args, bounds)
+                    rows += [row] if row else []
             del k, v, bounds
             gc.collect()
     return rows
 
 
-# --------------------------------------------------------------------------------------------
-# (b4) kept-blocks decode
-# --------------------------------------------------------------------------------------------
+def sparse_row(run: Run, row: dict, args, bounds) -> dict | None:
+    from jaxkv.attention.pallas import sparse_paged_decode_attention
+    from jaxkv.attention.quest import sparse_decode_reference
+
+    s = run.settings
+    B, ctx = row["batch"], row["context"]
+    opts = dict(budget=row["budget_tokens"] // s.block_size, num_sinks=s.sparse_sinks,
+                recent=s.sparse_recent)
+    page_bytes = s.block_size * s.head_dim * 2 * 2               # K + V of one page, one head
+    bounds_bytes = 2 * B * (ctx // s.block_size) * s.num_kv_heads * s.head_dim * 4
+    est = B * s.num_kv_heads * opts["budget"] * page_bytes / 3e12 + 5e-6
+    q, k, _, tables, lens = args
+    try:
+        pages, count = run.call("quest select", functools.partial(quest_pages, **opts), q, k,
+                                tables, lens)
+        kernel = functools.partial(sparse_paged_decode_attention, interpret=s.interpret)
+        got = run.call("check", kernel, *args, pages, count)
+        want = run.call("reference", sparse_decode_reference, *args, pages, count)
+        kv_read = None if run.abstract else int(jnp.sum(count)) * page_bytes
+        if kv_read is not None:
+            row.update(pages_read=kv_read // page_bytes, kernel_bytes=kv_read,
+                       quest_bytes=kv_read + bounds_bytes, max_err=max_err(got, want),
+                       ok=is_close(got, want, "bfloat16"))
+        run.timed(row, "kernel", "sparse", kernel, (*args, pages, count), kv_read, est_s=est)
+        run.timed(row, "quest", "sparse step",
+                  functools.partial(quest_decode, **opts, interpret=s.interpret), (*args, bounds),
+                  None if kv_read is None else kv_read + bounds_bytes, est_s=est)
+        if run.abstract:
+            return None
+        for name in ("kernel", "quest"):
+            if f"{name}_error" in row:
+                raise RuntimeError(row[f"{name}_error"])
+            row[f"{name}_speedup"] = row["dense_ms"] / row[f"{name}_ms"]
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(fmt_sparse_row(row), flush=True)
+    return row
 
 
-def thin_tables(tables, kv_lens, *, bs: int, fraction: float, seed: int):
+def thin_tables(tables: np.ndarray, kv_lens, *, bs: int, fraction: float, seed: int):
     """int32 tables keeping ``round(fraction * blocks)`` of each sequence's blocks (its last one
     and a random choice of the others, at least 1), the rest set to the null block 0."""
     rng = np.random.default_rng(seed)
@@ -671,135 +976,83 @@ def thin_tables(tables, kv_lens, *, bs: int, fraction: float, seed: int):
         nb = -(-int(n) // bs)
         keep = max(1, round(fraction * nb))
         kept = np.append(rng.choice(nb - 1, keep - 1, replace=False), nb - 1)
-        drop = np.setdiff1d(np.arange(nb), kept)
-        tables[s, drop] = 0
+        tables[s, np.setdiff1d(np.arange(nb), kept)] = 0
     return jnp.asarray(tables)
 
 
-def bench_kept(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
+def bench_kept(run: Run) -> list[dict]:
     """Kept-blocks decode rows: per (context, batch), the split-K decode kernel on a table keeping
     ``kept_fraction`` of each sequence's blocks, walking the kept blocks (no window: the default)
     and walking every logical tile of the same table (``sliding_window=context``, which sees
     every position, so the same attention). Bytes: the kept pages' K+V for the kept walk, every
     logical position's K+V for the dense one (its null-block gathers hit one cached page, so
     its HBM traffic is nearer the kept bytes; the time is what it saves)."""
+    s = run.settings
     rows = []
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    G, dtype = 4, jnp.bfloat16
-    page_bytes = bs * Hkv * D * jnp.dtype(dtype).itemsize * 2          # K + V of one page
-    for ctx in settings.kept_contexts:
-        for B in settings.kept_batches:
-            if clock.elapsed() > settings.kept_until_s:
-                return rows
-            k, v, full, lens = make_paged(jax.random.key(200 + ctx), [ctx] * B, Hkv=Hkv, D=D,
-                                          bs=bs, dtype=dtype)
-            tables = thin_tables(full, lens, bs=bs, fraction=settings.kept_fraction, seed=B)
-            q = jax.random.normal(jax.random.key(B), (B, G * Hkv, D), dtype)
-            kept_pages = int(jnp.sum(tables != 0))
-            row = dict(batch=B, context=ctx, group=G, kept_pages=kept_pages,
-                       logical_pages=int(full.size), kept_bytes=kept_pages * page_bytes,
-                       dense_bytes=int(full.size) * page_bytes)
-            walks = {"kept": functools.partial(paged_decode_attention,
-                                               interpret=settings.interpret),
-                     "dense": functools.partial(paged_decode_attention, sliding_window=ctx,
-                                                interpret=settings.interpret)}
-            try:
-                outs = {name: fn(q, k, v, tables, lens) for name, fn in walks.items()}
-                row.update(max_err=max_err(outs["kept"], outs["dense"]),
-                           ok=is_close(outs["kept"], outs["dense"], "bfloat16"))
-                for name, fn in walks.items():
-                    nbytes = row[f"{name}_bytes"]
-                    med, lo, hi, _ = time_op(fn, (q, k, v, tables, lens), settings=settings,
-                                             est_s=nbytes / 3e12 + 5e-6)
-                    row.update({f"{name}_ms": med * 1e3, f"{name}_min_ms": lo * 1e3,
-                                f"{name}_max_ms": hi * 1e3, f"{name}_gbps": nbytes / med / 1e9,
-                                f"{name}_frac_copy": nbytes / med / 1e9 / copy_gbps})
-                row["speedup"] = row["dense_ms"] / row["kept_ms"]
-            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            print(fmt_kept_row(row), flush=True)
-            del k, v
+    for ctx in s.kept_contexts:
+        for B in s.kept_batches:
+            if run.late("kept"):
+                continue
+            row = kept_row(run, ctx, B)
+            rows += [row] if row else []
             gc.collect()
     return rows
 
 
-# --------------------------------------------------------------------------------------------
-# (c) prefill
-# --------------------------------------------------------------------------------------------
-
-
-def bench_prefill(settings: Settings) -> list[dict]:
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
-    T = settings.prefill_tokens
-    Hq = 4 * Hkv
-    dtype = jnp.bfloat16
-    k, v, tables, lens = make_paged(jax.random.key(3), [T], Hkv=Hkv, D=D, bs=bs, dtype=dtype)
-    q = jax.random.normal(jax.random.key(4), (T, Hq, D), dtype)
-    qsl = jnp.asarray([0, T], jnp.int32)
-    pos = jnp.arange(T)
-    k_dense = k[tables[0, pos // bs], pos % bs][None]          # [1, T, Hkv, D]
-    v_dense = v[tables[0, pos // bs], pos % bs][None]
-    scale = 1.0 / math.sqrt(D)
-    flops = 4 * Hq * D * T * (T + 1) / 2                        # causal: QK^T and PV
-    est = flops / 300e12
-    paged_args = (q, k, v, tables, lens, qsl)
-    cases = [(f"jaxkv ragged (paged) {cfg or 'default'}",
-              functools.partial(ragged_paged_attention, config=cfg, interpret=settings.interpret),
-              paged_args)
-             for cfg in (None, RaggedConfig(block_q=32, block_kv=64, num_warps=8, num_stages=2),
-                         RaggedConfig(block_q=16, block_kv=128, num_warps=8, num_stages=3))]
-
-    def mha(q, k, v):
-        from jax.experimental.pallas.ops.gpu import attention
-        G = Hq // Hkv
-        return attention.mha(q[None], jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2), None,
-                             sm_scale=scale, causal=True, interpret=settings.interpret)
-
-    impl = "xla" if settings.interpret else "cudnn"
-
-    def dpa(q, k, v):
-        return jax.nn.dot_product_attention(q[None], k, v, scale=scale, is_causal=True,
-                                            implementation=impl)
-
-    cases += [("pallas ops.gpu.attention.mha (dense, K/V repeated)", mha, (q, k_dense, v_dense)),
-              (f"jax.nn.dot_product_attention (dense, {impl})", dpa, (q, k_dense, v_dense))]
-    rows = []
-    for name, fn, args in cases:
-        row = dict(kernel=name, tokens=T, num_heads=Hq, num_kv_heads=Hkv, head_dim=D)
-        try:
-            med, lo, hi, _ = time_op(fn, args, settings=settings, est_s=est)
-            row.update(ms=med * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3, tflops=flops / med / 1e12)
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+def kept_row(run: Run, ctx: int, B: int) -> dict | None:
+    s = run.settings
+    page_bytes = s.block_size * s.num_kv_heads * s.head_dim * 2 * 2      # K + V of one page
+    k, v, full, lens = make_paged(run, 200 + ctx, [ctx] * B)
+    tables = thin_tables(np.asarray(full), lens, bs=s.block_size, fraction=s.kept_fraction,
+                         seed=B)
+    q = normal(run, B, (B, 4 * s.num_kv_heads, s.head_dim))
+    kept_pages = int(jnp.sum(tables != 0))
+    row = dict(batch=B, context=ctx, group=4, kept_pages=kept_pages,
+               logical_pages=int(full.size), kept_bytes=kept_pages * page_bytes,
+               dense_bytes=int(full.size) * page_bytes)
+    walks = {"kept": functools.partial(paged_decode_attention, interpret=s.interpret),
+             "dense": functools.partial(paged_decode_attention, sliding_window=ctx,
+                                        interpret=s.interpret)}
+    try:
+        outs = {name: run.call("check", fn, q, k, v, tables, lens) for name, fn in walks.items()}
+        for name, fn in walks.items():
+            run.timed(row, name, "decode", fn, (q, k, v, tables, lens), row[f"{name}_bytes"])
+        if run.abstract:
+            return None
+        row.update(max_err=max_err(outs["kept"], outs["dense"]),
+                   ok=is_close(outs["kept"], outs["dense"], "bfloat16"),
+                   speedup=row["dense_ms"] / row["kept_ms"])
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(fmt_kept_row(row), flush=True)
+    return row
 
 
 # --------------------------------------------------------------------------------------------
-# (d) tuning sweep
+# (e) host offload, (d) tuning sweep
 # --------------------------------------------------------------------------------------------
 
 
-def bench_offload(settings: Settings) -> list[dict]:
+def bench_offload(run: Run) -> list[dict]:
     """(e) host offload bandwidth: HostKVPool batches, then raw device_put vs jit to pinned host."""
     from jaxkv.kvcache.host_pool import HostKVPool
     from jaxkv.kvcache.pages import init_cache
 
-    n_max = max(settings.offload_blocks)
-    spec = KVCacheSpec(num_layers=settings.offload_layers, num_blocks=n_max + 1,
-                       block_size=16, num_kv_heads=settings.offload_kv_heads,
-                       head_dim=settings.head_dim, dtype="bfloat16")
+    s = run.settings
+    if run.late("offload"):
+        return []
+    n_max = max(s.offload_blocks)
+    spec = KVCacheSpec(num_layers=s.offload_layers, num_blocks=n_max + 1, block_size=16,
+                       num_kv_heads=s.offload_kv_heads, head_dim=s.head_dim, dtype="bfloat16")
     cache = init_cache(spec)
     dev = jax.devices()[0]
     kinds = {m.kind for m in dev.addressable_memories()}
     rows = []
     for staging in ("none", "pinned_host") if "pinned_host" in kinds else ("none",):
         pool = HostKVPool(cache, n_max, staging=staging)   # "auto" is pinned_host on a GPU
-        for n in settings.offload_blocks:
-            cache, d2h, h2d = pool.measure(cache, n, repeats=settings.reps)
+        for n in s.offload_blocks:
+            cache, d2h, h2d = pool.measure(cache, n, repeats=s.reps)
             rows.append(dict(path=f"HostKVPool staging={staging}", blocks=n,
                              block_bytes=pool.block_bytes, d2h_gbps=d2h / 1e9,
                              h2d_gbps=h2d / 1e9))
@@ -810,58 +1063,59 @@ def bench_offload(settings: Settings) -> list[dict]:
         rows.append(dict(path="pinned_host", blocks=0, block_bytes=spec.block_bytes,
                          error=f"no pinned_host memory on {dev.platform} (has {sorted(kinds)})"))
         return rows
+    return rows + raw_offload(s, dev, spec.block_bytes)
+
+
+def raw_offload(s: Settings, dev, block_bytes: int) -> list[dict]:
+    """A contiguous buffer of n blocks moved by jax.device_put to ``pinned_host`` memory and
+    back, and by jitted copies whose outputs live there."""
     host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
     on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    for n in settings.offload_blocks:
-        x = jnp.ones((n, spec.block_bytes // 2), jnp.bfloat16)
-        to_host = jax.jit(lambda a: a, out_shardings=host)
-        to_dev = jax.jit(lambda a: a, out_shardings=on_dev)
+    rows = []
+    for n in s.offload_blocks:
+        x = jnp.ones((n, block_bytes // 2), jnp.bfloat16)
         for path, d2h_fn, h2d_fn in (
                 ("device_put pinned_host", lambda a: jax.device_put(a, host),
                  lambda a: jax.device_put(a, on_dev)),
-                ("jit out_shardings pinned_host", to_host, to_dev)):
+                ("jit out_shardings pinned_host", jax.jit(lambda a: a, out_shardings=host),
+                 jax.jit(lambda a: a, out_shardings=on_dev))):
             jax.block_until_ready(h2d_fn(jax.block_until_ready(d2h_fn(x))))   # warm up
             out, back = [], []
-            for _ in range(settings.reps):
+            for _ in range(s.reps):
                 t0 = time.perf_counter()
                 y = jax.block_until_ready(d2h_fn(x))
                 t1 = time.perf_counter()
                 jax.block_until_ready(h2d_fn(y))
                 out.append(t1 - t0)
                 back.append(time.perf_counter() - t1)
-            rows.append(dict(path=path, blocks=n, block_bytes=spec.block_bytes,
+            rows.append(dict(path=path, blocks=n, block_bytes=block_bytes,
                              d2h_gbps=x.nbytes / np.median(out) / 1e9,
                              h2d_gbps=x.nbytes / np.median(back) / 1e9))
     return rows
 
 
-def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dict]:
-    D, Hkv, bs = settings.head_dim, settings.num_kv_heads, settings.block_size
+def sweep_decode(run: Run) -> list[dict]:
+    """The split-K kernel at (batch 8, the longest context) and (the largest batch, the shortest)
+    per kv tile x (warps, stages) x splits (auto, twice auto): ms, GB/s, fraction of copy."""
+    s = run.settings
     rows = []
-    shapes = [(8, settings.contexts[-1]), (max(settings.batches), settings.contexts[0])]
-    for B, ctx in shapes:
-        k, v, tables, lens = make_paged(jax.random.key(5), [ctx] * B, Hkv=Hkv, D=D, bs=bs,
-                                        dtype=jnp.bfloat16)
-        q = jax.random.normal(jax.random.key(6), (B, 4 * Hkv, D), jnp.bfloat16)
-        kv_bytes = B * ctx * Hkv * D * 4
-        for block_kv in settings.sweep_block_kv:
-            for num_warps, num_stages in settings.sweep_launch:
-                auto = default_num_splits(B, Hkv, ctx, block_kv)
-                for splits in (None, 2 * auto):
-                    if clock.elapsed() > settings.sweep_until_s:
-                        return rows
-                    cfg = DecodeConfig(block_kv=block_kv, num_warps=num_warps,
-                                       num_stages=num_stages)
-                    row = dict(batch=B, context=ctx, config=str(cfg), num_splits=splits or "auto")
-                    try:
-                        fn = functools.partial(paged_decode_attention, config=cfg,
-                                               num_splits=splits, interpret=settings.interpret)
-                        med, _, _, _ = time_op(fn, (q, k, v, tables, lens), settings=settings,
-                                               est_s=kv_bytes / 3e12)
-                        row.update(ms=med * 1e3, gbps=kv_bytes / med / 1e9,
-                                   frac_copy=kv_bytes / med / 1e9 / copy_gbps)
-                    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for B, ctx in ((8, max(s.contexts)), (max(s.batches), min(s.contexts))):
+        k, v, tables, lens = make_paged(run, 5, [ctx] * B)
+        q = normal(run, 6, (B, 4 * s.num_kv_heads, s.head_dim))
+        kv_bytes = B * ctx * s.num_kv_heads * s.head_dim * 4
+        for block_kv in s.sweep_block_kv:
+            auto = default_num_splits(B, s.num_kv_heads, ctx, block_kv)
+            for (num_warps, num_stages), splits in ((launch, splits)
+                                                    for launch in s.sweep_launch
+                                                    for splits in (None, 2 * auto)):
+                if run.late("sweep"):
+                    continue
+                cfg = DecodeConfig(block_kv=block_kv, num_warps=num_warps, num_stages=num_stages)
+                row = dict(batch=B, context=ctx, config=str(cfg), num_splits=splits or "auto")
+                run.timed(row, None, "decode", functools.partial(
+                    paged_decode_attention, config=cfg, num_splits=splits, interpret=s.interpret),
+                    (q, k, v, tables, lens), kv_bytes)
+                if not run.abstract:
                     rows.append(row)
                     print(row, flush=True)
         del k, v
@@ -873,278 +1127,55 @@ def sweep_decode(settings: Settings, clock: Clock, copy_gbps: float) -> list[dic
 # (f) end to end
 # --------------------------------------------------------------------------------------------
 
-def bench_e2e(settings: Settings, clock: Clock) -> list[dict]:
-    """End-to-end rows: ``jaxkv.LLM`` on a random model of SmolLM2-135M's geometry (bf16, the
-    engine's default attention for the backend), per batch: ``e2e_prompt`` random prompt ids and
-    ``e2e_tokens`` greedy output tokens (ignore_eos) per request, after a warm-up generate of the
-    same batch and prompt length (compiles excluded; ``recompiles`` counts any in the timed run).
-    Tokens/s = output tokens / wall time from the first ``add_request`` to the last step; each
-    ``llm.step()``'s wall and device time as bench/lib/step_timing.py measures them; the host share
-    = (wall - device) / wall: the median over the decode-only steps, and over all steps' sums."""
-    if clock.elapsed() > settings.e2e_start_until_s:
+
+def bench_e2e(run: Run, models: dict) -> list[dict]:
+    """End-to-end rows: per model and KV dtype one ``jaxkv.LLM`` (bf16 weights, the engine's
+    default attention for the backend), per batch ``e2e_prompt`` random prompt ids and
+    ``e2e_tokens`` greedy output tokens (ignore_eos) per request, after a warm-up generate of
+    the same batch and prompt length (compiles excluded; ``recompiles`` counts any in the timed
+    run). A row starts only before the "e2e" guard and when the previous row's time (its LLM's
+    build included) would not carry it past "e2e_end"."""
+    s = run.settings
+    total = sum(len(b) for m in s.e2e_models for _, b in m.runs)
+    if run.late("e2e_start", total):
         return []
     try:
-        from jaxkv import LLM, SamplingParams
+        from jaxkv import LLM  # noqa: F401 - the engine's imports, checked before any build
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(f"{e}: jaxkv's engine imports it; carry its wheel "
                                   "(bench/README.md, gpu_check.py)") from e
-    sizes = dict(settings.e2e_model)
-    P, N, B_max, bs = settings.e2e_prompt, settings.e2e_tokens, max(settings.e2e_batches), 16
-    label = ("SmolLM2-135M's geometry" if sizes == SMOLLM2_135M else "tiny") + \
-        (f" (L{sizes['num_hidden_layers']} E{sizes['hidden_size']} "
-         f"F{sizes['intermediate_size']} H{sizes['num_attention_heads']}/"
-         f"{sizes['num_key_value_heads']} V{sizes['vocab_size']}), random weights")
-    rng = np.random.default_rng(0)
-
-    def prompts(B):   # fresh ids each call: the timed run gets no prefix-cache hit from warm-up
-        return [{"prompt_token_ids": rng.integers(len(SPECIAL_TOKENS), sizes["vocab_size"],
-                                                  P).tolist()} for _ in range(B)]
-
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        llm = LLM(write_random_model(os.path.join(tmp, "model"), sizes), dtype="bfloat16",
-                  seed=0, max_model_len=P + N, max_num_seqs=B_max,
-                  max_num_batched_tokens=B_max * P,    # a batch's prompts prefill in one step
-                  block_size=bs, num_kv_blocks=1 + B_max * -(-(P + N) // bs),
-                  attention_impl=settings.e2e_impl, interpret=settings.interpret,
-                  compilation_cache=False)
-        build_s = time.perf_counter() - t0
-        runner = llm.engine.runner
-        warm = SamplingParams(temperature=0.0, max_tokens=settings.e2e_warmup_tokens,
-                              ignore_eos=True)
-        params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-        last_row_s = 0.0
-        for B in settings.e2e_batches:
-            if clock.elapsed() > settings.e2e_until_s \
-                    or clock.elapsed() + last_row_s > settings.e2e_end_s:
-                break
-            t_row = time.perf_counter()
-            row = dict(batch=B, prompt_tokens=P, output_tokens=N, model=label,
-                       attention_impl=runner.attention_impl, dtype=jnp.dtype(runner.dtype).name,
-                       kv_cache_dtype=llm.kv_cache_dtype, build_s=build_s)
+    sizes = dict(prompt=s.e2e_prompt, tokens=s.e2e_tokens)
+    rows, last = [], [0.0]
+    for m in s.e2e_models:
+        for kv, batches in m.runs:
+            if run.late("e2e", len(batches)) or run.late("e2e_end", len(batches), last[0]):
+                continue
+            t0 = time.perf_counter()
             try:
-                llm.generate(prompts(B), warm, use_tqdm=False)
-                compiles = llm.num_compilations()
-                steps, lens = [], {}
-                t0 = time.perf_counter()
-                for p in prompts(B):
-                    llm.add_request(p, params)
-                while llm.has_unfinished_requests():
-                    steps.append(timed_step(llm))
-                    lens.update((o.request_id, len(o.outputs[0].token_ids))
-                                for o in steps[-1].outputs if o.finished)
-                wall = time.perf_counter() - t0
-                decode = [s for s in steps if s.decode] or steps
-                row.update(
-                    steps=len(steps), decode_steps=sum(s.decode for s in steps), wall_s=wall,
-                    tokens_per_s=B * N / wall,
-                    decode_step_ms=1e3 * statistics.mean(s.wall_s for s in decode),
-                    decode_device_ms=1e3 * statistics.mean(s.device_s for s in decode),
-                    decode_host_ms=1e3 * statistics.mean(s.host_s for s in decode),
-                    host_share=statistics.median(s.host_share for s in decode),
-                    host_share_all=sum(s.host_s for s in steps) / sum(s.wall_s for s in steps),
-                    recompiles=llm.num_compilations() - compiles,
-                    ok=len(lens) == B and all(n == N for n in lens.values()))
-            except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                llm = build_llm(models[m.label].result(), kv, max(batches), **sizes,
+                                attention_impl=s.e2e_impl, interpret=s.interpret)
+            except Exception as e:  # noqa: BLE001 - recorded, the other models go on
                 traceback.print_exc()
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            print(fmt_e2e_row(row), flush=True)
-            last_row_s = time.perf_counter() - t_row
-        llm.close()
+                rows += [dict(batch=B, model=m.describe(), kv_cache_dtype=kv,
+                              error=f"{type(e).__name__}: {str(e)[:200]}") for B in batches]
+                continue
+            build_s = time.perf_counter() - t0
+            for B in batches:
+                if run.late("e2e") or run.late("e2e_end", 1, last[0]):
+                    continue
+                t_row = time.perf_counter()
+                rows.append(e2e_row(llm, B, m, build_s, **sizes,
+                                    warmup_tokens=s.e2e_warmup_tokens))
+                print(fmt_e2e_row(rows[-1]), flush=True)
+                last[0] = time.perf_counter() - t_row + build_s
+                build_s = 0.0           # counted in the first row's time only
+            llm.close()
     return rows
 
 
 # --------------------------------------------------------------------------------------------
-# report
+# main
 # --------------------------------------------------------------------------------------------
-
-
-def _cell(row, name, key, spec):
-    if f"{name}_error" in row:
-        return "error"
-    return format(row[f"{name}_{key}"], spec) if f"{name}_{key}" in row else "-"
-
-
-def fmt_decode_row(row) -> str:
-    cells = [str(row["batch"]), str(row["context"]), str(row["group"])]
-    for name in ("ours", "ragged", "peer"):
-        cells += [_cell(row, name, "ms", ".4f"),
-                  f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",
-                  _cell(row, name, "gbps", ".0f"), _cell(row, name, "frac_copy", ".2f")]
-    return "| " + " | ".join(cells) + " |"
-
-
-def fmt_quant_row(row) -> str:
-    """| batch | context | GQA | kv dtype | ms | spread | GB/s | frac | bytes vs bf16 | bf16 ms |
-    speedup | target |"""
-    if "target" in row:
-        target = f"≥ {row['target']}× " + ("pass" if row["target_met"] else "**fail**")
-    else:
-        target = "-"
-    speedup = row.get("speedup_vs_bf16")
-    cells = [str(row["batch"]), str(row["context"]), str(row["group"]), row["kv_cache_dtype"],
-             _cell(row, "ours", "ms", ".4f"),
-             f"{_cell(row, 'ours', 'min_ms', '.4f')}–{_cell(row, 'ours', 'max_ms', '.4f')}",
-             _cell(row, "ours", "gbps", ".0f"), _cell(row, "ours", "frac_copy", ".2f"),
-             f"{row['kv_bytes'] / row['bf16_kv_bytes']:.3f}", f"{row['bf16_ms']:.4f}",
-             "error" if speedup is None else f"×{speedup:.2f}", target]
-    return "| " + " | ".join(cells) + " |"
-
-
-def fmt_sparse_row(row) -> str:
-    """| batch | context | budget | pages read | MB read (kernel / step) | of dense | dense ms |
-    kernel ms | GB/s | speed-up | step ms | GB/s | speed-up | max err | ok |"""
-    head = [str(row["batch"]), str(row["context"]), str(row.get("budget_tokens", "-"))]
-    if "dense_error" in row or "error" in row:
-        return "| " + " | ".join(head + [f"error: {row.get('error', row.get('dense_error'))}"]
-                                 + [""] * 12) + " |"
-    cells = head + [str(row["pages_read"]),
-                    f"{row['kernel_bytes'] / 1e6:.1f} / {row['quest_bytes'] / 1e6:.1f}",
-                    f"{row['quest_bytes'] / row['dense_bytes']:.3f}", f"{row['dense_ms']:.4f}"]
-    for name in ("kernel", "quest"):
-        cells += [f"{row[f'{name}_ms']:.4f}", f"{row[f'{name}_gbps']:.0f}",
-                  f"×{row[f'{name}_speedup']:.2f}"]
-    return "| " + " | ".join(cells + [f"{row['max_err']:.2e}", str(row["ok"])]) + " |"
-
-
-def fmt_kept_row(row) -> str:
-    """| batch | context | pages kept | MB read (kept / dense) | kept ms | spread | GB/s | frac |
-    dense ms | spread | GB/s | speed-up | max err | ok |"""
-    head = [str(row["batch"]), str(row["context"])]
-    if "error" in row:
-        return "| " + " | ".join(head + [f"error: {row['error']}"] + [""] * 11) + " |"
-    cells = head + [f"{row['kept_pages']} / {row['logical_pages']}",
-                    f"{row['kept_bytes'] / 1e6:.1f} / {row['dense_bytes'] / 1e6:.1f}"]
-    for name in ("kept", "dense"):
-        cells += [f"{row[f'{name}_ms']:.4f}",
-                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
-                  f"{row[f'{name}_gbps']:.0f}"]
-        if name == "kept":
-            cells.append(f"{row['kept_frac_copy']:.2f}")
-    return "| " + " | ".join(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}",
-                                      str(row["ok"])]) + " |"
-
-
-def fmt_e2e_row(row) -> str:
-    """| batch | prompt | output | steps (decode) | tokens/s | decode step ms | device ms |
-    host ms | host share | host share, all steps | attention | recompiles | ok |"""
-    head = [str(row["batch"]), str(row["prompt_tokens"]), str(row["output_tokens"])]
-    if "error" in row:
-        return "| " + " | ".join(head + [f"error: {row['error']}"] + [""] * 9) + " |"
-    cells = head + [f"{row['steps']} ({row['decode_steps']})", f"{row['tokens_per_s']:.0f}",
-                    f"{row['decode_step_ms']:.3f}", f"{row['decode_device_ms']:.3f}",
-                    f"{row['decode_host_ms']:.3f}", f"{row['host_share']:.2f}",
-                    f"{row['host_share_all']:.2f}", row["attention_impl"], str(row["recompiles"]),
-                    str(row["ok"])]
-    return "| " + " | ".join(cells) + " |"
-
-
-def quant_target_summary(rows) -> list[str]:
-    """One line per dtype with a target: at how many batches of the target context it is met."""
-    lines = []
-    for kv, target in QUANT_TARGETS.items():
-        judged = [r for r in rows if r["kv_cache_dtype"] == kv and "target" in r]
-        if not judged:
-            continue
-        met = [r for r in judged if r["target_met"]]
-        speedups = [r["speedup_vs_bf16"] for r in judged]
-        verdict = "pass" if len(met) == len(judged) else "**fail**"
-        failing = ", ".join(str(r["batch"]) for r in judged if not r["target_met"]) or "none"
-        lines.append(f"* {kv} ≥ {target}× at context {judged[0]['context']}: {verdict} — met at "
-                     f"{len(met)}/{len(judged)} batches (speedup ×{min(speedups):.2f}–"
-                     f"×{max(speedups):.2f}; failing batches: {failing})")
-    return lines
-
-
-def markdown(report) -> str:
-    lines = [f"# jaxkv GPU check — {report['device']}, jax {report['jax']}", "",
-             f"Device-to-device copy bandwidth: **{report['copy_gbps']:.0f} GB/s**; "
-             f"run took {report['elapsed_s']:.0f} s.", "", "## (a) correctness vs reference", "",
-             "| kernel | variant | dtype | max abs err | ok |", "|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['variant']} | {r['dtype']} | {r['max_err']:.2e} | {r['ok']} |"
-              for rows in report["correctness"].values() for r in rows]
-    lines += ["", f"## (b) decode, bf16, head_dim {report['head_dim']} (ms per call: median, "
-              "min–max; GB/s = KV bytes / time; frac = of copy bandwidth; ragged = the ragged "
-              "kernel on the same decode batch; peer = jax ops.gpu.paged_attention)", "",
-              "| batch | context | GQA | ours ms | spread | GB/s | frac | ragged ms | spread "
-              "| GB/s | frac | peer ms | spread | GB/s | frac |",
-              "|" + "---|" * 15]
-    lines += [fmt_decode_row(r) for r in report["decode"] if "kv_cache_dtype" not in r]
-    quant = [r for r in report["decode"] if "kv_cache_dtype" in r]
-    lines += ["", "## (b2) decode, quantized pools (our decode kernel; same batches and q as the "
-              "bf16 rows; GB/s = bytes the kernel reads / time: codes + scales + zero points "
-              "(fp8/int8: bf16 per-token scales; KIVI int4/int2: keys per channel, scale/zero "
-              "[blocks, 1, Hkv, D] bf16, values per token in groups of 32, scale/zero "
-              "[blocks, bs, Hkv, D/32] bf16, + int32 res_slot per page + the residual's null "
-              "slot); bytes = of the bf16 row's; speedup = bf16 ms / ms; targets at context "
-              f"{report.get('target_context', '-')})", "",
-              "| batch | context | GQA | kv dtype | ms | spread | GB/s | frac | bytes vs bf16 "
-              "| bf16 ms | speedup | target |", "|" + "---|" * 12]
-    lines += [fmt_quant_row(r) for r in quant]
-    summary = quant_target_summary(quant)
-    if summary:
-        lines += [""] + summary
-    lines += ["", "## (b3) Quest sparse decode (bf16, GQA 4; budget = tokens attended per sequence "
-              "and kv head, sinks and recent window included; MB read = the selected pages' K+V "
-              "for the kernel / + the f32 key bounds of every page for the whole step; of dense "
-              "= step bytes / dense bytes; kernel = sparse kernel with the selection given; "
-              "step = page scores + top pages + kernel; speed-up = dense decode ms / ms; max err "
-              "= kernel vs sparse_decode_reference)", "",
-              "| batch | context | budget | pages read | MB read | of dense | dense ms | kernel ms "
-              "| GB/s | speed-up | step ms | GB/s | speed-up | max err | ok |", "|" + "---|" * 15]
-    lines += [fmt_sparse_row(r) for r in report.get("sparse", [])]
-    lines += ["", "## (b4) kept-blocks decode (bf16, GQA 4; tables keeping 25% of each "
-              "sequence's blocks, the rest null; kept = the split-K decode kernel's kept walk, "
-              "dense = the same kernel walking every logical tile of the same table; MB read = "
-              "kept pages' K+V / every logical position's K+V; GB/s over those bytes; frac = of "
-              "copy bandwidth; speed-up = dense ms / kept ms; max err = kept vs dense output)",
-              "", "| batch | context | pages kept | MB read | kept ms | spread | GB/s | frac "
-              "| dense ms | spread | GB/s | speed-up | max err | ok |", "|" + "---|" * 14]
-    lines += [fmt_kept_row(r) for r in report.get("kept", [])]
-    lines += ["", "## (c) prefill (one causal prompt)", "",
-              "| kernel | tokens | ms | min–max | TFLOP/s |", "|---|---|---|---|---|"]
-    for r in report["prefill"]:
-        if "error" in r:
-            lines.append(f"| {r['kernel']} | {r['tokens']} | error: {r['error']} | | |")
-        else:
-            lines.append(f"| {r['kernel']} | {r['tokens']} | {r['ms']:.3f} | "
-                         f"{r['min_ms']:.3f}–{r['max_ms']:.3f} | {r['tflops']:.1f} |")
-    lines += ["", "## (e) host KV offload (16-token all-layer block units; targets on H200: "
-              ">= 40 GB/s D2H, >= 45 GB/s H2D)", "",
-              "| path | blocks | MiB per block | D2H GB/s | H2D GB/s |", "|---|---|---|---|---|"]
-    for r in report.get("offload", []):
-        if "error" in r:
-            lines.append(f"| {r['path']} | | | {r['error']} | |")
-        else:
-            lines.append(f"| {r['path']} | {r['blocks']} | {r['block_bytes'] / 2**20:.2f} | "
-                         f"{r['d2h_gbps']:.1f} | {r['h2d_gbps']:.1f} |")
-    lines += ["", "## (d) decode config sweep", "",
-              "| batch | context | config | splits | ms | GB/s | frac |", "|" + "---|" * 7]
-    for r in report["sweep"]:
-        if "error" in r:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
-                         f"| error: {r['error']} | | |")
-        else:
-            lines.append(f"| {r['batch']} | {r['context']} | {r['config']} | {r['num_splits']} "
-                         f"| {r['ms']:.4f} | {r['gbps']:.0f} | {r['frac_copy']:.2f} |")
-    e2e = report.get("e2e", [])
-    model = f"{e2e[0]['model']}, {e2e[0]['dtype']} (KV {e2e[0]['kv_cache_dtype']}), " \
-        f"built and loaded in {e2e[0]['build_s']:.0f} s" if e2e else "not run"
-    lines += ["", f"## (f) end to end: jaxkv.LLM on a random Llama ({model}; greedy, "
-              "ignore_eos, random prompt ids; after a warm-up generate of the same batch, so "
-              "compiles are excluded; tokens/s = output tokens / wall time of the whole run, "
-              "prefill included; decode step ms = mean wall of the decode-only steps, device = "
-              "the jitted step from dispatch to tokens on the host, host = the rest; host share "
-              "= host / wall: median over decode steps, and over all steps' sums)", "",
-              "| batch | prompt | output | steps (decode) | tokens/s | decode step ms | device ms "
-              "| host ms | host share | host share, all steps | attention | recompiles | ok |",
-              "|" + "---|" * 13]
-    lines += [fmt_e2e_row(r) for r in e2e]
-    if report["errors"]:
-        lines += ["", "## errors", ""] + [f"* {e}" for e in report["errors"]]
-    return "\n".join(lines) + "\n"
 
 
 def write(report, out_dir):
@@ -1155,50 +1186,144 @@ def write(report, out_dir):
         f.write(markdown(report))
 
 
-def main(argv=None) -> int:
+def run_sections(run: Run, report: dict, names, out_dir: str | None, models=None) -> None:
+    """Each section into ``report[name]`` (a failure into ``report["errors"]``), its seconds
+    into ``report["sections_s"]``; the report written after each (unless ``out_dir`` is None)."""
+    fns = dict(copy_gbps=copy_bandwidth, correctness=check_correctness, decode=bench_decode,
+               prefill=bench_prefill, e2e=lambda r: bench_e2e(r, models), sparse=bench_sparse,
+               kept=bench_kept, offload=bench_offload, sweep=sweep_decode)
+    for name in names:
+        run.section = name
+        t0 = time.perf_counter()
+        try:
+            report[name] = fns[name](run)
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            traceback.print_exc()
+            run.errors.append(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+        if name == "copy_gbps" and not run.abstract:
+            run.copy_gbps = report.get("copy_gbps") or 1.0
+            print(f"copy bandwidth {run.copy_gbps:.0f} GB/s", flush=True)
+        report["sections_s"][name] = round(time.perf_counter() - t0, 1)
+        report.update(elapsed_s=run.elapsed(), errors=run.errors, skipped=run.skipped)
+        if out_dir is not None:
+            write(report, out_dir)
+
+
+def start_ahead(settings: Settings, exes: artifacts.Executables) -> tuple[threading.Thread, Run]:
+    """An abstract pass over (a)-(d) in a thread: every executable the run will ask for is
+    lowered there, then compiled (or loaded) by ``exes``' workers while the run goes on."""
+    ahead = Run(settings, exes, abstract=True)
+    thread = threading.Thread(target=run_sections, daemon=True, args=(
+        ahead, dict(sections_s={}), [n for n in settings.sections if n in PREPARED], None))
+    thread.start()
+    return thread, ahead
+
+
+def finish_ahead(thread: threading.Thread, ahead: Run, run: Run, report: dict) -> None:
+    """Waits for the pass ahead and every executable it started (the end-to-end rows must not
+    share the CPU with compiles); its errors become the run's."""
+    t0 = time.perf_counter()
+    thread.join()
+    run.exes.wait()
+    run.errors += [f"ahead: {e}" for e in ahead.errors]
+    report["ahead"] = dict(done_at_s=round(run.elapsed(), 1),
+                           waited_s=round(time.perf_counter() - t0, 1))
+
+
+def prepare(args, settings: Settings) -> int:
+    """--prepare: (a)-(d)'s executables compiled for each target and archived; nothing runs.
+    What fails to lower or compile here (cuDNN's attention without the cuDNN library) is listed,
+    and the device compiles it. Exit status 1 only if nothing was archived."""
+    if not args.dry_run and not jax.config.jax_platforms and "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")   # the CUDA plugin, no GPU: see gpu_target
+    archived = 0
+    for name in ([None] if args.dry_run else args.target or ["h100_sxm"]):
+        target = (artifacts.local_target() if name is None
+                  else artifacts.gpu_target(TARGETS / f"{name}.txtpb"))
+        writer = artifacts.ArchiveWriter(Path(args.prepare) / f"{target.name}.zip",
+                                         dict(artifacts.environment(target.device),
+                                              target=target.name))
+        exes = artifacts.Executables(target, writer=writer, workers=os.cpu_count() or 1)
+        run = Run(settings, exes, abstract=True)
+        t0 = time.perf_counter()
+        run_sections(run, dict(sections_s={}), [n for n in settings.sections if n in PREPARED],
+                     None)
+        path = exes.close()
+        bad = [f"{r['name']}: {r.get('error')}" for r in exes.records
+               if r.get("how") != "prepare"]
+        print(f"{path}: {len(writer.entries)} executables, {writer.size / 2**20:.1f} MiB, "
+              f"{writer.left_out} left out (size), {len(bad)} not prepared (the device compiles "
+              f"them), {time.perf_counter() - t0:.0f} s", flush=True)
+        for line in bad + run.errors:
+            print(f"  {line}", flush=True)
+        archived += len(writer.entries)
+    return 0 if archived else 1
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny sizes in Pallas interpret mode on CPU (CI smoke test)")
+    parser.add_argument("--quick", action="store_true", help="the < 3 minute selection")
     parser.add_argument("--out", default=os.environ.get("OUT", "out"),
                         help="output folder (default $OUT, else ./out)")
-    args = parser.parse_args(argv)
-    settings = DRY if args.dry_run else REAL
-    clock = Clock()
-    device = jax.devices()[0]
+    parser.add_argument("--prepare", metavar="DIR",
+                        help="compile (a)-(d) for --target here (deviceless) into DIR/TARGET.zip")
+    parser.add_argument("--target", action="append",
+                        help="--prepare's tests/gpu_targets/NAME.txtpb (repeatable; h100_sxm)")
+    parser.add_argument("--artifacts", action="append", default=[], metavar="PATH",
+                        help="load matching executables from these zips or folders of zips")
+    parser.add_argument("--no-save-artifacts", action="store_true",
+                        help="do not archive this run's compiled executables in OUT/artifacts")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = ((DRY_QUICK if args.quick else DRY) if args.dry_run
+                else QUICK if args.quick else FULL)
+    if args.prepare:
+        return prepare(args, settings)
+    target = artifacts.local_target()
+    device = target.device
+    env = artifacts.environment(device)
+    archives, notes = artifacts.open_archives(args.artifacts, env)
+    writer = None if args.no_save_artifacts else artifacts.ArchiveWriter(
+        Path(args.out) / "artifacts" / f"{slug(device.device_kind)}.zip", env)
+    run = Run(settings, artifacts.Executables(target, archives=archives, writer=writer,
+                                              roundtrip=args.dry_run,
+                                              workers=max(1, (os.cpu_count() or 1) - 2)))
     report = dict(device=f"{device.platform} {device.device_kind}", jax=jax.__version__,
-                  python=platform.python_version(), dry_run=args.dry_run, copy_gbps=0.0,
-                  head_dim=settings.head_dim, target_context=settings.target_context,
-                  correctness=dict(ours=[], peer=[]), decode=[],
-                  prefill=[], sparse=[], kept=[], sweep=[], offload=[], e2e=[], errors=[],
-                  elapsed_s=0.0)
-
-    def section(key, fn):
-        try:
-            report[key] = fn()
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
-            traceback.print_exc()
-            report["errors"].append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
-        report["elapsed_s"] = clock.elapsed()
-        write(report, args.out)
-
-    try:
-        peer = make_peer(settings)
-    except Exception as e:  # noqa: BLE001 - the peer is optional
-        peer = None
-        report["errors"].append(f"peer import: {type(e).__name__}: {e}")
-    section("copy_gbps", lambda: copy_bandwidth(settings))
-    print(f"copy bandwidth {report['copy_gbps']:.0f} GB/s", flush=True)
-    section("correctness", lambda: check_correctness(settings, peer, report["errors"]))
-    copy_gbps = report["copy_gbps"] or 1.0
-    section("decode", lambda: bench_decode(settings, clock, peer, copy_gbps))
-    section("kept", lambda: bench_kept(settings, clock, copy_gbps))
-    section("prefill", lambda: bench_prefill(settings))
-    section("offload", lambda: bench_offload(settings))
-    section("sparse", lambda: bench_sparse(settings, clock, copy_gbps))
-    section("sweep", lambda: sweep_decode(settings, clock, copy_gbps))
-    section("e2e", lambda: bench_e2e(settings, clock))
+                  python=platform.python_version(), dry_run=args.dry_run, quick=args.quick,
+                  copy_gbps=0.0, head_dim=settings.head_dim,
+                  target_context=settings.target_context, correctness=dict(ours=[], peer=[]),
+                  decode=[], prefill=[], e2e=[], sparse=[], kept=[], offload=[], sweep=[],
+                  errors=[], skipped={}, sections_s={}, elapsed_s=0.0,
+                  artifacts=dict(archives=notes))
+    names = list(settings.sections)
+    cut = names.index("e2e") if "e2e" in names else len(names)
+    with tempfile.TemporaryDirectory() as tmp:
+        models = write_models(settings.e2e_models, tmp) if "e2e" in names else {}
+        thread, ahead = start_ahead(settings, run.exes)
+        run_sections(run, report, names[:cut], args.out, models)
+        finish_ahead(thread, ahead, run, report)
+        run_sections(run, report, names[cut:], args.out, models)
+        concurrent.futures.wait(models.values())   # before their folder goes
+    saved = run.exes.close()
+    if saved is not None and args.dry_run:      # the manifest this process wrote must load here
+        _, check = artifacts.open_archives([saved], env)
+        if not check[0].endswith(": used"):
+            run.errors.append(f"archive check: {check[0]}")
+    report["artifacts"].update(saved=str(saved) if saved else None,
+                               summary=run.exes.summary())
+    report.update(executables=run.exes.records, elapsed_s=run.elapsed(), errors=run.errors)
+    write(report, args.out)
     print(markdown(report))
-    ok = all(r["ok"] for r in report["correctness"]["ours"]) and not report["errors"] \
+    ok = all(r["ok"] for r in report["correctness"]["ours"]) and not run.errors \
         and all(r.get("ok", False) for r in report["sparse"] + report["kept"] + report["e2e"])
     return 0 if ok else 1
 

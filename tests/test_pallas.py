@@ -582,6 +582,8 @@ def test_configs_lower_to_cuda():
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
+    """Every section of bench/gpu_check.py on tiny sizes (its --quick selection and archives:
+    tests/test_gpu_check.py)."""
     path = os.path.join(ROOT, "bench", "gpu_check.py")
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
@@ -589,27 +591,43 @@ def test_gpu_check_dry_run(tmp_path):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(report["sections_s"]) == list(gpu_check.SECTIONS) and not report["skipped"]
     ours, peer = report["correctness"]["ours"], report["correctness"]["peer"]
-    # 18 float rows + ragged and split-K decode on 4 KIVI pools (int4/int2, sealed and written)
-    assert len(ours) == 26 and all(r["ok"] for r in ours) and len(peer) == 1
-    assert sum("unsealed" in r["variant"] for r in ours) == 4
+    # bf16 and fp32: ragged, split-K at 1 and auto splits on 3 option sets, sparse on 2 (11
+    # each); fp8, int8, KIVI int4/int2 sealed and written: ragged, split-K, sparse (18)
+    assert len(ours) == 40 and all(r["ok"] for r in ours) and len(peer) == 1
+    assert {r["pool"] for r in ours} == {"bfloat16", "float32", "fp8_e4m3", "int8", "int4",
+                                         "int2", "int4 written", "int2 written"}
+    assert {(r["kernel"], r["variant"]) for r in ours if r["pool"] == "float32"} == {
+        (k, v) for k in ("ragged", "decode splits=1", "decode splits=auto")
+        for v in ("plain", "window+sinks", "softcap")} | {("sparse", "plain"),
+                                                          ("sparse", "softcap")}
     assert report["decode"] and all(r["ours_ms"] > 0 for r in report["decode"])
     quant = {r["kv_cache_dtype"] for r in report["decode"] if "kv_cache_dtype" in r}
     assert quant == {"fp8_e4m3", "int8", "int4", "int2"}
+    assert len(report["sparse"]) == 2 and all(r["ok"] for r in report["sparse"])
     kept = report["kept"]
     assert kept and all(r["ok"] and r["kept_bytes"] < r["dense_bytes"] for r in kept)
-    assert report["prefill"] and report["copy_gbps"] > 0
+    assert len(report["prefill"]) == 5 and all(r["tflops"] > 0 for r in report["prefill"])
+    assert report["copy_gbps"] > 0 and report["sweep"]
     # (e): the engine's host pool with and without pinned_host staging (the CPU has that memory)
     pools = [r for r in report["offload"] if r["path"].startswith("HostKVPool")]
     assert {r["path"] for r in pools} == {"HostKVPool staging=none",
                                           "HostKVPool staging=pinned_host"}
     assert all(r["d2h_gbps"] > 0 and r["h2d_gbps"] > 0 for r in report["offload"])
-    # (f): jaxkv.LLM end to end on a tiny random model, Pallas attention in interpret mode
+    # (f): jaxkv.LLM end to end on two tiny random models (tied; untied GQA 4), bf16 and fp8 KV,
+    # Pallas attention in interpret mode
     e2e = report["e2e"]
-    assert [r["batch"] for r in e2e] == [1, 4]
+    assert [(r["model"].split(" (")[0], r["kv_cache_dtype"], r["batch"]) for r in e2e] == [
+        ("tiny", "bf16", 1), ("tiny", "bf16", 4), ("tiny", "fp8_e4m3", 4),
+        ("tiny untied", "bf16", 4), ("tiny untied", "fp8_e4m3", 4)]
     assert all(r["ok"] and r["tokens_per_s"] > 0 and r["recompiles"] == 0
                and 0 <= r["host_share"] <= 1 and 0 <= r["host_share_all"] <= 1
                and r["decode_steps"] > 0 and r["attention_impl"] == "pallas" for r in e2e)
+    # every executable compiled, archived, and the archived copy loaded back and used
+    assert report["executables"]
+    assert all(r["how"] == "compile+load" for r in report["executables"])
+    assert report["artifacts"]["saved"] == str(tmp_path / "artifacts" / "cpu.zip")
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| batch |" in md and "## (b4) kept-blocks decode" in md
-    assert "## (f) end to end" in md
+    assert "## (f) end to end" in md and "compile+load:" in md

@@ -21,7 +21,8 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1 (b
 def write_random_model(path: str, sizes: dict, *, seed: int = 0, std: float = 0.02) -> str:
     """An HF Llama directory of random weights, SmolLM2-135M's config with ``sizes``' fields.
 
-    config.json (silu, rms_norm_eps 1e-5, rope_theta 100000, tied embeddings, bos 1, eos 2);
+    config.json (silu, rms_norm_eps 1e-5, rope_theta 100000, tied embeddings, bos 1, eos 2; a
+    field of ``sizes`` overrides any of these, e.g. ``tie_word_embeddings=False``);
     model.safetensors of bf16 weights drawn as ``jaxkv.model.llama.init_params`` draws them
     (matrices normal(0, std), RMSNorm weights 1) under the names ``weights.expected_shapes``
     lists; a word-level tokenizer over the whole vocabulary, so every id a random model samples
@@ -37,7 +38,7 @@ def write_random_model(path: str, sizes: dict, *, seed: int = 0, std: float = 0.
     config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu",
                   max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
                   tie_word_embeddings=True, attention_bias=False, bos_token_id=1,
-                  eos_token_id=2, torch_dtype="bfloat16", **sizes)
+                  eos_token_id=2, torch_dtype="bfloat16") | sizes
     os.makedirs(path, exist_ok=True)
     _dump(path, "config.json", config)
     rng = np.random.default_rng(seed)

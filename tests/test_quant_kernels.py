@@ -61,6 +61,17 @@ def test_ragged_and_decode_kernels_match_reference_on_quantized_pages(kv):
     assert_kernels_match_reference(k, v, tables, lens)
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "int8"])
+def test_quantized_pools_are_read_in_several_chunks(kv):
+    """head_dim 128: fp8/int8 tiles are dequantized DEQUANT_CHUNK channels at a time (fewer
+    live registers: no spill on the GPU), the partial dots summed, as the reference computes."""
+    from jaxkv.attention.pallas.kv_format import DEQUANT_CHUNK, kv_operands
+
+    k, v, tables, lens = quantized_pools(kv, [19, 5, 12], d=128)
+    assert len(kv_operands(k, v)[1].chunks) == 128 // DEQUANT_CHUNK == 2
+    assert_kernels_match_reference(k, v, tables, lens)
+
+
 def test_static_scale_fp8_kernel_matches_reference():
     k, v, tables, lens = quantized_pools("fp8_e5m2", [10, 3], static_scale=0.01)
     q = jnp.asarray(np.random.default_rng(2).normal(size=(2, H, D)), jnp.float32)

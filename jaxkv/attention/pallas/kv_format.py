@@ -16,6 +16,13 @@ from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec, KVFormat
 QUANTIZED_CODE_DTYPES = tuple(dict.fromkeys(jnp.dtype(f.storage) for f in KV_FORMATS.values()
                                             if f.quantized))
 MIN_CHUNK = 16     # Triton's smallest dot dimension
+# Channels per head-dim chunk of an fp8/int8 pool. Triton dequantizes a whole dot operand in
+# registers before its mma loop, so a [block_kv, 128] int8 tile of K, then of V, is 64 codes a
+# thread (4 warps, block_kv 64) held as separate 16-bit registers with their scaled bf16 copies:
+# the split-K decode kernel needed 168-183 registers and spilled with jax 0.12's Triton.
+# 64-channel chunks halve that operand (the decode kernel takes 128 registers with jax 0.10.2
+# and 0.12; docs/gpu.md "Newer JAX").
+DEQUANT_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +31,8 @@ class KvLayout:
 
     Attributes:
       head_dim: D, unpacked channels per vector.
-      chunks: ``(ch0, width, byte0, part)`` per head-dim chunk (see the module docstring).
+      chunks: ``(ch0, width, byte0, part)`` per head-dim chunk (see the module docstring):
+        the whole head_dim for a float pool, ``DEQUANT_CHUNK`` channels for fp8/int8.
       scaled: fp8/int8 pools with per-token-per-head scales.
       static_scale: fp8 pools with one fixed per-tensor scale.
       bits: 4 or 2 for KIVI pools, else 0.
@@ -148,8 +156,10 @@ def kv_operands(k_pages, v_pages):
         ops = [k_pages.data, k_pages.scale, v_pages.data, v_pages.scale] if scaled else \
             [k_pages.data, v_pages.data]
         check_offsets(ops)
-        return ops, KvLayout(head_dim=d, chunks=((0, d, 0, 0),), scaled=scaled,
-                             static_scale=k_pages.static_scale)
+        width = DEQUANT_CHUNK if d % DEQUANT_CHUNK == 0 else d
+        return ops, KvLayout(head_dim=d, chunks=tuple((ch0, width, 0, 0)
+                                                      for ch0 in range(0, d, width)),
+                             scaled=scaled, static_scale=k_pages.static_scale)
     bits = k_pages.format.bits
     n = 8 // bits
     width = kivi_chunk_width(k_pages.format, d, k_pages.group_size,

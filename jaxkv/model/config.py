@@ -38,8 +38,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the
-    mixtures of experts Mixtral and Qwen3-MoE).
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
+    and the mixtures of experts Mixtral and Qwen3-MoE).
 
     Attributes:
       architecture: one of ``SUPPORTED_ARCHITECTURES``.
@@ -188,6 +188,7 @@ class ModelConfig:
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             arch = ARCHITECTURES[model_type]
             window, layer_types = _layer_windows(cfg, arch, source)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -196,7 +197,7 @@ class ModelConfig:
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 **_rope_fields(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -204,7 +205,7 @@ class ModelConfig:
                 attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
                 qk_norm=arch.qk_norm,
                 layer_types=layer_types,
-                **_gemma_fields(cfg, arch),
+                **_gemma_fields(cfg, arch, head_dim),
                 **_moe_fields(cfg, arch),
                 sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
@@ -212,7 +213,6 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
-
 
 
 def _layer_windows(cfg: dict[str, Any], arch,
@@ -225,14 +225,13 @@ def _layer_windows(cfg: dict[str, Any], arch,
     layers mix kinds and the architecture cannot.
     """
     rule, types = arch.window, tuple(cfg.get("layer_types") or ())
+    n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
     if rule == "layer_types" and not types:          # every period-th layer full
         period = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
                      or arch.layer_period)
-        types = tuple(LAYER_TYPES[(i + 1) % period == 0]
-                      for i in range(int(cfg["num_hidden_layers"])))
+        types = tuple(LAYER_TYPES[(i + 1) % period == 0] for i in range(n))
     if rule == "layer_types" and len(set(types)) > 1:
-        return int(cfg["sliding_window"]), types
-    n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
+        return int(window), types
     first = n                                       # layers from ``first`` on slide
     if rule == "always" and window:
         first = 0
@@ -267,7 +266,7 @@ def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
         dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
 
 
-def _gemma_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
+def _gemma_fields(cfg: dict[str, Any], arch, head_dim: int) -> dict[str, Any]:
     """ModelConfig's Gemma fields from a Gemma ``config.json`` (none for other families)."""
     if not arch.gemma:
         return {}
@@ -276,7 +275,6 @@ def _gemma_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
                          f"supported: 'gelu_pytorch_tanh'")
     caps = {k: float(cfg[k]) if cfg.get(k) else None
             for k in ("attn_logit_softcapping", "final_logit_softcapping")}
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     return dict(gemma=True, query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or
                                                         head_dim), **caps)
 

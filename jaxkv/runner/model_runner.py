@@ -321,7 +321,7 @@ class ModelRunner:
         widths = sorted({1, 1 + self.max_drafts})
         variants = [(t, n, w, False) for t, n in buckets for w in widths]   # (T, S, W, decode)
         if self.split_k_decode:        # every decode shape, as a decode-only variant
-            decode = [x for x in s.decode_shapes() if shapes is None or x in set(shapes)]
+            decode = [x for x in s.decode_shapes() if shapes is None or x in buckets]
         variants += [(t, n, 1, self.split_k_decode) for t, n in decode]   # no drafts
         copies = [1 << i for i in range((2 * s.max_num_seqs - 1).bit_length())]
         fns = self._step_fns()

@@ -36,6 +36,14 @@ ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, bloc
               token_buckets=(8, 32), seq_buckets=(4,), prefix_caching="hash",
               num_kv_blocks=40)     # 39 usable blocks of 8: the four requests (84-214 tokens) do not fit
 NEW_TOKENS = 64
+# a hybrid cache's blocks hold one layer slot (jaxkv/config/kv_groups.py), and each sequence a
+# table per group: Gemma 2's 3 groups hold 32 + 2 x 7 blocks for 256 tokens, Gemma 3's 7 hold
+# 32 + 6 x 7; these pools fit one such sequence, not the four requests at once
+POOL_BLOCKS = {"gemma2": 56, "gemma3_text": 84}
+# whole blocks of the shared 96 tokens two requests find; a sliding group's blocks leave its
+# window (and turn LRU) long before the request ends, so in these tight pools one of the two
+# requests finds only part of the prefix
+MIN_HITS = {"gemma2": 88, "gemma3_text": 64}
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -70,7 +78,8 @@ def test_engine_equals_transformers(checkpoint):
     arch, path, model = checkpoint
     text = austen_text(8000)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(path), **ENGINE) as llm:
+    engine = ENGINE | dict(num_kv_blocks=POOL_BLOCKS.get(arch, ENGINE["num_kv_blocks"]))
+    with LLM(str(path), **engine) as llm:
         ids = llm.tokenizer.encode(text)
         shared = ids[:96]
         prompts = [shared + ids[200:240], ids[300:450], shared + ids[500:530], ids[600:620]]
@@ -78,7 +87,7 @@ def test_engine_equals_transformers(checkpoint):
         outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
                                     use_tqdm=False)
         stats = llm.stats()
-    assert stats["prefix_cache_hits"] >= 2 * 88, stats          # whole blocks of the 96
+    assert stats["prefix_cache_hits"] >= MIN_HITS.get(arch, 2 * 88), stats
     assert stats["num_preemptions"] > 0, stats
     for prompt, out in zip(prompts, outs):
         want_tokens, want_logprobs = hf_reference(model, prompt)

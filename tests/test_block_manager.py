@@ -120,7 +120,7 @@ def test_check_invariants_catches_corruption():
     with pytest.raises(AssertionError, match="ref counts"):
         bad.check_invariants()
     bad = bm.copy()
-    bad._tables["b"] = (6,)
+    bad._tables["b"] = ((6,),)
     with pytest.raises(AssertionError, match="out of"):
         bad.check_invariants()
     bad = bm.copy()

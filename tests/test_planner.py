@@ -1,5 +1,6 @@
 """Memory planner: byte counts by hand and against HF transformers, block counts, advice, errors."""
 
+import dataclasses
 import re
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 from jaxkv.kvcache.spec import resolve_kv_cache_dtype
 from jaxkv.model.config import ModelConfig
 from jaxkv.runner import memory_plan
-from jaxkv.runner.memory_plan import GiB, kv_bytes_per_token, num_parameters, plan, weights_bytes
+from jaxkv.runner.memory_plan import (GiB, GroupPlan, kv_bytes_per_block, kv_bytes_per_token,
+                                      num_parameters, plan, weights_bytes)
 
 SMOLLM2_135M = ModelConfig(
     architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -19,6 +21,14 @@ LLAMA3_8B = ModelConfig(
 TINY = ModelConfig(
     architecture="llama", vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+# google/gemma-3-1b-it's config.json: every 6th layer full (5, 11, 17, 23), the others slide 512
+GEMMA3_1B = ModelConfig(
+    architecture="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+    num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768,
+    tie_word_embeddings=True, qk_norm=True, gemma=True, query_pre_attn_scalar=256.0,
+    sliding_window=512,
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                      for i in range(26)))
 
 
 def test_kv_bytes_per_token_by_hand():
@@ -173,6 +183,87 @@ def test_summary_renders_the_table():
     for needle in ("weights (bfloat16)", "14.96 GiB", "KV bytes per token", "131,072 B",
                    "blocks (incl. null block 0)", "runs / fits", "yes / no", "- needs"):
         assert needle in text
+
+
+def test_hybrid_blocks_hold_one_page_per_pool_slot():
+    """Gemma 3 1B: 4 full layers and 22 sliding ones cut into groups of <= 4 layers, so a
+    block id owns 4 pages (K and V, 16 tokens, 1 kv head of 256 bf16 channels), not 26."""
+    page = 2 * 16 * 1 * 256 * 2                                  # K and V of one slot: 16 KiB
+    assert kv_bytes_per_block(GEMMA3_1B, "bf16", 16) == 4 * page == 65_536
+    assert kv_bytes_per_block(GEMMA3_1B, "bf16", 16, hybrid_kv_cache=False) == 26 * page
+    p = plan(GEMMA3_1B, device_memory_bytes=80 * GiB, dtype="bfloat16")
+    assert p.kv_bytes_per_block == 4 * page and p.kv_bytes_per_token == 4 * page // 16
+
+
+def test_hybrid_groups_blocks_per_sequence():
+    """A full group holds all 2,048 blocks of a 32K sequence; a sliding one the window's 511
+    positions before a step plus the step's 2,048 tokens, starting anywhere in a block."""
+    p = plan(GEMMA3_1B, device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=32768)
+    slide = (511 + 2048) // 16 + 2                                # 161 blocks
+    token = 2 * 1 * 256 * 2                                       # B per token and layer
+    assert p.groups == (GroupPlan(None, 4, 4 * token, 2048),
+                        *[GroupPlan(512, 4, 4 * token, slide)] * 4,
+                        *[GroupPlan(512, 3, 3 * token, slide)] * 2)
+    assert p.hybrid and p.blocks_per_seq == 2048 + 6 * 161 == 3014
+    text = p.summary()
+    for needle in ("KV bytes per token (4 pool slots)", "group 0: full, 4 layers",
+                   "group 6: sliding 512, 3 layers", "2,048 blocks/seq", "161 blocks/seq",
+                   "blocks per 32,768-token sequence"):
+        assert needle in text
+    full = plan(GEMMA3_1B, device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=32768,
+                hybrid_kv_cache=False)
+    assert full.groups == (GroupPlan(None, 26, 26 * token, 2048),) and not full.hybrid
+    assert "group" not in full.summary() and "pool slots" not in full.summary()
+
+
+def test_hybrid_cache_holds_more_32k_sequences():
+    """Per 32K sequence: 3,014 blocks of 4 pages (hybrid) against 2,048 blocks of 26 pages
+    (every layer caches every token), 4.42x fewer bytes, so 4.42x the sequences."""
+    page = 2 * 16 * 256 * 2
+    kw = dict(device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=32768,
+              kv_cache_bytes=64 * GiB)
+    hybrid = plan(GEMMA3_1B, **kw)
+    full = plan(GEMMA3_1B, **kw, hybrid_kv_cache=False)
+    assert hybrid.max_concurrent_seqs == (64 * GiB // (4 * page) - 1) // 3014 == 347
+    assert full.max_concurrent_seqs == (64 * GiB // (26 * page) - 1) // 2048 == 78
+    ratio = (26 * 2048) / (4 * 3014)                              # 4.417
+    assert full.max_concurrent_seqs * ratio <= hybrid.max_concurrent_seqs
+    assert hybrid.max_concurrent_seqs < (full.max_concurrent_seqs + 1) * ratio
+
+
+def test_hybrid_equal_buckets_and_advice():
+    """gpt-oss-20b's shape (alternate sliding 128 / full from layer 0): two groups of 12 layers
+    over 12 slots; a plan that does not fit offers fp8 with the hybrid count of sequences."""
+    config = dataclasses.replace(
+        LLAMA3_8B, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64,
+        max_position_embeddings=131072, sliding_window=128,
+        layer_types=("sliding_attention", "full_attention") * 12)
+    kw = dict(device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=32768,
+              max_num_seqs=4096)
+    p = plan(config, **kw)
+    assert kv_bytes_per_block(config, "bf16", 16) == 12 * 2 * 16 * 8 * 64 * 2
+    assert [(g.kind, g.num_layers, g.blocks_per_seq) for g in p.groups] == [
+        ("full", 12, 2048), ("sliding 128", 12, (127 + 2048) // 16 + 2)]
+    fp8 = _lever(p.reasons, r"kv_cache_dtype='fp8_e4m3' .* holds ([\d,]+)")
+    assert fp8 == plan(config, **kw, kv_cache_dtype="fp8").max_concurrent_seqs
+    assert fp8 > p.max_concurrent_seqs
+
+
+def test_one_attention_kind_plans_the_same_either_way():
+    for config in (LLAMA3_8B, dataclasses.replace(LLAMA3_8B, sliding_window=4096)):
+        kw = dict(device_memory_bytes=80 * GiB, dtype="bfloat16", max_model_len=8192)
+        p = plan(config, **kw)
+        assert p == plan(config, **kw, hybrid_kv_cache=False)
+        assert p.groups == (GroupPlan(None, 32, 131072, 512),) and p.blocks_per_seq == 512
+        assert p.summary() == plan(config, **kw, hybrid_kv_cache=False).summary()
+
+
+def test_retention_is_refused_on_a_hybrid_cache():
+    kw = dict(device_memory_bytes=80 * GiB, dtype="bfloat16", retained_blocks_per_seq=40)
+    with pytest.raises(ValueError, match="^retained_blocks_per_seq=40: .*hybrid_kv_cache=False"):
+        plan(GEMMA3_1B, **kw)
+    assert plan(GEMMA3_1B, **kw, hybrid_kv_cache=False).blocks_per_seq == 40
+    assert plan(LLAMA3_8B, **kw).blocks_per_seq == 40
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jaxkv.blocks.block_manager import BlockManager
 from jaxkv.blocks.prefix_cache import make_prefix_cache
 from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.config.kv_groups import KVGroups
 from jaxkv.runner import batch
 from jaxkv.sched.plan import ScheduledSeq as S
 from jaxkv.sched.scheduler import abort, add_request, check_invariants, fork, schedule, update
@@ -16,8 +17,9 @@ from jaxkv.sched.state import Request, StopSpec, init_state
 
 
 def configs(block_size, num_blocks, budget, *, mode="hash", max_num_seqs=8, max_model_len=32,
-            policy="fcfs"):
-    return (CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=mode),
+            policy="fcfs", windows=(None,)):
+    return (CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_caching=mode,
+                        kv_groups=KVGroups(windows)),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, policy=policy))
 
@@ -135,9 +137,9 @@ def test_fork_and_copy_on_write():
     assert bm.fork("p", "c", 1) == (1,)
     assert bm.fork("p", "d") == (1, 2)
     assert bm.needs_copy("d", 5) and not bm.needs_copy("d", 8)
-    assert bm.copy_on_write("d", 5) == (2, 3)
+    assert bm.copy_on_write("d", 5) == ((2, 3),)
     assert bm.block_table("d") == (1, 3) and bm.ref_count(2) == 1
-    assert bm.copy_on_write("d", 6) is None
+    assert bm.copy_on_write("d", 6) == ()
     bm.check_invariants()
 
 
@@ -270,17 +272,26 @@ def test_lpm_admits_the_longest_cached_prefix_first_with_an_age_bound():
 
 class PrefixMachine(RuleBasedStateMachine):
     """Random requests over a few shared prefixes and salts, forks, aborts and beam forks on a
-    tiny pool, with a simulated device pool: each slot holds (salt, token, position). Before every
-    step, every scheduled sequence's already computed positions must hold its own tokens: cache
-    hits, copy-on-write and salt isolation are all checked by this one assertion."""
+    tiny pool, with a simulated device pool: each slot holds (group, salt, token, position).
+    Before every step, every scheduled sequence's already computed positions must hold its own
+    tokens in every cache group (a sliding group: those its window still sees): cache hits,
+    copy-on-write, salt isolation and a hybrid cache's groups are all checked by this one
+    assertion."""
 
     @initialize(mode=st.sampled_from([None, "hash", "radix"]), block_size=st.integers(1, 4),
                 extra_blocks=st.integers(0, 8), budget=st.integers(1, 12),
-                max_num_seqs=st.integers(1, 4), policy=st.sampled_from(["fcfs", "lpm"]))
-    def setup(self, mode, block_size, extra_blocks, budget, max_num_seqs, policy):
-        num_blocks = -(-16 // block_size) + 1 + extra_blocks
+                max_num_seqs=st.integers(1, 4), policy=st.sampled_from(["fcfs", "lpm"]),
+                windows=st.sampled_from([(None,), (None,), (None, 3), (None, 5, 5), (2, None)]))
+    def setup(self, mode, block_size, extra_blocks, budget, max_num_seqs, policy, windows):
+        blocks_per_seq = sum(-(-16 // block_size) if w is None else
+                             min(-(-16 // block_size), (w - 1 + budget) // block_size + 2)
+                             for w in windows)
+        num_blocks = blocks_per_seq + 1 + extra_blocks
         self.cc, self.sc = configs(block_size, num_blocks, budget, mode=mode,
-                                   max_num_seqs=max_num_seqs, max_model_len=16, policy=policy)
+                                   max_num_seqs=max_num_seqs, max_model_len=16, policy=policy,
+                                   windows=windows)
+        if len(windows) > 1:
+            event("hybrid groups")
         self.state = init_state(self.cc)
         self.pool = {}       # slot -> (salt, token, position)
         self.next_id = 0
@@ -326,22 +337,27 @@ class PrefixMachine(RuleBasedStateMachine):
                     self.pool[dst * bs + o] = old[src * bs + o]
         if plan.copy_ops:
             event("copy-on-write")
+        windows = self.cc.kv_groups.windows
         for s in plan.seqs:
             if s.num_cached_tokens:
                 event("prefix hit")
             salt = self.state.requests[s.request_id].request.cache_salt
             tokens = self._tokens(s.request_id)
-            for p in range(s.start_pos):
-                slot = s.block_table[p // bs] * bs + p % bs
-                assert self.pool.get(slot) == (salt, tokens[p], p), (s, p)
+            for g, table in enumerate((s.block_table, *s.group_tables)):
+                seen = 0 if windows[g] is None else max(0, s.start_pos - windows[g] + 1)
+                for p in range(seen, s.start_pos):
+                    slot = table[p // bs] * bs + p % bs
+                    assert self.pool.get(slot) == (g, salt, tokens[p], p), (s, g, p)
         inputs = batch.build(plan, self.cc, self.sc)
         written = {}
         for s in plan.seqs:
             salt = self.state.requests[s.request_id].request.cache_salt
-            for i, tok in enumerate(s.token_ids):
-                p = s.start_pos + i
-                written[s.block_table[p // bs] * bs + p % bs] = (salt, tok, p)
-        assert set(written) == set(inputs.slot_mapping[:inputs.num_tokens].tolist())
+            for g, table in enumerate((s.block_table, *s.group_tables)):
+                for i, tok in enumerate(s.token_ids):
+                    p = s.start_pos + i
+                    written[table[p // bs] * bs + p % bs] = (g, salt, tok, p)
+        slots = [inputs.slot_mapping, *inputs.group_slot_mapping]
+        assert set(written) == {int(x) for row in slots for x in row[:inputs.num_tokens]}
         self.pool.update(written)
         if data is not None:
             self._beam_fork(plan, data)

@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from jaxkv.blocks.prefix_cache import PrefixCache, lookup, make_prefix_cache
+from jaxkv.blocks.prefix_cache import PrefixCache, group_key, lookup, make_prefix_cache
 
 NULL_BLOCK = 0
 
@@ -30,10 +30,15 @@ class BlockManager:
         ``lookup`` then stops before the prompt's last R - 1 full blocks and matches no partial
         block (those are recomputed, and land in the full-precision residual as they would
         without the cache).
+      windows: the hybrid cache's groups (``jaxkv.config.kv_groups.KVGroups.windows``): per
+        group its sliding window or None (full attention). Each request has one table per
+        group, all of one length; a sliding group's entries below its window are the null
+        block (``release_window``). Group 0 is the one ``block_table`` and retention policies
+        see; a prefix hit is one every group can serve (``lookup``).
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: str | None = None,
-                 residual_window_blocks: int = 0):
+                 residual_window_blocks: int = 0, windows: Sequence[int | None] = (None,)):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         if block_size < 1:
@@ -45,7 +50,8 @@ class BlockManager:
         self._prev = np.roll(ids, 1)   # [num_blocks] free-queue predecessor, -1 when in use
         self._ref = np.zeros(num_blocks, np.int32)  # [num_blocks] table references per block
         self._num_free = num_blocks - 1
-        self._tables: dict[Hashable, tuple[int, ...]] = {}
+        self.windows = tuple(windows)
+        self._tables: dict[Hashable, tuple[tuple[int, ...], ...]] = {}   # per group
         self.prefix_cache: PrefixCache | None = make_prefix_cache(prefix_caching, block_size)
         self.residual_window_blocks = residual_window_blocks
         # per request: (root key, keys of its leading registered full blocks...)
@@ -59,6 +65,7 @@ class BlockManager:
         new = object.__new__(BlockManager)
         new.num_blocks = self.num_blocks
         new.block_size = self.block_size
+        new.windows = self.windows
         new._next = self._next.copy()
         new._prev = self._prev.copy()
         new._ref = self._ref.copy()
@@ -73,6 +80,10 @@ class BlockManager:
         return new
 
     # ---- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,10 +105,23 @@ class BlockManager:
         return tuple(self._tables)
 
     def block_table(self, request_id: Hashable) -> tuple[int, ...]:
-        """Physical block ids of ``request_id``, logical block order."""
+        """Physical block ids of ``request_id`` (group 0), logical block order."""
+        return self.block_tables(request_id)[0]
+
+    def block_tables(self, request_id: Hashable) -> tuple[tuple[int, ...], ...]:
+        """``request_id``'s table of every group (one length), logical block order."""
         if request_id not in self._tables:
             raise ValueError(f"request_id={request_id!r} has no block table")
         return self._tables[request_id]
+
+    def flat_table(self, request_id: Hashable) -> tuple[int, ...]:
+        """Every group's table, one after the other (what a swap moves)."""
+        return sum(self.block_tables(request_id), ())
+
+    def blocks_per_group(self) -> tuple[int, ...]:
+        """Distinct blocks the tables of each group hold (shared ones once)."""
+        return tuple(len({b for tables in self._tables.values() for b in tables[g]}
+                         - {NULL_BLOCK}) for g in range(self.num_groups))
 
     def free_block_ids(self) -> tuple[int, ...]:
         """The free queue, head (next to be allocated) first. O(num_free_blocks)."""
@@ -109,23 +133,28 @@ class BlockManager:
         return tuple(out)
 
     def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a new table for ``num_tokens`` tokens fits in the free blocks."""
-        return self.blocks_for(num_tokens) <= self._num_free
+        """Whether new tables for ``num_tokens`` tokens fit in the free blocks."""
+        return self.num_groups * self.blocks_for(num_tokens) <= self._num_free
 
     def can_append_slots(self, request_id: Hashable, new_total_tokens: int,
                          write_from: int | None = None) -> bool:
         """Whether ``request_id``'s table can grow to hold ``new_total_tokens`` tokens (and, when
         writing from position ``write_from``, copy a shared block there first)."""
         missing = self.blocks_for(new_total_tokens) - len(self.block_table(request_id))
-        if write_from is not None and self.needs_copy(request_id, write_from):
-            missing += 1
+        missing = self.num_groups * max(0, missing)
+        if write_from is not None:
+            missing += len(self._shared(request_id, write_from))
         return missing <= self._num_free
 
     def needs_copy(self, request_id: Hashable, position: int) -> bool:
         """Whether writing ``position`` would write into a block another table references."""
-        table = self.block_table(request_id)
+        return bool(self._shared(request_id, position))
+
+    def _shared(self, request_id: Hashable, position: int) -> list[int]:
+        """The groups whose block at ``position`` another table references too."""
         j = position // self.block_size
-        return j < len(table) and self._ref[table[j]] > 1
+        return [g for g, table in enumerate(self.block_tables(request_id))
+                if j < len(table) and self._ref[table[j]] > 1]
 
     @property
     def num_cached_blocks(self) -> int:
@@ -141,11 +170,66 @@ class BlockManager:
         (see the class docstring); nothing without prefix caching."""
         if self.prefix_cache is None:
             return (), (), None
+        if self.num_groups > 1:
+            return self._lookup_groups(token_ids, salt)
         blocks, keys, partial = lookup(self.prefix_cache, token_ids, salt)
         if not self.residual_window_blocks:
             return blocks, keys, partial
         n = self.max_hit_blocks(len(token_ids))   # the window after the prompt starts there
         return blocks[:n], keys[:n], None
+
+    def _lookup_groups(self, token_ids: Sequence[int], salt: Hashable):
+        """``lookup`` over hybrid groups: the most whole blocks every group can serve (a full
+        group needs all of them, a sliding one those its window reaches back to from the next
+        query), shrunk until no group objects, as vLLM's coordinator does. Group 0's blocks
+        (null below a window) and the keys; never a partial block."""
+        pc, bs = self.prefix_cache, self.block_size
+        keys, parent = [], pc.root(salt)
+        for j in range(self.max_hit_blocks(len(token_ids))):
+            keys.append(parent := pc.key(parent, tuple(token_ids[j * bs:(j + 1) * bs])))
+        h = len(keys)
+        for g in (g for g, w in enumerate(self.windows) if w is None):
+            h = next((j for j in range(h) if pc.find(group_key(keys[j], g)) is None), h)
+        before = -1
+        while h != before:
+            before = h
+            for g in (g for g, w in enumerate(self.windows) if w is not None):
+                h = self._window_hit(keys, g, h)
+        return self._hits((), keys[:h])[0], tuple(keys[:h]), None
+
+    def window_kept(self, request_id: Hashable, position: int, num_blocks: int) -> bool:
+        """Whether every sliding group of ``request_id`` still holds its first ``num_blocks``
+        blocks from the window of a query at ``position`` on (what a fork there needs)."""
+        return all(NULL_BLOCK not in t[self._window_lo(g, position):num_blocks]
+                   for g, t in enumerate(self.block_tables(request_id))
+                   if self.windows[g] is not None)
+
+    def _window_lo(self, g: int, position: int) -> int:
+        """First logical block group ``g``'s window needs for a query at ``position``."""
+        w = self.windows[g]
+        return 0 if w is None else max(0, (position - w + 1) // self.block_size)
+
+    def _window_hit(self, keys: Sequence[Hashable], g: int, h: int) -> int:
+        """The longest hit of at most ``h`` blocks sliding group ``g`` serves: every block from
+        its window's start is cached (a hit ending past a missing block cannot)."""
+        while h > 0:
+            missing = [j for j in range(self._window_lo(g, h * self.block_size), h)
+                       if self.prefix_cache.find(group_key(keys[j], g)) is None]
+            if not missing:
+                return h
+            h = missing[-1]
+        return 0
+
+    def _hits(self, blocks: Sequence[int], keys: Sequence[Hashable]
+              ) -> tuple[tuple[int, ...], ...]:
+        """Per group, the cached blocks of a hit (hybrid: found by ``keys``, null below a
+        window; one group: ``blocks``)."""
+        if self.num_groups == 1:
+            return (tuple(blocks),)
+        h, pc = len(keys), self.prefix_cache
+        return tuple(tuple(NULL_BLOCK if j < self._window_lo(g, h * self.block_size) else
+                           pc.find(group_key(keys[j], g)) for j in range(h))
+                     for g in range(self.num_groups))
 
     def max_hit_blocks(self, num_tokens: int) -> int:
         """Most full blocks a prefix hit of a ``num_tokens``-token lookup may cover: its full
@@ -165,11 +249,13 @@ class BlockManager:
         return out
 
     def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
-                            partial: tuple[int, int] | None, *, reserve: int = 0) -> bool:
-        """Whether ``allocate_cached(.., num_tokens, blocks, .., partial)`` fits with
+                            partial: tuple[int, int] | None, *, reserve: int = 0,
+                            keys: Sequence[Hashable] = ()) -> bool:
+        """Whether ``allocate_cached(.., num_tokens, blocks, keys, partial)`` fits with
         ``reserve`` free blocks to spare."""
-        need = self.blocks_for(num_tokens) - len(blocks)
-        need += sum(self._ref[b] == 0 for b in blocks)
+        hits = self._hits(blocks, keys)
+        need = self.num_groups * (self.blocks_for(num_tokens) - len(hits[0]))
+        need += sum(self._ref[b] == 0 for hit in hits for b in hit if b != NULL_BLOCK)
         if partial is not None and self._ref[partial[0]] == 0:
             need += 1  # held until the plan ends (release_copy_sources)
         return need + reserve <= self._num_free
@@ -199,21 +285,23 @@ class BlockManager:
             raise ValueError(f"request_id={request_id!r} already has a block table")
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
-        if not self.can_allocate_cached(num_tokens, blocks, partial):
-            raise ValueError(f"num_tokens={num_tokens} needs "
-                             f"{self.blocks_for(num_tokens) - len(blocks)} more blocks but only "
+        if not self.can_allocate_cached(num_tokens, blocks, partial, keys=keys):
+            need = self.num_groups * (self.blocks_for(num_tokens) - len(blocks))
+            raise ValueError(f"num_tokens={num_tokens} needs {need} more blocks but only "
                              f"{self._num_free} are free")
-        for b in blocks:
+        hits = self._hits(blocks, keys)
+        for b in (b for hit in hits for b in hit if b != NULL_BLOCK):
             self._acquire(b)
         if partial is not None:   # held until release_copy_sources(), see there
             self._acquire(partial[0])
             self._copy_sources.append(partial[0])
-        new = self._take(self.blocks_for(num_tokens) - len(blocks), "num_tokens", num_tokens)
-        copy = None if partial is None else (partial[0], new[promoted])
-        self._tables[request_id] = tuple(blocks) + new
+        tables = tuple(hit + self._take(self.blocks_for(num_tokens) - len(hit), "num_tokens",
+                                        num_tokens) for hit in hits)
+        copy = None if partial is None else (partial[0], tables[0][len(blocks) + promoted])
+        self._tables[request_id] = tables
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
-        return self._tables[request_id], copy
+        return tables[0], copy
 
     def release_copy_sources(self) -> None:
         """Give back the radix copy sources ``allocate_cached`` held (call it once the plan's
@@ -228,31 +316,37 @@ class BlockManager:
                             reserve: int = 0) -> bool:
         """Whether ``allocate_layout(.., kept, num_tokens)`` fits with ``reserve`` free blocks
         to spare."""
-        need = sum(kept) + max(0, self.blocks_for(num_tokens) - len(kept))
+        per_group = len(kept) // self.num_groups
+        need = sum(kept) + self.num_groups * max(0, self.blocks_for(num_tokens) - per_group)
         return need + reserve <= self._num_free
 
     def allocate_layout(self, request_id: Hashable, kept: Sequence[bool], num_tokens: int, *,
                         salt: Hashable = None) -> tuple[int, ...]:
-        """Create the table of a request coming back from the host tier (swap preemption):
-        logical block ``j < len(kept)`` gets a fresh block where ``kept[j]`` (filled by a
-        swap-in before the step), the null block where its retention policy had dropped it,
-        and fresh blocks follow up to ``num_tokens`` tokens. Its blocks are registered in the
-        prefix cache afresh (``register``), under ``salt``."""
+        """Create the tables of a request coming back from the host tier (swap preemption):
+        ``kept`` is every group's layout one after the other (``flat_table``'s order); logical
+        block ``j`` gets a fresh block where kept (filled by a swap-in before the step), the
+        null block where its retention policy or window had dropped it, and fresh blocks
+        follow up to ``num_tokens`` tokens. Returns the tables, flat; their blocks are
+        registered in the prefix cache afresh (``register``), under ``salt``."""
         if request_id in self._tables:
             raise ValueError(f"request_id={request_id!r} already has a block table")
-        if len(kept) > self.blocks_for(num_tokens):
+        m = len(kept) // self.num_groups
+        if m > self.blocks_for(num_tokens) or m * self.num_groups != len(kept):
             raise ValueError(f"num_tokens={num_tokens} fits in {self.blocks_for(num_tokens)} "
-                             f"blocks but kept has {len(kept)}")
+                             f"blocks per group but kept has {len(kept)} for "
+                             f"{self.num_groups} groups")
         if not self.can_allocate_layout(kept, num_tokens):
             raise ValueError(f"num_tokens={num_tokens} needs more blocks than the "
                              f"{self._num_free} free ones")
-        fresh = iter(self._take(sum(kept) + self.blocks_for(num_tokens) - len(kept),
+        fresh = iter(self._take(sum(kept) + self.num_groups * (self.blocks_for(num_tokens) - m),
                                 "num_tokens", num_tokens))
-        self._tables[request_id] = tuple(next(fresh) if k else NULL_BLOCK for k in kept) \
-            + tuple(fresh)
+        tail = self.blocks_for(num_tokens) - m
+        self._tables[request_id] = tuple(
+            tuple(next(fresh) if k else NULL_BLOCK for k in kept[g * m:(g + 1) * m])
+            + tuple(next(fresh) for _ in range(tail)) for g in range(self.num_groups))
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt),)
-        return self._tables[request_id]
+        return self.flat_table(request_id)
 
     def append_slots(self, request_id: Hashable, new_total_tokens: int) -> tuple[int, ...]:
         """Grow ``request_id``'s table to hold ``new_total_tokens`` tokens; returns the table.
@@ -260,12 +354,17 @@ class BlockManager:
         A no-op when the table already has room. Raises ``ValueError`` (and changes nothing)
         when the free blocks do not suffice.
         """
-        table = self.block_table(request_id)
-        missing = self.blocks_for(new_total_tokens) - len(table)
+        tables = self.block_tables(request_id)
+        missing = self.blocks_for(new_total_tokens) - len(tables[0])
         if missing > 0:
-            table += self._take(missing, "new_total_tokens", new_total_tokens)
-            self._tables[request_id] = table
-        return table
+            if self.num_groups * missing > self._num_free:
+                raise ValueError(f"new_total_tokens={new_total_tokens} needs "
+                                 f"{self.num_groups * missing} more blocks but only "
+                                 f"{self._num_free} are free")
+            tables = tuple(t + self._take(missing, "new_total_tokens", new_total_tokens)
+                           for t in tables)
+            self._tables[request_id] = tables
+        return tables[0]
 
     def truncate(self, request_id: Hashable, num_tokens: int) -> tuple[int, ...]:
         """Shrink ``request_id``'s table to the ``blocks_for(num_tokens)`` blocks that hold its
@@ -278,19 +377,19 @@ class BlockManager:
         Raises:
           ValueError: ``num_tokens < 1``, or a dropped block is registered in the prefix cache.
         """
-        table = self.block_table(request_id)
+        tables = self.block_tables(request_id)
         keep = self.blocks_for(num_tokens)
         if num_tokens < 1:
             raise ValueError(f"num_tokens={num_tokens} must be >= 1")
         if self.num_registered(request_id) > keep:
             raise ValueError(f"request_id={request_id!r}: truncating to {keep} blocks would drop "
                              f"{self.num_registered(request_id) - keep} registered blocks")
-        for block in reversed(table[keep:]):
+        for block in (b for t in reversed(tables) for b in reversed(t[keep:])):
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 self._push_head(block)
-        self._tables[request_id] = table[:keep]
-        return self._tables[request_id]
+        self._tables[request_id] = tuple(t[:keep] for t in tables)
+        return self._tables[request_id][0]
 
     def release_blocks(self, request_id: Hashable, logical: Sequence[int]) -> int:
         """Give back the logical blocks ``logical`` of ``request_id`` that a retention policy
@@ -302,7 +401,29 @@ class BlockManager:
         The table keeps its length: logical block ``j`` still covers positions
         ``[j * block_size, (j + 1) * block_size)``, and attention never sees a null entry.
         """
-        table = list(self.block_table(request_id))
+        return self._release_entries(request_id, 0, logical)
+
+    def release_window(self, request_id: Hashable, num_computed: int) -> int:
+        """Give back every sliding group's blocks below the window of a query at
+        ``num_computed`` (as ``release_blocks``, walking down to the first null entry).
+        Returns how many were released."""
+        released = 0
+        for g, table in enumerate(self.block_tables(request_id)):
+            if self.windows[g] is None:
+                continue
+            stop = min(len(table), self._window_lo(g, num_computed))
+            drops = []
+            for j in range(stop - 1, -1, -1):
+                if table[j] == NULL_BLOCK:
+                    break
+                drops.append(j)
+            released += self._release_entries(request_id, g, drops)
+        return released
+
+    def _release_entries(self, request_id: Hashable, g: int, logical: Sequence[int]) -> int:
+        """Null group ``g``'s entries ``logical`` of ``request_id`` (one reference less each)."""
+        tables = self.block_tables(request_id)
+        table = list(tables[g])
         released = 0
         for j in logical:
             if table[j] != NULL_BLOCK:
@@ -310,7 +431,7 @@ class BlockManager:
                 table[j] = NULL_BLOCK
                 released += 1
         if released:
-            self._tables[request_id] = tuple(table)
+            self._tables[request_id] = tables[:g] + (tuple(table),) + tables[g + 1:]
         return released
 
     def free(self, request_id: Hashable, partial_tokens: Sequence[int] = ()) -> None:
@@ -318,13 +439,15 @@ class BlockManager:
         reverse table order (tail blocks are reused first): at the tail when cached, else at the
         head. ``partial_tokens``: the computed tokens of a partially filled last block, which
         radix mode caches when no other table shares it."""
-        table = self.block_table(request_id)
+        tables = self.block_tables(request_id)
+        table = tables[0]
         chain = self._chains.pop(request_id, None)
         if (partial_tokens and chain is not None and len(chain) == len(table)
+                and self.num_groups == 1
                 and self._ref[table[-1]] == 1 and table[-1] not in self.prefix_cache):
             self.prefix_cache.insert(chain[-1], tuple(partial_tokens), table[-1])
-        for block in reversed(table):
-            if block != NULL_BLOCK:   # dropped by a retention policy
+        for block in (b for t in reversed(tables) for b in reversed(t)):
+            if block != NULL_BLOCK:   # dropped by a retention policy or a window
                 self._release(block)
         del self._tables[request_id]
 
@@ -332,29 +455,36 @@ class BlockManager:
              num_blocks: int | None = None) -> tuple[int, ...]:
         """Give ``child_id`` the first ``num_blocks`` (default all) blocks of ``parent_id``
         (shared, ref counts + 1)."""
-        table = self.block_table(parent_id)[:num_blocks]
+        tables = tuple(t[:num_blocks] for t in self.block_tables(parent_id))
         if child_id in self._tables:
             raise ValueError(f"child_id={child_id!r} already has a block table")
-        for block in table:
+        for block in (b for t in tables for b in t):
             if block != NULL_BLOCK:
                 self._ref[block] += 1
-        self._tables[child_id] = table
+        self._tables[child_id] = tables
         if parent_id in self._chains:
-            self._chains[child_id] = self._chains[parent_id][:len(table) + 1]
-        return table
+            self._chains[child_id] = self._chains[parent_id][:len(tables[0]) + 1]
+        return tables[0]
 
-    def copy_on_write(self, request_id: Hashable, position: int) -> tuple[int, int] | None:
-        """Before ``request_id`` writes ``position``: if that block is shared, replace it by a
-        fresh block and return the ``(src, dst)`` copy to apply on device; else None."""
-        if not self.needs_copy(request_id, position):
-            return None
-        table = self._tables[request_id]
+    def copy_on_write(self, request_id: Hashable, position: int) -> tuple[tuple[int, int], ...]:
+        """Before ``request_id`` writes ``position``: every group's block there that another
+        table shares is replaced by a fresh block; returns the ``(src, dst)`` copies to apply
+        on device (none when nothing is shared)."""
+        shared = self._shared(request_id, position)
+        if len(shared) > self._num_free:
+            raise ValueError(f"position={position} needs {len(shared)} more blocks but only "
+                             f"{self._num_free} are free")
+        tables = list(self._tables[request_id])
         j = position // self.block_size
-        (dst,) = self._take(1, "position", position)
-        src = table[j]
-        self._ref[src] -= 1   # still > 0: another table holds it
-        self._tables[request_id] = table[:j] + (dst,) + table[j + 1:]
-        return src, dst
+        ops = []
+        for g in shared:
+            (dst,) = self._take(1, "position", position)
+            src = tables[g][j]
+            self._ref[src] -= 1   # still > 0: another table holds it
+            tables[g] = tables[g][:j] + (dst,) + tables[g][j + 1:]
+            ops.append((src, dst))
+        self._tables[request_id] = tuple(tables)
+        return tuple(ops)
 
     def num_registered(self, request_id: Hashable) -> int:
         """Leading full blocks of ``request_id`` already registered in the prefix cache."""
@@ -370,15 +500,19 @@ class BlockManager:
         chain = self._chains.get(request_id)
         if chain is None:
             return
-        table = self._tables[request_id]
+        tables, pc = self._tables[request_id], self.prefix_cache
         bs = self.block_size
         first = len(chain) - 1
         for i in range(len(token_ids) // bs):
-            if table[first + i] == NULL_BLOCK:   # dropped before it was registered
+            tokens, j = tuple(token_ids[i * bs:(i + 1) * bs]), first + i
+            if self.num_groups > 1:   # every group's block under its own key (null: none)
+                key = pc.key(chain[-1], tokens)
+                for g, table in enumerate(tables):
+                    if table[j] != NULL_BLOCK:
+                        pc.insert_alias(group_key(key, g), table[j])
+            elif tables[0][j] == NULL_BLOCK:   # dropped before it was registered
                 break
-            key = self.prefix_cache.insert(chain[-1], tuple(token_ids[i * bs:(i + 1) * bs]),
-                                           table[first + i])
-            if key is None:
+            elif (key := pc.insert(chain[-1], tokens, tables[0][j])) is None:
                 break
             chain += (key,)
         self._chains[request_id] = chain
@@ -465,11 +599,14 @@ class BlockManager:
         requests with a table have a chain, no longer than their table.
         """
         counts = np.zeros(self.num_blocks, np.int64)  # [num_blocks]
-        for request_id, table in self._tables.items():
-            ids = np.asarray(table, np.int64)
-            _check(np.all((ids >= 0) & (ids < self.num_blocks)),
-                   f"request {request_id!r}: block ids out of [0, {self.num_blocks}): {table}")
-            np.add.at(counts, ids, 1)
+        for request_id, tables in self._tables.items():
+            _check(len(tables) == self.num_groups and len({len(t) for t in tables}) == 1,
+                   f"request {request_id!r}: not one table per group, all of one length")
+            for table in tables:
+                ids = np.asarray(table, np.int64)
+                _check(np.all((ids >= 0) & (ids < self.num_blocks)),
+                       f"request {request_id!r}: block ids out of [0, {self.num_blocks}): {table}")
+                np.add.at(counts, ids, 1)
         np.add.at(counts, np.asarray(self._copy_sources, np.int64), 1)
         counts[NULL_BLOCK] = 0   # dropped entries (retention) reference no block
         _check(np.array_equal(counts, self._ref), "ref counts differ from table references")
@@ -490,7 +627,7 @@ class BlockManager:
             _check(NULL_BLOCK not in self.prefix_cache, "the null block is cached")
         for request_id, chain in self._chains.items():
             _check(request_id in self._tables, f"request {request_id!r}: chain without table")
-            _check(len(chain) - 1 <= len(self._tables[request_id]),
+            _check(len(chain) - 1 <= len(self._tables[request_id][0]),
                    f"request {request_id!r}: more registered blocks than blocks")
 
 

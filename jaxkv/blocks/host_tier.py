@@ -302,7 +302,7 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
       came from disk (else None). Host slots found are busy.
     """
     blocks, keys, partial = bm.lookup(token_ids, salt)
-    if host is None or bm.prefix_cache is None:
+    if host is None or bm.prefix_cache is None or bm.num_groups > 1:
         return blocks, keys, partial, ()
     bs, pc = bm.block_size, bm.prefix_cache
     parent = keys[-1] if keys else pc.root(salt)

@@ -57,6 +57,17 @@ class PrefixCache:
         ints: deterministic across processes, unlike a hash of str)."""
         return hash((parent, tokens))
 
+    def find(self, key: Hashable) -> int | None:
+        """The block cached under ``key``, or None."""
+        return self._block_of.get(key)
+
+    def insert_alias(self, key: Hashable, block: int) -> None:
+        """Cache ``block`` under ``key`` as a leaf of no tree (a hybrid cache's group block,
+        keyed by ``group_key``); a no-op when either is cached already."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
     def key_of_block(self, block: int) -> Hashable:
         """The key ``block`` is cached under."""
         return self._key_of[block]
@@ -127,10 +138,10 @@ class RadixPrefixCache(PrefixCache):
 
     def is_partial(self, block: int) -> bool:
         """Whether ``block`` is cached holding fewer than ``block_size`` tokens."""
-        return len(self._tokens.get(block, ())) < self.block_size
+        return block in self._tokens and len(self._tokens[block]) < self.block_size
 
     def node(self, block):
-        return self._parent[block], self._tokens[block]
+        return (self._parent[block], self._tokens[block]) if block in self._tokens else None
 
     def partial(self, parent, tokens):
         return longest_match(((b, self._tokens[b]) for b in self._children.get(parent, ())),
@@ -147,16 +158,17 @@ class RadixPrefixCache(PrefixCache):
         return key if len(tokens) == self.block_size else None
 
     def evict(self, block):
-        parent = self._parent.pop(block)
-        siblings = tuple(b for b in self._children.pop(parent) if b != block)
-        if siblings:
-            self._children[parent] = siblings
-        del self._tokens[block]
+        if block in self._tokens:   # not an alias
+            parent = self._parent.pop(block)
+            siblings = tuple(b for b in self._children.pop(parent) if b != block)
+            if siblings:
+                self._children[parent] = siblings
+            del self._tokens[block]
         return super().evict(block)
 
     def check(self, num_blocks):
         super().check(num_blocks)
-        _check(set(self._tokens) == set(self._key_of) == set(self._parent),
+        _check(set(self._tokens) == set(self._parent) <= set(self._key_of),
                "radix token / parent maps != cached blocks")
         index: dict[Hashable, list[int]] = {}
         for block, tokens in self._tokens.items():
@@ -180,6 +192,12 @@ def longest_match(candidates: Iterable[tuple[T, tuple[int, ...]]], tokens: Seque
         if k and (best is None or k > best[1]):
             best = (c, k)
     return best
+
+
+def group_key(key: Hashable, group: int) -> Hashable:
+    """The key of hybrid cache group ``group``'s block whose group-0 key is ``key`` (group 0:
+    ``key`` itself), as vLLM's ``BlockHashWithGroupId``."""
+    return key if group == 0 else hash((key, group))
 
 
 def make_prefix_cache(mode: str | None, block_size: int) -> PrefixCache | None:

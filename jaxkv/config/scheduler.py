@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxkv.config.kv_groups import KVGroups, window_blocks
 from jaxkv.config.options import check_fields, option
 from jaxkv.config.shapes import check_buckets, default_buckets, pad_step
 from jaxkv.retention import FullRetention, Retention
@@ -34,6 +35,8 @@ class CacheConfig:
         ``"auto"`` (per request, by ``host_tier.SwapCostModel``).
       swap_supported: False when a pool's blocks cannot be swapped exactly (KIVI): preemption
         then always recomputes.
+      kv_groups: the hybrid cache's layer groups (jaxkv/config/kv_groups.py): each has a
+        block table per request; sliding groups give back blocks leaving their window.
     """
 
     block_size: int = 16
@@ -44,6 +47,7 @@ class CacheConfig:
     host_blocks: int = 0
     preemption_mode: str = "recompute"
     swap_supported: bool = True
+    kv_groups: KVGroups = KVGroups()
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -71,6 +75,15 @@ class CacheConfig:
     def num_usable_blocks(self) -> int:
         """Blocks a request can own: all but the null block 0."""
         return self.num_blocks - 1
+
+    def max_blocks(self, num_tokens: int, max_step_tokens: int,
+                   prompt_tokens: int | None = None) -> int:
+        """Most blocks a request of ``num_tokens`` tokens holds at once over every group:
+        group 0 as its retention policy allows, the others as their window does."""
+        bs, (first, *rest) = self.block_size, self.kv_groups.windows
+        held = (self.retention.max_blocks(num_tokens, max_step_tokens, bs, prompt_tokens)
+                if first is None else window_blocks(first, num_tokens, max_step_tokens, bs))
+        return held + sum(window_blocks(w, num_tokens, max_step_tokens, bs) for w in rest)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

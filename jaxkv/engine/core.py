@@ -415,7 +415,8 @@ class EngineCore:
 
         Returns:
           dict with ``kv_blocks_total`` (usable, excluding the null block), ``kv_blocks_used``,
-          ``kv_blocks_free``, ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
+          ``kv_blocks_free``, ``kv_blocks_per_group`` (a hybrid cache's blocks held in each
+          layer group's tables, ``jaxkv.config.kv_groups``), ``kv_usage`` (fraction), ``kv_usage_peak`` (highest fraction in any
           step), ``kv_tokens_live`` (tokens whose K/V is cached for live requests),
           ``num_running``, ``num_waiting`` (sequences: a request with ``n`` samples counts
           ``n``), ``num_requests_running`` (requests with a running sample),
@@ -441,6 +442,7 @@ class EngineCore:
         return {
             "kv_blocks_total": total,
             "kv_blocks_used": total - bm.num_free_blocks,
+            "kv_blocks_per_group": bm.blocks_per_group(),
             "kv_blocks_free": bm.num_free_blocks,
             "kv_usage": bm.usage(),
             "kv_usage_peak": self._peak_usage,

@@ -211,7 +211,12 @@ def cmd_plan(a) -> int:
     config = load_config(engine.model.model)
     print(f"model: {engine.model.model} ({config.architecture}, {config.num_layers} layers, "
           f"{config.num_heads} q heads / {config.num_kv_heads} kv heads x {config.head_dim})")
-    print("KV bytes per token:")
+    groups = config.kv_groups()
+    if groups.hybrid:      # the plan's summary has each group's bytes and blocks per sequence
+        print(f"hybrid KV cache: {groups.num_groups} layer groups over "
+              f"{groups.num_slots(config.num_layers)} pool slots")
+        print("\n".join(f"  {line}" for line in groups.describe().splitlines()))
+    print("KV bytes per token" + (" (every layer, a full cache):" if groups.hybrid else ":"))
     for kv in KV_FORMATS:
         print(f"  {kv:<10} {memory_plan.kv_bytes_per_token(config, kv):>10,} B")
     print(f"resolved: {resolve(engine, config)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxkv.config.kv_groups import KVGroups
 from jaxkv.model.architectures import ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -158,6 +159,10 @@ class ModelConfig:
         if self.layer_types and self.layer_types[i] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def kv_groups(self) -> KVGroups:
+        """The layer groups of its KV cache (one unless layers mix attention kinds)."""
+        return KVGroups.from_windows([self.layer_window(i) for i in range(self.num_layers)])
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i``'s feed-forward is the mixture of experts (else the dense MLP)."""

@@ -204,20 +204,19 @@ class Transformer(nnx.Module):
         x = self.embed_tokens[...][token_ids]                            # [T, E]
         if c.gemma:                      # scaled by sqrt(E), rounded to the weights' dtype
             x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
-        ks, vs, bs = [], [], []
+        ks, vs, bs = list(cache.k), list(cache.v), list(cache.bounds)
         mass = 0.0 if options.observe else None                          # [S, max_blocks]
         decoder_layer = _traced_once(_decoder_layer)
+        groups = c.kv_groups() if md.num_groups > 1 else None   # hybrid: pages by group
         for i, layer in enumerate(self.layers):
-            bounds = cache.bounds[i] if cache.bounds else None
-            x, (k_pool, v_pool, bounds), layer_mass = decoder_layer(
+            g, slot = groups.place(i) if groups else (0, i)
+            x, (ks[slot], vs[slot], bounds), layer_mass = decoder_layer(
                 *nnx.split(layer), x, local_rot if c.layer_window(i) else rot, sink_rot,
-                (cache.k[i], cache.v[i], bounds), md,
+                (ks[slot], vs[slot], bs[slot] if bs else None), md.for_group(g),
                 options=layer_options(c, i, options), impl=impl, interpret=interpret,
                 attention=attention, sparse=sparse, row_queries=row_queries)
-            ks.append(k_pool)
-            vs.append(v_pool)
             if bounds is not None:
-                bs.append(bounds)
+                bs[slot] = bounds
             if layer_mass is not None:
                 mass = mass + layer_mass
         if logits_indices is not None:

@@ -33,6 +33,9 @@ class StepInput:
       num_drafts: draft tokens of each sequence (the last ones of its query tokens), padding 0.
       num_tokens: unpadded token count (host metadata; the arrays alone define the step).
       num_seqs: unpadded sequence count (host metadata).
+      group_slot_mapping, group_block_tables: a hybrid cache's ``slot_mapping`` and
+        ``block_tables`` of groups 1, 2, ... (the fields above are group 0's); no rows with
+        one group.
     """
 
     token_ids: np.ndarray        # int32 [T]
@@ -46,6 +49,8 @@ class StepInput:
     num_drafts: np.ndarray       # int32 [S]
     num_tokens: int
     num_seqs: int
+    group_slot_mapping: np.ndarray    # int32 [G - 1, T]
+    group_block_tables: np.ndarray    # int32 [G - 1, S, max_blocks_per_seq]
 
 
 def max_blocks_per_seq(cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> int:
@@ -85,28 +90,21 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
     _fits(scheduler_config.seq_buckets, num_seqs, "seq_buckets", "num_seqs")
     t_pad, s_pad = scheduler_config.padded_shape(num_tokens, num_seqs)
 
-    block_tables = np.zeros((s_pad, m), np.int32)  # [S, M]
+    groups = cache_config.kv_groups.num_groups
+    tables = np.zeros((groups, s_pad, m), np.int32)  # [G, S, M]
     for i, seq in enumerate(seqs):
-        table = seq.block_table
-        if not seq.token_ids or seq.start_pos < 0:
-            raise ValueError(f"seq {seq.request_id!r}: token_ids must be non-empty and "
-                             f"start_pos={seq.start_pos} >= 0")
-        end = seq.start_pos + len(seq.token_ids)
-        if not cdiv(end, bs) <= len(table) <= m:
-            raise ValueError(f"seq {seq.request_id!r}: block_table has {len(table)} blocks; "
-                             f"positions < {end} need {cdiv(end, bs)}, max_blocks_per_seq={m}")
-        if table and not (0 <= min(table) and max(table) < cache_config.num_blocks):
-            raise ValueError(f"seq {seq.request_id!r}: block_table {table} has ids outside "
-                             f"[0, num_blocks={cache_config.num_blocks})")
-        if NULL_BLOCK in table[seq.start_pos // bs:cdiv(end, bs)]:
-            raise ValueError(f"seq {seq.request_id!r}: block_table {table} has the null block "
-                             f"where positions [{seq.start_pos}, {end}) are written")
+        if len(seq.group_tables) != groups - 1:
+            raise ValueError(f"seq {seq.request_id!r}: {1 + len(seq.group_tables)} block "
+                             f"tables for {groups} cache groups")
+        for g, table in enumerate((seq.block_table, *seq.group_tables)):
+            _check_table(seq, table, cache_config, m)
+            tables[g, i, :len(table)] = table
         if seq.num_drafts and not (seq.sample and seq.num_drafts < len(seq.token_ids)
                                    and seq.num_drafts <= max_drafts):
             raise ValueError(f"seq {seq.request_id!r}: num_drafts={seq.num_drafts} needs a "
                              f"sampling seq with more tokens and at most "
                              f"max_drafts={max_drafts}")
-        block_tables[i, :len(table)] = table
+    block_tables = tables[0]
 
     query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)  # [S + 1]
     query_start_loc[0] = 0
@@ -122,8 +120,9 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
         itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, count=num_tokens)
     positions = np.zeros(t_pad, np.int32)  # [T]
     positions[:num_tokens] = pos
-    slot_mapping = np.zeros(t_pad, np.int32)  # [T]
-    slot_mapping[:num_tokens] = block_tables[seq_of_token, pos // bs] * bs + pos % bs
+    slots = np.zeros((groups, t_pad), np.int32)  # [G, T]
+    slots[:, :num_tokens] = tables[:, seq_of_token, pos // bs] * bs + pos % bs
+    slot_mapping = slots[0]
 
     sample_mask = np.zeros(s_pad, bool)  # [S]
     sample_mask[:num_seqs] = [s.sample for s in seqs]
@@ -135,4 +134,24 @@ def build(plan: StepPlan, cache_config: CacheConfig, scheduler_config: Scheduler
     real = sample_mask[:, None] & (j[None, :] <= num_drafts[:, None])     # [S, W]
     logits_indices = np.where(real, last[:, None] + j[None, :], 0).astype(np.int32)  # [S, W]
     return StepInput(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                     logits_indices, sample_mask, num_drafts, num_tokens, num_seqs)
+                     logits_indices, sample_mask, num_drafts, num_tokens, num_seqs,
+                     slots[1:], tables[1:])
+
+
+def _check_table(seq, table: tuple[int, ...], cache_config: CacheConfig, m: int) -> None:
+    """Raises ValueError unless ``table`` covers ``seq``'s tokens with valid ids, none the
+    null block where they are written."""
+    bs = cache_config.block_size
+    if not seq.token_ids or seq.start_pos < 0:
+        raise ValueError(f"seq {seq.request_id!r}: token_ids must be non-empty and "
+                         f"start_pos={seq.start_pos} >= 0")
+    end = seq.start_pos + len(seq.token_ids)
+    if not cdiv(end, bs) <= len(table) <= m:
+        raise ValueError(f"seq {seq.request_id!r}: block_table has {len(table)} blocks; "
+                         f"positions < {end} need {cdiv(end, bs)}, max_blocks_per_seq={m}")
+    if table and not (0 <= min(table) and max(table) < cache_config.num_blocks):
+        raise ValueError(f"seq {seq.request_id!r}: block_table {table} has ids outside "
+                         f"[0, num_blocks={cache_config.num_blocks})")
+    if NULL_BLOCK in table[seq.start_pos // bs:cdiv(end, bs)]:
+        raise ValueError(f"seq {seq.request_id!r}: block_table {table} has the null block "
+                         f"where positions [{seq.start_pos}, {end}) are written")

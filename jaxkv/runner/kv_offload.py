@@ -64,6 +64,10 @@ class KVOffload:
                     "%.2f GB/s out, %.2f GB/s in", slots, pool.block_bytes,
                     slots * pool.block_bytes / 2**30, pool.staging, d2h / 1e9, h2d / 1e9)
         disk = None
+        if cc.kv_cache_dir is not None and model_config.kv_groups().hybrid:
+            raise ValueError(f"kv_cache_dir={cc.kv_cache_dir!r}: the persistent cache holds "
+                             f"demoted prefix blocks, which a hybrid KV cache (this model's "
+                             f"sliding and full layer groups) keeps on the device")
         if cc.kv_cache_dir is not None:
             ns = disk_store.namespace(
                 model=disk_store.model_identity(model_path), config=repr(model_config),

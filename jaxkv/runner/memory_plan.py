@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 
+from jaxkv.config.kv_groups import KVGroups, window_blocks
 from jaxkv.kvcache.spec import (KV_FORMATS, KVCacheSpec, check_model_dtype, get_format,
                                 kivi_residual_slots, resolve_kv_cache_dtype)
 from jaxkv.model.config import ModelConfig
@@ -67,19 +68,28 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
     return 2 * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
 
 
+def kv_groups(config: ModelConfig, hybrid_kv_cache: bool = True) -> KVGroups:
+    """The KV cache's layer groups: the model's (``ModelConfig.kv_groups``), or with
+    ``hybrid_kv_cache=False`` one full-attention group of every layer (vLLM's
+    ``disable_hybrid_kv_cache_manager``)."""
+    return config.kv_groups() if hybrid_kv_cache else KVGroups()
+
+
 def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
                    tensor_parallel_size: int = 1, group_size: int | None = None, *,
                    dtype: str = "float32", num_residual_slots: int | None = None,
-                   key_bounds: bool = False) -> KVCacheSpec:
+                   key_bounds: bool = False, hybrid_kv_cache: bool = True) -> KVCacheSpec:
     """The ``KVCacheSpec`` of one device's share of the cache, for its per-block and residual
-    byte counts: ``max(Hkv, tp) / tp`` kv heads (repeated when fewer than devices) and the
-    smallest pool (2 blocks; a block's bytes do not depend on the pool size).
+    byte counts: one layer per pool slot (``KVGroups.num_slots``: ``num_layers`` unless the
+    cache is hybrid), ``max(Hkv, tp) / tp`` kv heads (repeated when fewer than devices) and
+    the smallest pool (2 blocks; a block's bytes do not depend on the pool size).
 
     Raises:
       ValueError: naming the field, for a geometry the format cannot serve.
     """
     heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
-    return KVCacheSpec(num_layers=config.num_layers, num_blocks=2, block_size=block_size,
+    slots = kv_groups(config, hybrid_kv_cache).num_slots(config.num_layers)
+    return KVCacheSpec(num_layers=slots, num_blocks=2, block_size=block_size,
                        num_kv_heads=heads, head_dim=config.head_dim, dtype=dtype,
                        kv_cache_dtype=kv_dtype, group_size=group_size,
                        num_residual_slots=num_residual_slots, key_bounds=key_bounds)
@@ -87,9 +97,10 @@ def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
 
 def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
                        tensor_parallel_size: int = 1, group_size: int | None = None, *,
-                       key_bounds: bool = False) -> int:
-    """Exact KV bytes of one block over all layers (K and V) on one device
-    (``KVCacheSpec.block_bytes``).
+                       key_bounds: bool = False, hybrid_kv_cache: bool = True) -> int:
+    """Exact KV bytes of one block over all pool slots (K and V) on one device
+    (``KVCacheSpec.block_bytes``): one slot per layer, or a hybrid cache's ``num_slots``
+    (every block id owns a page in every slot; ``hybrid_kv_cache=False``: every layer).
 
     Float, fp8, int8: ``block_size x kv_bytes_per_token``. KIVI int4/int2 per layer and kv head:
     keys ``bs x ceil(D bits / 8) + 2 x 2 D`` (bf16 scale and zero per channel), values
@@ -99,24 +110,25 @@ def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
     for a float, fp8 or int8 format (f32 kmin and kmax per channel).
     """
     spec = device_kv_spec(config, kv_dtype, block_size, tensor_parallel_size, group_size,
-                          key_bounds=key_bounds)
+                          key_bounds=key_bounds, hybrid_kv_cache=hybrid_kv_cache)
     return spec.block_bytes
 
 
 def kivi_residual_bytes(config: ModelConfig, kv_dtype: str, dtype: str, block_size: int,
-                        num_slots: int, tensor_parallel_size: int = 1) -> int:
+                        num_slots: int, tensor_parallel_size: int = 1, *,
+                        hybrid_kv_cache: bool = True) -> int:
     """Bytes of the KIVI full-precision residual pool (0 for other KV dtypes;
     ``KVCacheSpec.residual_bytes``).
 
-    Per layer and pool (K, V): ``(num_slots + 1)`` slots (slot 0 is null) of ``block_size x
-    Hkv x D`` elements in the weight ``dtype`` plus an int32 owner and stamp each, and an
-    int32 clock.
+    Per layer (a hybrid cache: per pool slot, see ``device_kv_spec``) and pool (K, V):
+    ``(num_slots + 1)`` slots (slot 0 is null) of ``block_size x Hkv x D`` elements in the
+    weight ``dtype`` plus an int32 owner and stamp each, and an int32 clock.
     """
     kv = resolve_kv_cache_dtype(kv_dtype, dtype)
     if not KV_FORMATS[kv].kivi:
         return 0
     spec = device_kv_spec(config, kv, block_size, tensor_parallel_size, dtype=dtype,
-                          num_residual_slots=num_slots)
+                          num_residual_slots=num_slots, hybrid_kv_cache=hybrid_kv_cache)
     return spec.residual_bytes
 
 
@@ -227,6 +239,45 @@ def format_bytes(n: float) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """One layer group of the KV cache in a plan (sizes per device).
+
+    Attributes:
+      window: the group's sliding window W, or None (full attention).
+      num_layers: its layers.
+      kv_bytes_per_token: one token's K and V over its layers, ``2 x layers x Hkv x
+        kv_bytes_per_vector``, paid while the token is inside the group's window.
+      blocks_per_seq: blocks one ``max_model_len`` sequence holds in its table at once.
+    """
+
+    window: int | None
+    num_layers: int
+    kv_bytes_per_token: int
+    blocks_per_seq: int
+
+    @property
+    def kind(self) -> str:
+        """``"full"`` or ``"sliding W"``."""
+        return "full" if self.window is None else f"sliding {self.window}"
+
+
+def group_plans(config: ModelConfig, groups: KVGroups, kv_dtype: str, *, max_model_len: int,
+                max_num_batched_tokens: int, block_size: int, tensor_parallel_size: int = 1,
+                retained_blocks_per_seq: int | None = None) -> tuple[GroupPlan, ...]:
+    """Each group's ``GroupPlan``: a full group holds ``cdiv(L, block_size)`` blocks of an
+    ``L``-token sequence, a sliding one ``window_blocks`` (or, one group only, the retention
+    policy's ``retained_blocks_per_seq``)."""
+    heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
+    per_layer = 2 * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)    # B/token/layer
+    layers = groups.layers or (tuple(range(config.num_layers)),)
+    return tuple(GroupPlan(
+        w, len(members), len(members) * per_layer,
+        retained_blocks_per_seq if retained_blocks_per_seq is not None
+        else window_blocks(w, max_model_len, max_num_batched_tokens, block_size))
+        for w, members in zip(groups.windows, layers))
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Result of ``plan``: the memory split and the KV pool geometry.
 
@@ -238,7 +289,8 @@ class MemoryPlan:
       kv_budget_bytes: bytes available for the KV pool (``budget - weights - activations``, or
         the explicit ``kv_cache_bytes`` / ``num_kv_blocks`` size).
       kv_cache_bytes: the pool actually planned, ``num_blocks x kv_bytes_per_block``.
-      kv_bytes_per_token, kv_bytes_per_block: KV footprint of one token / one block.
+      kv_bytes_per_token, kv_bytes_per_block: KV footprint of one token / one block (a hybrid
+        cache: of one block id, a page in each of its pool slots).
       num_blocks: blocks in the pool *including* the reserved null block 0.
       max_num_tokens: tokens the usable blocks hold, ``(num_blocks - 1) x block_size``.
       max_concurrent_seqs: sequences of ``max_model_len`` tokens that fit at once.
@@ -252,6 +304,8 @@ class MemoryPlan:
       retained_blocks_per_seq: a KV retention policy's bound on the blocks one sequence holds
         (StreamingLLM: sinks + window + one step), or None (a sequence holds all its blocks).
       kv_source: what sized the pool, in words (the engine's ``plan_memory`` says), or "".
+      groups: per layer group of the KV cache (one unless the cache is hybrid), its kind,
+        layers, bytes per token and blocks per sequence; empty: one full group.
     """
 
     dtype: str
@@ -280,6 +334,12 @@ class MemoryPlan:
     kv_residual_bytes: int = 0
     retained_blocks_per_seq: int | None = None
     kv_source: str = ""
+    groups: tuple[GroupPlan, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether groups of different kinds share the pool (some give blocks back)."""
+        return len(self.groups) > 1
 
     @property
     def num_usable_blocks(self) -> int:
@@ -288,8 +348,10 @@ class MemoryPlan:
 
     @property
     def blocks_per_seq(self) -> int:
-        """Blocks one sequence of ``max_model_len`` tokens holds at once (its retention
-        policy's bound when one is given)."""
+        """Blocks one sequence of ``max_model_len`` tokens holds at once: over its groups'
+        tables (a hybrid cache), or its retention policy's bound when one is given."""
+        if self.groups:
+            return sum(g.blocks_per_seq for g in self.groups)
         if self.retained_blocks_per_seq is not None:
             return self.retained_blocks_per_seq
         return -(-self.max_model_len // self.block_size)
@@ -314,8 +376,10 @@ class MemoryPlan:
             (f"KV cache ({self.kv_cache_dtype})", format_bytes(self.kv_cache_bytes)),
             ("KIVI residual pool", format_bytes(self.kv_residual_bytes)),
             ("left in budget", format_bytes(self.budget_bytes - used)),
-            ("KV bytes per token", f"{self.kv_bytes_per_token:,} B"),
+            ("KV bytes per token" + (f" ({max(g.num_layers for g in self.groups)} pool slots)"
+                                     if self.hybrid else ""), f"{self.kv_bytes_per_token:,} B"),
             (f"KV bytes per block ({self.block_size} tokens)", f"{self.kv_bytes_per_block:,} B"),
+            *self._group_rows(),
             ("blocks (incl. null block 0)", f"{self.num_blocks:,}"),
             ("tokens in cache", f"{self.max_num_tokens:,}"),
             (f"sequences of {self.max_model_len:,} tokens at once",
@@ -328,6 +392,15 @@ class MemoryPlan:
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
+    def _group_rows(self) -> list[tuple[str, str]]:
+        """``summary``'s rows of a hybrid cache: one per group, then the blocks per sequence."""
+        if not self.hybrid:
+            return []
+        return [(f"group {i}: {g.kind}, {g.num_layers} layers",
+                 f"{g.kv_bytes_per_token:,} B/token, {g.blocks_per_seq:,} blocks/seq")
+                for i, g in enumerate(self.groups)] + [
+            (f"blocks per {self.max_model_len:,}-token sequence", f"{self.blocks_per_seq:,}")]
+
 
 def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          memory_utilization: float = 0.9,
@@ -337,7 +410,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          kv_cache_bytes: int | None = None, num_kv_blocks: int | None = None,
          tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
          kv_group_size: int | None = None,
-         retained_blocks_per_seq: int | None = None, key_bounds: bool = False) -> MemoryPlan:
+         retained_blocks_per_seq: int | None = None, key_bounds: bool = False,
+         hybrid_kv_cache: bool = True) -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -368,6 +442,10 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
         (``jaxkv.retention``); then ``max_model_len`` may exceed the model's context.
       key_bounds: Quest sparse attention keeps per-block key bounds beside the K pools (counted
         in every block's bytes; none for KIVI formats).
+      hybrid_kv_cache: a model whose layers mix attention kinds keeps one block table per layer
+        group (``ModelConfig.kv_groups``) over ``num_slots`` pool slots, its sliding groups
+        only their window's blocks; False: every layer caches every token (vLLM's
+        ``disable_hybrid_kv_cache_manager``). No effect on a model with one attention kind.
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -387,7 +465,7 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
               tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks,
               kv_group_size=kv_group_size, retained_blocks_per_seq=retained_blocks_per_seq,
-              key_bounds=key_bounds)
+              key_bounds=key_bounds, hybrid_kv_cache=hybrid_kv_cache)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
@@ -396,23 +474,87 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
           kv_residual_blocks=1, kv_group_size=None, retained_blocks_per_seq=None,
-          key_bounds=False) -> MemoryPlan:
+          key_bounds=False, hybrid_kv_cache=True) -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
+    _check_sizes(device_memory_bytes, memory_utilization, tensor_parallel_size)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    if max_model_len is None:
+        max_model_len = config.max_position_embeddings
+    _check_limits(config, block_size=block_size, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  kv_residual_blocks=kv_residual_blocks, kv_group_size=kv_group_size,
+                  max_model_len=max_model_len, retained_blocks_per_seq=retained_blocks_per_seq,
+                  activation_bytes=activation_bytes, kv_cache_bytes=kv_cache_bytes,
+                  num_kv_blocks=num_kv_blocks)
+    groups = kv_groups(config, hybrid_kv_cache)
+    if groups.hybrid and retained_blocks_per_seq is not None:
+        raise ValueError(f"retained_blocks_per_seq={retained_blocks_per_seq}: a KV retention "
+                         f"policy cannot run on a hybrid KV cache (the layers mix attention "
+                         f"kinds); plan with hybrid_kv_cache=False")
+
+    budget = int(device_memory_bytes * memory_utilization)
+    weights = weights_bytes(config, dtype, tensor_parallel_size)
+    if activation_bytes is None:
+        activation_bytes = activation_bytes_estimate(
+            config, dtype=dtype, kv_cache_dtype=kv_dtype,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size,
+                                   kv_group_size, key_bounds=key_bounds,
+                                   hybrid_kv_cache=hybrid_kv_cache)
+    residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
+                                   kivi_residual_slots(max_num_seqs, kv_residual_blocks),
+                                   tensor_parallel_size, hybrid_kv_cache=hybrid_kv_cache)
+    if num_kv_blocks is not None:
+        kv_budget = num_kv_blocks * per_block
+    elif kv_cache_bytes is not None:
+        kv_budget = kv_cache_bytes
+    else:
+        kv_budget = max(budget - weights - activation_bytes - residual, 0)
+    num_blocks = kv_budget // per_block
+    usable = max(num_blocks - 1, 0)
+    plans = group_plans(config, groups, kv_dtype, max_model_len=max_model_len,
+                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                        tensor_parallel_size=tensor_parallel_size,
+                        retained_blocks_per_seq=retained_blocks_per_seq)
+    blocks_per_seq = sum(g.blocks_per_seq for g in plans)       # over every group's table
+    in_budget = weights + activation_bytes + residual + num_blocks * per_block <= budget
+    runs = in_budget and usable >= blocks_per_seq
+    return MemoryPlan(
+        dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
+        budget_bytes=budget, weights_bytes=weights, activation_bytes=activation_bytes,
+        kv_budget_bytes=kv_budget, kv_cache_bytes=num_blocks * per_block,
+        kv_bytes_per_token=-(-per_block // block_size), kv_bytes_per_block=per_block,
+        num_blocks=num_blocks, max_num_tokens=usable * block_size,
+        max_concurrent_seqs=usable // blocks_per_seq,
+        runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=(),
+        tensor_parallel_size=tensor_parallel_size,
+        kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1),
+        kv_residual_bytes=residual, retained_blocks_per_seq=retained_blocks_per_seq,
+        groups=plans)
+
+
+def _check_sizes(device_memory_bytes, memory_utilization, tensor_parallel_size) -> None:
+    """Raises ValueError, naming the argument, for a device size ``plan`` cannot use."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be >= 1")
     if device_memory_bytes <= 0:
         raise ValueError(f"device_memory_bytes={device_memory_bytes} must be > 0")
     if not 0 < memory_utilization <= 1:
         raise ValueError(f"memory_utilization={memory_utilization} must be in (0, 1]")
-    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+
+
+def _check_limits(config: ModelConfig, *, block_size, max_num_seqs, max_num_batched_tokens,
+                  kv_residual_blocks, kv_group_size, max_model_len, retained_blocks_per_seq,
+                  activation_bytes, kv_cache_bytes, num_kv_blocks) -> None:
+    """Raises ValueError, naming the argument, for a limit or pool size ``plan`` cannot use."""
     for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("kv_residual_blocks", kv_residual_blocks),
                         ("kv_group_size", 1 if kv_group_size is None else kv_group_size)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
-    if max_model_len is None:
-        max_model_len = config.max_position_embeddings
     if retained_blocks_per_seq is None and not 1 <= max_model_len <= config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} must be in [1, the model's "
                          f"max_position_embeddings={config.max_position_embeddings}] (beyond "
@@ -427,43 +569,6 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         raise ValueError(f"kv_cache_bytes={kv_cache_bytes} must be >= 0")
     if num_kv_blocks is not None and num_kv_blocks < 2:
         raise ValueError(f"num_kv_blocks={num_kv_blocks} must be >= 2 (block 0 is the null block)")
-
-    budget = int(device_memory_bytes * memory_utilization)
-    weights = weights_bytes(config, dtype, tensor_parallel_size)
-    if activation_bytes is None:
-        activation_bytes = activation_bytes_estimate(
-            config, dtype=dtype, kv_cache_dtype=kv_dtype,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-    per_block = kv_bytes_per_block(config, kv_dtype, block_size, tensor_parallel_size,
-                                   kv_group_size, key_bounds=key_bounds)
-    per_token = -(-per_block // block_size)
-    residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
-                                   kivi_residual_slots(max_num_seqs, kv_residual_blocks),
-                                   tensor_parallel_size)
-    if num_kv_blocks is not None:
-        kv_budget = num_kv_blocks * per_block
-    elif kv_cache_bytes is not None:
-        kv_budget = kv_cache_bytes
-    else:
-        kv_budget = max(budget - weights - activation_bytes - residual, 0)
-    num_blocks = kv_budget // per_block
-    usable = max(num_blocks - 1, 0)
-    blocks_per_seq = (-(-max_model_len // block_size) if retained_blocks_per_seq is None
-                      else retained_blocks_per_seq)
-    in_budget = weights + activation_bytes + residual + num_blocks * per_block <= budget
-    runs = in_budget and usable >= blocks_per_seq
-    return MemoryPlan(
-        dtype=dtype, kv_cache_dtype=kv_dtype, block_size=block_size, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        device_memory_bytes=device_memory_bytes, memory_utilization=memory_utilization,
-        budget_bytes=budget, weights_bytes=weights, activation_bytes=activation_bytes,
-        kv_budget_bytes=kv_budget, kv_cache_bytes=num_blocks * per_block,
-        kv_bytes_per_token=per_token, kv_bytes_per_block=per_block, num_blocks=num_blocks,
-        max_num_tokens=usable * block_size, max_concurrent_seqs=usable // blocks_per_seq,
-        runs=runs, fits=runs and usable >= max_num_seqs * blocks_per_seq, reasons=(),
-        tensor_parallel_size=tensor_parallel_size,
-        kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1),
-        kv_residual_bytes=residual, retained_blocks_per_seq=retained_blocks_per_seq)
 
 
 def _largest(lo: int, hi: int, ok) -> int | None:
@@ -514,8 +619,8 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
         out.append(f"lower max_num_seqs: max_num_seqs <= {most:,} would fit"
                    + (" (or keep it and let the scheduler preempt under load)" if p.runs else ""))
     for q, alternatives in _ADVICE_KV:
-        if kv_bytes_per_token(config, q) < p.kv_bytes_per_token:
-            q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
+        q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
+        if q_plan.kv_bytes_per_block < p.kv_bytes_per_block:     # same slots and key bounds
             if fixed > p.budget_bytes and not getattr(q_plan, goal):
                 continue    # KV is not what is short
             also = f" (or {', '.join(map(repr, alternatives))})" if alternatives else ""

@@ -208,7 +208,9 @@ class ModelRunner:
         self.kv_residual_blocks = cc.kv_residual_blocks
         self.sched_config = dataclasses.replace(config.scheduler, max_model_len=r.max_model_len)
         c = sharding.tp_config(model_config, tp)   # kv heads as the devices hold them
-        spec = KVCacheSpec(num_layers=c.num_layers, num_blocks=2, block_size=cc.block_size,
+        groups = model_config.kv_groups()   # a hybrid cache's pages: one per group's layer
+        spec = KVCacheSpec(num_layers=groups.num_slots(c.num_layers), num_blocks=2,
+                           block_size=cc.block_size,
                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=r.dtype,
                            kv_cache_dtype=r.kv_cache_dtype, group_size=r.kv_group_size,
                            residual_blocks=cc.kv_residual_blocks,
@@ -232,7 +234,7 @@ class ModelRunner:
             block_size=cc.block_size, num_blocks=self.memory_plan.num_blocks,
             prefix_caching=cc.prefix_caching,
             residual_window_blocks=cc.kv_residual_blocks if spec.format.kivi else 0,
-            retention=self.retention)
+            retention=self.retention, kv_groups=groups)
         self.sparse = quest_options(config, model_config,
                                     batch.max_blocks_per_seq(self.cache_config, self.sched_config),
                                     spec.format.kivi)
@@ -376,7 +378,10 @@ class ModelRunner:
         """(inputs, sampling, rng) of an all-padding step of shape (t, s) and logits width w,
         on the devices: every slot is the null block's, so it writes nothing that is read."""
         m = batch.max_blocks_per_seq(self.cache_config, self.sched_config)
+        g = self.cache_config.kv_groups.num_groups - 1
         inputs = DeviceStepInput(
+            group_slot_mapping=np.zeros((g, t), np.int32),
+            group_block_tables=np.zeros((g, s, m), np.int32),
             token_ids=np.zeros(t, np.int32), positions=np.zeros(t, np.int32),
             slot_mapping=np.zeros(t, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
             seq_lens=np.zeros(s, np.int32), block_tables=np.zeros((s, m), np.int32),

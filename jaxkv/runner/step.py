@@ -35,7 +35,8 @@ from jaxkv.sample.rejection import num_accepted
 from jaxkv.sample.sampler import SamplingTensors, sample
 
 _DEVICE_FIELDS = ("token_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-                  "block_tables", "logits_indices", "num_drafts", "sample_mask")
+                  "block_tables", "logits_indices", "num_drafts", "sample_mask",
+                  "group_slot_mapping", "group_block_tables")
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=list(_DEVICE_FIELDS), meta_fields=[])
@@ -52,6 +53,8 @@ class DeviceStepInput:
     logits_indices: jax.Array  # [S, W]
     num_drafts: jax.Array      # [S]
     sample_mask: jax.Array     # [S]
+    group_slot_mapping: jax.Array   # [G - 1, T]
+    group_block_tables: jax.Array   # [G - 1, S, max_blocks_per_seq]
 
     @classmethod
     def from_host(cls, step_input: StepInput) -> "DeviceStepInput":
@@ -95,7 +98,10 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         md = AttentionMetadata(slot_mapping=inputs.slot_mapping,
                                query_start_loc=inputs.query_start_loc,
                                seq_lens=inputs.seq_lens, block_tables=inputs.block_tables,
-                               num_drafts=inputs.num_drafts, decode_only=decode_only)
+                               num_drafts=inputs.num_drafts,
+                               group_slot_mapping=inputs.group_slot_mapping,
+                               group_block_tables=inputs.group_block_tables,
+                               decode_only=decode_only)
         s, w = inputs.logits_indices.shape
         logits, cache, *mass = forward(params, inputs.token_ids, inputs.positions, cache, md,
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),

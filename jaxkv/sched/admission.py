@@ -19,8 +19,10 @@ from jaxkv.sched.state import RequestState, SchedulerState, policy_key
 
 def retain(bm: BlockManager, retention: Retention, rs: RequestState) -> RequestState:
     """``rs`` after giving back the blocks ``retention`` drops before its next query (at
-    ``num_computed_tokens``; the null block takes their table entries)."""
+    ``num_computed_tokens``; the null block takes their table entries), and those that left
+    a sliding group's window."""
     request_id, at = rs.request.request_id, rs.num_computed_tokens
+    bm.release_window(request_id, at)
     if retention.history_dependent and at < len(rs.request.prompt_token_ids):
         return rs   # the prompt is computed with full attention first
     drops = retention.drops(at, bm.block_table(request_id), rs.block_scores, bm.block_size,
@@ -75,20 +77,17 @@ def _candidates(b: PlanBuilder, config: SchedulerConfig) -> list:
     return candidates
 
 
-def _hold(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: RequestState,
-          chunk_end: int) -> int:
-    """Tokens admission must find room for: the chunk, or for a request coming back from a
-    preemption all its known tokens its retention keeps at once (docs/scheduling.md)."""
-    if not rs.num_preemptions:   # first admission: this chunk only
-        return chunk_end
-    bound = state.cache.retention.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
-                                       b.bm.block_size, len(rs.request.prompt_token_ids))
-    return max(chunk_end, min(rs.num_tokens, bound * b.bm.block_size))
-
-
-def _reserve(b: PlanBuilder, rs: RequestState) -> int:
-    """Free blocks to leave: one of headroom per running request for a readmitted request."""
-    return len(b.running) if rs.num_preemptions else 0
+def _reserve(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
+             rs: RequestState, chunk_end: int) -> int:
+    """Free blocks to leave beyond the chunk's: none at a first admission; for a request
+    coming back from a preemption, one of headroom per running request plus the blocks its
+    known tokens hold at once (retention and windows applied) beyond the chunk's
+    (docs/scheduling.md)."""
+    if not rs.num_preemptions:
+        return 0
+    held = state.cache.max_blocks(rs.num_tokens, config.max_num_batched_tokens,
+                                  len(rs.request.prompt_token_ids))
+    return len(b.running) + max(0, held - b.bm.num_groups * b.bm.blocks_for(chunk_end))
 
 
 def _admit_swapped(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
@@ -98,8 +97,8 @@ def _admit_swapped(b: PlanBuilder, state: SchedulerState, config: SchedulerConfi
     n = min(rs.num_tokens - rs.swapped_tokens, b.budget)
     slots = b.host.swapped(request_id)
     kept = [slot != NO_SLOT for slot in slots]
-    if not bm.can_allocate_layout(kept, _hold(b, state, config, rs, rs.swapped_tokens + n),
-                                  reserve=_reserve(b, rs)):
+    end = rs.swapped_tokens + n
+    if not bm.can_allocate_layout(kept, end, reserve=_reserve(b, state, config, rs, end)):
         return False
     table = bm.allocate_layout(request_id, kept, rs.swapped_tokens + n,
                                salt=rs.request.cache_salt)
@@ -122,7 +121,8 @@ def _admit_prefix(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
         if parent not in state.running or prs.num_computed_tokens < p - 1:
             return None
         hit = b.bm.block_table(parent)[:b.bm.blocks_for(p - 1)]
-        if sees_kept(hit, p - 1, state.cache.retention, b.bm.block_size):
+        if (sees_kept(hit, p - 1, state.cache.retention, b.bm.block_size)
+                and b.bm.window_kept(parent, p - 1, len(hit))):
             return _admit_fork(b, state, config, rs, prs, hit)
     return _admit_cached(b, state, config, rs)
 
@@ -134,16 +134,16 @@ def _admit_fork(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig,
     request_id, bm = rs.request.request_id, b.bm
     num_cached = len(rs.request.prompt_token_ids) - 1
     n = min(rs.num_tokens - num_cached, b.budget)
-    need = (bm.blocks_for(_hold(b, state, config, rs, num_cached + n)) - len(hit)
-            + (num_cached % bm.block_size > 0))
-    if need + _reserve(b, rs) > bm.num_free_blocks:
+    end = num_cached + n
+    need = bm.num_groups * (bm.blocks_for(end) - len(hit) + (num_cached % bm.block_size > 0))
+    if need + _reserve(b, state, config, rs, end) > bm.num_free_blocks:
         return False
     bm.fork(prs.request.request_id, request_id, len(hit))
-    op = bm.copy_on_write(request_id, num_cached)
+    ops = bm.copy_on_write(request_id, num_cached)
     bm.append_slots(request_id, num_cached + n)
     b.num_lookup += rs.num_tokens
     scores = None if prs.block_scores is None else prs.block_scores[:len(hit)].copy()
-    _enter(b, state, config, rs, num_cached, n, op, first_drop=prs.first_drop,
+    _enter(b, state, config, rs, num_cached, n, ops, first_drop=prs.first_drop,
            block_scores=scores)
     return True
 
@@ -160,8 +160,9 @@ def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
     num_cached = (len(hit) * bm.block_size + sum(len(t) for _, t, _ in host_hits)
                   + (partial[1] if partial else 0))
     n = min(rs.num_tokens - num_cached, b.budget)
-    if not bm.can_allocate_cached(_hold(b, state, config, rs, num_cached + n), hit, partial,
-                                  reserve=_reserve(b, rs)):
+    end = num_cached + n
+    if not bm.can_allocate_cached(end, hit, partial, keys=keys[:len(hit)],
+                                  reserve=_reserve(b, state, config, rs, end)):
         return False
     table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)], partial,
                                    salt=rs.request.cache_salt, promoted=len(host_hits))
@@ -172,16 +173,15 @@ def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
         b.num_disk_hits += sum(row is not None for *_, row in host_hits) * bm.block_size
     if bm.prefix_cache is not None:
         b.num_lookup += rs.num_tokens
-    _enter(b, state, config, rs, num_cached, n, op)
+    _enter(b, state, config, rs, num_cached, n, () if op is None else (op,))
     return True
 
 
 def _enter(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig, rs: RequestState,
-           num_cached: int, n: int, op: tuple[int, int] | None, **inherited) -> None:
-    """Admit ``rs`` with ``num_cached`` tokens found and ``n`` new ones (``op``: the copy its
+           num_cached: int, n: int, ops: Sequence[tuple[int, int]], **inherited) -> None:
+    """Admit ``rs`` with ``num_cached`` tokens found and ``n`` new ones (``ops``: the copies its
     partial hit or shared last block needs first)."""
-    if op is not None:
-        b.copy_ops.append(op)
+    b.copy_ops.extend(ops)
     b.cached[rs.request.request_id] = num_cached
     rs = retain(b.bm, state.cache.retention, dataclasses.replace(
         rs, num_computed_tokens=num_cached,

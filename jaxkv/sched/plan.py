@@ -30,6 +30,8 @@ class ScheduledSeq:
       num_drafts: the last ``num_drafts`` of ``token_ids`` are proposed draft tokens, not yet
         part of the request (only on a decode: then ``sample`` is true and the step samples
         ``1 + num_drafts`` rows for this sequence).
+      group_tables: a hybrid cache's tables of groups 1, 2, ... (``block_table`` is group
+        0's), each as long; empty with one group.
     """
 
     request_id: Hashable
@@ -39,6 +41,7 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     num_cached_tokens: int = 0
     num_drafts: int = 0
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,8 +65,8 @@ def add_request(state: SchedulerState, request: Request,
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
             f"exceeds max_model_len={config.max_model_len}")
-    need = state.cache.retention.max_blocks(total, config.max_num_batched_tokens, bm.block_size,
-                                      len(request.prompt_token_ids))
+    need = state.cache.max_blocks(total, config.max_num_batched_tokens,
+                                  len(request.prompt_token_ids))
     if need > bm.num_blocks - 1:
         raise ValueError(
             f"request {request.request_id!r}: len(prompt_token_ids) + max_tokens = {total} "
@@ -144,9 +144,7 @@ def _schedule_running(b: PlanBuilder, state: SchedulerState, config: SchedulerCo
                 break
         if request_id in b.preempted:
             continue
-        op = b.bm.copy_on_write(request_id, start)
-        if op is not None:
-            b.copy_ops.append(op)
+        b.copy_ops.extend(b.bm.copy_on_write(request_id, start))
         b.bm.append_slots(request_id, start + n)
         b.add(request_id, n)
         if left == 1:
@@ -183,7 +181,8 @@ def _take_drafts(b: PlanBuilder, drafts: Mapping[Hashable, Sequence[int]]
     for request_id in (i for i, _ in b.scheduled if i in b.decodes and drafts.get(i)):
         rs = b.requests[request_id]
         end = rs.num_tokens   # slots for positions < end exist; drafts go at end, end + 1, ...
-        room = (len(b.bm.block_table(request_id)) + b.bm.num_free_blocks) * b.bm.block_size - end
+        room = ((len(b.bm.block_table(request_id)) + b.bm.num_free_blocks // b.bm.num_groups)
+                * b.bm.block_size - end)
         k = min(len(drafts[request_id]), b.budget, room,
                 rs.request.stop.max_tokens - len(rs.output_token_ids) - 1)
         if k > 0:
@@ -205,9 +204,10 @@ def _sequences(b: PlanBuilder, state: SchedulerState, taken: Mapping[Hashable, t
         sample = start + n == rs.num_tokens
         observe |= sample and state.cache.retention.wants_scores(
             len(rs.request.prompt_token_ids), rs.first_drop, b.bm.block_size)
+        tables = b.bm.block_tables(request_id)
         seqs.append(ScheduledSeq(request_id, rs.token_ids(start, start + n) + draft, start,
-                                 sample, b.bm.block_table(request_id),
-                                 b.cached.get(request_id, 0), len(draft)))
+                                 sample, tables[0], b.cached.get(request_id, 0), len(draft),
+                                 tables[1:]))
         b.requests[request_id] = dataclasses.replace(
             rs, num_computed_tokens=start + n + len(draft), num_draft_tokens=len(draft))
     return tuple(seqs), observe
@@ -222,7 +222,7 @@ def _swap_out(state: SchedulerState, bm: BlockManager, host: HostTier | None,
     if host is None or not state.cache.swap_supported or state.cache.preemption_mode == "recompute":
         return None
     request_id = rs.request.request_id
-    table = bm.block_table(request_id)
+    table = bm.flat_table(request_id)
     if state.cache.preemption_mode == "auto":
         uncached = rs.num_computed_tokens - bm.num_registered(request_id) * bm.block_size
         kept = sum(b != NULL_BLOCK for b in table)
@@ -458,9 +458,14 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
                f"request {request_id!r}: block table length != cdiv(num_computed_tokens, "
                f"block_size)")
         at = rs.num_computed_tokens - rs.num_draft_tokens
-        dropped = [j for j, b in enumerate(table) if b == 0]
-        _check(all(state.cache.retention.may_drop(at, j, bm.block_size) for j in dropped),
-               f"request {request_id!r}: dropped blocks {dropped} include one its policy keeps")
+        for g, t in enumerate(bm.block_tables(request_id)):
+            window = state.cache.kv_groups.windows[g]
+            lo = max(0, (at - window + 1) // bm.block_size) if window else 0
+            dropped = [j for j, b in enumerate(t) if b == 0 and j >= lo]
+            _check(g == 0 and all(state.cache.retention.may_drop(at, j, bm.block_size)
+                                  for j in dropped) or not dropped,
+                   f"request {request_id!r}: group {g}'s dropped blocks {dropped} include "
+                   f"one its policy or window keeps")
 
 
 def _check(condition, message: str) -> None:

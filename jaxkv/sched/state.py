@@ -167,11 +167,13 @@ def init_state(cache_config: CacheConfig, disk=None) -> SchedulerState:
     host tier of ``cache_config.host_blocks``, with ``disk``, a
     ``jaxkv.kvcache.disk_store.DiskKVStore``, behind it)."""
     bm = BlockManager(cache_config.num_blocks, cache_config.block_size,
-                      cache_config.prefix_caching, cache_config.residual_window_blocks)
+                      cache_config.prefix_caching, cache_config.residual_window_blocks,
+                      cache_config.kv_groups.windows)
     host = None
     if cache_config.host_blocks:
         host = HostTier(cache_config.host_blocks, disk)
-        bm.record_evictions = bm.prefix_cache is not None
+        # a hybrid cache's prefix blocks stay on the device (swap preemption still works)
+        bm.record_evictions = bm.prefix_cache is not None and bm.num_groups == 1
     return SchedulerState(bm, types.MappingProxyType({}), cache_config, host=host)
 
 

@@ -97,8 +97,9 @@ def test_fork_swap_layout_and_rewind_cover_every_group():
     flat = bm.flat_table("b")
     kept = [b != NULL_BLOCK for b in flat]
     bm.free("b")
-    bm.allocate_layout("b", kept, 8)                # back from the host, room for 2 more tokens
+    placed = bm.allocate_layout("b", kept, 8)       # back from the host, room for 2 more tokens
     tables = bm.block_tables("b")
+    assert placed == tables[0][:3] + tables[1][:3]  # where each kept entry's swap-in goes
     assert [len(t) for t in tables] == [4, 4] and tables[1][:2] == (0, 0)
     bm.append_slots("b", 10)
     free = bm.free_block_ids()

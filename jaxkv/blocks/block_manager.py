@@ -326,8 +326,9 @@ class BlockManager:
         ``kept`` is every group's layout one after the other (``flat_table``'s order); logical
         block ``j`` gets a fresh block where kept (filled by a swap-in before the step), the
         null block where its retention policy or window had dropped it, and fresh blocks
-        follow up to ``num_tokens`` tokens. Returns the tables, flat; their blocks are
-        registered in the prefix cache afresh (``register``), under ``salt``."""
+        follow up to ``num_tokens`` tokens. Returns the block of each entry of ``kept``, in its
+        order (where the swap-ins go); the blocks are registered in the prefix cache afresh
+        (``register``), under ``salt``."""
         if request_id in self._tables:
             raise ValueError(f"request_id={request_id!r} already has a block table")
         m = len(kept) // self.num_groups
@@ -346,7 +347,7 @@ class BlockManager:
             + tuple(next(fresh) for _ in range(tail)) for g in range(self.num_groups))
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt),)
-        return self.flat_table(request_id)
+        return sum((t[:m] for t in self._tables[request_id]), ())
 
     def append_slots(self, request_id: Hashable, new_total_tokens: int) -> tuple[int, ...]:
         """Grow ``request_id``'s table to hold ``new_total_tokens`` tokens; returns the table.

@@ -66,6 +66,10 @@ class CacheArgs:
                                         "(token granular) or none",
                                         choices=PREFIX_CACHING_MODES,
                                         parse=parse_none)
+    hybrid_kv_cache: bool = option(
+        True, "a model mixing sliding-window and full layers gives each kind its own block "
+        "tables, the sliding ones keeping only their window (vLLM's hybrid KV cache manager); "
+        "off: every layer keeps every block")
 
     def __post_init__(self):
         check_fields(self)

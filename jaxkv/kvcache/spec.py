@@ -117,10 +117,11 @@ def default_group_size(head_dim: int) -> int:
     return max(g for g in range(1, min(KIVI_MAX_GROUP_SIZE, head_dim) + 1) if head_dim % g == 0)
 
 
-def kivi_residual_slots(max_num_seqs: int, residual_blocks: int) -> int:
+def kivi_residual_slots(max_num_seqs: int, residual_blocks: int, num_groups: int = 1) -> int:
     """Residual slots an engine allocates: every running sequence's window of
-    ``residual_blocks`` blocks, plus one spare so a step never steals a live slot."""
-    return residual_blocks * max_num_seqs + 1
+    ``residual_blocks`` blocks in each of its ``num_groups`` block tables (a hybrid cache's
+    groups share the pool slots), plus one spare so a step never steals a live slot."""
+    return residual_blocks * max_num_seqs * num_groups + 1
 
 
 Arrays = dict[str, tuple[tuple[int, ...], str]]

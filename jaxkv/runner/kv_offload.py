@@ -44,12 +44,13 @@ class KVOffload:
 
     @classmethod
     def build(cls, cache: PagedKVCache, spec: KVCacheSpec, cc: OffloadArgs, *, model_path: Path,
-              model_config: ModelConfig, tensor_parallel_size: int
+              model_config: ModelConfig, tensor_parallel_size: int, hybrid: bool = False
               ) -> tuple[KVOffload, PagedKVCache]:
         """The host tier of ``cc.kv_offload_bytes`` over ``cache`` (as many whole block units as
         fit), its copy bandwidth measured, and the persistent cache behind it
-        (``cc.kv_cache_dir``, namespaced by everything that shapes a block's bytes). Returns it
-        and the pool, which the measurement donated."""
+        (``cc.kv_cache_dir``, namespaced by everything that shapes a block's bytes; refused for
+        a ``hybrid`` cache, whose prefix blocks stay on the device). Returns it and the pool,
+        which the measurement donated."""
         if cc.preemption_mode == "swap" and spec.format.kivi:
             raise ValueError(f"preemption_mode='swap' cannot swap {spec.kv_cache_dtype} (KIVI) "
                              f"pools: their unsealed blocks live in the per-sequence residual; "
@@ -64,7 +65,7 @@ class KVOffload:
                     "%.2f GB/s out, %.2f GB/s in", slots, pool.block_bytes,
                     slots * pool.block_bytes / 2**30, pool.staging, d2h / 1e9, h2d / 1e9)
         disk = None
-        if cc.kv_cache_dir is not None and model_config.kv_groups().hybrid:
+        if cc.kv_cache_dir is not None and hybrid:
             raise ValueError(f"kv_cache_dir={cc.kv_cache_dir!r}: the persistent cache holds "
                              f"demoted prefix blocks, which a hybrid KV cache (this model's "
                              f"sliding and full layer groups) keeps on the device")

@@ -502,7 +502,9 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
                                    kv_group_size, key_bounds=key_bounds,
                                    hybrid_kv_cache=hybrid_kv_cache)
     residual = kivi_residual_bytes(config, kv_dtype, dtype, block_size,
-                                   kivi_residual_slots(max_num_seqs, kv_residual_blocks),
+                                   kivi_residual_slots(max_num_seqs, kv_residual_blocks,
+                                                       kv_groups(config, hybrid_kv_cache)
+                                                       .num_groups),
                                    tensor_parallel_size, hybrid_kv_cache=hybrid_kv_cache)
     if num_kv_blocks is not None:
         kv_budget = num_kv_blocks * per_block

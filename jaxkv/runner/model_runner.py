@@ -118,7 +118,7 @@ def plan_memory(config: EngineConfig, model_config,
               kv_cache_bytes=cc.kv_cache_memory_bytes, num_kv_blocks=cc.num_gpu_blocks_override,
               tensor_parallel_size=config.parallel.tensor_parallel_size,
               kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
-              retained_blocks_per_seq=retained,
+              retained_blocks_per_seq=retained, hybrid_kv_cache=cc.hybrid_kv_cache,
               key_bounds=config.sparse.sparse_attention is not None)
     plan = memory_plan.plan(model_config, **kw)
     for field in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
@@ -139,6 +139,17 @@ def plan_memory(config: EngineConfig, model_config,
             f"{where} less weights and activations"))
     capped = memory_plan.plan(model_config, **{**kw, "kv_cache_bytes": cap * plan.kv_bytes_per_block})
     return dataclasses.replace(capped, kv_source=source)
+
+
+def _check_windows_hold_residual(groups, cc, kivi: bool) -> None:
+    """A KIVI pool keeps each table's last ``kv_residual_blocks`` blocks in full precision:
+    they must lie in every sliding group's window, so a block a window gives back never owns
+    a residual slot (as ``StreamingRetention.check_block_size``)."""
+    windows = [w for w in groups.windows if w is not None] if groups.hybrid else []
+    if kivi and windows and min(windows) < cc.kv_residual_blocks * cc.block_size:
+        raise ValueError(f"kv_residual_blocks={cc.kv_residual_blocks}: the KIVI residual window "
+                         f"({cc.kv_residual_blocks * cc.block_size} tokens) must fit in the "
+                         f"model's sliding_window={min(windows)}")
 
 
 def verify_rows(plan: StepPlan, rows: Sequence[RowInput], width: int) -> list[RowInput]:
@@ -208,14 +219,16 @@ class ModelRunner:
         self.kv_residual_blocks = cc.kv_residual_blocks
         self.sched_config = dataclasses.replace(config.scheduler, max_model_len=r.max_model_len)
         c = sharding.tp_config(model_config, tp)   # kv heads as the devices hold them
-        groups = model_config.kv_groups()   # a hybrid cache's pages: one per group's layer
+        # a hybrid cache's pages: one per layer of a group (jaxkv/config/kv_groups.py)
+        groups = memory_plan.kv_groups(model_config, cc.hybrid_kv_cache)
         spec = KVCacheSpec(num_layers=groups.num_slots(c.num_layers), num_blocks=2,
                            block_size=cc.block_size,
                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=r.dtype,
                            kv_cache_dtype=r.kv_cache_dtype, group_size=r.kv_group_size,
                            residual_blocks=cc.kv_residual_blocks,
                            num_residual_slots=kivi_residual_slots(
-                               self.sched_config.max_num_seqs, cc.kv_residual_blocks),
+                               self.sched_config.max_num_seqs, cc.kv_residual_blocks,
+                               groups.num_groups),
                            key_bounds=config.sparse.sparse_attention is not None, layout=r.kv_layout)
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.headline())
@@ -226,6 +239,7 @@ class ModelRunner:
         self.retention = from_args(config.retention, model_config.sliding_window)
         self.retention.check_block_size(cc.block_size,
                                         cc.kv_residual_blocks if spec.format.kivi else 0)
+        _check_windows_hold_residual(groups, cc, spec.format.kivi)
         if self.retention.observe and config.speculative.speculative:
             raise ValueError(f"kv_retention={config.retention.kv_retention!r} scores blocks by the sampling "
                              f"queries, which draft tokens would blur; speculative="

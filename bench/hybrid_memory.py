@@ -108,7 +108,7 @@ def row(name: str, config: ModelConfig, weights_format: str | None) -> list[str]
     """One table row: shape, weights, KV budget, then per length full, hybrid and the ratio."""
     weights = (gpt_oss_weights(config)[1] if weights_format == "mxfp4"
                else memory_plan.weights_bytes(config, "bfloat16"))
-    kv, groups = kv_budget(config, weights), config.kv_groups()
+    kv, groups = kv_budget(config, weights), memory_plan.kv_groups(config)
     full_layers = sum(len(ls) for w, ls in zip(groups.windows, groups.layers) if w is None)
     cells = [name, f"{full_layers} full + {config.num_layers - full_layers} sliding "
              f"{config.sliding_window}", f"{groups.num_slots(config.num_layers)} / "

@@ -31,6 +31,14 @@ ARCHITECTURES = {
     # a dense layer among the MoE ones, top 3 of 6 not renormalised, Qwen3's attention
     "qwen3_moe": dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
                       moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False),
+    # sliding / full / sliding with learned sinks, biases everywhere, top 2 of 6 experts with
+    # the clamped SwiGLU, head_dim 24 (not a power of two), YaRN past a 64-token original
+    # context
+    "gpt_oss": dict(num_hidden_layers=3, head_dim=24, sliding_window=16, intermediate_size=48,
+                    num_local_experts=6, num_experts_per_tok=2, rope_parameters=dict(
+                        rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=64,
+                        rope_theta=150000.0)),
 }
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
               token_buckets=(8, 32), seq_buckets=(4,), prefix_caching="hash",
@@ -39,11 +47,11 @@ NEW_TOKENS = 64
 # a hybrid cache's blocks hold one layer slot (jaxkv/config/kv_groups.py), and each sequence a
 # table per group: Gemma 2's 3 groups hold 32 + 2 x 7 blocks for 256 tokens, Gemma 3's 7 hold
 # 32 + 6 x 7; these pools fit one such sequence, not the four requests at once
-POOL_BLOCKS = {"gemma2": 56, "gemma3_text": 84}
+POOL_BLOCKS = {"gemma2": 56, "gemma3_text": 84, "gpt_oss": 56}
 # whole blocks of the shared 96 tokens two requests find; a sliding group's blocks leave its
 # window (and turn LRU) long before the request ends, so in these tight pools one of the two
 # requests finds only part of the prefix
-MIN_HITS = {"gemma2": 88, "gemma3_text": 64}
+MIN_HITS = {"gemma2": 88, "gemma3_text": 64, "gpt_oss": 88}
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -55,6 +63,8 @@ def checkpoint(request, tmp_path_factory):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(1.0, 0.2)
+            elif name.endswith(("bias", "sinks")):    # HF starts gpt-oss's at 0
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None    # plain argmax, as ignore_eos
     return request.param, path, model
@@ -102,9 +112,10 @@ def test_engine_equals_transformers(checkpoint):
     (dict(sparse_attention="quest", sparse_budget_tokens=64), "sparse_attention='quest'"),
 ])
 def test_layer_kinds_refuse_retention_and_quest_naming_the_field(tmp_path, kwargs, field):
-    """Gemma 2's sliding layers attend through the model's own window; a retention policy or
-    Quest over them is refused before any weight loads (until the hybrid cache)."""
+    """Gemma 2's sliding layers attend through the model's own window (their hybrid cache
+    group keeps only it); a retention policy or Quest over them is refused before any weight
+    loads."""
     save_tokenizer(tmp_path)
     save_tiny_model(tmp_path, "gemma2", **ARCHITECTURES["gemma2"])
     with pytest.raises(ValueError, match=f"{field}.*own sliding_window=16"):
-        LLM(str(tmp_path), **ENGINE, **kwargs)
+        LLM(str(tmp_path), **ENGINE | dict(num_kv_blocks=POOL_BLOCKS["gemma2"]), **kwargs)

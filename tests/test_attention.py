@@ -13,8 +13,10 @@ from jaxkv.kvcache.pools import HNDPages, read_pages
 from jaxkv.kvcache.spec import KVCacheSpec
 
 
-def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, soft_cap=None):
-    """Per-sequence dense attention in float64 numpy. k_seqs[s]: [kv_len, Hkv, D]."""
+def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, soft_cap=None,
+                    learned=None):
+    """Per-sequence dense attention in float64 numpy. k_seqs[s]: [kv_len, Hkv, D]; ``learned``:
+    a sink logit per head [Hq] in every softmax (gpt-oss's eager attention)."""
     outs = []
     Hq = q.shape[1]
     t0 = 0
@@ -33,8 +35,10 @@ def naive_attention(q, k_seqs, v_seqs, q_lens, *, scale, window=None, sinks=0, s
                 if window is not None:
                     mask &= (qp - p < window) | (p < sinks)
                 s = np.where(mask, s, -np.inf)
-                w = np.exp(s - s.max())
-                out[h] = (w / w.sum()) @ vs[:, h // G]
+                m = s.max() if learned is None else max(s.max(), learned[h])
+                w = np.exp(s - m)
+                total = w.sum() + (0 if learned is None else np.exp(learned[h] - m))
+                out[h] = (w / total) @ vs[:, h // G]
             outs.append(out)
         t0 += ql
     return np.stack(outs)
@@ -82,6 +86,32 @@ def test_reference_matches_naive(Hq, Hkv, bs, window, sinks, soft_cap):
     n = sum(q_lens)
     np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
     assert np.all(np.asarray(out[n:]) == 0), "padding tokens must produce zeros"
+
+
+@pytest.mark.parametrize("impl", ["reference", "grouped", "pallas"])
+def test_learned_sinks_in_every_implementation(impl):
+    """gpt-oss's learned sink logits (``layer.attend(sink_logits=)``, applied from each path's
+    lse) with a window and a soft-cap, against the float64 softmax that holds the sink as one
+    more column; padding tokens stay zero."""
+    from jaxkv.attention.layer import attend
+    from jaxkv.attention.options import AttentionOptions
+    from jaxkv.kvcache.metadata import AttentionMetadata
+    rng = np.random.default_rng(3)
+    q_lens, kv_lens = [5, 1, 1, 9], [5, 30, 12, 40]
+    q, kp, vp, tables, seq_lens, qsl, ks, vs = make_batch(
+        rng, q_lens, kv_lens, Hq=8, Hkv=2, D=32, bs=8, num_blocks=32)
+    learned = rng.standard_normal(8).astype(np.float32) * 2
+    md = AttentionMetadata(slot_mapping=jnp.zeros(q.shape[0], jnp.int32),
+                           query_start_loc=jnp.asarray(qsl), seq_lens=jnp.asarray(seq_lens),
+                           block_tables=jnp.asarray(tables))
+    options = AttentionOptions(sliding_window=7, sm_scale=0.3, soft_cap=4.0)
+    out, _ = attend(jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), None, md, options=options,
+                    impl=impl, interpret=True, sink_logits=jnp.asarray(learned))
+    want = naive_attention(q, ks, vs, q_lens, scale=0.3, window=7, soft_cap=4.0,
+                           learned=learned)
+    n = sum(q_lens)
+    np.testing.assert_allclose(np.asarray(out[:n]), want, atol=2e-5, rtol=2e-5)
+    assert np.all(np.asarray(out[n:]) == 0)
 
 
 def test_reference_lse_and_chunking_invariance():

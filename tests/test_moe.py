@@ -69,6 +69,35 @@ def test_experts_mlp_equals_a_loop_over_every_expert(top_k, normalize):
     np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
 
 
+def test_gpt_oss_experts_equal_a_loop_over_every_expert():
+    """gpt-oss: the top-2 router logits softmaxed among themselves, biased experts, the clamped
+    SwiGLU ``(clip(u) + 1) * min(g, 7) * sigmoid(1.702 * min(g, 7))``; inputs large enough
+    that both clamps bite."""
+    rng = np.random.default_rng(7)
+    T, E, F, X, k, limit, alpha = 11, 16, 8, 5, 2, 7.0, 1.702
+    x = rng.standard_normal((T, E)).astype(np.float32) * 3
+    logits = rng.standard_normal((T, X)).astype(np.float32)
+    gate, up = (rng.standard_normal((X, E, F)).astype(np.float32) for _ in range(2))
+    down = rng.standard_normal((X, F, E)).astype(np.float32) * 0.3
+    bg, bu, bd = (rng.standard_normal(s).astype(np.float32) for s in ((X, F), (X, F), (X, E)))
+    weights, experts = moe.route(jnp.asarray(logits), k, False, topk_first=True)
+    act = functools.partial(moe.clamped_swiglu, alpha=alpha, limit=limit)
+    out = jax.jit(functools.partial(moe.experts_mlp, act=act))(
+        x, weights, experts, gate, up, down, biases=(bg, bu, bd))
+    want = np.zeros((T, E), np.float32)
+    clamped = 0
+    for t in range(T):
+        chosen = np.argsort(-logits[t])[:k]
+        p = np.exp(logits[t, chosen]) / np.exp(logits[t, chosen]).sum()
+        for j, e in enumerate(chosen):
+            g, u = x[t] @ gate[e] + bg[e], x[t] @ up[e] + bu[e]
+            clamped += (g > limit).sum() + (np.abs(u) > limit).sum()
+            g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            want[t] += p[j] * (((u + 1) * g / (1 + np.exp(-alpha * g))) @ down[e] + bd[e])
+    assert clamped > 0
+    np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
+
+
 def test_moe_configs_are_checked():
     base = dict(architecture="mixtral", vocab_size=64, hidden_size=32, intermediate_size=64,
                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4)

@@ -22,7 +22,7 @@ EOS_IDS = [2, 0]
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
                   "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
                   "qwen3_moe": "Qwen3MoeConfig", "gemma2": "Gemma2Config",
-                  "gemma3_text": "Gemma3TextConfig"}
+                  "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}
 
 
 # Engine limits for the tiny model: small buckets (fast compiles) and a pool that holds the batch.

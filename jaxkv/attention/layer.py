@@ -1,9 +1,10 @@
 """One layer's attention over its paged pools: dense (``dispatch.paged_attention``), dense with
-H2O's attention mass per block, or with the decode tokens on their Quest pages. The model calls
-``attend``; which of the three runs is static (the step's options)."""
+H2O's attention mass per block or with gpt-oss's learned sinks, or with the decode tokens on
+their Quest pages. The model calls ``attend``; which runs is static (the step's options)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv.attention import quest
@@ -15,7 +16,7 @@ from jaxkv.kvcache.metadata import AttentionMetadata
 
 def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: AttentionOptions,
            impl, interpret, attention=paged_attention, sparse: QuestOptions | None = None,
-           row_queries: int = 1, q_sinks=None):
+           row_queries: int = 1, q_sinks=None, sink_logits=None):
     """One layer's attention; this step's K/V already written to ``k_pool``, ``v_pool``.
 
     Args:
@@ -25,6 +26,8 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
       options: window, sinks and ``observe`` (return H2O's block mass); ``sparse``: Quest.
       impl, interpret, attention: the dense attention (``attention`` may be a sharded one);
         ``row_queries``: its layout hint (``jaxkv.attention.dispatch``).
+      sink_logits: f32 [Hq] a learned logit per head that joins every softmax with no value
+        (gpt-oss), or None.
 
     Returns:
       (o [T, Hq, D], block mass f32 [S, max_blocks] or None).
@@ -39,6 +42,11 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
                                interpret=interpret, attention=attention,
                                row_queries=row_queries, **kw)
         return o, None
+    if sink_logits is not None:
+        o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                           impl=impl, interpret=interpret, return_lse=True,
+                           row_queries=row_queries, decode_only=md.decode_only, **kw)
+        return with_sinks(o, lse, sink_logits), None
     if options.observe:   # H2O's statistic: the mass each block got, from the lse
         o, lse = attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
                            impl=impl, interpret=interpret, return_lse=True,
@@ -48,6 +56,17 @@ def attend(q, k_pool, v_pool, bounds, md: AttentionMetadata, *, options: Attenti
     return attention(q, k_pool, v_pool, md.block_tables, md.seq_lens, md.query_start_loc,
                      impl=impl, interpret=interpret, row_queries=row_queries,
                      decode_only=md.decode_only, **kw), None
+
+
+def with_sinks(o, lse, sink_logits):
+    """Attention with a sink logit ``s_h`` in each head's softmax, from the one without it:
+    ``p_j = e^{x_j} / (sum_k e^{x_k} + e^{s_h})``, so ``o * sigmoid(lse - s_h)``.
+
+    Args:
+      o: [T, Hq, D]; lse: f32 [T, Hq] (-inf: padding, which stays 0); sink_logits: [Hq].
+    """
+    keep = jax.nn.sigmoid(lse - sink_logits.astype(jnp.float32)[None, :])      # [T, Hq]
+    return (o.astype(jnp.float32) * keep[..., None]).astype(o.dtype)
 
 
 def _sparse_decode(q, k_pool, v_pool, tables, lens, pages, count, *, impl, interpret):

@@ -69,6 +69,11 @@ class KVGroups:
                 out_layers.append(tuple(bucket[i::k]))
         return cls(tuple(out_windows), tuple(out_layers))
 
+    @classmethod
+    def of_model(cls, config) -> KVGroups:
+        """The groups of a ``jaxkv.model.config.ModelConfig``'s layers (by ``layer_window``)."""
+        return cls.from_windows([config.layer_window(i) for i in range(config.num_layers)])
+
     @property
     def num_groups(self) -> int:
         return len(self.windows)

@@ -211,7 +211,7 @@ def cmd_plan(a) -> int:
     config = load_config(engine.model.model)
     print(f"model: {engine.model.model} ({config.architecture}, {config.num_layers} layers, "
           f"{config.num_heads} q heads / {config.num_kv_heads} kv heads x {config.head_dim})")
-    groups = config.kv_groups()
+    groups = memory_plan.kv_groups(config)
     if groups.hybrid:      # the plan's summary has each group's bytes and blocks per sequence
         print(f"hybrid KV cache: {groups.num_groups} layer groups over "
               f"{groups.num_slots(config.num_layers)} pool slots")

@@ -46,11 +46,6 @@ class AttentionMetadata:
     group_block_tables: jax.Array | None = None   # [G - 1, S, B]
     decode_only: bool = False
 
-    @property
-    def num_groups(self) -> int:
-        """Cache groups the step addresses (1 without group tables)."""
-        return 1 if self.group_block_tables is None else 1 + self.group_block_tables.shape[0]
-
     def for_group(self, g: int) -> AttentionMetadata:
         """Group ``g``'s metadata: its slots and block tables, no group arrays."""
         slots, tables = ((self.slot_mapping, self.block_tables) if g == 0 else

@@ -30,6 +30,8 @@ class Architecture:
       moe: the names of a mixture-of-experts layer's tensors, or None (dense only).
       norm_topk_prob: the router renormalises its top-k weights always (True: Mixtral), or
         as ``config.json``'s ``norm_topk_prob`` says (None: Qwen3-MoE, default false).
+      attention_sinks: a learned sink logit per query head joins each softmax
+        (``self_attn.sinks``; gpt-oss), and o_proj has a bias.
     """
 
     model_type: str
@@ -42,18 +44,24 @@ class Architecture:
     gemma: bool = False
     moe: MoeNames | None = None
     norm_topk_prob: bool | None = None
+    attention_sinks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeNames:
     """HF tensor names of an MoE layer under ``model.layers.{i}.{block}.``: the router
-    ``{router}.weight`` [X, E] and expert e's ``experts.{e}.{gate|up|down}.weight``."""
+    ``{router}.weight`` [X, E] and expert e's ``experts.{e}.{gate|up|down}.weight``; or, with
+    ``gpt_oss``, gpt-oss's experts: the router with a bias, top-k of its logits softmaxed,
+    every expert in one tensor per projection (``experts.gate_up_proj`` [X, E, 2F] with gate
+    and up columns interleaved, ``experts.down_proj`` [X, F, E], and their ``_bias``), and
+    the clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``."""
 
     block: str
     router: str
-    gate: str
-    up: str
-    down: str
+    gate: str = ""
+    up: str = ""
+    down: str = ""
+    gpt_oss: bool = False
 
 
 ARCHITECTURES = {a.model_type: a for a in (
@@ -67,6 +75,8 @@ ARCHITECTURES = {a.model_type: a for a in (
                  moe=MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2"), norm_topk_prob=True),
     Architecture("qwen3_moe", qk_norm=True, window="use_sliding_window",
                  moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")),
+    Architecture("gpt_oss", attention_bias=True, window="layer_types", attention_sinks=True,
+                 moe=MoeNames("mlp", "router", gpt_oss=True)),
 )}
 GGUF_ARCHITECTURES = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxkv.config.kv_groups import KVGroups
 from jaxkv.model.architectures import ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
@@ -18,11 +17,12 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama-3's (``rope_type == "llama3"``) or ``"linear"`` (every
-    frequency divided by ``factor``: Gemma 3's global layers).
+    """RoPE frequency scaling: Llama-3's (``rope_type == "llama3"``), ``"linear"`` (every
+    frequency divided by ``factor``: Gemma 3's global layers) or ``"yarn"`` (gpt-oss).
 
     Attributes mirror HF's ``rope_scaling`` dict: ``factor``, ``low_freq_factor``,
-    ``high_freq_factor``, ``original_max_position_embeddings``.
+    ``high_freq_factor``, ``original_max_position_embeddings``; YaRN's ``beta_fast``,
+    ``beta_slow``, ``truncate`` and ``attention_factor`` (None: ``0.1 ln(factor) + 1``).
     """
 
     rope_type: str = "llama3"
@@ -30,11 +30,15 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
+        if self.rope_type not in ("llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
-                             f"supported: 'llama3', 'linear'")
+                             f"supported: 'llama3', 'linear', 'yarn'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,10 @@ class ModelConfig:
       norm_topk_prob: the router renormalises the top-k weights to sum to 1.
       dense_layers: layers of an MoE model whose feed-forward is the dense MLP (Qwen3-MoE's
         ``mlp_only_layers`` and ``decoder_sparse_step``).
+      swiglu_limit, swiglu_alpha: gpt-oss's experts (``MoeNames.gpt_oss``: biased router
+        and experts, top-k logits softmaxed, the clamped SwiGLU); None: the others'.
+      attention_sinks: a learned sink logit per query head in each softmax, and an o_proj
+        bias (gpt-oss).
       sliding_window: attend to the last ``sliding_window`` positions (itself included), or None.
       layer_types: per layer ``"sliding_attention"`` (the window) or ``"full_attention"``, for a
         model that mixes them (Gemma 2); empty: every layer as ``sliding_window`` says.
@@ -103,6 +111,9 @@ class ModelConfig:
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     gemma: bool = False
@@ -160,10 +171,6 @@ class ModelConfig:
             return None
         return self.sliding_window
 
-    def kv_groups(self) -> KVGroups:
-        """The layer groups of its KV cache (one unless layers mix attention kinds)."""
-        return KVGroups.from_windows([self.layer_window(i) for i in range(self.num_layers)])
-
     def is_moe_layer(self, i: int) -> bool:
         """Layer ``i``'s feed-forward is the mixture of experts (else the dense MLP)."""
         return self.num_experts > 0 and i not in self.dense_layers
@@ -209,6 +216,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch.attention_bias)),
                 qk_norm=arch.qk_norm,
+                attention_sinks=arch.attention_sinks,
                 layer_types=layer_types,
                 **_gemma_fields(cfg, arch, head_dim),
                 **_moe_fields(cfg, arch),
@@ -268,7 +276,9 @@ def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
         if cfg.get("moe_intermediate_size") else None,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False) if normalize is None
                             else normalize),
-        dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
+        dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step),
+        **(dict(swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702))) if arch.moe.gpt_oss else {}))
 
 
 def _gemma_fields(cfg: dict[str, Any], arch, head_dim: int) -> dict[str, Any]:
@@ -299,7 +309,11 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         rope_type=kind, factor=float(rs["factor"]),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
         high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)))
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+        truncate=bool(rs.get("truncate", True)),
+        attention_factor=None if rs.get("attention_factor") is None
+        else float(rs["attention_factor"]))
     theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
     return dict(rope_theta=float(theta), rope_scaling=scaling,
                 rope_local_theta=None if local is None else float(local))

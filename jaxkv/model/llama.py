@@ -26,7 +26,7 @@ from jaxkv.model import moe
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
-from jaxkv.model.rope import inv_frequencies, rotate, rotation
+from jaxkv.model.rope import attention_factor, inv_frequencies, rotate, rotation
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
 
@@ -66,6 +66,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(D, c.rms_norm_eps, dtype, c.gemma)
             self.k_norm = RMSNorm(D, c.rms_norm_eps, dtype, c.gemma)
         self.qk_norm = c.qk_norm
+        if c.attention_sinks:   # gpt-oss: a learned logit per head in each softmax
+            self.sinks = _param((Hq,), dtype, ("heads",))
+            self.o_bias = _param((E,), dtype, ("embed",))
+        self.sinks_on = c.attention_sinks
 
     def __call__(self, x, rot, pools, md: AttentionMetadata, *, sink_rot=None,
                  options: AttentionOptions, impl, interpret, attention=paged_attention,
@@ -92,11 +96,14 @@ class Attention(nnx.Module):
                                                 md.seq_lens.shape[0])
         o, mass = attend(q, k_pool, v_pool, bounds, md, options=options, impl=impl,
                          interpret=interpret, attention=attention, sparse=sparse,
-                         row_queries=row_queries, q_sinks=q_sinks)
+                         row_queries=row_queries, q_sinks=q_sinks,
+                         sink_logits=self.sinks[...] if self.sinks_on else None)
         # one [T, Hq * D] @ [Hq * D, E] dot (both reshapes are bitcasts), so XLA transposes
         # the small activation, not the weight, when attention leaves o in another layout
         w_o = self.o_proj[...]
         out = linear(o.reshape(o.shape[0], -1), w_o.reshape(-1, w_o.shape[-1]))
+        if self.sinks_on:
+            out = out + self.o_bias[...]
         return out, (k_pool, v_pool, bounds), mass
 
 
@@ -116,7 +123,8 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """The mixture-of-experts feed-forward (jaxkv/model/moe.py): router [E, X], experts'
-    gate and up [X, E, F], down [X, F, E]."""
+    gate and up [X, E, F], down [X, F, E]; gpt-oss's (``swiglu_limit``) with biases: the
+    router's [X], gate's and up's [X, F], down's [X, E]."""
 
     def __init__(self, c: ModelConfig, dtype):
         E, F, X = c.hidden_size, c.expert_size, c.num_experts
@@ -125,12 +133,25 @@ class MoE(nnx.Module):
         self.up_proj = _param((X, E, F), dtype, ("experts", "embed", "mlp"))
         self.down_proj = _param((X, F, E), dtype, ("experts", "mlp", "embed"))
         self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+        self.gpt_oss = c.swiglu_limit is not None
+        self.act = (functools.partial(moe.clamped_swiglu, alpha=c.swiglu_alpha,
+                                      limit=c.swiglu_limit) if self.gpt_oss else moe.swiglu)
+        if self.gpt_oss:
+            self.router_bias = _param((X,), dtype, ("experts",))
+            self.gate_bias = _param((X, F), dtype, ("experts", "mlp"))
+            self.up_bias = _param((X, F), dtype, ("experts", "mlp"))
+            self.down_bias = _param((X, E), dtype, ("experts", "embed"))
 
     def __call__(self, x):  # [T, E]
-        weights, experts = moe.route(linear(x, self.router[...]).astype(jnp.float32),
-                                     self.top_k, self.normalize)         # [T, k] x 2
+        logits = linear(x, self.router[...])                                # [T, X]
+        biases = None
+        if self.gpt_oss:
+            logits = logits + self.router_bias[...]
+            biases = (self.gate_bias[...], self.up_bias[...], self.down_bias[...])
+        weights, experts = moe.route(logits.astype(jnp.float32), self.top_k, self.normalize,
+                                     topk_first=self.gpt_oss)             # [T, k] x 2
         return moe.experts_mlp(x, weights, experts, self.gate_proj[...], self.up_proj[...],
-                               self.down_proj[...])
+                               self.down_proj[...], biases=biases, act=self.act)
 
 
 class DecoderLayer(nnx.Module):
@@ -192,24 +213,24 @@ class Transformer(nnx.Module):
     def __call__(self, token_ids, positions, cache: kvcache.PagedKVCache, md: AttentionMetadata,
                  logits_indices, *, impl, interpret, attention=paged_attention,
                  options: AttentionOptions | None = None,
-                 sparse: QuestOptions | None = None, row_queries: int = 1):
+                 sparse: QuestOptions | None = None, row_queries: int = 1, kv_groups=None):
         c = self.config
         options = options or AttentionOptions(sliding_window=c.sliding_window)
         inv_freq = inv_frequencies(c)
-        rot = rotation(positions, inv_freq)                              # once for every layer
+        rot = rotation(positions, inv_freq, attention_factor(c))         # once for every layer
         local_rot = (rot if c.rope_local_theta is None       # Gemma 3's sliding layers' own
                      else rotation(positions, inv_frequencies(c, local=True)))
         sink_rot = (None if options.sink_position_cap is None else
-                    rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq))
+                    rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq,
+                             attention_factor(c)))
         x = self.embed_tokens[...][token_ids]                            # [T, E]
         if c.gemma:                      # scaled by sqrt(E), rounded to the weights' dtype
             x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         ks, vs, bs = list(cache.k), list(cache.v), list(cache.bounds)
         mass = 0.0 if options.observe else None                          # [S, max_blocks]
         decoder_layer = _traced_once(_decoder_layer)
-        groups = c.kv_groups() if md.num_groups > 1 else None   # hybrid: pages by group
         for i, layer in enumerate(self.layers):
-            g, slot = groups.place(i) if groups else (0, i)
+            g, slot = kv_groups.place(i) if kv_groups else (0, i)   # hybrid: pages by group
             x, (ks[slot], vs[slot], bounds), layer_mass = decoder_layer(
                 *nnx.split(layer), x, local_rot if c.layer_window(i) else rot, sink_rot,
                 (ks[slot], vs[slot], bs[slot] if bs else None), md.for_group(g),
@@ -266,7 +287,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
             logits_indices: jax.Array | None = None, attention_impl: str = "reference",
             interpret: bool = False, attention=paged_attention,
             attention_options: AttentionOptions | None = None,
-            sparse: QuestOptions | None = None, row_queries: int = 1
+            sparse: QuestOptions | None = None, row_queries: int = 1, kv_groups=None
             ) -> tuple[jax.Array, kvcache.PagedKVCache] | tuple[jax.Array,
                                                                 kvcache.PagedKVCache, jax.Array]:
     """Runs the decoder on one ragged step, writing its K/V into the paged cache.
@@ -293,6 +314,9 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       row_queries: the attention's layout hint (static; ``jaxkv.attention.dispatch``): a step that
         verifies drafts passes its logits width W = 1 + k, so each sequence's last W tokens
         read their KV together.
+      kv_groups: a hybrid cache's ``jaxkv.config.kv_groups.KVGroups`` (static): layer i reads
+        its pages from pool slot ``place(i)[1]`` through group ``place(i)[0]``'s slots and
+        tables (``metadata.for_group``); None: one group, layer i in slot i.
 
     Returns:
       (logits float32 [S or T, num_logits], updated cache), and with
@@ -306,7 +330,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
     model = nnx.merge(graphdef, state)
     return model(token_ids, positions, cache, metadata, logits_indices, impl=attention_impl,
                  interpret=interpret, attention=attention, options=attention_options,
-                 sparse=sparse, row_queries=row_queries)
+                 sparse=sparse, row_queries=row_queries, kv_groups=kv_groups)
 
 
 def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: float = 0.02) -> dict:
@@ -362,6 +386,9 @@ def _hf_layer_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]
     if c.qk_norm:
         for n in ("q_norm", "k_norm"):
             m[p + f"self_attn.{n}.weight"] = (a + (n, "weight"), lambda w: w)
+    if c.attention_sinks:
+        m[p + "self_attn.sinks"] = (a + ("sinks",), lambda s: s)
+        m[p + "self_attn.o_proj.bias"] = (a + ("o_bias",), lambda b: b)
     if c.attention_bias:
         m[p + "self_attn.q_proj.bias"] = (a + ("q_bias",), lambda b: b.reshape(Hq, D))
         m[p + "self_attn.k_proj.bias"] = (a + ("k_bias",), lambda b: b.reshape(Hkv, D))
@@ -375,11 +402,29 @@ def _hf_moe_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]]:
     names = ARCHITECTURES[c.architecture].moe
     p, a = f"model.layers.{i}.{names.block}.", ("layers", i, "mlp")
     m = {p + f"{names.router}.weight": (a + ("router",), lambda w: w.T)}
+    if names.gpt_oss:
+        return m | _hf_gpt_oss_experts(p, a)
     for ours, theirs in (("gate_proj", names.gate), ("up_proj", names.up),
                          ("down_proj", names.down)):
         names_e = tuple(f"{p}experts.{e}.{theirs}.weight" for e in range(c.num_experts))
         m[names_e] = (a + (ours,), lambda *ws: np.stack([w.T for w in ws]))
     return m
+
+
+def _hf_gpt_oss_experts(p: str, a: tuple) -> dict[str, tuple[tuple, Any]]:
+    """gpt-oss's router bias and experts, stored [X, in, out] whole: the gate and up columns
+    of ``gate_up_proj`` (and its bias) interleaved, gate first (a 1-tuple key names the same
+    tensor a second time)."""
+    e = p + "experts."
+    return {
+        p + "router.bias": (a + ("router_bias",), lambda b: b),
+        e + "gate_up_proj": (a + ("gate_proj",), lambda w: w[..., ::2]),
+        (e + "gate_up_proj",): (a + ("up_proj",), lambda w: w[..., 1::2]),
+        e + "gate_up_proj_bias": (a + ("gate_bias",), lambda b: b[..., ::2]),
+        (e + "gate_up_proj_bias",): (a + ("up_bias",), lambda b: b[..., 1::2]),
+        e + "down_proj": (a + ("down_proj",), lambda w: w),
+        e + "down_proj_bias": (a + ("down_bias",), lambda b: b),
+    }
 
 
 def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,

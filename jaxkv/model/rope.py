@@ -1,4 +1,4 @@
-"""Rotary position embeddings in HF's rotate-half (NeoX) pairing, with Llama-3 or linear
+"""Rotary position embeddings in HF's rotate-half (NeoX) pairing, with Llama-3, linear or YaRN
 frequency scaling.
 
 Pairing: dimension ``i`` rotates with ``i + D/2`` (GGUF files store llama.cpp's interleaved
@@ -28,6 +28,8 @@ def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
         return inv.astype(np.float32)
     if rs.rope_type == "linear":
         return (inv / rs.factor).astype(np.float32)
+    if rs.rope_type == "yarn":
+        return _yarn(inv, D, theta, rs)
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -39,13 +41,42 @@ def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rotation(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _yarn(inv: np.ndarray, D: int, theta: float, rs) -> np.ndarray:
+    """YaRN's frequencies (HF's ``_compute_yarn_parameters``): interpolated by ``factor`` below
+    the correction range of ``beta_fast``/``beta_slow`` rotations over the original context,
+    kept above it, a linear ramp between."""
+    def dim(rotations):
+        return D * math.log(rs.original_max_position_embeddings
+                            / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim(rs.beta_fast), dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    ramp = np.clip((np.arange(D // 2, dtype=np.float32) - low)
+                   / (high - low if high != low else 0.001), 0, 1)      # 1: interpolate
+    return (inv / rs.factor * ramp + inv * (1 - ramp)).astype(np.float32)
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What YaRN multiplies the cosines and sines by (so the logits by its square):
+    ``attention_factor``, else ``0.1 ln(factor) + 1``; 1 for other scalings."""
+    rs = config.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+    return 0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+
+
+def rotation(positions: jax.Array, inv_freq: np.ndarray,
+             scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """The cosines and sines of ``positions``' rotation angles, computed once per forward and
     shared by every layer (so no layer evaluates a transcendental per element of its q and k).
 
     Args:
       positions: int32 [T].
       inv_freq: float32 [D // 2].
+      scale: both multiplied by it (YaRN's ``attention_factor``).
 
     Returns:
       (cos, sin), each float32 [T, 1, 2, D // 2]: ``(cos, cos)`` and ``(-sin, sin)`` over the
@@ -53,6 +84,8 @@ def rotation(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax
     """
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]   # [T, D/2]
     cos, sin = jnp.cos(angles)[:, None, None, :], jnp.sin(angles)[:, None, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     return jnp.concatenate([cos, cos], axis=2), jnp.concatenate([-sin, sin], axis=2)
 
 

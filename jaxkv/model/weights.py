@@ -74,6 +74,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+        if config.attention_sinks:
+            shapes |= {p + "self_attn.sinks": (config.num_heads,),
+                       p + "self_attn.o_proj.bias": (e,)}
         if config.qk_norm:
             d = (config.head_dim,)
             shapes |= {p + "self_attn.q_norm.weight": d, p + "self_attn.k_norm.weight": d}
@@ -87,10 +90,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
-    """An MoE layer's router [X, E] and each expert's gate/up [F, E] and down [E, F]."""
+    """An MoE layer's router [X, E] and each expert's gate/up [F, E] and down [E, F]; gpt-oss's
+    router bias [X] and stacked experts (gate_up [X, E, 2F], down [X, F, E], their biases)."""
     names = ARCHITECTURES[config.architecture].moe
     e, f, p = config.hidden_size, config.expert_size, f"{prefix}{names.block}."
-    shapes = {f"{p}{names.router}.weight": (config.num_experts, e)}
+    x_ = config.num_experts
+    shapes = {f"{p}{names.router}.weight": (x_, e)}
+    if names.gpt_oss:
+        return shapes | {f"{p}router.bias": (x_,), f"{p}experts.gate_up_proj": (x_, e, 2 * f),
+                         f"{p}experts.gate_up_proj_bias": (x_, 2 * f),
+                         f"{p}experts.down_proj": (x_, f, e),
+                         f"{p}experts.down_proj_bias": (x_, e)}
     for x in range(config.num_experts):
         q = f"{p}experts.{x}."
         shapes |= {q + f"{names.gate}.weight": (f, e), q + f"{names.up}.weight": (f, e),

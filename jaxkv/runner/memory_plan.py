@@ -72,7 +72,7 @@ def kv_groups(config: ModelConfig, hybrid_kv_cache: bool = True) -> KVGroups:
     """The KV cache's layer groups: the model's (``ModelConfig.kv_groups``), or with
     ``hybrid_kv_cache=False`` one full-attention group of every layer (vLLM's
     ``disable_hybrid_kv_cache_manager``)."""
-    return config.kv_groups() if hybrid_kv_cache else KVGroups()
+    return KVGroups.of_model(config) if hybrid_kv_cache else KVGroups()
 
 
 def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,

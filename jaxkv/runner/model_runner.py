@@ -261,7 +261,8 @@ class ModelRunner:
         options = self.retention.attention
         step = functools.partial(make_step, sharding.tp_config(model_config, tp),
                                  attention_impl=self.attention_impl, interpret=rc.interpret,
-                                 mesh=mesh, sparse=self.sparse)
+                                 mesh=mesh, sparse=self.sparse,
+                                 kv_groups=groups if groups.hybrid else None)
         self._step_fn = step(attention_options=options)
         # a plan that wants no scores (StepPlan.observe) runs without the block mass
         self._blind_step_fn = (step(attention_options=dataclasses.replace(options, observe=0))

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.options import QuestOptions
 from jaxkv.attention.options import AttentionOptions
+from jaxkv.config.kv_groups import KVGroups
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pages import PagedKVCache
 from jaxkv.model.config import ModelConfig
@@ -63,7 +64,7 @@ class DeviceStepInput:
 
 def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpret: bool = False,
               mesh: Mesh | None = None, attention_options: AttentionOptions | None = None,
-              sparse: QuestOptions | None = None):
+              sparse: QuestOptions | None = None, kv_groups: KVGroups | None = None):
     """Builds the jitted step for one model.
 
     Args:
@@ -77,6 +78,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
         (jaxkv/retention/); default the model's own sliding window.
       sparse: Quest sparse decode attention (budget in pages, sinks, recent window; static):
         the step's decode sequences attend only to their selected pages. None: dense.
+      kv_groups: the hybrid cache's layer groups (jaxkv/config/kv_groups.py; the inputs
+        carry every group's slots and tables), or None: one group.
 
     Returns:
       ``step(params, cache, inputs: DeviceStepInput, sampling: SamplingTensors, rng, *,
@@ -107,8 +110,8 @@ def make_step(config: ModelConfig, *, attention_impl: str = "reference", interpr
                                 config=config, logits_indices=inputs.logits_indices.reshape(-1),
                                 attention_impl=attention_impl, interpret=interpret,
                                 attention=attention,
-                                attention_options=attention_options,
-                                sparse=sparse, row_queries=w)            # [S * W, V]
+                                attention_options=attention_options, sparse=sparse,
+                                row_queries=w, kv_groups=kv_groups)      # [S * W, V]
         if mesh is not None:
             logits = jax.lax.with_sharding_constraint(logits, sharding.replicated(mesh))
             cache = jax.lax.with_sharding_constraint(cache, sharding.cache_shardings(cache, mesh))

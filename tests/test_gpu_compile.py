@@ -627,10 +627,11 @@ if __name__ == "__main__":     # compile every case and print (or write) the tab
 # --------------------------------------------------------------------------------------------
 
 
-def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int):
+def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int, kv_groups=None):
     """The jitted engine step of ``config`` on the Pallas path and its abstract arguments: params
-    (bf16), a pool of ``kv`` holding ``seqs`` sequences of ``context`` positions, a ragged step
-    of ``tokens`` tokens over ``seqs`` sequences, its sampling arrays and rng."""
+    (bf16), a pool of ``kv`` holding ``seqs`` sequences of ``context`` positions (in every
+    group of a hybrid cache's ``kv_groups``), a ragged step of ``tokens`` tokens over ``seqs``
+    sequences, its sampling arrays and rng."""
     from jaxkv.kvcache.pages import abstract_cache
     from jaxkv.kvcache.spec import KVCacheSpec
     from jaxkv.model.llama import param_shapes
@@ -638,7 +639,9 @@ def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int):
     from jaxkv.sample.sampler import SamplingTensors
 
     width = context // BLOCK_SIZE
-    spec = KVCacheSpec(num_layers=config.num_layers, num_blocks=seqs * width + 1,
+    g = 1 if kv_groups is None else kv_groups.num_groups
+    slots = config.num_layers if kv_groups is None else kv_groups.num_slots(config.num_layers)
+    spec = KVCacheSpec(num_layers=slots, num_blocks=g * seqs * width + 1,
                        block_size=BLOCK_SIZE, num_kv_heads=config.num_kv_heads,
                        head_dim=config.head_dim, dtype="bfloat16", kv_cache_dtype=kv)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)   # noqa: E731
@@ -646,13 +649,14 @@ def engine_step_args(config, kv: str, tokens: int, seqs: int, context: int):
         token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
         query_start_loc=i32(seqs + 1), seq_lens=i32(seqs), block_tables=i32(seqs, width),
         logits_indices=i32(seqs, 1), num_drafts=i32(seqs),
-        sample_mask=jax.ShapeDtypeStruct((seqs,), jnp.bool_))
+        sample_mask=jax.ShapeDtypeStruct((seqs,), jnp.bool_),
+        group_slot_mapping=i32(g - 1, tokens), group_block_tables=i32(g - 1, seqs, width))
     sampling = SamplingTensors.from_params([], vocab_size=config.vocab_size, prompt_token_ids=[],
                                            output_token_ids=[], pad_to=seqs)
     sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sampling)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
     args = (param_shapes(config, jnp.bfloat16), abstract_cache(spec), inputs, sampling, rng)
-    return make_step(config, attention_impl="pallas"), args, spec
+    return make_step(config, attention_impl="pallas", kv_groups=kv_groups), args, spec
 
 
 STEP_MODELS = {   # two layers of each: the kernels and fusions are per layer
@@ -754,6 +758,34 @@ def test_moe_engine_step_compiles_for_h100_with_the_grouped_kernel(tmp_path, mon
     step, args, _ = engine_step_args(config, "fp8_e4m3", 256, 16, context=4096)
     kernels, _ = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0})
     names = [k.name.split("__")[0] for k in kernels]     # XLA suffixes a second variant
+    assert names.count("jaxkv_grouped_matmul") == 3 * config.num_layers, names
+    assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
+    for k in kernels:
+        assert k.spill_stores == k.spill_loads == 0, k
+
+
+def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
+    """A gpt-oss-20b-shaped step (a sliding layer with window 128 and a full one, learned
+    sinks, biases, 32 experts top 4 with the clamped SwiGLU, YaRN) over a hybrid cache (two
+    groups overlaying one pool slot) compiles deviceless for an H100: each layer's ragged
+    kernel (the sinks come from its lse) and three grouped matmuls, no spills."""
+    from jaxkv.config.kv_groups import KVGroups
+    from jaxkv.model.config import ModelConfig, RopeScaling
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    config = ModelConfig(
+        architecture="gpt_oss", num_layers=2, vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=150000.0, rope_scaling=RopeScaling(
+            rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+            truncate=False), max_position_embeddings=131072, attention_bias=True,
+        attention_sinks=True, num_experts=32, num_experts_per_tok=4, swiglu_limit=7.0,
+        sliding_window=128, layer_types=("sliding_attention", "full_attention"))
+    groups = KVGroups.of_model(config)
+    assert groups.windows == (None, 128) and groups.num_slots(2) == 1
+    step, args, _ = engine_step_args(config, "bf16", 256, 16, context=4096, kv_groups=groups)
+    kernels, _ = compile_for(H100, step, args, tmp_path, static={"num_logprobs": 0})
+    names = [k.name.split("__")[0] for k in kernels]
     assert names.count("jaxkv_grouped_matmul") == 3 * config.num_layers, names
     assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
     for k in kernels:

@@ -68,7 +68,8 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kw", [
-    pytest.param(dict(), id="float"), pytest.param(dict(kv_cache_dtype="int4"), id="kivi-int4"),
+    pytest.param(dict(), id="float", marks=SLOW),
+    pytest.param(dict(kv_cache_dtype="int4"), id="kivi-int4"),
     pytest.param(dict(n=2), id="forks", marks=SLOW),
     pytest.param(dict(kv_cache_dtype="int8"), id="int8", marks=SLOW),
     pytest.param(dict(kv_cache_dtype="fp8"), id="fp8", marks=SLOW),
@@ -107,3 +108,13 @@ def test_swap_preemption_and_beam_search_per_group(gemma3):
 def test_kivi_residual_must_fit_the_window(gemma3):
     with pytest.raises(ValueError, match="kv_residual_blocks=3.*sliding_window=16"):
         LLM(str(gemma3), **ENGINE, kv_cache_dtype="int4", kv_residual_blocks=3)
+
+
+def test_prefix_hits_through_every_group_are_bit_exact(gemma3):
+    """The third request finds the first's 96-token prefix (12 blocks: the full group all of
+    them, each sliding group the 2 its window reaches back to) and gives bit for bit the
+    tokens and logprobs of the run without a prefix cache."""
+    want, _, _ = _run(gemma3, prefix_caching=None)
+    got, stats, _ = _run(gemma3)
+    assert stats["prefix_cache_hits"] == 96
+    _same(got, want)

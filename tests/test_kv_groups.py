@@ -127,3 +127,17 @@ def test_scheduler_holds_windows_not_whole_sequences():
         state = update(state, plan, [7] * len(plan.seqs))
     assert peak <= (8 - 1 + 8) // 4 + 2
     assert state.block_manager.num_free_blocks == 79
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(layer_types=("sliding_attention", "chunked_attention")), "layer_types=.*must name one of"),
+    (dict(layer_types=("sliding_attention",)), "layer_types=.*for each of num_layers=2"),
+    (dict(sliding_window=0), "sliding_window=0 must be >= 1"),
+    (dict(num_experts=4, num_experts_per_tok=5), r"num_experts_per_tok=5 must be in \[1, "),
+])
+def test_bad_layer_kinds_are_refused_naming_the_field(fields, message):
+    from jaxkv.model.config import ModelConfig
+    base = dict(architecture="gemma3_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=16)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**base, **fields})

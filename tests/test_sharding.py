@@ -23,8 +23,8 @@ def tiny(tmp_path_factory):
     return {kind: write_tiny(tmp_path_factory.mktemp(kind), kind) for kind in TINY}
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "qwen2" else k
-                                  for k in TINY])
+@pytest.mark.parametrize("kind", [   # gpt_oss covers mixtral's experts under TP too
+    pytest.param(k, marks=pytest.mark.slow) if k in ("qwen2", "mixtral") else k for k in TINY])
 def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
     r = run_worker("parity", tiny[kind], "--tp", 1, 2, 4, 8, "--dp-tp", 2, 4)
     ref = r["tp1"]
@@ -32,11 +32,12 @@ def test_tp_and_dp_give_the_tokens_of_one_device(tiny, kind):
     for name in ("tp2", "tp4", "tp8", "dp2xtp4"):
         assert r[name] == ref, name
     assert r["dp_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    # per-device KV bytes per token (2 layers x K,V x heads per device x 16 dims x 4 bytes)
-    hkv = TINY[kind]["num_key_value_heads"]
+    # per-device KV bytes per token slot (2 layers, or gpt-oss's hybrid cache: its sliding and
+    # full layer overlay 1 pool slot, x K,V x heads per device x 16 dims x 4 bytes)
+    hkv, slots = TINY[kind]["num_key_value_heads"], 1 if kind == "gpt_oss" else 2
     for tp in (1, 2, 4, 8):
         per_device = max(hkv, tp) // tp
-        assert r[f"tp{tp}_plan"] == [2 * 2 * per_device * 16 * 4, max(tp // hkv, 1)]
+        assert r[f"tp{tp}_plan"] == [slots * 2 * per_device * 16 * 4, max(tp // hkv, 1)]
 
 
 def test_grouped_attention_under_tp_gives_the_reference_tokens(tiny):

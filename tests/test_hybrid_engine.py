@@ -118,3 +118,18 @@ def test_prefix_hits_through_every_group_are_bit_exact(gemma3):
     got, stats, _ = _run(gemma3)
     assert stats["prefix_cache_hits"] == 96
     _same(got, want)
+
+
+def test_prefix_blocks_through_the_host_tier_and_disk_give_the_same_tokens(gemma3, tmp_path):
+    """Every group's cached blocks go to the host tier as the pool reuses them, and to disk
+    at close: the third request's prefix comes back from the host (a pool of 90 blocks), and
+    after a restart on the same ``kv_cache_dir`` from disk; the tokens of the run without a
+    prefix cache both times (logprobs within 1e-5: the small pool batches differently)."""
+    want, _, _ = _run(gemma3, prefix_caching=None)
+    kw = dict(num_kv_blocks=90, kv_offload_bytes=1 << 20, kv_cache_dir=str(tmp_path))
+    got, stats, _ = _run(gemma3, **kw)
+    assert stats["prefix_cache_hits_host"] > 0
+    _same(got, want, exact=False)
+    again, stats, _ = _run(gemma3, **kw)
+    assert stats["prefix_cache_hits_disk"] > 0
+    _same(again, want, exact=False)

@@ -26,8 +26,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
 
 from jaxkv import LLM, SamplingParams
 from jaxkv.blocks.host_tier import NO_SLOT, HostTier, SwapCostModel
-from jaxkv.blocks.prefix_cache import PrefixCache
+from jaxkv.blocks.prefix_cache import PrefixCache, group_key
 from jaxkv.config import CacheConfig, SchedulerConfig
+from jaxkv.config.kv_groups import KVGroups
 from jaxkv.kvcache.disk_store import DiskKVStore, KVCacheFileError, decode, encode, namespace
 from jaxkv.kvcache.host_pool import HostKVPool, block_units
 from jaxkv.kvcache.pages import init_cache
@@ -180,9 +181,11 @@ def test_host_pool_staging_is_checked():
 # ---------------------------------------------------------------------------- scheduler
 
 
-def _configs(num_blocks, host_blocks, *, mode="recompute", prefix="hash", budget=64, seqs=4):
+def _configs(num_blocks, host_blocks, *, mode="recompute", prefix="hash", budget=64, seqs=4,
+             windows=(None,)):
     return (CacheConfig(block_size=4, num_blocks=num_blocks, prefix_caching=prefix,
-                        host_blocks=host_blocks, preemption_mode=mode),
+                        host_blocks=host_blocks, preemption_mode=mode,
+                        kv_groups=KVGroups(windows)),
             SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=32))
 
 
@@ -233,6 +236,36 @@ def test_evictions_demote_and_a_host_hit_promotes_with_exact_ids():
     # the promoted blocks are in the device prefix cache now
     pc = state.block_manager.prefix_cache
     assert [pc.key_of_block(blk) for blk in (1, 2, 3)] == ka
+
+
+def test_hybrid_groups_demote_and_promote_their_blocks_with_exact_ids():
+    """A full group and a sliding one (window 6): evictions demote both groups' cached blocks
+    under their group keys, and the host hit brings back the full group's every block and
+    the sliding group's window only (from (12 - 6 + 1) // 4 = block 1 on)."""
+    cc, sc = _configs(num_blocks=15, host_blocks=8, budget=12, windows=(None, 6))
+    a, b = list(range(100, 113)), list(range(200, 225))
+    ka = _keys(a)
+    k1 = [group_key(k, 1) for k in ka]
+    state = add_request(init_state(cc), _req("a", a), sc)
+    state, plan = _step(state, sc)
+    assert (plan.seqs[0].block_table, plan.seqs[0].group_tables) == ((1, 2, 3), ((4, 5, 6),))
+    state = add_request(state, _req("b", b), sc)
+    state, plan = _step(state, sc)      # b's first chunk
+    state = add_request(state, _req("a2", a), sc)
+    plans = []
+    while not plans or plans[-1].seqs[0].request_id != "a2":   # b's last two chunks, then a2
+        state, plan = _step(state, sc)
+        plans.append(plan)
+    assert len(plans) == 3 and [p.swap_out for p in plans[:2]] == [
+        ((4, 0, k1[0]), (6, 1, k1[2]), (5, 2, k1[1]), (3, 3, ka[2])),
+        ((2, 4, ka[1]), (1, 5, ka[0]))]
+    (seq,) = plans[-1].seqs
+    assert (seq.block_table, seq.group_tables, seq.start_pos) == ((2, 1, 12, 6),
+                                                                  ((0, 14, 13, 3),), 12)
+    assert plans[-1].swap_in == ((5, 2), (4, 1), (3, 12), (2, 14), (1, 13))
+    assert plans[-1].num_hit_tokens == plans[-1].num_host_hit_tokens == 12
+    pc = state.block_manager.prefix_cache
+    assert [pc.find(k) for k in ka + k1[1:]] == [2, 1, 12, 14, 13]
 
 
 def test_radix_partial_blocks_are_demoted_and_promoted_with_exact_ids():
@@ -449,17 +482,21 @@ def test_a_device_partial_match_after_host_hits_is_copied_after_them():
 
 class TieredMachine(RuleBasedStateMachine):
     """Random adds (shared prefixes of any length, two salts), aborts and steps over a small
-    device pool and a smaller host tier, swap or recompute preemption; invariants after every
-    step, and a shadow copy of every block's content: a hit (device or host, full or a radix
-    partial match) must give exactly the KV the prompt's tokens would have computed."""
+    device pool and a smaller host tier, swap or recompute preemption, one cache group or a
+    hybrid cache's full and sliding groups; invariants after every step, and a shadow copy of
+    every block's content: a hit (device or host, full or a radix partial match, in every
+    group) must give exactly the KV the prompt's tokens would have computed."""
 
     @initialize(mode=st.sampled_from(["swap", "recompute", "auto"]),
-                prefix=st.sampled_from(["hash", "radix"]), host=st.integers(1, 6))
-    def setup(self, mode, prefix, host):
-        self.cc, self.sc = _configs(num_blocks=9, host_blocks=host, mode=mode, prefix=prefix,
-                                    budget=12, seqs=3)
+                prefix=st.sampled_from(["hash", "radix"]), host=st.integers(1, 6),
+                windows=st.sampled_from([(None,), (None,), (None, 6), (None, 5, 9)]))
+    def setup(self, mode, prefix, host, windows):
+        num_blocks = 1 + sum(8 if w is None else min(8, (w - 1 + 12) // 4 + 2) for w in windows)
+        self.cc, self.sc = _configs(num_blocks=num_blocks, host_blocks=host * len(windows),
+                                    mode=mode, prefix=prefix, budget=12, seqs=3,
+                                    windows=windows)
         self.state = with_cost_model(init_state(self.cc), SwapCostModel(1, 1e9, 1e9, 1.0))
-        self.device = {}   # block -> tuple of the tokens whose KV it holds (by position)
+        self.device = {}   # block -> (group, salt, the tokens whose KV it holds, by position)
         self.host = {}     # slot -> the same
         self.n = 0
 
@@ -492,20 +529,22 @@ class TieredMachine(RuleBasedStateMachine):
             self.device[block] = self.host[slot]
         for src, dst in plan.copy_ops:
             self.device[dst] = self.device.get(src)
+        windows = self.cc.kv_groups.windows
         for seq in plan.seqs:   # what the step reads must be what these tokens compute
             rs = state.requests[seq.request_id]
             salt = rs.request.cache_salt
-            for j in range(seq.start_pos // bs):
-                want = (salt, rs.token_ids(0, (j + 1) * bs))
-                blk = seq.block_table[j]
-                assert self.device.get(blk) == want, (seq.request_id, j, blk)
-            if seq.start_pos % bs:   # the block it resumes in: its first tokens' KV is there
-                got = self.device.get(seq.block_table[seq.start_pos // bs])
-                assert got is not None and got[0] == salt, (seq.request_id, got)
-                assert got[1][:seq.start_pos] == rs.token_ids(0, seq.start_pos), seq.request_id
-            for j in range(seq.start_pos // bs, (seq.start_pos + len(seq.token_ids) - 1) // bs + 1):
-                end = min((j + 1) * bs, seq.start_pos + len(seq.token_ids))
-                self.device[seq.block_table[j]] = (salt, rs.token_ids(0, end))
+            for g, table in enumerate((seq.block_table, *seq.group_tables)):
+                first = 0 if windows[g] is None else max(0, (seq.start_pos - windows[g] + 1) // bs)
+                for j in range(first, seq.start_pos // bs):
+                    want = (g, salt, rs.token_ids(0, (j + 1) * bs))
+                    assert self.device.get(table[j]) == want, (seq.request_id, g, j, table[j])
+                if seq.start_pos % bs:   # the block it resumes in: its first tokens' KV is there
+                    got = self.device.get(table[seq.start_pos // bs])
+                    assert got is not None and got[:2] == (g, salt), (seq.request_id, got)
+                    assert got[2][:seq.start_pos] == rs.token_ids(0, seq.start_pos), seq
+                end = seq.start_pos + len(seq.token_ids)
+                for j in range(seq.start_pos // bs, (end - 1) // bs + 1):
+                    self.device[table[j]] = (g, salt, rs.token_ids(0, min((j + 1) * bs, end)))
         self.state = update(state, plan, [7] * len(plan.seqs))
 
     @invariant()
@@ -524,9 +563,10 @@ test_tiered_state_machine = TieredMachine.TestCase
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_tiered_state_machine_at_2000_examples_per_setting(mode, prefix, host):
     class Pinned(TieredMachine):
-        @initialize(mode=st.just(mode), prefix=st.just(prefix), host=st.just(host))
-        def setup(self, mode, prefix, host):
-            super().setup(mode, prefix, host)
+        @initialize(mode=st.just(mode), prefix=st.just(prefix), host=st.just(host),
+                    windows=st.sampled_from([(None,), (None, 6), (None, 5, 9)]))
+        def setup(self, mode, prefix, host, windows):
+            super().setup(mode, prefix, host, windows)
 
     run_state_machine_as_test(Pinned, settings=settings(
         max_examples=2000, stateful_step_count=40, deadline=None, database=None))

@@ -4,7 +4,7 @@ Design notes: docs/scheduling.md."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -164,37 +164,47 @@ class BlockManager:
     def ref_count(self, block: int) -> int:
         return int(self._ref[block])
 
-    def lookup(self, token_ids: Sequence[int], salt: Hashable = None):
+    def lookup(self, token_ids: Sequence[int], salt: Hashable = None,
+               elsewhere: Callable[[Hashable], bool] | None = None):
         """Longest cached prefix of ``token_ids`` (a prompt but its last token):
         ``(blocks, keys, partial)`` as ``prefix_cache.lookup``, cut before the residual window
-        (see the class docstring); nothing without prefix caching."""
+        (see the class docstring); nothing without prefix caching. A hybrid cache's lookup
+        also counts the blocks ``elsewhere(key)`` finds (the host tier): their entries are
+        None, and ``allocate_cached`` gives them fresh blocks."""
         if self.prefix_cache is None:
             return (), (), None
         if self.num_groups > 1:
-            return self._lookup_groups(token_ids, salt)
+            return self._lookup_groups(token_ids, salt, elsewhere)
         blocks, keys, partial = lookup(self.prefix_cache, token_ids, salt)
         if not self.residual_window_blocks:
             return blocks, keys, partial
         n = self.max_hit_blocks(len(token_ids))   # the window after the prompt starts there
         return blocks[:n], keys[:n], None
 
-    def _lookup_groups(self, token_ids: Sequence[int], salt: Hashable):
+    def _lookup_groups(self, token_ids: Sequence[int], salt: Hashable,
+                       elsewhere: Callable[[Hashable], bool] | None):
         """``lookup`` over hybrid groups: the most whole blocks every group can serve (a full
         group needs all of them, a sliding one those its window reaches back to from the next
         query), shrunk until no group objects, as vLLM's coordinator does. Group 0's blocks
-        (null below a window) and the keys; never a partial block."""
+        (null below a window, None where ``elsewhere`` holds it) and the keys; never a
+        partial block."""
         pc, bs = self.prefix_cache, self.block_size
         keys, parent = [], pc.root(salt)
         for j in range(self.max_hit_blocks(len(token_ids))):
             keys.append(parent := pc.key(parent, tuple(token_ids[j * bs:(j + 1) * bs])))
+
+        def has(j: int, g: int) -> bool:
+            key = group_key(keys[j], g)
+            return pc.find(key) is not None or (elsewhere is not None and elsewhere(key))
+
         h = len(keys)
         for g in (g for g, w in enumerate(self.windows) if w is None):
-            h = next((j for j in range(h) if pc.find(group_key(keys[j], g)) is None), h)
+            h = next((j for j in range(h) if not has(j, g)), h)
         before = -1
         while h != before:
             before = h
             for g in (g for g, w in enumerate(self.windows) if w is not None):
-                h = self._window_hit(keys, g, h)
+                h = self._window_hit(has, g, h)
         return self._hits((), keys[:h])[0], tuple(keys[:h]), None
 
     def window_kept(self, request_id: Hashable, position: int, num_blocks: int) -> bool:
@@ -209,21 +219,23 @@ class BlockManager:
         w = self.windows[g]
         return 0 if w is None else max(0, (position - w + 1) // self.block_size)
 
-    def _window_hit(self, keys: Sequence[Hashable], g: int, h: int) -> int:
-        """The longest hit of at most ``h`` blocks sliding group ``g`` serves: every block from
-        its window's start is cached (a hit ending past a missing block cannot)."""
+    def _window_hit(self, has: Callable[[int, int], bool], g: int, h: int) -> int:
+        """The longest hit of at most ``h`` blocks sliding group ``g`` serves: block ``j`` of
+        it is cached where ``has(j, g)``, and every block from its window's start must be (a
+        hit ending past a missing block cannot)."""
         while h > 0:
             missing = [j for j in range(self.window_start(g, h * self.block_size), h)
-                       if self.prefix_cache.find(group_key(keys[j], g)) is None]
+                       if not has(j, g)]
             if not missing:
                 return h
             h = missing[-1]
         return 0
 
     def _hits(self, blocks: Sequence[int], keys: Sequence[Hashable]
-              ) -> tuple[tuple[int, ...], ...]:
+              ) -> tuple[tuple[int | None, ...], ...]:
         """Per group, the cached blocks of a hit (hybrid: found by ``keys``, null below a
-        window; one group: ``blocks``)."""
+        window, None where the device lacks one: the host tier holds it; one group:
+        ``blocks``)."""
         if self.num_groups == 1:
             return (tuple(blocks),)
         h, pc = len(keys), self.prefix_cache
@@ -255,7 +267,8 @@ class BlockManager:
         ``reserve`` free blocks to spare."""
         hits = self._hits(blocks, keys)
         need = self.num_groups * (self.blocks_for(num_tokens) - len(hits[0]))
-        need += sum(self._ref[b] == 0 for hit in hits for b in hit if b != NULL_BLOCK)
+        need += sum(b is None or self._ref[b] == 0 for hit in hits for b in hit
+                    if b != NULL_BLOCK)
         if partial is not None and self._ref[partial[0]] == 0:
             need += 1  # held until the plan ends (release_copy_sources)
         return need + reserve <= self._num_free
@@ -274,8 +287,9 @@ class BlockManager:
                         ) -> tuple[tuple[int, ...], tuple[int, int] | None]:
         """Create a table of ``num_tokens`` tokens starting with the cached ``blocks`` (a
         ``lookup`` result, shared), then ``promoted`` fresh blocks the caller fills from the
-        host tier; with ``partial = (src, k)`` the block after those is a fresh copy of ``src``,
-        which stays held until ``release_copy_sources``. Returns ``(table, copy)`` with
+        host tier (a hybrid hit's host blocks are its None entries instead, see ``_promote``);
+        with ``partial = (src, k)`` the block after those is a fresh copy of ``src``, which
+        stays held until ``release_copy_sources``. Returns ``(table, copy)`` with
         ``copy = (src, dst)`` or None::
 
             table   [ b3 | h1 | d  | n1 | n2 ]   b3 cached (shared), h1 promoted, d n1.. fresh
@@ -290,18 +304,32 @@ class BlockManager:
             raise ValueError(f"num_tokens={num_tokens} needs {need} more blocks but only "
                              f"{self._num_free} are free")
         hits = self._hits(blocks, keys)
-        for b in (b for hit in hits for b in hit if b != NULL_BLOCK):
+        for b in (b for hit in hits for b in hit if b not in (NULL_BLOCK, None)):
             self._acquire(b)
         if partial is not None:   # held until release_copy_sources(), see there
             self._acquire(partial[0])
             self._copy_sources.append(partial[0])
-        tables = tuple(hit + self._take(self.blocks_for(num_tokens) - len(hit), "num_tokens",
-                                        num_tokens) for hit in hits)
+        tables = tuple(self._promote(hit, keys, g) + self._take(
+            self.blocks_for(num_tokens) - len(hit), "num_tokens", num_tokens)
+            for g, hit in enumerate(hits))
         copy = None if partial is None else (partial[0], tables[0][len(blocks) + promoted])
         self._tables[request_id] = tables
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
         return tables[0], copy
+
+    def _promote(self, hit: Sequence[int | None], keys: Sequence[Hashable], g: int
+                 ) -> tuple[int, ...]:
+        """Group ``g``'s hit with a fresh block for each entry the host tier holds (None),
+        cached under its key: the caller fills it by a swap-in before the step that reads it
+        (``jaxkv.blocks.host_tier.promotions``)."""
+        out = []
+        for j, b in enumerate(hit):
+            if b is None:
+                (b,) = self._take(1, "num_tokens", len(hit) * self.block_size)
+                self.prefix_cache.insert_alias(group_key(keys[j], g), b)
+            out.append(b)
+        return tuple(out)
 
     def release_copy_sources(self) -> None:
         """Give back the radix copy sources ``allocate_cached`` held (call it once the plan's

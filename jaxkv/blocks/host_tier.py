@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
-from jaxkv.blocks.prefix_cache import longest_match
+import numpy as np
+
+from jaxkv.blocks.prefix_cache import group_key, longest_match
 
 NO_SLOT = -1   # a swapped sequence's entry for a block its retention policy had dropped
 
@@ -286,37 +289,57 @@ class HostTier:
                "a busy slot is free")
 
 
+class HostHit(NamedTuple):
+    """A block of a prefix hit that the host tier (or disk) holds.
+
+    Attributes:
+      slot: its host slot (busy this plan).
+      tokens: the tokens it adds to the hit: ``block_size`` of them, but for a last one from
+        a radix partial match; none for a hybrid cache's (its ``blocks`` entry counts them).
+      row: the bytes to load into the slot first when it came from disk, else None.
+      key: its prefix key (a hybrid cache's group key, ``group_key``), or None for a radix
+        partial block, and for a hybrid cache's disk row loaded into a slot that the hit ended
+        before (written, not promoted).
+      position: a hybrid cache's logical block (one group's block there), else -1.
+    """
+
+    slot: int
+    tokens: tuple[int, ...]
+    row: np.ndarray | None
+    key: Hashable | None
+    position: int = -1
+
+
 def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
     """The longest cached prefix of ``token_ids`` over the device pool, then the host tier.
 
     The device part is ``BlockManager.lookup``; the host part continues the hash chain from its
     last block, block by block, in the host tier and then (with a disk store) on disk, up to
     ``BlockManager.max_hit_blocks``. In radix mode the next block is then the longest partial
-    match after the last full hit on either tier (the device's on a tie: a device copy).
+    match after the last full hit on either tier (the device's on a tie: a device copy). A
+    hybrid cache's groups search both tiers at once (``_lookup_groups``).
 
     Returns:
       ``(blocks, keys, partial, host_hits)``: the device blocks, the keys of every full hit
-      block (device then host), the device radix partial ``(block, k)`` or None, and per host
-      hit ``(slot, tokens, row)``: its host slot, its tokens (``block_size`` of them, but for a
-      last one from a radix partial match), and the bytes to load into the slot first when it
-      came from disk (else None). Host slots found are busy.
+      block (device then host), the device radix partial ``(block, k)`` or None, and a
+      ``HostHit`` per host block, in the order ``promotions`` fills them. Host slots found
+      are busy.
     """
+    if host is None or bm.prefix_cache is None:
+        return (*bm.lookup(token_ids, salt), ())
+    if bm.num_groups > 1:
+        return _lookup_groups(bm, host, token_ids, salt)
     blocks, keys, partial = bm.lookup(token_ids, salt)
-    if host is None or bm.prefix_cache is None or bm.num_groups > 1:
-        return blocks, keys, partial, ()
     bs, pc = bm.block_size, bm.prefix_cache
     parent = keys[-1] if keys else pc.root(salt)
     hits, keys = [], list(keys)
     for j in range(len(blocks), bm.max_hit_blocks(len(token_ids))):
         tokens = tuple(token_ids[j * bs:(j + 1) * bs])
         key = pc.key(parent, tokens)
-        slot, row = host.find(key), None
-        if slot is None:
-            loaded = host.load(key)
-            if loaded is None:
-                break
-            slot, row = loaded
-        hits.append((slot, tokens, row))
+        found = _find(host, key)
+        if found is None:
+            break
+        hits.append(HostHit(found[0], tokens, found[1], key))
         keys.append(parent := key)
     if bm.residual_window_blocks:   # no partial match inside the residual window
         return blocks, tuple(keys), partial, tuple(hits)
@@ -326,9 +349,63 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
         partial = pc.partial(parent, rest)
     on_host = host.partial(parent, rest)
     if on_host is not None and (partial is None or on_host[1] > partial[1]):   # device on ties
-        hits.append((host.find(on_host[0]), rest[:on_host[1]], None))
+        hits.append(HostHit(host.find(on_host[0]), rest[:on_host[1]], None, None))
         partial = None
     return blocks, tuple(keys), partial, tuple(hits)
+
+
+def _find(host: HostTier, key: Hashable) -> tuple[int, np.ndarray | None] | None:
+    """``(slot, row)`` of prefix block ``key`` on the host (row None), else loaded from disk
+    into a slot (row: its bytes), or None."""
+    slot = host.find(key)
+    return (slot, None) if slot is not None else host.load(key)
+
+
+def _lookup_groups(bm, host: HostTier, token_ids: Sequence[int], salt: Hashable):
+    """``lookup`` of a hybrid cache: ``BlockManager.lookup`` counting the blocks the host
+    tier or disk holds, in every group (a slot found is held even when the hit ends before
+    it: it stays a host prefix block). Its ``blocks`` are None where the host fills them."""
+    found: dict[Hashable, tuple[int, np.ndarray | None]] = {}
+
+    def elsewhere(key: Hashable) -> bool:
+        if key not in found and (at := _find(host, key)) is not None:
+            found[key] = at
+        return key in found
+
+    blocks, keys, _ = bm.lookup(token_ids, salt, elsewhere)
+    hits = []
+    for hit, g in zip(bm._hits(blocks, keys), range(bm.num_groups)):
+        for j in (j for j, b in enumerate(hit) if b is None):
+            key = group_key(keys[j], g)
+            slot, row = found[key]
+            hits.append(HostHit(slot, (), row, key, j))
+    # a disk row loaded for a block the hit ends before still fills its slot (key None)
+    used = {h.key for h in hits}
+    hits += [HostHit(slot, (), row, None) for key, (slot, row) in found.items()
+             if row is not None and key not in used]
+    return blocks, keys, None, tuple(hits)
+
+
+def hit_tokens(bm, hits: Sequence[HostHit], disk: bool = False) -> int:
+    """Tokens of a prefix hit the host tier (``disk``: the disk) gave: a hybrid cache's count
+    a logical block once, whichever groups' blocks there came from the host."""
+    hits = [h for h in hits if (h.key is not None or h.position < 0)
+            and (not disk or h.row is not None)]
+    positions = {h.position for h in hits if h.position >= 0}
+    return sum(len(h.tokens) for h in hits) + bm.block_size * len(positions)
+
+
+def promotions(bm, request_id: Hashable, num_blocks: int, hits: Sequence[HostHit]
+               ) -> list[tuple[int, int]]:
+    """The swap-ins ``(slot, block)`` filling the fresh blocks ``allocate_cached`` gave the
+    host hits of ``request_id``'s prefix (``num_blocks``: its device hit's length): after the
+    device blocks, then cached (``register``); a hybrid cache's are cached already, under
+    their keys (``BlockManager._promote``)."""
+    if bm.num_groups > 1:
+        return [(h.slot, bm.prefix_cache.find(h.key)) for h in hits if h.key is not None]
+    table = bm.block_table(request_id)
+    bm.register(request_id, sum((h.tokens for h in hits), ()))
+    return [(h.slot, table[num_blocks + i]) for i, h in enumerate(hits)]
 
 
 def demote_evictions(bm, host: HostTier) -> list[tuple[int, int, Hashable | None]]:

@@ -54,7 +54,7 @@ class EngineCore:
             r.attach_offload(*KVOffload.build(
                 r.cache, r.kv_spec, config.offload, model_path=r.model_path,
                 model_config=r.model_config, tensor_parallel_size=r.tensor_parallel_size,
-                hybrid=r.cache_config.kv_groups.hybrid),
+                kv_groups=r.cache_config.kv_groups),
                 preemption_mode=config.offload.preemption_mode)
         self.tokenizer, self.model_config = r.tokenizer, r.model_config
         self.sched_config, self.cache_config = r.sched_config, r.cache_config

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxkv.config import OffloadArgs
+from jaxkv.config.kv_groups import KVGroups
 from jaxkv.kvcache import disk_store
 from jaxkv.kvcache.host_pool import HostKVPool
 from jaxkv.kvcache.pages import PagedKVCache
@@ -44,13 +45,13 @@ class KVOffload:
 
     @classmethod
     def build(cls, cache: PagedKVCache, spec: KVCacheSpec, cc: OffloadArgs, *, model_path: Path,
-              model_config: ModelConfig, tensor_parallel_size: int, hybrid: bool = False
-              ) -> tuple[KVOffload, PagedKVCache]:
+              model_config: ModelConfig, tensor_parallel_size: int,
+              kv_groups: KVGroups = KVGroups()) -> tuple[KVOffload, PagedKVCache]:
         """The host tier of ``cc.kv_offload_bytes`` over ``cache`` (as many whole block units as
         fit), its copy bandwidth measured, and the persistent cache behind it
-        (``cc.kv_cache_dir``, namespaced by everything that shapes a block's bytes; refused for
-        a ``hybrid`` cache, whose prefix blocks stay on the device). Returns it and the pool,
-        which the measurement donated."""
+        (``cc.kv_cache_dir``, namespaced by everything that shapes a block's bytes: a hybrid
+        cache's ``kv_groups`` too, which place the layers in a unit's slots). Returns it and
+        the pool, which the measurement donated."""
         if cc.preemption_mode == "swap" and spec.format.kivi:
             raise ValueError(f"preemption_mode='swap' cannot swap {spec.kv_cache_dtype} (KIVI) "
                              f"pools: their unsealed blocks live in the per-sequence residual; "
@@ -65,10 +66,6 @@ class KVOffload:
                     "%.2f GB/s out, %.2f GB/s in", slots, pool.block_bytes,
                     slots * pool.block_bytes / 2**30, pool.staging, d2h / 1e9, h2d / 1e9)
         disk = None
-        if cc.kv_cache_dir is not None and hybrid:
-            raise ValueError(f"kv_cache_dir={cc.kv_cache_dir!r}: the persistent cache holds "
-                             f"demoted prefix blocks, which a hybrid KV cache (this model's "
-                             f"sliding and full layer groups) keeps on the device")
         if cc.kv_cache_dir is not None:
             ns = disk_store.namespace(
                 model=disk_store.model_identity(model_path), config=repr(model_config),
@@ -78,7 +75,8 @@ class KVOffload:
                 key_bounds=spec.key_bounds, layout=spec.layout,
                 tensor_parallel_size=tensor_parallel_size,
                 unit=repr([(f[0], f[1], f[3]) for f in pool.fields]),
-                devices=len(pool.devices))
+                devices=len(pool.devices),
+                **({"kv_groups": repr(kv_groups)} if kv_groups.hybrid else {}))
             disk = disk_store.DiskKVStore(cc.kv_cache_dir, ns, pool.block_bytes)
         return cls(pool, disk, (d2h, h2d)), cache
 

@@ -156,8 +156,8 @@ def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
     last = max(0, rs.num_tokens - max(1, state.cache.retention.observe))   # SnapKV's window computes
     hit, keys, partial, host_hits = host_tier.lookup(bm, b.host, rs.token_ids(0, last),
                                                      rs.request.cache_salt)
-    b.disk_loads.extend((slot, row) for slot, _, row in host_hits if row is not None)
-    num_cached = (len(hit) * bm.block_size + sum(len(t) for _, t, _ in host_hits)
+    b.disk_loads.extend((h.slot, h.row) for h in host_hits if h.row is not None)
+    num_cached = (len(hit) * bm.block_size + sum(len(h.tokens) for h in host_hits)
                   + (partial[1] if partial else 0))
     n = min(rs.num_tokens - num_cached, b.budget)
     end = num_cached + n
@@ -165,12 +165,12 @@ def _admit_cached(b: PlanBuilder, state: SchedulerState, config: SchedulerConfig
                                   reserve=_reserve(b, state, config, rs, end)):
         return False
     table, op = bm.allocate_cached(request_id, num_cached + n, hit, keys[:len(hit)], partial,
-                                   salt=rs.request.cache_salt, promoted=len(host_hits))
+                                   salt=rs.request.cache_salt,
+                                   promoted=len(host_hits) if bm.num_groups == 1 else 0)
     if host_hits:   # promoted: fresh blocks filled from the host, full ones cached
-        b.swap_in.extend((slot, table[len(hit) + i]) for i, (slot, _, _) in enumerate(host_hits))
-        bm.register(request_id, sum((tokens for _, tokens, _ in host_hits), ()))
-        b.num_host_hits += sum(len(tokens) for _, tokens, _ in host_hits)
-        b.num_disk_hits += sum(row is not None for *_, row in host_hits) * bm.block_size
+        b.swap_in.extend(host_tier.promotions(bm, request_id, len(hit), host_hits))
+        b.num_host_hits += host_tier.hit_tokens(bm, host_hits)
+        b.num_disk_hits += host_tier.hit_tokens(bm, host_hits, disk=True)
     if bm.prefix_cache is not None:
         b.num_lookup += rs.num_tokens
     _enter(b, state, config, rs, num_cached, n, () if op is None else (op,))

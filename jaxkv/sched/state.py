@@ -172,8 +172,7 @@ def init_state(cache_config: CacheConfig, disk=None) -> SchedulerState:
     host = None
     if cache_config.host_blocks:
         host = HostTier(cache_config.host_blocks, disk)
-        # a hybrid cache's prefix blocks stay on the device (swap preemption still works)
-        bm.record_evictions = bm.prefix_cache is not None and bm.num_groups == 1
+        bm.record_evictions = bm.prefix_cache is not None
     return SchedulerState(bm, types.MappingProxyType({}), cache_config, host=host)
 
 

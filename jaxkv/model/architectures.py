@@ -13,7 +13,8 @@ class Architecture:
 
     Attributes:
       model_type: HF ``config.json``'s ``model_type``.
-      gguf: llama.cpp's ``general.architecture`` for it, or None (no GGUF support).
+      gguf: llama.cpp's ``general.architecture`` for it, or None (no GGUF support); Mixtral's
+        is ``llama`` (a file with ``llama.expert_count``).
       attention_bias: q/k/v projections carry a bias when ``config.json`` does not say.
       qk_norm: an RMSNorm over head_dim on each q and k head before RoPE
         (``self_attn.{q,k}_norm``; Qwen3).
@@ -27,6 +28,16 @@ class Architecture:
         ``sqrt(hidden_size)``, a norm after attention and around the MLP, GELU (tanh) SwiGLU,
         ``query_pre_attn_scalar`` and the logit soft-caps.
       gguf_permuted_qk: llama.cpp's converter permuted the q/k rows (``gguf.unpermute_qk``).
+      gguf_norm_shift: llama.cpp's converter stored every ``*norm.weight`` plus this (Gemma: 1,
+        its ``1 + w`` norms written as llama.cpp's plain ``w``); the GGUF loader subtracts it.
+      gguf_local_rope_theta: the sliding layers' RoPE base llama.cpp assumes when the file has
+        no ``{arch}.rope.freq_base_swa`` (Gemma 3: 10000), or None: theirs is the global one.
+      gguf_wide_scale_layers: llama.cpp scales a GGUF's attention by ``(hidden / heads) ** -0.5``
+        for the model with this many layers (Gemma 2 and 3 27B), else by ``key_length ** -0.5``.
+      gguf_norm_topk_prob: the router renormalises its top-k weights in llama.cpp (Qwen3-MoE
+        always) where the architecture's own ``norm_topk_prob`` does not say.
+      gguf_yarn_truncate: YaRN's ramp rounds its bounds (HF's ``truncate``) for a GGUF, which
+        does not record it (gpt-oss: False, as its config.json).
       moe: the names of a mixture-of-experts layer's tensors, or None (dense only).
       norm_topk_prob: the router renormalises its top-k weights always (True: Mixtral), or
         as ``config.json``'s ``norm_topk_prob`` says (None: Qwen3-MoE, default false).
@@ -45,6 +56,11 @@ class Architecture:
     moe: MoeNames | None = None
     norm_topk_prob: bool | None = None
     attention_sinks: bool = False
+    gguf_norm_shift: float = 0.0
+    gguf_local_rope_theta: float | None = None
+    gguf_wide_scale_layers: int | None = None
+    gguf_norm_topk_prob: bool = False
+    gguf_yarn_truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +85,21 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("mistral", window="always"),
     Architecture("qwen2", gguf="qwen2", attention_bias=True, window="use_sliding_window"),
     Architecture("qwen3", gguf="qwen3", qk_norm=True, window="use_sliding_window"),
-    Architecture("gemma2", window="layer_types", gemma=True),
-    Architecture("gemma3_text", window="layer_types", layer_period=6, gemma=True, qk_norm=True),
-    Architecture("mixtral", window="always",
+    Architecture("gemma2", gguf="gemma2", window="layer_types", gemma=True, gguf_norm_shift=1.0,
+                 gguf_wide_scale_layers=46),
+    Architecture("gemma3_text", gguf="gemma3", window="layer_types", layer_period=6, gemma=True,
+                 qk_norm=True, gguf_norm_shift=1.0, gguf_local_rope_theta=10000.0,
+                 gguf_wide_scale_layers=62),
+    Architecture("mixtral", gguf="llama", gguf_permuted_qk=True, window="always",
                  moe=MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2"), norm_topk_prob=True),
-    Architecture("qwen3_moe", qk_norm=True, window="use_sliding_window",
-                 moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")),
-    Architecture("gpt_oss", attention_bias=True, window="layer_types", attention_sinks=True,
-                 moe=MoeNames("mlp", "router", gpt_oss=True)),
+    Architecture("qwen3_moe", gguf="qwen3moe", qk_norm=True, window="use_sliding_window",
+                 moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                 gguf_norm_topk_prob=True),
+    Architecture("gpt_oss", gguf="gpt-oss", attention_bias=True, window="layer_types",
+                 attention_sinks=True, moe=MoeNames("mlp", "router", gpt_oss=True),
+                 gguf_yarn_truncate=False),
 )}
-GGUF_ARCHITECTURES = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
+# llama.cpp's ``general.architecture`` and whether the file has experts (``{arch}.expert_count``)
+# -> the architecture: Mixtral is written as ``llama`` with experts.
+GGUF_ARCHITECTURES = {(a.gguf, a.moe is not None): a for a in ARCHITECTURES.values() if a.gguf}
 

@@ -1,86 +1,41 @@
 """GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> HF-named float32 numpy.
 
+Architectures, by llama.cpp's ``general.architecture``: ``llama`` (and Mixtral: ``llama`` with
+``llama.expert_count``), ``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma2``, ``gemma3`` (text) and
+``gpt-oss``, with the ``{arch}.*`` metadata keys llama.cpp's ``convert_hf_to_gguf.py`` writes
+and llama.cpp's own assumptions where the file is silent (Gemma 3's layer pattern and local
+RoPE base, Gemma's attention scale, Qwen3-MoE's renormalised router: the ``gguf_*`` fields of
+``Architecture``). Tensors of every type the ``gguf`` package's numpy reference decodes (F32,
+F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, MXFP4, the IQ types) are
+dequantized to float32 at load.
+
 GGUF stores a linear layer ``[out, in]`` with ``shape = [in, out]`` (ggml's ``ne0`` first); the
-reader hands back numpy arrays already in ``[out, in]`` row-major order, so only the names change.
-llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` of *llama* models so that RoPE
-rotates interleaved pairs ``(x[2i], x[2i+1])``; HF (and jaxkv) rotate halves
-``(x[i], x[i + D/2])``. ``unpermute_qk`` undoes it, per head of width ``D``::
-
-    GGUF row  h*D + 2*i + j   <-   HF row  h*D + j*D/2 + i      (i < D/2, j in {0, 1})
-
-Qwen2 and Qwen3 GGUFs are not permuted (their converter keeps HF's layout).
+reader hands back numpy arrays already in ``[out, in]`` row-major order. ``gguf_names`` maps the
+names and undoes the converter's reshaping (q/k row permutation of Llama and Mixtral, Gemma's
+``w + 1`` norms, stacked experts).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 import struct
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from jaxkv.model.architectures import ARCHITECTURES, GGUF_ARCHITECTURES
-from jaxkv.model.config import ModelConfig
+from jaxkv.model import gguf_names
+from jaxkv.model.architectures import GGUF_ARCHITECTURES, Architecture
+from jaxkv.model.config import LAYER_TYPES, ModelConfig, RopeScaling
 
-SUPPORTED_GGUF_ARCHITECTURES = tuple(GGUF_ARCHITECTURES)
-SUPPORTED_QUANT_TYPES = tuple(gguf.GGMLQuantizationType[n] for n in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"))
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_name(gguf_name: str) -> str:
-    """HF transformers name of a GGUF tensor name, e.g. ``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``.
-
-    Raises:
-      ValueError: a name outside the Llama/Qwen2 layout (listing the supported names).
-    """
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ValueError(
-            f"GGUF tensor {gguf_name!r} is not supported; supported: "
-            f"{', '.join(_GLOBAL_NAMES)}, blk.N.{{{','.join(_LAYER_NAMES)}}}.{{weight,bias}}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's RoPE row permutation of a q or k projection.
-
-    Args:
-      w: ``[num_heads * D, in]`` weight or ``[num_heads * D]`` bias, GGUF (interleaved) row order.
-      num_heads: heads in ``w`` (``num_heads`` for q, ``num_kv_heads`` for k).
-
-    Returns:
-      Same shape and dtype, rows in HF's rotate-half order.
-    """
-    d = w.shape[0] // num_heads
-    if d * num_heads != w.shape[0] or d % 2:
-        raise ValueError(f"q/k rows {w.shape[0]} do not split into {num_heads} heads of even width")
-    rest = w.shape[1:]
-    return w.reshape(num_heads, d // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(dict.fromkeys(name for name, _ in GGUF_ARCHITECTURES))
+# F32, F16 and every type the gguf package's numpy reference decodes (a class of gguf.quants).
+SUPPORTED_QUANT_TYPES = tuple(sorted(
+    (q for q in gguf.GGMLQuantizationType if q.name in ("F32", "F16")
+     or isinstance(getattr(gguf.quants, q.name, None), type)),
+    key=lambda q: (q.name not in ("F32", "F16", "BF16"), q.value)))
+hf_name = gguf_names.hf_name
+unpermute_qk = gguf_names.unpermute_qk
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:
@@ -129,47 +84,113 @@ def config_from_gguf(reader: gguf.GGUFReader) -> ModelConfig:
         (the message names the file and the field).
     """
     file = reader.data.filename
-    arch = metadata_field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"{file}: general.architecture={arch!r} is not supported; "
+    name = metadata_field(reader, "general.architecture")
+    key = lambda k, default=KeyError: metadata_field(reader, f"{name}.{k}", default)  # noqa: E731
+    arch = GGUF_ARCHITECTURES.get((name, int(key("expert_count", 0)) > 0))
+    if arch is None:
+        raise ValueError(f"{file}: general.architecture={name!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-    scaling = metadata_field(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{file}: RoPE scaling ({arch}.rope.scaling.type={scaling!r} or a "
-                         "rope_freqs tensor) is not supported for GGUF; supported: none")
-    hidden = int(metadata_field(reader, f"{arch}.embedding_length"))
-    heads = int(metadata_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(metadata_field(reader, f"{arch}.attention.key_length", hidden // heads))
-    rope_dim = int(metadata_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rope_dim = int(key("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(f"{file}: {arch}.rope.dimension_count={rope_dim} != head_dim={head_dim}; "
+        raise ValueError(f"{file}: {name}.rope.dimension_count={rope_dim} != head_dim={head_dim}; "
                          "partial rotary embeddings are not supported")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else metadata_field(reader, f"{arch}.vocab_size")
+    vocab = len(tokens.data) if tokens is not None else key("vocab_size")
     eos = [metadata_field(reader, f"tokenizer.ggml.{k}", None) for k in ("eos_token_id", "eot_token_id")]
     bos = metadata_field(reader, "tokenizer.ggml.bos_token_id", None)
+    tensors = {t.name for t in reader.tensors}
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch].model_type,
+        architecture=arch.model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(metadata_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(metadata_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
         num_heads=heads,
-        num_kv_heads=int(metadata_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(metadata_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(metadata_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(metadata_field(reader, f"{arch}.context_length")),
-        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        attention_bias=any(t.name == "blk.0.attn_q.bias" for t in reader.tensors),
-        qk_norm=GGUF_ARCHITECTURES[arch].qk_norm,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm=arch.qk_norm,
+        attention_sinks=arch.attention_sinks,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        **_rope_fields(key, arch, file, "rope_freqs.weight" in tensors),
+        **_window_fields(key, arch),
+        **_gemma_fields(key, arch, hidden, heads, head_dim),
+        **_moe_fields(key, arch),
     )
 
 
+def _rope_fields(key, arch: Architecture, file: str, rope_freqs: bool) -> dict:
+    """``rope_theta``, ``rope_scaling`` (none, linear: Gemma 3's global layers, or YaRN:
+    gpt-oss) and ``rope_local_theta`` from ``{arch}.rope.*``; ``key(suffix, default)`` reads
+    ``{arch}.{suffix}``. Llama 3's ``rope_freqs`` tensor is not supported."""
+    kind = key("rope.scaling.type", "none")
+    if kind not in ("none", "linear", "yarn") or rope_freqs:
+        raise ValueError(f"{file}: RoPE scaling (rope.scaling.type={kind!r} or a rope_freqs "
+                         "tensor) is not supported for GGUF; supported: none, linear, yarn")
+    scaling = None if kind == "none" else RopeScaling(
+        rope_type=kind, factor=float(key("rope.scaling.factor")),
+        original_max_position_embeddings=int(key("rope.scaling.original_context_length", 8192)),
+        beta_fast=float(key("rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(key("rope.scaling.yarn_beta_slow", 1.0)),
+        truncate=arch.gguf_yarn_truncate)
+    local = key("rope.freq_base_swa", arch.gguf_local_rope_theta)
+    return dict(rope_theta=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+                rope_local_theta=None if local is None else float(local))
+
+
+def _window_fields(key, arch: Architecture) -> dict:
+    """``sliding_window`` and ``layer_types`` of an architecture that mixes sliding and full
+    layers (``window == "layer_types"``) from ``{arch}.attention.sliding_window`` and
+    ``attention.sliding_window_pattern`` (per layer: sliding) or llama.cpp's fixed period
+    (``Architecture.layer_period``: layer i is full when ``(i + 1) % period == 0``)."""
+    window = int(key("attention.sliding_window", 0))
+    if not window or arch.window != "layer_types":   # llama.cpp reads no other windows
+        return {}
+    n = int(key("block_count"))
+    pattern = key("attention.sliding_window_pattern", None)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or arch.layer_period)
+        sliding = [(i + 1) % period != 0 for i in range(n)]
+    return dict(sliding_window=window, layer_types=tuple(LAYER_TYPES[not s] for s in sliding))
+
+
+def _gemma_fields(key, arch: Architecture, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma's fields: the soft-caps, and llama.cpp's attention scale (``key_length``, but
+    ``hidden / heads`` for the 27B models: ``Architecture.gguf_wide_scale_layers``)."""
+    if not arch.gemma:
+        return {}
+    caps = {k: float(key(k, 0.0)) or None
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    wide = int(key("block_count")) == arch.gguf_wide_scale_layers
+    return dict(gemma=True, query_pre_attn_scalar=float(hidden // heads if wide else head_dim),
+                **caps)
+
+
+def _moe_fields(key, arch: Architecture) -> dict:
+    """An MoE architecture's ``{arch}.expert_*`` fields (every layer an MoE one, as llama.cpp
+    runs Mixtral, Qwen3-MoE and gpt-oss); gpt-oss's clamped SwiGLU at llama.cpp's limit 7."""
+    if arch.moe is None:
+        return {}
+    norm = arch.norm_topk_prob if arch.norm_topk_prob is not None else arch.gguf_norm_topk_prob
+    size = key("expert_feed_forward_length", None)
+    return dict(num_experts=int(key("expert_count")),
+                num_experts_per_tok=int(key("expert_used_count")),
+                moe_intermediate_size=None if size is None else int(size),
+                norm_topk_prob=bool(key("expert_weights_norm", norm)),
+                **(dict(swiglu_limit=7.0) if arch.moe.gpt_oss else {}))
+
+
 def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantizes every tensor to float32 under its HF name, q/k rows in HF order.
+    """Dequantizes every tensor to float32 under its HF name, as ``gguf_names.hf_tensors``
+    undoes llama.cpp's converter (q/k rows, Gemma's ``w + 1`` norms, stacked experts).
 
     Args:
       reader: an open ``gguf.GGUFReader``.
@@ -189,16 +210,9 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
                 f"{file}: tensor {t.name!r} has quantization type {t.tensor_type.name}, which is "
                 f"not supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
     out = {}
-    permuted = ARCHITECTURES[config.architecture].gguf_permuted_qk
     for t in reader.tensors:
-        name = hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists ne0 (the fastest axis) first
         # np.array copies, so no result aliases the file's memory map.
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape(shape)
-        if permuted and ".self_attn.q_proj." in name:
-            w = unpermute_qk(w, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            w = unpermute_qk(w, config.num_kv_heads)
-        out[name] = w
-    return out
+        out[t.name] = w.reshape(shape)
+    return gguf_names.hf_tensors(out, config)

@@ -23,7 +23,10 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
 
-SUPPORTED_GGUF_TOKENIZER_MODELS = ("gpt2",)
+SUPPORTED_GGUF_TOKENIZER_MODELS = ("gpt2", "llama")
+# ``tokenizer.ggml.model == "llama"`` (SentencePiece) is read for these architectures only: their
+# files list no merges, which are rebuilt in the order the tokens appear (as transformers does).
+_GGUF_SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # llama.cpp's pre-tokenizer regexes, by ``tokenizer.ggml.pre``.
 _LLAMA3_SPLIT = (
@@ -64,6 +67,31 @@ _GGUF_PRE_TOKENIZERS = {
     "smaug-bpe": functools.partial(_split_pre, _LLAMA3_SPLIT),
     "qwen2": functools.partial(_split_pre, _QWEN2_SPLIT),
 }
+
+
+def _gemma_spm_backend(tokens: list[str], unk: str) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """A Gemma SentencePiece vocabulary (GGUF ``llama`` model) as the byte-fallback BPE HF's
+    GemmaTokenizer is: spaces become ``▁``; a token of only whitespace with a space is
+    respelled as ``▁`` s (returned with the backend: the respelled tokens);
+    the merges are every split of a token into two tokens, earliest token first (its longer
+    left part first), as transformers rebuilds them (``gemma_tokenizer``)."""
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for rank, token in enumerate(tokens):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        merges += [(rank, left, right) for left, right in sorted(
+            pairs, key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))]
+    merges.sort(key=lambda m: (m[0], -len(m[1]), -len(m[2])))
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab=vocab, merges=[(left, right) for _, left, right in merges], fuse_unk=True,
+        unk_token=unk, byte_fallback=True))
+    backend.normalizer = tokenizers.normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend, tokens
 
 
 @functools.cache
@@ -204,7 +232,8 @@ class Tokenizer:
             ``tokenizer.chat_template``.
 
         Raises:
-          ValueError: missing fields, or a tokenizer model / pre-tokenizer we do not support.
+          ValueError: missing fields, or a tokenizer model / pre-tokenizer we do not support
+            (``llama``, SentencePiece, is read for Gemma files only).
         """
         from jaxkv.model.gguf import metadata_field
 
@@ -216,29 +245,41 @@ class Tokenizer:
             raise ValueError(
                 f"{reader.data.filename}: tokenizer.ggml.model={model!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_GGUF_TOKENIZER_MODELS)}")
+        arch = field("general.architecture", None)
+        if model == "llama" and arch not in _GGUF_SENTENCEPIECE_ARCHITECTURES:
+            raise ValueError(
+                f"{reader.data.filename}: tokenizer.ggml.model='llama' (SentencePiece) is "
+                f"supported for {', '.join(_GGUF_SENTENCEPIECE_ARCHITECTURES)} files only, not "
+                f"general.architecture={arch!r}")
         pre = field("tokenizer.ggml.pre", "default")
         if pre not in _GGUF_PRE_TOKENIZERS:
             raise ValueError(
                 f"{reader.data.filename}: tokenizer.ggml.pre={pre!r} is not supported; "
                 f"supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))}")
         tokens = field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
         token_types = field("tokenizer.ggml.token_type", [0] * len(tokens))
 
-        backend = tokenizers.Tokenizer(models.BPE(
-            vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
-        alphabet = _byte_alphabet()
+        if model == "llama":
+            unk = field("tokenizer.ggml.unknown_token_id", None)
+            backend, tokens = _gemma_spm_backend(tokens, "<unk>" if unk is None else tokens[unk])
+            alphabet = None
+        else:
+            backend = tokenizers.Tokenizer(models.BPE(
+                vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+            backend.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
+            backend.decoder = decoders.ByteLevel()
+            alphabet = _byte_alphabet()
         # Control tokens spelled outside the byte alphabet are llama.cpp mislabels (they could never
         # be produced by the BPE); like HF we leave them out.
         backend.add_special_tokens([
             tokenizers.AddedToken(t, normalized=False, special=True)
             for t, kind in zip(tokens, token_types)
-            if kind == _GGUF_CONTROL and set(t) <= alphabet])
+            if kind == _GGUF_CONTROL and (alphabet is None or set(t) <= alphabet)])
         backend.add_tokens([
             tokenizers.AddedToken(t, normalized=False, special=False)
-            for t, kind in zip(tokens, token_types) if kind == _GGUF_USER_DEFINED])
+            for t, kind in zip(tokens, token_types)
+            if kind == _GGUF_USER_DEFINED and backend.token_to_id(t) is not None])
 
         bos = field("tokenizer.ggml.bos_token_id", None)
         eos_ids = tuple(dict.fromkeys(

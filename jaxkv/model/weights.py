@@ -141,7 +141,7 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
 
 
 def load_gguf(path: str | Path) -> LoadedModel:
-    """Loads a GGUF file (llama or qwen2 architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors)."""
+    """Loads a GGUF file (the architectures and tensor types ``jaxkv.model.gguf`` lists)."""
     from jaxkv.model import gguf   # the gguf package only when a GGUF is read
     reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)

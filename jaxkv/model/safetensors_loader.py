@@ -1,4 +1,5 @@
-"""HF model directories: ``config.json`` -> ModelConfig, ``*.safetensors`` -> float32 numpy.
+"""HF model directories: ``config.json`` -> ModelConfig, ``*.safetensors`` -> float32 numpy
+(an MXFP4 checkpoint's packed weights de-quantized: jaxkv/model/mxfp4.py).
 
 The safetensors layout is small enough to read directly, which lets bf16 through (safetensors'
 numpy API rejects it) and lets every corruption error name the file and the tensor::
@@ -17,13 +18,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxkv.model import mxfp4
 from jaxkv.model.config import ModelConfig
 
 SAFETENSORS_DTYPES = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    "U8": np.dtype(np.uint8),   # an MXFP4 checkpoint's blocks and scales, kept as stored
 }
+QUANT_METHODS = (None, "mxfp4")   # config.json's quantization_config.quant_method
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -38,11 +42,26 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{file}: not found (an HF model directory needs config.json)")
+    cfg = _read_json(file)
+    _quant_method(cfg, file)
+    return ModelConfig.from_hf_dict(cfg, source=str(file))
+
+
+def _read_json(file: Path) -> dict:
     try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
+        return json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: invalid JSON: {e}") from e
-    return ModelConfig.from_hf_dict(cfg, source=str(file))
+
+
+def _quant_method(cfg: dict, file: Path) -> str | None:
+    """``quantization_config.quant_method`` of a config.json: None or one ``QUANT_METHODS``
+    de-quantizes at load, else a ValueError naming the field."""
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"{file}: quantization_config.quant_method={method!r} is not "
+                         f"supported; supported: {', '.join(map(str, QUANT_METHODS))}")
+    return method
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -72,13 +91,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
-    """Reads one safetensors file, converting every tensor to float32.
+    """Reads one safetensors file, converting every float tensor to float32.
 
     Args:
-      file: path to a ``.safetensors`` file with F32, F16 or BF16 tensors.
+      file: path to a ``.safetensors`` file with F32, F16, BF16 or U8 tensors.
 
     Returns:
-      ``{name: float32 array}`` with the stored shapes.
+      ``{name: array}`` with the stored shapes: float32, or uint8 as stored.
 
     Raises:
       ValueError: truncated/corrupt header or data, or a dtype outside ``SAFETENSORS_DTYPES``
@@ -114,7 +133,8 @@ def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{file}: corrupt data for tensor {name!r}: offsets [{begin}, {end}) "
                              f"for {expected} bytes of {dtype_name}{list(shape)} in a "
                              f"{len(data)}-byte data section")
-        out[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape).astype(np.float32)
+        w = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
+        out[name] = w.copy() if dtype == np.uint8 else w.astype(np.float32)
     return out
 
 
@@ -122,9 +142,13 @@ def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Reads all weight files of an HF directory (single or sharded) as float32.
 
     Returns:
-      ``{hf_name: float32 array}``, exactly the stored names and shapes.
+      ``{hf_name: float32 array}``, exactly the stored names and shapes; an MXFP4 checkpoint's
+      ``W_blocks`` / ``W_scales`` pairs as the float32 ``W`` they encode.
     """
     out = {}
     for file in safetensors_files(path):
         out.update(read_safetensors(file))
+    config = Path(path) / "config.json"
+    if config.is_file() and _quant_method(_read_json(config), config) == "mxfp4":
+        out = mxfp4.dequantize_checkpoint(out, str(path))
     return out

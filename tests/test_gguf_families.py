@@ -30,9 +30,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from jaxkv import LLM, SamplingParams  # noqa: E402
 from jaxkv.model.weights import load_model_files  # noqa: E402
-from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+from tiny_models import (  # noqa: E402
+    assert_greedy_equals_hf, austen_text, save_tiny_model, save_tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,16 +253,5 @@ def test_transformers_gguf_reader_equals_jaxkv(family_files):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, gguf_file=gguf_path.name, dtype=torch.float32).eval()
     assert hf.config.model_type == family.kind
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(gguf_path), **ENGINE) as llm:
-        prompt = llm.tokenizer.encode(austen_text(2000))[:40]
-        got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)[0]
-        logits = hf(out[None]).logits[0, len(prompt) - 1:-1].double()
-    want = out[len(prompt):]
-    assert got.token_ids == want.tolist()
-    want_logprobs = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), want].numpy()
-    logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
-    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+    prompt = transformers.AutoTokenizer.from_pretrained(path)(austen_text(2000)).input_ids[:40]
+    assert_greedy_equals_hf(gguf_path, hf, prompt, NEW_TOKENS, **ENGINE)

@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxkv import LLM, SamplingParams  # noqa: E402
 from jaxkv.model import mxfp4  # noqa: E402
 from jaxkv.model.weights import load_model_files  # noqa: E402
-from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+from tiny_models import (  # noqa: E402
+    assert_greedy_equals_hf, austen_text, save_tiny_model, save_tokenizer)
 
 NEW_TOKENS = 32
 ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32,
@@ -72,19 +72,8 @@ def test_mxfp4_gpt_oss_equals_transformers(gpt_oss_mxfp4):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         gpt_oss_mxfp4, quantization_config=transformers.Mxfp4Config(dequantize=True),
         dtype=torch.float32).eval()
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(gpt_oss_mxfp4), **ENGINE) as llm:
-        prompt = llm.tokenizer.encode(austen_text(3000))[:70]
-        got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)[0]
-        logits = hf(out[None]).logits[0, len(prompt) - 1:-1].double()
-    want = out[len(prompt):]
-    assert got.token_ids == want.tolist()
-    want_logprobs = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), want].numpy()
-    np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, got.token_ids)],
-                               want_logprobs, atol=1e-4, rtol=0)
+    prompt = transformers.AutoTokenizer.from_pretrained(gpt_oss_mxfp4)(austen_text(3000)).input_ids
+    assert_greedy_equals_hf(gpt_oss_mxfp4, hf, prompt[:70], NEW_TOKENS, **ENGINE)
 
 
 def test_bad_quantized_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):

@@ -86,3 +86,25 @@ def save_tiny_model(path, kind="llama", *, seed=0, dtype=None, **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype or torch.float32).eval()
     model.save_pretrained(path)
     return model
+
+
+def assert_greedy_equals_hf(model_path, hf, prompt, num_tokens, atol=1e-4, **engine):
+    """jaxkv's engine on ``model_path`` and the torch model ``hf`` generate the same greedy
+    ``num_tokens`` after ``prompt`` (token ids), with per-token logprobs within ``atol``."""
+    import numpy as np
+    import torch
+
+    from jaxkv import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
+    with LLM(str(model_path), **engine) as llm:
+        got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[0]
+        logits = hf(out[None]).logits[0, len(prompt) - 1:-1].double()
+    want = out[len(prompt):]
+    assert got.token_ids == want.tolist()
+    want_logprobs = torch.log_softmax(logits, -1)[torch.arange(num_tokens), want].numpy()
+    np.testing.assert_allclose([lp[t] for lp, t in zip(got.logprobs, got.token_ids)],
+                               want_logprobs, atol=atol, rtol=0)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.sample.sampler import SamplingParams, SamplingTensors, process_logits, sample
+from jaxkv.sample.sampler import (SamplingParams, SamplingTensors, pack_bitmask,
+                                  process_logits, sample)
 
 V = 64
 
@@ -76,6 +77,12 @@ def ref_keep(scaled, top_k, top_p, min_p):
     (dict(seed=-1), "seed"),
     (dict(seed=1.5), "seed"),
     (dict(logprobs=-1), "logprobs"),
+    (dict(logit_bias={5: 101}), "logit_bias"),
+    (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[5]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -2]), "allowed_token_ids"),
 ])
 def test_invalid_params_name_their_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}="):
@@ -321,3 +328,62 @@ def test_step_rng_is_the_fold_in_of_the_seed_key(seed):
     for step in (0, 1, 12345):
         want = jax.random.fold_in(jax.random.PRNGKey(seed), step).astype(jnp.uint32)
         np.testing.assert_array_equal(np.asarray(step_rng(seed, step)), np.asarray(want))
+
+
+# ---------------------------------------------------------------- logit controls
+
+def test_bitmask_is_xgrammars_layout():
+    """Bit ``t & 31`` of int32 word ``t >> 5`` (xgrammar's ``get_bitmask_shape`` layout)."""
+    ids = [0, 5, 31, 32, 63, 64, 99]
+    words = pack_bitmask(ids, 100)
+    assert words.dtype == np.int32 and words.shape == (4,)
+    bits = [(int(words[t // 32]) >> (t % 32)) & 1 for t in range(100)]
+    assert [t for t, b in enumerate(bits) if b] == ids
+
+
+def test_logit_bias_and_allowed_ids_match_the_reference():
+    """Bias added to the raw logits, then every token outside a row's allowed set at -inf,
+    then the temperature (numpy, float64); the chosen token's logprob stays the raw model's;
+    rows without controls are untouched, and a step without any carries no arrays for them."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, V)).astype(np.float32) * 2
+    bias = {3: 5.0, 7: -100.0, 40: 2.5}
+    allowed = (1, 7, 40, 63)
+    params = [SamplingParams(temperature=0.7, logit_bias=bias),
+              SamplingParams(temperature=0.7, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.7, logit_bias=bias, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.7)]
+    t = _tensors(params)
+    assert t.bias_ids.shape == (4, 4) and t.token_bitmask.shape == (4, 2)
+    want = logits.astype(np.float64)
+    for r in (0, 2):
+        for i, b in bias.items():
+            want[r, i] += b
+    for r in (1, 2):
+        want[r, [i for i in range(V) if i not in allowed]] = -np.inf
+    np.testing.assert_allclose(process_logits(logits, t), want / 0.7, rtol=1e-6, atol=1e-5)
+    greedy = [dataclasses.replace(p, temperature=0.0) for p in params]
+    tokens, chosen, _ = sample(logits, _tensors(greedy), jax.random.key(0))
+    np.testing.assert_array_equal(tokens, np.argmax(want, -1))
+    raw = jax.nn.log_softmax(logits.astype(np.float64), -1)
+    np.testing.assert_allclose(chosen, raw[np.arange(4), np.asarray(tokens)], atol=1e-5)
+    plain = _tensors([SamplingParams()])
+    assert plain.bias_ids.shape == plain.token_bitmask.shape == (1, 0)
+
+
+def test_samples_stay_inside_the_allowed_ids():
+    params = [SamplingParams(temperature=1.5, allowed_token_ids=(2, 9, 33), seed=s)
+              for s in range(8)]
+    t = _tensors(params)
+    logits = np.zeros((8, V), np.float32)
+    seen = set()
+    for step in range(20):
+        tokens, _, _ = sample(logits, dataclasses.replace(t, step=t.step + step),
+                              jax.random.key(step))
+        seen |= set(np.asarray(tokens).tolist())
+    assert seen == {2, 9, 33}
+
+
+def test_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="logit_bias / allowed_token_ids: id 64"):
+        _tensors([SamplingParams(allowed_token_ids=[1, 64])])

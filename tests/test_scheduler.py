@@ -287,7 +287,7 @@ def test_schedule_is_pure():
     state = add(init_state(cc), sc, req("a", (1, 2)), req("b", (3, 4, 5)), req("c", (6, 7, 8)))
     state, _ = step(state, sc, [10, 20, 30])
     free_before = state.block_manager.free_block_ids()
-    (s1, p1), (s2, p2) = schedule(state, sc), schedule(state, sc)
+    (s1, p1), (_, p2) = schedule(state, sc), schedule(state, sc)
     assert p1 == p2 and p1.preempted_ids == ("c",)
     assert s1.block_manager is not state.block_manager
     assert state.block_manager.free_block_ids() == free_before

@@ -267,6 +267,21 @@ def test_completion_greedy_equals_llm_generate_token_for_token(client, offline, 
     assert got.text == want.text and got.finish_reason == "length"
 
 
+def test_logit_bias_and_allowed_token_ids_equal_the_engines(client, offline):
+    """OpenAI's ``logit_bias`` (token ids as string keys) and vLLM's ``allowed_token_ids`` on
+    both routes give the offline engine's tokens with the same controls."""
+    ids = offline.tokenizer.encode(" the and of to")
+    bias = {ids[0]: -100, ids[1]: 8.5}
+    want = offline_completion(offline, PROMPT, 12, logit_bias=bias)
+    got = complete(client, max_tokens=12, logprobs=1,
+                   logit_bias={str(k): v for k, v in bias.items()}).choices[0]
+    assert got.logprobs.tokens == [token_text(offline, t) for t in want.token_ids]
+    assert ids[0] not in want.token_ids
+    want = offline_chat(offline, MESSAGES, 8, allowed_token_ids=ids)
+    got = chat(client, max_tokens=8, extra_body={"allowed_token_ids": ids}).choices[0]
+    assert got.message.content == want.text and set(want.token_ids) <= set(ids)
+
+
 def test_chat_greedy_equals_llm_chat_token_for_token(client, offline):
     want = offline_chat(offline, MESSAGES, 16)
     got = chat(client, max_tokens=16, logprobs=True).choices[0]
@@ -576,6 +591,11 @@ BAD_COMPLETIONS = [
     ("cache_salt", dict(extra_body={"cache_salt": 5})),
     ("include_usage", dict(stream_options={"include_usage": "yes"})),
     ("echo", dict(echo=True, logprobs=1)),      # prompt logprobs are not computed
+    ("logit_bias", dict(logit_bias={"5": 101})),
+    ("logit_bias", dict(logit_bias={"five": 1})),
+    ("logit_bias", dict(logit_bias={str(10 ** 6): 1})),
+    ("allowed_token_ids", dict(extra_body={"allowed_token_ids": []})),
+    ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [10 ** 6]})),
 ]
 
 
@@ -650,7 +670,6 @@ def test_malformed_json_is_400_with_its_position_and_no_param(http):
 UNSUPPORTED = [
     ("completions", "best_of", 2),
     ("completions", "suffix", " the end"),
-    ("completions", "logit_bias", {"5": 10}),
     ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "auto"),
@@ -688,7 +707,7 @@ def test_fields_that_ask_for_nothing_are_accepted(client):
     r = chat(client, max_tokens=2, response_format={"type": "text"}, tools=[],
              tool_choice="none", metadata={"run": "7"}, store=False, parallel_tool_calls=True)
     assert r.usage.completion_tokens == 2
-    r = complete(client, max_tokens=2, best_of=1, suffix="", extra_body={"logit_bias": {}})
+    r = complete(client, max_tokens=2, best_of=1, suffix="")
     assert r.usage.completion_tokens == 2
 
 

@@ -183,7 +183,7 @@ class RequestTable:
         Args:
           prompt: see ``tokenize``.
           params: its ``SamplingParams``; ``logprobs <= MAX_LOGPROBS`` and every stop token id
-            inside the vocabulary.
+            (and ``logit_bias`` / ``allowed_token_ids`` id) inside the vocabulary.
           priority: an int (Python or numpy); lower is more urgent.
           request_id: a str, or an int (stored as its decimal str, so ``abort_request`` takes
             either), not in use by a live request; None picks the next free counter value.
@@ -197,6 +197,8 @@ class RequestTable:
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={MAX_LOGPROBS}")
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        check_token_ids("logit_bias", [i for i, _ in params.logit_bias or ()], self.vocab_size)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.vocab_size)
         priority = check_number("priority", priority, int)
         check_type("cache_salt", cache_salt, (str, type(None)), "None or a str")
         check_type("request_id", request_id, (str, int, np.integer, type(None)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import jax
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cpu_kernels
-from jaxkv.config.checks import BOOLS, check_number, check_token_ids, check_type
+from jaxkv.config.checks import (BOOLS, ParamTypeError, check_number, check_token_ids,
+                                 check_type)
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -71,6 +72,11 @@ class SamplingParams:
       skip_special_tokens: drop special tokens when detokenizing.
       include_stop_str_in_output: keep the stop string that ended the text in it (default:
         the text ends before it).
+      logit_bias: ``{token id: bias}`` added to the raw logits before every other step of
+        sampling (OpenAI's ``logit_bias``; each bias in [-100, 100]); stored as a tuple of
+        ``(id, bias)`` pairs in id order. Logprobs stay the raw model's (vLLM's default).
+      allowed_token_ids: sample only among these ids (a non-empty list / tuple of ints or a
+        1-D integer array, stored as a sorted tuple without repeats); None: every token.
     """
 
     n: int = 1
@@ -90,6 +96,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self):
         """Checks every field (type first, then value) and stores it normalised: Python ints and
@@ -118,6 +126,27 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             object.__setattr__(self, name, bool(check_type(name, getattr(self, name), BOOLS,
                                                            "a bool")))
+        self._check_logit_controls()
+
+    def _check_logit_controls(self) -> None:
+        """Checks and normalises ``logit_bias`` and ``allowed_token_ids`` (see the class)."""
+        if self.logit_bias is not None:
+            bias = check_type("logit_bias", self.logit_bias, (Mapping, tuple, list),
+                              "None or a dict of token id -> bias")
+            pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
+            if not all(isinstance(x, tuple) and len(x) == 2 for x in pairs):   # stored pairs
+                raise ParamTypeError(f"logit_bias={reprlib.repr(bias)} must be a dict of token "
+                                     f"id -> bias")
+            head = f"logit_bias={reprlib.repr(bias)}: logit_bias"
+            ids = [check_number(f"{head} key {k!r}", k, int, low=0) for k, _ in pairs]
+            values = [check_number(f"{head}[{i}]", b, float, low=-100, high=100)
+                      for i, (_, b) in zip(ids, pairs)]
+            object.__setattr__(self, "logit_bias", tuple(sorted(dict(zip(ids, values)).items())))
+        if self.allowed_token_ids is not None:
+            ids = check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not ids:
+                raise ValueError("allowed_token_ids=[] allows no token (None allows every one)")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
 
     @property
     def greedy(self) -> bool:
@@ -146,7 +175,7 @@ def _key_data(seed: int) -> tuple[int, int]:
 
 _FIELDS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "seed_keys", "has_seed", "step", "history", "prompt_lens",
-           "suppress_stop", "stop_ids"]
+           "suppress_stop", "stop_ids", "bias_ids", "bias_values", "token_bitmask"]
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=[])
@@ -172,6 +201,10 @@ class SamplingTensors:
       prompt_lens: int32 [S] prompt length of each row inside ``history``.
       suppress_stop: bool [S]; True while ``step < min_tokens`` (stop and eos ids masked).
       stop_ids: int32 [S, K] stop token ids plus eos (unless ``ignore_eos``), -1 padded.
+      bias_ids, bias_values: int32 / f32 [S, B] each row's ``logit_bias``, -1 / 0 padded
+        (B = 0 when no row has one: the step then skips it).
+      token_bitmask: int32 [S, ceil(V / 32)] the tokens a row may sample: bit ``t & 31`` of
+        word ``t >> 5`` (xgrammar's layout; -1: every token), or [S, 0] when no row restricts.
     """
 
     temperature: jax.Array         # [S] f32
@@ -188,6 +221,9 @@ class SamplingTensors:
     prompt_lens: jax.Array         # [S] i32
     suppress_stop: jax.Array       # [S] bool
     stop_ids: jax.Array            # [S, K] i32
+    bias_ids: jax.Array            # [S, B] i32
+    bias_values: jax.Array         # [S, B] f32
+    token_bitmask: jax.Array       # [S, ceil(V / 32) or 0] i32
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], *, vocab_size: int,
@@ -280,7 +316,41 @@ class SamplingTensors:
             stop_ids[r, :len(stops[r])] = stops[r]
         return cls(top_k=top_k, seed_keys=seed_keys, has_seed=has_seed, step=step,
                    history=history, prompt_lens=prompt_lens, suppress_stop=suppress,
-                   stop_ids=stop_ids, **t)
+                   stop_ids=stop_ids, **_logit_controls(params, vocab_size, size), **t)
+
+
+def _logit_controls(params: Sequence[SamplingParams], vocab_size: int, size: int
+                    ) -> dict[str, np.ndarray]:
+    """``bias_ids``, ``bias_values`` and ``token_bitmask`` of ``SamplingTensors`` (``size``
+    rows; widths 0 when no row asks for them).
+
+    Raises:
+      ValueError: an id of ``logit_bias`` or ``allowed_token_ids`` >= ``vocab_size``.
+    """
+    for p in params:
+        ids = [i for i, _ in p.logit_bias or ()] + list(p.allowed_token_ids or ())
+        if any(i >= vocab_size for i in ids):
+            raise ValueError(f"logit_bias / allowed_token_ids: id {max(ids)} is outside "
+                             f"[0, vocab_size={vocab_size})")
+    most = max((len(p.logit_bias or ()) for p in params), default=0)
+    width = _bucket(most, 4) if most else 0
+    bias_ids = np.full((size, width), PAD_ID, np.int32)
+    bias_values = np.zeros((size, width), np.float32)
+    restricted = any(p.allowed_token_ids for p in params)
+    bitmask = np.full((size, -(-vocab_size // 32) if restricted else 0), -1, np.int32)
+    for r, p in enumerate(params):
+        for k, (i, b) in enumerate(p.logit_bias or ()):
+            bias_ids[r, k], bias_values[r, k] = i, b
+        if p.allowed_token_ids:
+            bitmask[r] = pack_bitmask(p.allowed_token_ids, vocab_size)
+    return dict(bias_ids=bias_ids, bias_values=bias_values, token_bitmask=bitmask)
+
+
+def pack_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """int32 [ceil(V / 32)]: bit ``t & 31`` of word ``t >> 5`` set for each of ``token_ids``."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, np.uint8)
+    bits[np.asarray(token_ids, np.int64)] = 1
+    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view("<i4")[:, 0]
 
 
 def _row_mask(ids: jax.Array, vocab_size: int, values: jax.Array) -> jax.Array:
@@ -289,6 +359,27 @@ def _row_mask(ids: jax.Array, vocab_size: int, values: jax.Array) -> jax.Array:
     cols = jnp.where(ids >= 0, ids, vocab_size)          # padding lands in a spare column V
     out = jnp.zeros((ids.shape[0], vocab_size + 1), jnp.int32)
     return out.at[rows, cols].add(values.astype(jnp.int32))[:, :vocab_size]
+
+
+def apply_logit_controls(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """f32 [S, V] ``logits`` plus each row's ``logit_bias``, tokens outside its bitmask at
+    ``-inf`` (each a no-op, traced away, when the step's tensors have width 0)."""
+    v = logits.shape[1]
+    if t.bias_ids.shape[1]:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        cols = jnp.where(t.bias_ids >= 0, t.bias_ids, v)              # padding: a spare column
+        bias = jnp.zeros((logits.shape[0], v + 1), jnp.float32).at[rows, cols].add(t.bias_values)
+        logits = logits + bias[:, :v]
+    if t.token_bitmask.shape[1]:
+        idx = jnp.arange(v)
+        allowed = (t.token_bitmask[:, idx >> 5] >> (idx & 31)) & 1     # [S, V]
+        logits = jnp.where(allowed.astype(bool), logits, -jnp.inf)
+    return logits
+
+
+def _has_logit_controls(t: SamplingTensors) -> bool:
+    """Whether the step's tensors carry a bias or a bitmask (static: their widths)."""
+    return bool(t.bias_ids.shape[1] or t.token_bitmask.shape[1])
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -368,7 +459,8 @@ def _penalised(t: SamplingTensors) -> jax.Array:
 
 @jax.jit
 def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Penalties, min_tokens suppression, temperature, top-k, top-p and min-p.
+    """Logit bias and allowed tokens, penalties, min_tokens suppression, temperature, top-k,
+    top-p and min-p.
 
     Args:
       logits: [S, V] raw model logits (any float dtype; computed in f32).
@@ -379,8 +471,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
       scaled by 1 (their argmax is the greedy token). ``softmax`` of a row is the distribution
       the row samples from.
     """
-    logits = jax.lax.cond(_penalised(t), apply_penalties, lambda x, _: x,
-                          logits.astype(jnp.float32), t)
+    logits = apply_logit_controls(logits.astype(jnp.float32), t)
+    logits = jax.lax.cond(_penalised(t), apply_penalties, lambda x, _: x, logits, t)
     stop = _row_mask(t.stop_ids, logits.shape[1], t.stop_ids >= 0) > 0
     logits = jnp.where(t.suppress_stop[:, None] & stop, -jnp.inf, logits)
     temperature = jnp.where(t.temperature < GREEDY_TEMPERATURE_EPS, 1.0, t.temperature)
@@ -438,10 +530,11 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
 
         return first_argmax(jax.lax.cond(jnp.all(greedy), lambda p: p, with_noise, processed))
 
-    # Every row greedy with no penalty and no stop suppression: the filters keep each row's
-    # maximum (by value, ties included), so the token is the raw argmax, and none of the [S, V]
-    # passes of process_logits is needed.
-    plain = jnp.all(greedy) & ~_penalised(t) & ~jnp.any(t.suppress_stop)
+    # Every row greedy with no penalty, no stop suppression and no logit control: the filters
+    # keep each row's maximum (by value, ties included), so the token is the raw argmax, and
+    # none of the [S, V] passes of process_logits is needed.
+    plain = (jnp.all(greedy) & ~_penalised(t) & ~jnp.any(t.suppress_stop)
+             & (not _has_logit_controls(t)))
     tokens = jax.lax.cond(plain, lambda x: first, drawn, x).astype(jnp.int32)
     if not num_logprobs:         # the chosen token's raw logprob, without the [S, V] array
         chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top) - log_norm

@@ -23,7 +23,6 @@ _TOOLS = "tool calling is not implemented"
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one sequence is generated per choice (use n)"),
     "suffix": (("",), "insertion after a suffix is not implemented"),
-    "logit_bias": (({},), "logit biases are not implemented"),
     "prompt_logprobs": ((), "prompt logprobs are not computed"),
     "response_format": (({"type": "text"},), _STRUCTURED),
     "structured_outputs": ((), _STRUCTURED),
@@ -136,6 +135,8 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -167,7 +168,18 @@ class _SamplingRequest(_Strict):
                               ignore_eos=self.ignore_eos, logprobs=logprobs,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              **given)
+                              logit_bias=self._logit_bias(),
+                              allowed_token_ids=self.allowed_token_ids, **given)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids as JSON strings, as OpenAI sends them) as
+        ints; a key that is not one is a ``FieldError`` naming it."""
+        if self.logit_bias is None:
+            return None
+        bad = [k for k in self.logit_bias if not k.strip().isdigit()]
+        if bad:
+            raise FieldError("logit_bias", f"logit_bias: key {bad[0]!r} is not a token id")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.sample.sampler import (SamplingParams, SamplingTensors, pack_bitmask,
-                                  process_logits, sample)
+from jaxkv.sample.logit_controls import pack_bitmask
+from jaxkv.sample.sampler import SamplingParams, SamplingTensors, process_logits, sample
 
 V = 64
 

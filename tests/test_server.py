@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import jaxkv  # noqa: E402
 from jaxkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from jaxkv.sample.logit_controls import bad_words_token_ids  # noqa: E402
 from tiny_models import austen_text  # noqa: E402
 
 NAME = "tiny-served"
@@ -267,9 +268,9 @@ def test_completion_greedy_equals_llm_generate_token_for_token(client, offline, 
     assert got.text == want.text and got.finish_reason == "length"
 
 
-def test_logit_bias_and_allowed_token_ids_equal_the_engines(client, offline):
-    """OpenAI's ``logit_bias`` (token ids as string keys) and vLLM's ``allowed_token_ids`` on
-    both routes give the offline engine's tokens with the same controls."""
+def test_logit_bias_allowed_token_ids_and_bad_words_equal_the_engines(client, offline):
+    """OpenAI's ``logit_bias`` (token ids as string keys) and vLLM's ``allowed_token_ids`` and
+    ``bad_words`` give the offline engine's tokens with the same controls."""
     ids = offline.tokenizer.encode(" the and of to")
     bias = {ids[0]: -100, ids[1]: 8.5}
     want = offline_completion(offline, PROMPT, 12, logit_bias=bias)
@@ -280,6 +281,14 @@ def test_logit_bias_and_allowed_token_ids_equal_the_engines(client, offline):
     want = offline_chat(offline, MESSAGES, 8, allowed_token_ids=ids)
     got = chat(client, max_tokens=8, extra_body={"allowed_token_ids": ids}).choices[0]
     assert got.message.content == want.text and set(want.token_ids) <= set(ids)
+    plain = offline_completion(offline, PROMPT, 12)
+    words = [w for w in (offline.tokenizer.decode([t]).strip() for t in plain.token_ids)
+             if w.isalpha() and any(q[0] in plain.token_ids for q in bad_words_token_ids(
+                 offline.tokenizer, [w]))][:1]   # one whose tokens (vLLM's rule) it generates
+    plain = plain.text
+    want = offline_completion(offline, PROMPT, 12, bad_words=words)
+    got = complete(client, max_tokens=12, extra_body={"bad_words": words}).choices[0]
+    assert got.text == want.text != plain
 
 
 def test_chat_greedy_equals_llm_chat_token_for_token(client, offline):
@@ -596,6 +605,7 @@ BAD_COMPLETIONS = [
     ("logit_bias", dict(logit_bias={str(10 ** 6): 1})),
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": []})),
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [10 ** 6]})),
+    ("bad_words", dict(extra_body={"bad_words": [" "]})),
 ]
 
 

@@ -20,6 +20,7 @@ from jaxkv.config.checks import check_number, check_token_ids, check_type
 from jaxkv.engine.detokenize import IncrementalDetokenizer
 from jaxkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxkv.model.tokenizer import Tokenizer
+from jaxkv.sample import logit_controls
 from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams
 from jaxkv.sched.state import FINISH_STOP, Request, RequestState, StopSpec
 
@@ -199,6 +200,12 @@ class RequestTable:
         check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         check_token_ids("logit_bias", [i for i, _ in params.logit_bias or ()], self.vocab_size)
         check_token_ids("allowed_token_ids", params.allowed_token_ids or (), self.vocab_size)
+        if params.bad_words:   # vLLM's tokenization, kept with the params
+            params = dataclasses.replace(params, bad_words_token_ids=(
+                params.bad_words_token_ids
+                + logit_controls.bad_words_token_ids(self.tokenizer, params.bad_words)))
+        for i, seq in enumerate(params.bad_words_token_ids):
+            check_token_ids(f"bad_words_token_ids[{i}]", seq, self.vocab_size)
         priority = check_number("priority", priority, int)
         check_type("cache_salt", cache_salt, (str, type(None)), "None or a str")
         check_type("request_id", request_id, (str, int, np.integer, type(None)),

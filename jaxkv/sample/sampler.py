@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cpu_kernels
+from jaxkv.sample import logit_controls
 from jaxkv.config.checks import (BOOLS, ParamTypeError, check_number, check_token_ids,
                                  check_type)
 
@@ -77,6 +78,11 @@ class SamplingParams:
         ``(id, bias)`` pairs in id order. Logprobs stay the raw model's (vLLM's default).
       allowed_token_ids: sample only among these ids (a non-empty list / tuple of ints or a
         1-D integer array, stored as a sorted tuple without repeats); None: every token.
+      bad_words: words never to generate (vLLM's): the engine tokenizes each, alone and after
+        a space, into ``bad_words_token_ids``. Stored as a tuple of str.
+      bad_words_token_ids: token id sequences never to generate: the last id of one is banned
+        where the generated tokens end with the rest of it (vLLM's rule). Stored as a tuple of
+        tuples; the engine adds those of ``bad_words``.
     """
 
     n: int = 1
@@ -98,6 +104,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Mapping[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
 
     def __post_init__(self):
         """Checks every field (type first, then value) and stores it normalised: Python ints and
@@ -147,6 +155,20 @@ class SamplingParams:
             if not ids:
                 raise ValueError("allowed_token_ids=[] allows no token (None allows every one)")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(ids))))
+        words = () if self.bad_words is None else self.bad_words
+        check_type("bad_words", words, (list, tuple), "None or a list of str")
+        head = f"bad_words={reprlib.repr(words)}: bad_words"
+        object.__setattr__(self, "bad_words", tuple(
+            check_type(f"{head}[{i}]", w, (str,), "a str") for i, w in enumerate(words)))
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError(f"{head}: a word is empty or only spaces")
+        seqs = () if self.bad_words_token_ids is None else self.bad_words_token_ids
+        check_type("bad_words_token_ids", seqs, (list, tuple), "None or a list of id lists")
+        seqs = tuple(tuple(check_token_ids(f"bad_words_token_ids[{i}]", q))
+                     for i, q in enumerate(seqs))
+        if any(not q for q in seqs):
+            raise ValueError("bad_words_token_ids: a sequence is empty")
+        object.__setattr__(self, "bad_words_token_ids", tuple(dict.fromkeys(seqs)))
 
     @property
     def greedy(self) -> bool:
@@ -316,41 +338,9 @@ class SamplingTensors:
             stop_ids[r, :len(stops[r])] = stops[r]
         return cls(top_k=top_k, seed_keys=seed_keys, has_seed=has_seed, step=step,
                    history=history, prompt_lens=prompt_lens, suppress_stop=suppress,
-                   stop_ids=stop_ids, **_logit_controls(params, vocab_size, size), **t)
-
-
-def _logit_controls(params: Sequence[SamplingParams], vocab_size: int, size: int
-                    ) -> dict[str, np.ndarray]:
-    """``bias_ids``, ``bias_values`` and ``token_bitmask`` of ``SamplingTensors`` (``size``
-    rows; widths 0 when no row asks for them).
-
-    Raises:
-      ValueError: an id of ``logit_bias`` or ``allowed_token_ids`` >= ``vocab_size``.
-    """
-    for p in params:
-        ids = [i for i, _ in p.logit_bias or ()] + list(p.allowed_token_ids or ())
-        if any(i >= vocab_size for i in ids):
-            raise ValueError(f"logit_bias / allowed_token_ids: id {max(ids)} is outside "
-                             f"[0, vocab_size={vocab_size})")
-    most = max((len(p.logit_bias or ()) for p in params), default=0)
-    width = _bucket(most, 4) if most else 0
-    bias_ids = np.full((size, width), PAD_ID, np.int32)
-    bias_values = np.zeros((size, width), np.float32)
-    restricted = any(p.allowed_token_ids for p in params)
-    bitmask = np.full((size, -(-vocab_size // 32) if restricted else 0), -1, np.int32)
-    for r, p in enumerate(params):
-        for k, (i, b) in enumerate(p.logit_bias or ()):
-            bias_ids[r, k], bias_values[r, k] = i, b
-        if p.allowed_token_ids:
-            bitmask[r] = pack_bitmask(p.allowed_token_ids, vocab_size)
-    return dict(bias_ids=bias_ids, bias_values=bias_values, token_bitmask=bitmask)
-
-
-def pack_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    """int32 [ceil(V / 32)]: bit ``t & 31`` of word ``t >> 5`` set for each of ``token_ids``."""
-    bits = np.zeros(-(-vocab_size // 32) * 32, np.uint8)
-    bits[np.asarray(token_ids, np.int64)] = 1
-    return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view("<i4")[:, 0]
+                   stop_ids=stop_ids,
+                   **logit_controls.host_arrays(params, output_token_ids, vocab_size, size),
+                   **t)
 
 
 def _row_mask(ids: jax.Array, vocab_size: int, values: jax.Array) -> jax.Array:
@@ -359,27 +349,6 @@ def _row_mask(ids: jax.Array, vocab_size: int, values: jax.Array) -> jax.Array:
     cols = jnp.where(ids >= 0, ids, vocab_size)          # padding lands in a spare column V
     out = jnp.zeros((ids.shape[0], vocab_size + 1), jnp.int32)
     return out.at[rows, cols].add(values.astype(jnp.int32))[:, :vocab_size]
-
-
-def apply_logit_controls(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """f32 [S, V] ``logits`` plus each row's ``logit_bias``, tokens outside its bitmask at
-    ``-inf`` (each a no-op, traced away, when the step's tensors have width 0)."""
-    v = logits.shape[1]
-    if t.bias_ids.shape[1]:
-        rows = jnp.arange(logits.shape[0])[:, None]
-        cols = jnp.where(t.bias_ids >= 0, t.bias_ids, v)              # padding: a spare column
-        bias = jnp.zeros((logits.shape[0], v + 1), jnp.float32).at[rows, cols].add(t.bias_values)
-        logits = logits + bias[:, :v]
-    if t.token_bitmask.shape[1]:
-        idx = jnp.arange(v)
-        allowed = (t.token_bitmask[:, idx >> 5] >> (idx & 31)) & 1     # [S, V]
-        logits = jnp.where(allowed.astype(bool), logits, -jnp.inf)
-    return logits
-
-
-def _has_logit_controls(t: SamplingTensors) -> bool:
-    """Whether the step's tensors carry a bias or a bitmask (static: their widths)."""
-    return bool(t.bias_ids.shape[1] or t.token_bitmask.shape[1])
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -471,7 +440,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
       scaled by 1 (their argmax is the greedy token). ``softmax`` of a row is the distribution
       the row samples from.
     """
-    logits = apply_logit_controls(logits.astype(jnp.float32), t)
+    logits = logit_controls.apply(logits.astype(jnp.float32), t.bias_ids, t.bias_values,
+                                  t.token_bitmask)
     logits = jax.lax.cond(_penalised(t), apply_penalties, lambda x, _: x, logits, t)
     stop = _row_mask(t.stop_ids, logits.shape[1], t.stop_ids >= 0) > 0
     logits = jnp.where(t.suppress_stop[:, None] & stop, -jnp.inf, logits)
@@ -534,7 +504,7 @@ def sample(logits: jax.Array, t: SamplingTensors, rng: jax.Array, *,
     # keep each row's maximum (by value, ties included), so the token is the raw argmax, and
     # none of the [S, V] passes of process_logits is needed.
     plain = (jnp.all(greedy) & ~_penalised(t) & ~jnp.any(t.suppress_stop)
-             & (not _has_logit_controls(t)))
+             & (not logit_controls.present(t.bias_ids, t.token_bitmask)))
     tokens = jax.lax.cond(plain, lambda x: first, drawn, x).astype(jnp.int32)
     if not num_logprobs:         # the chosen token's raw logprob, without the [S, V] array
         chosen = (jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - top) - log_norm

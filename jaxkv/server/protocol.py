@@ -137,6 +137,7 @@ class _SamplingRequest(_Strict):
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -169,7 +170,8 @@ class _SamplingRequest(_Strict):
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias=self._logit_bias(),
-                              allowed_token_ids=self.allowed_token_ids, **given)
+                              allowed_token_ids=self.allowed_token_ids,
+                              bad_words=self.bad_words, **given)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as JSON strings, as OpenAI sends them) as

@@ -385,5 +385,5 @@ def test_samples_stay_inside_the_allowed_ids():
 
 
 def test_ids_outside_the_vocabulary_are_refused():
-    with pytest.raises(ValueError, match="logit_bias / allowed_token_ids: id 64"):
+    with pytest.raises(ValueError, match="allowed_token_ids / bad_words_token_ids: id 64"):
         _tensors([SamplingParams(allowed_token_ids=[1, 64])])

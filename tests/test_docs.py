@@ -15,6 +15,7 @@ from jaxkv.config import EngineConfig
 from jaxkv.config.engine import _argument_names
 from jaxkv.entrypoints.cli import build_parser
 from jaxkv.sample.sampler import SamplingParams
+from jaxkv.sample.structured import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -67,6 +68,7 @@ def test_every_path_exists(path):
 def test_every_keyword_is_an_argument_and_every_choice_is_accepted():
     engine = _argument_names()
     sampling = set(SamplingParams.__dataclass_fields__)
+    sampling |= set(StructuredOutputsParams.__dataclass_fields__)
     spans = re.findall(r"`([^`\n]+)`", README)
     documented = {}   # key -> the quoted values shown for it
     for span in spans:

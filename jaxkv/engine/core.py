@@ -5,6 +5,7 @@ Design notes: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 import types
@@ -18,6 +19,7 @@ from jaxkv.runner import huge_pages
 from jaxkv.runner.compile_cache import enable_compilation_cache
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.model_runner import ModelRunner, RowInput, StepOutput
+from jaxkv.sample import structured
 from jaxkv.sample.sampler import SamplingParams
 from jaxkv.sched import scheduler
 from jaxkv.sched.plan import StepPlan
@@ -221,7 +223,8 @@ class EngineCore:
             self._num_swapped += len(plan.swapped_ids)
             return outputs | self._collect()
         samples = self._table.samples
-        rows = _rows(state, plan, [samples[s.request_id].params for s in plan.seqs])
+        rows = _rows(state, plan, [samples[s.request_id].params for s in plan.seqs],
+                     [samples[s.request_id].matcher for s in plan.seqs])
         device_before = self.runner.device_time
         try:
             result = self.runner.execute(plan, rows)
@@ -513,10 +516,16 @@ class EngineCore:
             self._closed = True
 
 
-def _rows(state: SchedulerState, plan: StepPlan,
-          params: Sequence[SamplingParams]) -> list[RowInput]:
+def _rows(state: SchedulerState, plan: StepPlan, params: Sequence[SamplingParams],
+          matchers: Sequence[structured.Matcher | None] = ()) -> list[RowInput]:
     """The runner's per-row inputs of ``plan``: one ``SamplingParams`` per scheduled sequence,
-    with that sequence's prompt and generated tokens from ``state``."""
-    return [RowInput(p, state.requests[s.request_id].request.prompt_token_ids,
-                     state.requests[s.request_id].output_token_ids)
-            for s, p in zip(plan.seqs, params)]
+    with that sequence's prompt and generated tokens from ``state``, and where it samples
+    under a grammar (``matchers``: per sequence one, or None), the tokens the grammar allows
+    at each position (after each of its drafts)."""
+    rows = []
+    for s, p, m in itertools.zip_longest(plan.seqs, params, matchers[:len(plan.seqs)]):
+        masks = None if m is None or not s.sample else m.bitmasks(
+            s.token_ids[len(s.token_ids) - s.num_drafts:])
+        rows.append(RowInput(p, state.requests[s.request_id].request.prompt_token_ids,
+                             state.requests[s.request_id].output_token_ids, masks))
+    return rows

@@ -20,7 +20,7 @@ from jaxkv.config.checks import check_number, check_token_ids, check_type
 from jaxkv.engine.detokenize import IncrementalDetokenizer
 from jaxkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxkv.model.tokenizer import Tokenizer
-from jaxkv.sample import logit_controls
+from jaxkv.sample import logit_controls, structured
 from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams
 from jaxkv.sched.state import FINISH_STOP, Request, RequestState, StopSpec
 
@@ -37,6 +37,7 @@ class Sample:
     params: SamplingParams
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer
+    matcher: structured.Matcher | None = None   # where its structured output stands
 
     def append(self, token: int, logprob: float, top_ids: np.ndarray,
                top_vals: np.ndarray) -> bool:
@@ -50,8 +51,10 @@ class Sample:
           top_vals: [N] float32, their log-probabilities.
 
         Returns:
-          True if a stop string matched (see ``_apply_stop_strings``).
+          True if a stop string matched (see ``_apply_stop_strings``) or the structured
+          output's grammar ended.
         """
+        ended = self.matcher is not None and self.matcher.accept(token)
         comp = self.completion
         comp.token_ids.append(token)
         comp.cumulative_logprob += logprob
@@ -62,7 +65,7 @@ class Sample:
             comp.logprobs.append(entry)
         searched = len(self.detokenizer.text)
         self.detokenizer.update(comp.token_ids)
-        return self._apply_stop_strings(searched)
+        return self._apply_stop_strings(searched) or ended
 
     def _apply_stop_strings(self, searched: int) -> bool:
         """Sets the completion's text after new tokens, trimmed before the earliest stop string
@@ -144,6 +147,13 @@ class RequestTable:
         self.requests: dict[str, EngineRequest] = {}
         self.samples: dict[str, Sample] = {}
         self._ids = itertools.count()
+        self._grammars: structured.GrammarCompiler | None = None   # built on first use
+
+    def grammars(self) -> structured.GrammarCompiler:
+        """The structured-output compiler of this tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = structured.GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of one prompt.
@@ -206,6 +216,9 @@ class RequestTable:
                 + logit_controls.bad_words_token_ids(self.tokenizer, params.bad_words)))
         for i, seq in enumerate(params.bad_words_token_ids):
             check_token_ids(f"bad_words_token_ids[{i}]", seq, self.vocab_size)
+        spec = params.structured_outputs
+        if spec is not None:
+            self.grammars().compile(spec)   # a bad schema or grammar: ValueError naming it
         priority = check_number("priority", priority, int)
         check_type("cache_salt", cache_salt, (str, type(None)), "None or a str")
         check_type("request_id", request_id, (str, int, np.integer, type(None)),
@@ -226,7 +239,8 @@ class RequestTable:
             p = params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
             samples.append(Sample(rid, p, CompletionOutput(
                 index=i, logprobs=[] if params.logprobs is not None else None),
-                IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens)))
+                IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens),
+                None if spec is None else self.grammars().matcher(spec)))
             stop = StopSpec(max_tokens=p.max_tokens, min_tokens=p.min_tokens,
                                       stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
                                       eos_token_ids=self.tokenizer.eos_token_ids)

@@ -54,11 +54,14 @@ class RowInput:
       params: its sampling parameters.
       prompt_token_ids: its prompt (penalties read it).
       output_token_ids: its generated tokens so far (penalties and seeded rngs read them).
+      grammar_bitmasks: int32 [1 + drafts, ceil(V / 32)] the tokens its structured output
+        allows at each position it samples (``structured.Matcher.bitmasks``), or None.
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    grammar_bitmasks: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +163,11 @@ def verify_rows(plan: StepPlan, rows: Sequence[RowInput], width: int) -> list[Ro
     out = []
     for seq, row in zip(plan.seqs, rows):
         drafts = tuple(seq.token_ids[len(seq.token_ids) - seq.num_drafts:])
-        out += [dataclasses.replace(row, output_token_ids=(*row.output_token_ids, *drafts[:j]))
-                for j in range(width)]
+        masks = row.grammar_bitmasks
+        out += [dataclasses.replace(
+            row, output_token_ids=(*row.output_token_ids, *drafts[:j]),
+            grammar_bitmasks=None if masks is None else masks[min(j, len(masks) - 1):][:1])
+            for j in range(width)]
     return out
 
 
@@ -422,7 +428,9 @@ class ModelRunner:
             eos_token_ids=(self.tokenizer.eos_token_ids   # a draft's reduced head: columns,
                            if self.model_config.draft_vocab_size is None else ()),   # not ids
             pad_to=pad_to,
-            history_pad_to=1 << max(4, (self.sched_config.max_model_len - 1).bit_length()))
+            history_pad_to=1 << max(4, (self.sched_config.max_model_len - 1).bit_length()),
+            grammar_bitmasks=[None if r.grammar_bitmasks is None else r.grammar_bitmasks[0]
+                              for r in rows])
 
     def execute(self, plan: StepPlan, rows: Sequence[RowInput]) -> StepOutput:
         """Runs ``plan`` on the device: its block copies, then one jitted step.

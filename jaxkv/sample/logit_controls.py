@@ -15,11 +15,13 @@ import numpy as np
 
 
 def host_arrays(params: Sequence, output_token_ids: Sequence[Sequence[int]], vocab_size: int,
-                size: int) -> dict[str, np.ndarray]:
+                size: int, grammar_bitmasks: Sequence[np.ndarray | None] | None = None
+                ) -> dict[str, np.ndarray]:
     """``bias_ids`` int32 / ``bias_values`` f32 ``[size, B]`` (-1 / 0 padded; B a power of two
     >= 4, 0 when no row has a bias) and ``token_bitmask`` ``[size, ceil(V / 32)]`` (0 wide when
     no row restricts): a row allows its ``allowed_token_ids`` (else every token) less the bad
-    words' tokens its ``output_token_ids`` would complete.
+    words' tokens its ``output_token_ids`` would complete, and within its grammar's bitmask
+    (``grammar_bitmasks``: per row one, or None).
 
     Args:
       params: one ``SamplingParams`` per real row; rows past them are unconstrained padding.
@@ -38,13 +40,17 @@ def host_arrays(params: Sequence, output_token_ids: Sequence[Sequence[int]], voc
     width = 1 << max(2, (most - 1).bit_length()) if most else 0
     bias_ids = np.full((size, width), -1, np.int32)
     bias_values = np.zeros((size, width), np.float32)
-    restricted = any(p.allowed_token_ids or p.bad_words_token_ids for p in params)
+    grammar = list(grammar_bitmasks or ()) + [None] * (len(params) - len(grammar_bitmasks or ()))
+    restricted = any(p.allowed_token_ids or p.bad_words_token_ids for p in params) or any(
+        g is not None for g in grammar)
     bitmask = np.full((size, -(-vocab_size // 32) if restricted else 0), -1, np.int32)
     for r, p in enumerate(params):
         for k, (i, b) in enumerate(p.logit_bias or ()):
             bias_ids[r, k], bias_values[r, k] = i, b
         if p.allowed_token_ids:
             bitmask[r] = pack_bitmask(p.allowed_token_ids, vocab_size)
+        if grammar[r] is not None:
+            bitmask[r] &= grammar[r]
         for t in banned_tokens(p.bad_words_token_ids, output_token_ids[r]):
             bitmask.view(np.uint32)[r, t >> 5] &= ~np.uint32(1 << (t & 31))
     return dict(bias_ids=bias_ids, bias_values=bias_values, token_bitmask=bitmask)

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxkv import cpu_kernels
 from jaxkv.sample import logit_controls
+from jaxkv.sample.structured import StructuredOutputsParams
 from jaxkv.config.checks import (BOOLS, ParamTypeError, check_number, check_token_ids,
                                  check_type)
 
@@ -83,6 +84,9 @@ class SamplingParams:
       bad_words_token_ids: token id sequences never to generate: the last id of one is banned
         where the generated tokens end with the rest of it (vLLM's rule). Stored as a tuple of
         tuples; the engine adds those of ``bad_words``.
+      structured_outputs: a ``jaxkv.sample.structured.StructuredOutputsParams`` (JSON schema,
+        regex, choice or grammar) the output must follow; it ends (``finish_reason="stop"``)
+        when the grammar does.
     """
 
     n: int = 1
@@ -106,6 +110,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None
     bad_words: Sequence[str] | None = None
     bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         """Checks every field (type first, then value) and stores it normalised: Python ints and
@@ -169,6 +174,8 @@ class SamplingParams:
         if any(not q for q in seqs):
             raise ValueError("bad_words_token_ids: a sequence is empty")
         object.__setattr__(self, "bad_words_token_ids", tuple(dict.fromkeys(seqs)))
+        check_type("structured_outputs", self.structured_outputs,
+                   (StructuredOutputsParams, type(None)), "None or a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
@@ -252,8 +259,9 @@ class SamplingTensors:
                     prompt_token_ids: Sequence[Sequence[int]],
                     output_token_ids: Sequence[Sequence[int]],
                     eos_token_ids: Sequence[int] = (), pad_to: int | None = None,
-                    history_pad_to: int | None = None,
-                    stop_pad_to: int | None = None) -> SamplingTensors:
+                    history_pad_to: int | None = None, stop_pad_to: int | None = None,
+                    grammar_bitmasks: Sequence[np.ndarray | None] | None = None
+                    ) -> SamplingTensors:
         """Builds the numpy arrays of one step on the host.
 
         Args:
@@ -267,6 +275,8 @@ class SamplingTensors:
             smallest power of two >= 16 that holds the longest prompt + output).
           stop_pad_to: width ``K`` of ``stop_ids`` (default: the smallest power of two >= 4 that
             holds the most stop ids of a row).
+          grammar_bitmasks: per row, the int32 [ceil(V / 32)] tokens its structured output
+            allows at this position, or None (``jaxkv.sample.structured.Matcher.bitmasks``).
 
         Returns:
           SamplingTensors of numpy arrays; ``jax.device_put`` or pass them to a jitted step.
@@ -339,7 +349,8 @@ class SamplingTensors:
         return cls(top_k=top_k, seed_keys=seed_keys, has_seed=has_seed, step=step,
                    history=history, prompt_lens=prompt_lens, suppress_stop=suppress,
                    stop_ids=stop_ids,
-                   **logit_controls.host_arrays(params, output_token_ids, vocab_size, size),
+                   **logit_controls.host_arrays(params, output_token_ids, vocab_size, size,
+                                                 grammar_bitmasks),
                    **t)
 
 

@@ -11,6 +11,7 @@ of a draining server and of a shut-down engine.
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -289,6 +290,37 @@ def test_logit_bias_allowed_token_ids_and_bad_words_equal_the_engines(client, of
     want = offline_completion(offline, PROMPT, 12, bad_words=words)
     got = complete(client, max_tokens=12, extra_body={"bad_words": words}).choices[0]
     assert got.text == want.text != plain
+
+
+COLOR = {"type": "string", "enum": ["red", "green", "blue"]}
+POINT = {"type": "object", "additionalProperties": False, "required": ["x", "ok"],
+         "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
+                        "ok": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_structured_outputs_on_both_routes(client, kind):
+    """OpenAI's ``response_format`` json_schema (a root enum: a random model under "any
+    whitespace" may pad an object's whitespace until max_tokens) and vLLM's
+    ``structured_outputs`` body (json without whitespace, regex, choice), sampled, n=2."""
+    create, text = ((complete, lambda c: c.text) if kind == "completions"
+                    else (chat, lambda c: c.message.content))
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": COLOR}}
+    extra = {"ignore_eos": False}   # the openai client's completions take it in the body
+    fmt_kw = (dict(response_format=fmt, extra_body=extra) if kind == "chat"
+              else dict(extra_body={**extra, "response_format": fmt}))
+    r = create(client, max_tokens=16, temperature=0.9, n=2, seed=3, **fmt_kw)
+    assert all(json.loads(text(c)) in COLOR["enum"] and c.finish_reason == "stop"
+               for c in r.choices)
+    for body, valid in (
+            ({"json": POINT, "disable_any_whitespace": True},
+             lambda t: set(json.loads(t)) == {"x", "ok"}),
+            ({"regex": r"(19|20)\d\d-[01]\d-[0-3]\d"},
+             lambda t: re.fullmatch(r"(19|20)\d\d-[01]\d-[0-3]\d", t)),
+            ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no"))):
+        r = create(client, max_tokens=32, temperature=0.9, n=2, seed=3,
+                   extra_body={"structured_outputs": body, "ignore_eos": False})
+        assert all(valid(text(c)) and c.finish_reason == "stop" for c in r.choices), body
 
 
 def test_chat_greedy_equals_llm_chat_token_for_token(client, offline):
@@ -606,6 +638,15 @@ BAD_COMPLETIONS = [
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": []})),
     ("allowed_token_ids", dict(extra_body={"allowed_token_ids": [10 ** 6]})),
     ("bad_words", dict(extra_body={"bad_words": [" "]})),
+    ("response_format", dict(extra_body={"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}})),
+    ("response_format", dict(extra_body={"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}})),
+    ("structured_outputs", dict(extra_body={"structured_outputs": {"regex": "(a"}})),
+    ("structured_outputs", dict(extra_body={"structured_outputs": {"choice": []}})),
+    ("structured_outputs", dict(extra_body={"structured_outputs": {"regexp": "a"}})),
+    ("structured_outputs", dict(extra_body={"response_format": {"type": "json_object"},
+                                            "structured_outputs": {"regex": "a"}})),
 ]
 
 
@@ -680,7 +721,6 @@ def test_malformed_json_is_400_with_its_position_and_no_param(http):
 UNSUPPORTED = [
     ("completions", "best_of", 2),
     ("completions", "suffix", " the end"),
-    ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "auto"),
     ("chat", "guided_json", {"type": "object"}),

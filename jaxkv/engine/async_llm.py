@@ -89,6 +89,9 @@ class AsyncLLM:
 
     def _add(self, loop, queue, prompt, sampling_params, request_id, priority,
              cache_salt) -> str:
+        spec = getattr(sampling_params, "structured_outputs", None)
+        if spec is not None:   # compiled here, not under the lock the engine loop steps in
+            self.engine.compile_structured_outputs(spec)
         with self._wake:
             self._check_alive()
             rid = self.engine.add_request(prompt, sampling_params, request_id=request_id,

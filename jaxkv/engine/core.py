@@ -143,6 +143,15 @@ class EngineCore:
         self._table.add(new)
         return [req.request_id for req, _ in new]
 
+    def compile_structured_outputs(self, spec: structured.StructuredOutputsParams) -> None:
+        """Compiles ``spec`` into the grammar cache (thread-safe; ``AsyncLLM`` does it in the
+        caller's thread, so ``add_request`` under the engine lock only finds it).
+
+        Raises:
+          ValueError: it cannot be compiled, naming ``structured_outputs.<kind>``.
+        """
+        self._table.grammars().compile(spec)
+
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> str:

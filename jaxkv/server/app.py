@@ -111,6 +111,15 @@ class Server:
                       for p in tokenized]
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
+        spec = params[0].structured_outputs if params else None
+        if spec is not None:   # compiled in a worker thread: the loop and the engine go on
+            try:
+                await asyncio.to_thread(self.core.compile_structured_outputs, spec)
+            except ValueError as e:
+                field = req.constraint_field
+                message = str(e) if field == "structured_outputs" else str(e).replace(
+                    "structured_outputs.json", "response_format.json_schema.schema")
+                raise bad_request(protocol.FieldError(field, message)) from None
         streams: list[AsyncRequestStream] = []
         try:
             for prompt, p in zip(tokenized, params):

@@ -12,24 +12,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.sample.sampler import SamplingParams
+from jaxkv.sample.structured import StructuredOutputsParams
 
 # OpenAI caps top_logprobs at 20; so does the engine (jaxkv.sample.sampler.MAX_LOGPROBS).
 MAX_TOP_LOGPROBS = 20
 
 
-_STRUCTURED = "structured outputs are not implemented"
+_GUIDED = "vLLM's older name: use structured_outputs"
 _TOOLS = "tool calling is not implemented"
 # Fields jaxkv does not implement: (the values that ask for nothing, why it is refused).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one sequence is generated per choice (use n)"),
     "suffix": (("",), "insertion after a suffix is not implemented"),
     "prompt_logprobs": ((), "prompt logprobs are not computed"),
-    "response_format": (({"type": "text"},), _STRUCTURED),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
+    "guided_json": ((), _GUIDED),
+    "guided_regex": ((), _GUIDED),
+    "guided_choice": ((), _GUIDED),
+    "guided_grammar": ((), _GUIDED),
     "tools": (([],), _TOOLS),
     "tool_choice": (("none",), _TOOLS),
     "functions": (([],), _TOOLS),
@@ -138,6 +137,8 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -171,7 +172,35 @@ class _SamplingRequest(_Strict):
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias=self._logit_bias(),
                               allowed_token_ids=self.allowed_token_ids,
-                              bad_words=self.bad_words, **given)
+                              bad_words=self.bad_words,
+                              structured_outputs=self._structured_outputs(), **given)
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of ``response_format`` (OpenAI's ``json_object`` / ``json_schema``;
+        ``text`` asks for none) or vLLM's ``structured_outputs`` body (its field names).
+
+        Raises:
+          FieldError: naming the field that is malformed, or both given.
+        """
+        fmt, extra = self.response_format, self.structured_outputs
+        if fmt is not None and extra is not None:
+            raise FieldError("structured_outputs", "give response_format or "
+                                                   "structured_outputs, not both")
+        if extra is not None:
+            try:
+                return StructuredOutputsParams(**extra)
+            except TypeError as e:   # an unknown key
+                raise FieldError("structured_outputs", f"structured_outputs: {e}") from None
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if fmt.get("type") != "json_schema" or not isinstance(schema, dict):
+            raise FieldError("response_format", "response_format: give {\"type\": \"text\"}, "
+                             "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                             "\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return StructuredOutputsParams(json=schema)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as JSON strings, as OpenAI sends them) as
@@ -182,6 +211,11 @@ class _SamplingRequest(_Strict):
         if bad:
             raise FieldError("logit_bias", f"logit_bias: key {bad[0]!r} is not a token id")
         return {int(k): v for k, v in self.logit_bias.items()}
+
+    @property
+    def constraint_field(self) -> str:
+        """The field a structured-output constraint came from, for a 400 naming it."""
+        return "response_format" if self.response_format is not None else "structured_outputs"
 
     @property
     def include_usage(self) -> bool:

@@ -129,3 +129,75 @@ def test_uncompilable_specs_are_refused_before_queueing(llm, spec, field):
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert _generate(llm, Spec(choice=CHOICES), n=1)[0].text in CHOICES   # still serving
+
+
+# ------------------------------------------------- the default model behind `jaxkv serve`
+
+REAL_FLAGS = ("--max-model-len", "1024", "--num-kv-blocks", "1200", "--block-size", "16",
+              "--max-num-batched-tokens", "512", "--token-buckets", "64", "512",
+              "--seq-buckets", "16")
+
+
+def _schemas():
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+        city: Literal["London", "Paris", "Bath", "Highbury"]
+
+    class Item(BaseModel):
+        title: str = Field(max_length=30)
+        tags: list[Literal["book", "music", "film", "art"]] = Field(min_length=1, max_length=3)
+
+    class Order(BaseModel):
+        customer: Person
+        items: list[Item] = Field(min_length=1, max_length=2)
+        note: str | None = Field(default=None, max_length=30)   # anyOf: string or null
+        code: int | Literal["none"] = 0                          # anyOf: integer or enum
+
+    return Person, Item, Order
+
+
+@pytest.mark.slow
+def test_openai_parse_regex_and_choice_against_the_default_model(tmp_path):
+    """The official client's ``chat.completions.parse`` with three pydantic models (nested
+    objects, arrays with minItems, enums, anyOf) at temperature 0.7 against a live ``jaxkv
+    serve`` of the default model: 50 prompts each, 16 at a time, every one parsed; dates,
+    e-mails and a choice list 100% matching."""
+    import concurrent.futures
+
+    from test_server import NAME, LiveServer
+
+    openai = pytest.importorskip("openai")
+    live = LiveServer("SmolLM2-135M-Instruct", tmp_path / "server.log", *REAL_FLAGS)
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0)
+
+        def ask(model, i):
+            r = client.chat.completions.parse(
+                model=NAME, temperature=0.7, seed=i, max_tokens=256, response_format=model,
+                messages=[{"role": "user", "content": f"Describe {model.__name__} number {i} "
+                                                      f"from Emma by Jane Austen as JSON."}])
+            return r.choices[0].message.parsed
+
+        def constrained(body, i):
+            r = client.chat.completions.create(
+                model=NAME, temperature=0.7, seed=i, max_tokens=48,
+                messages=[{"role": "user", "content": f"Answer {i}."}],
+                extra_body={"structured_outputs": body})
+            return r.choices[0].message.content
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            for model in _schemas():
+                parsed = list(pool.map(lambda i, m=model: ask(m, i), range(50)))
+                assert all(isinstance(p, model) for p in parsed), model.__name__
+            for body, ok in ((dict(regex=DATE), lambda t: re.fullmatch(DATE, t)),
+                             (dict(regex=EMAIL), lambda t: re.fullmatch(EMAIL, t)),
+                             (dict(choice=CHOICES), lambda t: t in CHOICES)):
+                texts = list(pool.map(lambda i, b=body: constrained(b, i), range(20)))
+                assert all(ok(t) for t in texts), (body, texts)
+    finally:
+        live.stop()

@@ -16,10 +16,12 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def llms(tiny):
-    """{speculative: LLM} over the tiny Llama: plain, and with n-gram drafts."""
+    """{speculative: LLM} over the tiny Llama: plain, and with n-gram drafts (not adaptive:
+    every match is proposed, whatever the acceptance of earlier tests)."""
     path, _ = tiny
     out = {False: LLM(str(path), **TINY_ENGINE),
-           True: LLM(str(path), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=3)}
+           True: LLM(str(path), **TINY_ENGINE, speculative="ngram", num_speculative_tokens=3,
+                     speculative_adaptive=False)}
     yield out
     for llm in out.values():
         llm.close()

@@ -85,7 +85,8 @@ def test_greedy_is_identical_with_ngram_speculation_and_after_preemption(tiny, l
     spec = Spec(json=PERSON, disable_any_whitespace=True)
     want = [c.text for c in _generate(llm, spec, n=1, temperature=0)]
     kw = dict(TINY_ENGINE)
-    with LLM(str(tiny[0]), **kw, speculative="ngram", num_speculative_tokens=3) as spec_llm:
+    with LLM(str(tiny[0]), **kw, speculative="ngram", num_speculative_tokens=3,
+             speculative_adaptive=False) as spec_llm:
         assert [c.text for c in _generate(spec_llm, spec, n=1, temperature=0)] == want
         assert spec_llm.stats()["spec_num_draft_tokens"] > 0
     with LLM(str(tiny[0]), **{**kw, "num_kv_blocks": 14, "max_model_len": 96}) as small:

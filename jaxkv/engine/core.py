@@ -5,7 +5,6 @@ Design notes: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 import types
@@ -532,7 +531,7 @@ def _rows(state: SchedulerState, plan: StepPlan, params: Sequence[SamplingParams
     under a grammar (``matchers``: per sequence one, or None), the tokens the grammar allows
     at each position (after each of its drafts)."""
     rows = []
-    for s, p, m in itertools.zip_longest(plan.seqs, params, matchers[:len(plan.seqs)]):
+    for s, p, m in zip(plan.seqs, params, matchers or [None] * len(plan.seqs)):
         masks = None if m is None or not s.sample else m.bitmasks(
             s.token_ids[len(s.token_ids) - s.num_drafts:])
         rows.append(RowInput(p, state.requests[s.request_id].request.prompt_token_ids,

@@ -40,7 +40,7 @@ def host_arrays(params: Sequence, output_token_ids: Sequence[Sequence[int]], voc
     width = 1 << max(2, (most - 1).bit_length()) if most else 0
     bias_ids = np.full((size, width), -1, np.int32)
     bias_values = np.zeros((size, width), np.float32)
-    grammar = list(grammar_bitmasks or ()) + [None] * (len(params) - len(grammar_bitmasks or ()))
+    grammar = grammar_bitmasks or [None] * len(params)
     restricted = any(p.allowed_token_ids or p.bad_words_token_ids for p in params) or any(
         g is not None for g in grammar)
     bitmask = np.full((size, -(-vocab_size // 32) if restricted else 0), -1, np.int32)

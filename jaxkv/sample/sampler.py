@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import cpu_kernels
-from jaxkv.sample import logit_controls
-from jaxkv.sample.structured import StructuredOutputsParams
 from jaxkv.config.checks import (BOOLS, ParamTypeError, check_number, check_token_ids,
                                  check_type)
+from jaxkv.sample import logit_controls
+from jaxkv.sample.structured import StructuredOutputsParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -142,7 +142,8 @@ class SamplingParams:
         self._check_logit_controls()
 
     def _check_logit_controls(self) -> None:
-        """Checks and normalises ``logit_bias`` and ``allowed_token_ids`` (see the class)."""
+        """Checks and normalises ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
+        ``bad_words_token_ids`` and ``structured_outputs`` (see the class)."""
         if self.logit_bias is not None:
             bias = check_type("logit_bias", self.logit_bias, (Mapping, tuple, list),
                               "None or a dict of token id -> bias")

@@ -118,10 +118,15 @@ def keyed(tiny, tmp_path_factory):
     live.stop()
 
 
+def openai_client(live: LiveServer) -> "openai.OpenAI":
+    """The official client of a live server, without retries."""
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                       timeout=120) as c:
+    with openai_client(server) as c:
         yield c
 
 
@@ -721,8 +726,8 @@ def test_malformed_json_is_400_with_its_position_and_no_param(http):
 UNSUPPORTED = [
     ("completions", "best_of", 2),
     ("completions", "suffix", " the end"),
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("chat", "tool_choice", "auto"),
+    ("chat", "functions", [{"name": "f", "parameters": {}}]),
+    ("chat", "function_call", "auto"),
     ("chat", "guided_json", {"type": "object"}),
 ]
 
@@ -751,6 +756,16 @@ def test_unknown_field_is_400_naming_it(http, kind, body, field):
     error = r.json()["error"]
     assert error["param"] == field, error
     assert error["message"] == f"Unrecognized request argument supplied: {field}"
+
+
+def test_auto_tool_choice_needs_a_tool_call_parser(client):
+    """Tools default to tool_choice "auto", which this server (no --tool-call-parser) cannot
+    read: a 400 naming tool_choice and the flag (tests/test_tool_calls.py has a server with
+    one)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, max_tokens=2, tools=[{"type": "function", "function": {"name": "f"}}])
+    _assert_openai_error(e.value, 400, "--tool-call-parser")
+    assert e.value.response.json()["error"]["param"] == "tool_choice"
 
 
 def test_fields_that_ask_for_nothing_are_accepted(client):

@@ -12,6 +12,7 @@ import time
 
 from jaxkv.config import EngineConfig
 from jaxkv.config.options import parse_bytes
+from jaxkv.server.tool_calls import PARSERS
 
 BENCH_MIN_PROMPT_LEN = 32   # bench's default shortest prompt and output, in tokens
 BENCH_MIN_OUTPUT_LEN = 16
@@ -194,10 +195,12 @@ def cmd_serve(a) -> int:
     if a.coordinator_address or a.num_processes:
         raise ValueError("serve runs one engine in one process; multi-host serving is not "
                          "supported")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     return serve(EngineConfig.from_cli(a), host=a.host, port=a.port,
                  served_model_name=a.served_model_name, api_key=a.api_key,
                  shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
-                 log_level=a.log_level)
+                 log_level=a.log_level, tool_call_parser=a.tool_call_parser)
 
 
 def cmd_plan(a) -> int:
@@ -323,6 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "gets 413, refused from its Content-Length before it is read")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                   help="the format the model writes tool calls in, read for "
+                        "tool_choice=\"auto\" (smollm2: the default model's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, accepted: tool_choice=\"auto\" works whenever "
+                        "--tool-call-parser is given")
     s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")

@@ -23,7 +23,7 @@ from jaxkv.config import EngineConfig
 from jaxkv.config.checks import check_token_ids
 from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
 from jaxkv.engine.outputs import RequestOutput
-from jaxkv.server import protocol
+from jaxkv.server import protocol, tool_calls, tools
 from jaxkv.server.gate import DEFAULT_MAX_BODY, Gate
 from jaxkv.server.metrics import ServerMetrics
 from jaxkv.server.prompts import PromptTokenizer
@@ -56,15 +56,23 @@ class Server:
     Args:
       engine: the ``AsyncLLM`` (the server shuts it down on exit).
       served_model_name: the ``model`` clients send and ``/v1/models`` lists.
+      tool_call_parser: the format ``tool_choice="auto"`` reads calls in
+        (``tool_calls.PARSERS``; None: ``auto`` is refused).
     """
 
-    def __init__(self, engine: AsyncLLM, served_model_name: str):
+    def __init__(self, engine: AsyncLLM, served_model_name: str,
+                 tool_call_parser: str | None = None):
         self.engine = engine
         self.core = engine.engine
         self.name = served_model_name
         self.max_model_len = self.core.sched_config.max_model_len
         self.metrics = ServerMetrics(served_model_name, engine.stats_now)
         self.prompts = PromptTokenizer(self.core.tokenizer, self.max_model_len)
+        if tool_call_parser is not None and tool_call_parser not in tool_calls.PARSERS:
+            raise ValueError(f"--tool-call-parser {tool_call_parser}: choose one of "
+                             f"{', '.join(tool_calls.PARSERS)}")
+        self.tool_parser = tool_call_parser
+        self.renders_tools = tools.template_renders_tools(self.core.tokenizer.chat_template)
 
     # ------------------------------------------------------------------ requests
 
@@ -100,14 +108,16 @@ class Server:
             raise APIError(503, str(e), "ServiceUnavailableError") from None
 
     async def add_all(self, prompts: list, req: protocol._SamplingRequest, *,
-                      max_tokens: int | None, logprobs: int | None
-                      ) -> list[AsyncRequestStream]:
+                      max_tokens: int | None, logprobs: int | None,
+                      tool_plan: tools.ToolPlan | None = None) -> list[AsyncRequestStream]:
         """Queues every prompt of a request, or none: all are tokenized and checked first, and
         an engine's refusal of a later one aborts the earlier."""
+        constraint = tool_plan.constraint if tool_plan else None
         try:
             tokenized = [await self.tokenize(p) for p in prompts]
             params = [req.sampling_params(len(p["prompt_token_ids"]), self.max_model_len,
-                                          max_tokens=max_tokens, logprobs=logprobs)
+                                          max_tokens=max_tokens, logprobs=logprobs,
+                                          constraint=constraint)
                       for p in tokenized]
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
@@ -116,9 +126,10 @@ class Server:
             try:
                 await asyncio.to_thread(self.core.compile_structured_outputs, spec)
             except ValueError as e:
-                field = req.constraint_field
+                field = "tools" if constraint is not None else req.constraint_field
                 message = str(e) if field == "structured_outputs" else str(e).replace(
-                    "structured_outputs.json", "response_format.json_schema.schema")
+                    "structured_outputs.json", "tools[].function.parameters" if constraint
+                    else "response_format.json_schema.schema")
                 raise bad_request(protocol.FieldError(field, message)) from None
         streams: list[AsyncRequestStream] = []
         try:
@@ -219,18 +230,34 @@ async def _merged(server: Server, streams: list[AsyncRequestStream]
 class _ChoiceCursor:
     """What of one choice has been sent: text characters and tokens."""
 
-    def __init__(self):
+    def __init__(self, tool_parser=None):
         self.text = 0
         self.tokens = 0
         self.started = False
         self.done = False
+        self.calls = None if tool_parser is None else tool_calls.CallStream(tool_parser)
+
+    def chat_delta(self, c, text: str) -> dict:
+        """The chat delta of a step's new ``text`` (with tools: the content and calls it
+        settles)."""
+        if self.calls is not None:
+            delta = self.calls.delta(c.text, c.finished)
+        else:
+            delta = {"content": text} if text or not self.started else {}
+        return delta if self.started else {"role": "assistant", **delta}
+
+    def finish_reason(self, c) -> str | None:
+        return tool_calls.finish_reason(c.finish_reason,
+                                        self.calls is not None and self.calls.has_calls)
 
 
 async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, kind: str,
                          request_id: str, include_usage: bool, n: int,
                          fmt: protocol.LogprobFormatter | None,
-                         echo_texts: list[str] | None = None) -> AsyncIterator[str]:
-    """The SSE events of a streamed (chat) completion: one chunk per step per choice."""
+                         echo_texts: list[str] | None = None,
+                         tool_parser=None) -> AsyncIterator[str]:
+    """The SSE events of a streamed (chat) completion: one chunk per step per choice (with a
+    ``tool_parser``, its content and calls as deltas)."""
     created = int(time.time())
     cursors: dict[int, _ChoiceCursor] = {}
     prompt_tokens: dict[int, int] = {}
@@ -241,16 +268,14 @@ async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, k
             choices = []
             for c in out.outputs:
                 index = p * n + c.index
-                cur = cursors.setdefault(index, _ChoiceCursor())
+                cur = cursors.setdefault(index, _ChoiceCursor(tool_parser))
                 completion_tokens[index] = len(c.token_ids)
                 text, tokens = c.text[cur.text:], c.token_ids[cur.tokens:]
                 entries = (c.logprobs or [])[cur.tokens:]
                 if cur.done or not (text or tokens or c.finished or not cur.started):
                     continue
                 if kind == "chat":
-                    delta = {"role": "assistant", "content": text} if not cur.started else (
-                        {"content": text} if text else {})
-                    choice = {"index": index, "delta": delta,
+                    choice = {"index": index, "delta": cur.chat_delta(c, text),
                               "logprobs": fmt.chat(tokens, entries) if fmt and tokens else None}
                 else:
                     prefix = echo_texts[p] if echo_texts and not cur.started else ""
@@ -262,7 +287,7 @@ async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, k
                 cur.tokens += len(tokens)
                 if c.finished:
                     cur.done = True
-                    choice |= {"finish_reason": protocol.finish_reason(c),
+                    choice |= {"finish_reason": cur.finish_reason(c),
                                "stop_reason": c.stop_reason}
                     if out.error:
                         yield _sse(protocol.error_body(out.error, "InternalServerError", 500))
@@ -282,7 +307,8 @@ async def _stream_events(server: Server, streams: list[AsyncRequestStream], *, k
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None,
-              model_path: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY) -> Gate:
+              model_path: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY,
+              tool_call_parser: str | None = None) -> Gate:
     """The ASGI app over ``engine`` (module docstring): a ``Gate`` in front of the FastAPI app
     (``gate.app``, its ``Server`` at ``gate.app.state.server``); it shuts the engine down on exit.
 
@@ -292,8 +318,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
       api_key: the bearer token the API routes require (None: none).
       model_path: shown as ``root`` in ``/v1/models``.
       max_request_bytes: the largest request body accepted (413 above).
+      tool_call_parser: the format ``tool_choice="auto"`` reads calls in (None: refused).
     """
-    server = Server(engine, served_model_name)
+    server = Server(engine, served_model_name, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -417,24 +444,28 @@ def _add_generation_routes(app: FastAPI, server: Server) -> None:
         server.check(req)
         try:
             num_logprobs = req.num_logprobs()
-            messages = [m.as_dict() for m in req.messages]
+            tool_plan = tools.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                   server.tool_parser)
+            messages, variables = tools.render(tool_plan, [m.as_dict() for m in req.messages],
+                                               server.renders_tools, server.tool_parser)
             prompt = await asyncio.to_thread(server.prompts.chat, messages,
-                                             req.add_generation_prompt)
+                                             req.add_generation_prompt, **variables)
         except (TypeError, ValueError) as e:
             raise bad_request(e) from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         streams = await server.add_all([prompt], req, max_tokens=max_tokens,
-                                       logprobs=num_logprobs)
+                                       logprobs=num_logprobs, tool_plan=tool_plan)
         fmt = (None if num_logprobs is None
                else protocol.LogprobFormatter(server.core.tokenizer, num_logprobs))
+        parser = tool_plan.parser if tool_plan else None
         rid = protocol.new_id("chatcmpl")
         if req.stream:
             return StreamingResponse(_stream_events(
                 server, streams, kind="chat", request_id=rid, include_usage=req.include_usage,
-                n=req.n, fmt=fmt), media_type="text/event-stream")
+                n=req.n, fmt=fmt, tool_parser=parser), media_type="text/event-stream")
         outs = await server.final(request, streams)
-        return protocol.chat_body(rid, server.name, outs[0], fmt)
+        return protocol.chat_body(rid, server.name, outs[0], fmt, parser)
 
 
 def _prompt_text(server: Server, prompt) -> str:
@@ -503,7 +534,7 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None,
           shutdown_timeout: float = 30.0, max_request_bytes: int = DEFAULT_MAX_BODY,
-          log_level: str = "info") -> int:
+          log_level: str = "info", tool_call_parser: str | None = None) -> int:
     """Starts the engine and serves it until SIGTERM / SIGINT; returns the exit status 0.
 
     Args:
@@ -514,6 +545,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
       shutdown_timeout: seconds in-flight requests may take to finish after SIGTERM.
       max_request_bytes: the largest request body accepted (413 above).
       log_level: uvicorn's log level.
+      tool_call_parser: the format ``tool_choice="auto"`` reads calls in
+        (``tool_calls.PARSERS``; None: ``auto`` is refused).
 
     Raises:
       TypeError, ValueError: a bad engine argument, or an address that cannot be bound
@@ -527,7 +560,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
         raise
     app = build_app(engine, served_model_name=served_model_name or config.model.model,
                     api_key=api_key, model_path=str(engine.engine.runner.model_path),
-                    max_request_bytes=max_request_bytes)
+                    max_request_bytes=max_request_bytes, tool_call_parser=tool_call_parser)
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=_AFTER_DRAIN_S),
                              app, engine, shutdown_timeout)

@@ -93,12 +93,13 @@ class PromptTokenizer:
         self.check_length(len(ids))
         return {"prompt": text, "prompt_token_ids": ids}
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> dict:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+             **variables) -> dict:
         """``prompt`` of a conversation rendered with the chat template (which writes the
-        special tokens itself).
+        special tokens itself); ``variables``: the template's others (``tools``).
 
         Raises:
           ValueError: a template error, or a prompt too long for max_model_len.
         """
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **variables)
         return self.prompt(text, add_special_tokens=False)

@@ -13,13 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.sample.sampler import SamplingParams
 from jaxkv.sample.structured import StructuredOutputsParams
+from jaxkv.server import tool_calls
 
 # OpenAI caps top_logprobs at 20; so does the engine (jaxkv.sample.sampler.MAX_LOGPROBS).
 MAX_TOP_LOGPROBS = 20
 
 
 _GUIDED = "vLLM's older name: use structured_outputs"
-_TOOLS = "tool calling is not implemented"
+_FUNCTIONS = "OpenAI's older name: use tools / tool_choice"
 # Fields jaxkv does not implement: (the values that ask for nothing, why it is refused).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one sequence is generated per choice (use n)"),
@@ -29,14 +30,12 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "guided_regex": ((), _GUIDED),
     "guided_choice": ((), _GUIDED),
     "guided_grammar": ((), _GUIDED),
-    "tools": (([],), _TOOLS),
-    "tool_choice": (("none",), _TOOLS),
-    "functions": (([],), _TOOLS),
-    "function_call": (("none",), _TOOLS),
+    "functions": (([],), _FUNCTIONS),
+    "function_call": (("none",), _FUNCTIONS),
 }
 # OpenAI fields that cannot change the output: accepted and dropped.
-IGNORED = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls",
-                     "prompt_cache_key", "safety_identifier"})
+IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key",
+                     "safety_identifier"})
 
 
 class FieldError(ValueError):
@@ -152,12 +151,15 @@ class _SamplingRequest(_Strict):
                                              (v is None or v in UNSUPPORTED[k][0]))}
 
     def sampling_params(self, prompt_len: int, max_model_len: int, *, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's ``SamplingParams``; without ``max_tokens`` the rest of the context
         (vLLM's default), at least 1 so an over-long prompt gets the length error.
+        ``constraint``: the grammar of the request's tool calls (jaxkv/server/tools.py).
 
         Raises:
-          TypeError, ValueError: a field out of range, named (from ``SamplingParams``).
+          TypeError, ValueError: a field out of range, named (from ``SamplingParams``); a tool
+            constraint with response_format / structured_outputs.
         """
         if max_tokens is None:
             max_tokens = max(1, max_model_len - prompt_len)
@@ -173,7 +175,15 @@ class _SamplingRequest(_Strict):
                               logit_bias=self._logit_bias(),
                               allowed_token_ids=self.allowed_token_ids,
                               bad_words=self.bad_words,
-                              structured_outputs=self._structured_outputs(), **given)
+                              structured_outputs=self._constraint(constraint), **given)
+
+    def _constraint(self, tools: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """The grammar of the tool calls, or of ``response_format`` / ``structured_outputs``."""
+        own = self._structured_outputs()
+        if tools is not None and own is not None:
+            raise FieldError("tool_choice", "tool_choice \"required\" or a named function "
+                                            f"constrains the answer: drop {self.constraint_field}")
+        return tools or own
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The constraint of ``response_format`` (OpenAI's ``json_object`` / ``json_schema``;
@@ -268,6 +278,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def num_logprobs(self) -> int | None:
         """Top-N the engine must return per token (None: no logprobs)."""
@@ -388,15 +401,19 @@ def completion_body(request_id: str, model: str, outputs: list[RequestOutput],
 
 
 def chat_body(request_id: str, model: str, out: RequestOutput,
-              fmt: LogprobFormatter | None) -> dict:
-    """The non-streamed ``chat.completion``, ``n`` choices."""
+              fmt: LogprobFormatter | None, tool_parser=None) -> dict:
+    """The non-streamed ``chat.completion``, ``n`` choices; with a ``tool_parser``
+    (jaxkv/server/tool_calls.py), the calls it finds in each as ``tool_calls``."""
+    def choice(c: CompletionOutput) -> dict:
+        message, has_calls = ({"role": "assistant", "content": c.text}, False) \
+            if tool_parser is None else tool_calls.message(tool_parser, c.text)
+        return {"index": c.index, "message": message,
+                "logprobs": None if fmt is None else fmt.chat(c.token_ids, c.logprobs),
+                "finish_reason": tool_calls.finish_reason(c.finish_reason, has_calls),
+                "stop_reason": c.stop_reason}
+
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model,
-            "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None if fmt is None else fmt.chat(c.token_ids, c.logprobs),
-                         "finish_reason": finish_reason(c), "stop_reason": c.stop_reason}
-                        for c in out.outputs],
+            "model": model, "choices": [choice(c) for c in out.outputs],
             "usage": usage(len(out.prompt_token_ids),
                            sum(len(c.token_ids) for c in out.outputs))}
 

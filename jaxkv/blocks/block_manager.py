@@ -8,6 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from jaxkv.blocks.kv_events import GPU, Cleared, Origin, Removed, Stored, record
 from jaxkv.blocks.prefix_cache import PrefixCache, group_key, lookup, make_prefix_cache
 
 NULL_BLOCK = 0
@@ -56,6 +57,8 @@ class BlockManager:
         self.residual_window_blocks = residual_window_blocks
         # per request: (root key, keys of its leading registered full blocks...)
         self._chains: dict[Hashable, tuple[Hashable, ...]] = {}
+        self._salts: dict[Hashable, Hashable] = {}   # per request with a chain: its cache salt
+        self.kv_events: list | None = None   # cache transitions (jaxkv/blocks/kv_events.py)
         self.record_evictions = False   # the host tier (jaxkv/blocks/host_tier.py) wants them
         self._evicted: list[tuple[Hashable, int]] = []
         self._copy_sources: list[int] = []   # radix copy sources held until the plan ends
@@ -74,6 +77,8 @@ class BlockManager:
         new.prefix_cache = None if self.prefix_cache is None else self.prefix_cache.copy()
         new.residual_window_blocks = self.residual_window_blocks
         new._chains = dict(self._chains)
+        new._salts = dict(self._salts)
+        new.kv_events = None if self.kv_events is None else list(self.kv_events)
         new.record_evictions = self.record_evictions
         new._evicted = list(self._evicted)
         new._copy_sources = list(self._copy_sources)
@@ -260,6 +265,14 @@ class BlockManager:
         out, self._evicted = tuple(self._evicted), []
         return out
 
+    def take_kv_events(self) -> list:
+        """The KV-cache event records since the last call, oldest first (the engine drains
+        them each step; none while ``kv_events`` is None)."""
+        out = self.kv_events or []
+        if self.kv_events is not None:
+            self.kv_events = []
+        return out
+
     def can_allocate_cached(self, num_tokens: int, blocks: Sequence[int],
                             partial: tuple[int, int] | None, *, reserve: int = 0,
                             keys: Sequence[Hashable] = ()) -> bool:
@@ -316,6 +329,7 @@ class BlockManager:
         self._tables[request_id] = tables
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt), *keys)
+            self._salts[request_id] = salt
         return tables[0], copy
 
     def _promote(self, hit: Sequence[int | None], keys: Sequence[Hashable], g: int
@@ -327,7 +341,7 @@ class BlockManager:
         for j, b in enumerate(hit):
             if b is None:
                 (b,) = self._take(1, "num_tokens", len(hit) * self.block_size)
-                self.prefix_cache.insert_alias(group_key(keys[j], g), b)
+                self._insert_alias(group_key(keys[j], g), b)
             out.append(b)
         return tuple(out)
 
@@ -375,6 +389,7 @@ class BlockManager:
             + tuple(next(fresh) for _ in range(tail)) for g in range(self.num_groups))
         if self.prefix_cache is not None:
             self._chains[request_id] = (self.prefix_cache.root(salt),)
+            self._salts[request_id] = salt
         return sum((t[:m] for t in self._tables[request_id]), ())
 
     def append_slots(self, request_id: Hashable, new_total_tokens: int) -> tuple[int, ...]:
@@ -471,6 +486,7 @@ class BlockManager:
         tables = self.block_tables(request_id)
         table = tables[0]
         chain = self._chains.pop(request_id, None)
+        self._salts.pop(request_id, None)
         if (partial_tokens and chain is not None and len(chain) == len(table)
                 and self.num_groups == 1
                 and self._ref[table[-1]] == 1 and table[-1] not in self.prefix_cache):
@@ -493,6 +509,7 @@ class BlockManager:
         self._tables[child_id] = tables
         if parent_id in self._chains:
             self._chains[child_id] = self._chains[parent_id][:len(tables[0]) + 1]
+            self._salts[child_id] = self._salts.get(parent_id)
         return tables[0]
 
     def copy_on_write(self, request_id: Hashable, position: int) -> tuple[tuple[int, int], ...]:
@@ -532,17 +549,24 @@ class BlockManager:
         tables, pc = self._tables[request_id], self.prefix_cache
         bs = self.block_size
         first = len(chain) - 1
+        salt = self._salts.get(request_id)
         for i in range(len(token_ids) // bs):
             tokens, j = tuple(token_ids[i * bs:(i + 1) * bs]), first + i
+            parent = None if j == 0 else chain[-1]   # an event's parent: none for the first
             if self.num_groups > 1:   # every group's block under its own key (null: none)
                 key = pc.key(chain[-1], tokens)
                 for g, table in enumerate(tables):
                     if table[j] != NULL_BLOCK:
-                        pc.insert_alias(group_key(key, g), table[j])
+                        self._insert_alias(group_key(key, g), table[j],
+                                           Origin(key, g, parent, tokens, salt))
             elif tables[0][j] == NULL_BLOCK:   # dropped before it was registered
                 break
-            elif (key := pc.insert(chain[-1], tokens, tables[0][j])) is None:
-                break
+            else:
+                fresh = self.kv_events is not None and tables[0][j] not in pc
+                if (key := pc.insert(chain[-1], tokens, tables[0][j])) is None:
+                    break
+                if fresh and pc.find(key) == tables[0][j]:   # newly cached: an event
+                    record(self.kv_events, Stored(GPU, key, Origin(key, 0, parent, tokens, salt)))
             chain += (key,)
         self._chains[request_id] = chain
 
@@ -553,6 +577,15 @@ class BlockManager:
             return
         self.prefix_cache = make_prefix_cache(self.prefix_cache.mode, self.block_size)
         self._chains = {r: c[:1] for r, c in self._chains.items()}
+        record(self.kv_events, Cleared())
+
+    def _insert_alias(self, key: Hashable, block: int, origin: Origin | None = None) -> None:
+        """``prefix_cache.insert_alias``, recording the store when it is new."""
+        pc = self.prefix_cache
+        fresh = pc.find(key) is None and block not in pc
+        pc.insert_alias(key, block)
+        if fresh:
+            record(self.kv_events, Stored(GPU, key, origin))
 
     def _acquire(self, block: int) -> None:
         """One more reference to ``block`` (taken out of the free queue if it was free)."""
@@ -589,6 +622,7 @@ class BlockManager:
                 if self.record_evictions and not (pc.is_partial(block)
                                                   and self.residual_window_blocks):
                     self._evicted.append((pc.key_of_block(block), block, pc.node(block)))
+                record(self.kv_events, Removed(GPU, pc.key_of_block(block)))
                 pc.evict(block)
             after = self._next[block]
             self._next[NULL_BLOCK] = after
@@ -654,6 +688,7 @@ class BlockManager:
         if self.prefix_cache is not None:
             self.prefix_cache.check(self.num_blocks)
             _check(NULL_BLOCK not in self.prefix_cache, "the null block is cached")
+        _check(self._salts.keys() == self._chains.keys(), "salts and chains differ")
         for request_id, chain in self._chains.items():
             _check(request_id in self._tables, f"request {request_id!r}: chain without table")
             _check(len(chain) - 1 <= len(self._tables[request_id][0]),

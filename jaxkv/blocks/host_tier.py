@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxkv.blocks.kv_events import CPU, STORAGE, Origin, Removed, Stored, record
 from jaxkv.blocks.prefix_cache import group_key, longest_match
 
 NO_SLOT = -1   # a swapped sequence's entry for a block its retention policy had dropped
@@ -79,6 +80,7 @@ class HostTier:
         self._swapped: dict[Hashable, tuple[int, ...]] = {}    # request id -> slot per block
         self._busy: set[int] = set()        # slots this plan's transfers read or write
         self._deferred: list[int] = []      # slots given up this plan, free from the next one
+        self.kv_events: list | None = None  # cache transitions (jaxkv/blocks/kv_events.py)
 
     def copy(self) -> HostTier:
         """An independent copy (the disk store is shared)."""
@@ -92,6 +94,7 @@ class HostTier:
         new._swapped = dict(self._swapped)
         new._busy = set(self._busy)
         new._deferred = list(self._deferred)
+        new.kv_events = None if self.kv_events is None else list(self.kv_events)
         return new
 
     # ---- queries ---------------------------------------------------------------------------
@@ -140,6 +143,7 @@ class HostTier:
                 del self._lru[key]
                 del self._key_of[slot]
                 self._unindex(key)
+                record(self.kv_events, Removed(CPU, key))
                 return slot
         return None
 
@@ -170,6 +174,10 @@ class HostTier:
         if node is not None:
             self._node[key] = node
             self._children[node[0]] = self._children.get(node[0], ()) + (key,)
+        if not partial:   # a full block goes to disk too once it lands (kv_offload.py)
+            record(self.kv_events, Stored(CPU, key))
+            if self.disk is not None and key not in self.disk:
+                record(self.kv_events, Stored(STORAGE, key))
         return block, slot, None if partial else key
 
     def _unindex(self, key: Hashable) -> None:
@@ -203,8 +211,9 @@ class HostTier:
             self._busy.add(slot)
         return slot
 
-    def load(self, key: Hashable):
-        """Prefix block ``key`` from the disk store into a host slot.
+    def load(self, key: Hashable, origin: Origin | None = None):
+        """Prefix block ``key`` (whose ``origin`` the caller may know, for its events) from
+        the disk store into a host slot.
 
         Returns ``(slot, row)`` (the verified uint8 bytes the runner writes into that slot
         before the swap-ins), or None when the disk has no valid file for ``key`` (a corrupt or
@@ -212,17 +221,33 @@ class HostTier:
         """
         if self.disk is None:
             return None
+        on_disk = key in self.disk
         row = self.disk.load(key)
+        if row is None and on_disk:   # refused
+            record(self.kv_events, Removed(STORAGE, key))
         slot = None if row is None else self._hold(key)
-        return None if slot is None else (slot, row)
+        if slot is None:
+            return None
+        record(self.kv_events, Stored(STORAGE, key, origin))   # announced once (the engine)
+        record(self.kv_events, Stored(CPU, key, origin))
+        return slot, row
 
     def reset_prefix(self) -> None:
         """Forget every host prefix block (swapped sequences stay; the disk is kept)."""
         for key, slot in self._lru.items():
             del self._key_of[slot]
             (self._deferred if slot in self._busy else self._free).append(slot)
+            record(self.kv_events, Removed(CPU, key))
         self._lru = OrderedDict()
         self._node, self._children = {}, {}
+
+    def take_kv_events(self) -> list:
+        """The KV-cache event records since the last call, oldest first (none while
+        ``kv_events`` is None)."""
+        out = self.kv_events or []
+        if self.kv_events is not None:
+            self.kv_events = []
+        return out
 
     # ---- swapped sequences -----------------------------------------------------------------
 
@@ -336,7 +361,7 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
     for j in range(len(blocks), bm.max_hit_blocks(len(token_ids))):
         tokens = tuple(token_ids[j * bs:(j + 1) * bs])
         key = pc.key(parent, tokens)
-        found = _find(host, key)
+        found = _find(host, key, Origin(key, 0, parent if j else None, tokens, salt))
         if found is None:
             break
         hits.append(HostHit(found[0], tokens, found[1], key))
@@ -354,11 +379,12 @@ def lookup(bm, host: HostTier | None, token_ids: Sequence[int], salt: Hashable):
     return blocks, tuple(keys), partial, tuple(hits)
 
 
-def _find(host: HostTier, key: Hashable) -> tuple[int, np.ndarray | None] | None:
+def _find(host: HostTier, key: Hashable, origin: Origin | None = None
+          ) -> tuple[int, np.ndarray | None] | None:
     """``(slot, row)`` of prefix block ``key`` on the host (row None), else loaded from disk
     into a slot (row: its bytes), or None."""
     slot = host.find(key)
-    return (slot, None) if slot is not None else host.load(key)
+    return (slot, None) if slot is not None else host.load(key, origin)
 
 
 def _lookup_groups(bm, host: HostTier, token_ids: Sequence[int], salt: Hashable):

@@ -12,6 +12,7 @@
       parallel     ParallelArgs         tensor / data parallel sizes, an explicit mesh
       runtime      RuntimeArgs          attention implementation, warm-up, compilation cache
       speculative  SpeculativeArgs      speculative decoding: proposer, draft length
+      kv_events    KVEventsArgs         KV-cache events for routers (kv_events.py)
 
 The flat keyword arguments of ``LLM(...)`` (vLLM's names, plus aliases) and the CLI flags are
 made from these fields (engine.py, options.py); a bad value raises naming the field before the
@@ -20,11 +21,12 @@ resolved (scheduler.py); the step-shape arithmetic is shapes.py, the user-value 
 checks.py, and the defaults that depend on the model or the backend resolve.py.
 """
 
-from jaxkv.config.args import (CacheArgs, ModelArgs, OffloadArgs, ParallelArgs, RetentionArgs,
-                               RuntimeArgs, SparseAttentionArgs, SpeculativeArgs)
+from jaxkv.config.args import (CacheArgs, KVEventsArgs, ModelArgs, OffloadArgs, ParallelArgs,
+                               RetentionArgs, RuntimeArgs, SparseAttentionArgs, SpeculativeArgs)
 from jaxkv.config.engine import EngineConfig, describe_arguments
+from jaxkv.config.kv_events import KVEventsConfig
 from jaxkv.config.scheduler import CacheConfig, SchedulerConfig
 
-__all__ = ["CacheArgs", "CacheConfig", "EngineConfig", "ModelArgs", "OffloadArgs",
-           "ParallelArgs", "RetentionArgs", "RuntimeArgs", "SchedulerConfig",
-           "SparseAttentionArgs", "SpeculativeArgs", "describe_arguments"]
+__all__ = ["CacheArgs", "CacheConfig", "EngineConfig", "KVEventsArgs", "KVEventsConfig",
+           "ModelArgs", "OffloadArgs", "ParallelArgs", "RetentionArgs", "RuntimeArgs",
+           "SchedulerConfig", "SparseAttentionArgs", "SpeculativeArgs", "describe_arguments"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxkv.attention import ATTENTION_IMPLS
+from jaxkv.config.kv_events import KVEventsConfig, parse_json
 from jaxkv.config.options import check_fields, option, parse_bytes, parse_none
 from jaxkv.config.scheduler import PREEMPTION_MODES, PREFIX_CACHING_MODES
 from jaxkv.kvcache.spec import KV_ALIASES, KV_FORMATS, LAYOUTS, MODEL_DTYPES
@@ -248,3 +249,23 @@ class SpeculativeArgs:
     def max_drafts(self) -> int:
         """Draft tokens a sequence may carry: ``num_speculative_tokens``, 0 when off."""
         return self.num_speculative_tokens if self.speculative else 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KVEventsArgs:
+    """KV-cache events for KV-aware routers (Dynamo, llm-d), in vLLM's wire format."""
+
+    kv_events_config: KVEventsConfig | None = option(
+        None, "publish the prefix cache's block stores and removals over ZMQ: a dict (CLI: "
+        "JSON) of vLLM's KVEventsConfig fields (enable_kv_cache_events, publisher, endpoint, "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic) and encoding (array or "
+        "map)", parse=parse_json)
+
+    def __post_init__(self):
+        check_fields(self)
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.of(self.kv_events_config))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine records and publishes KV-cache events."""
+        return self.kv_events_config is not None and self.kv_events_config.enabled

@@ -10,8 +10,8 @@ import difflib
 import re
 import typing
 
-from jaxkv.config.args import (CacheArgs, ModelArgs, OffloadArgs, ParallelArgs, RetentionArgs,
-                               RuntimeArgs, SparseAttentionArgs, SpeculativeArgs)
+from jaxkv.config.args import (CacheArgs, KVEventsArgs, ModelArgs, OffloadArgs, ParallelArgs,
+                               RetentionArgs, RuntimeArgs, SparseAttentionArgs, SpeculativeArgs)
 from jaxkv.config.options import base_type, parse_none
 from jaxkv.config.scheduler import SchedulerConfig
 
@@ -29,8 +29,12 @@ class EngineConfig:
     parallel: ParallelArgs = dataclasses.field(default_factory=ParallelArgs)
     runtime: RuntimeArgs = dataclasses.field(default_factory=RuntimeArgs)
     speculative: SpeculativeArgs = dataclasses.field(default_factory=SpeculativeArgs)
+    kv_events: KVEventsArgs = dataclasses.field(default_factory=KVEventsArgs)
 
     def __post_init__(self):
+        if self.kv_events.enabled and self.cache.prefix_caching is None:
+            raise ValueError("kv_events_config.enable_kv_cache_events=True needs prefix_caching "
+                             "(the events describe the prefix cache's blocks)")
         if self.sparse.sparse_attention is not None and self.retention.kv_retention != "full":
             raise ValueError(f"sparse_attention={self.sparse.sparse_attention!r} does not "
                              f"compose with kv_retention={self.retention.kv_retention!r} (its "

@@ -42,6 +42,7 @@ class EngineCore:
       compilation_cache_dir: where JAX's persistent compilation cache lives (None: off).
       speculator: proposes draft tokens before each schedule (``speculative=...``; without it
         its proposer is None and steps carry no drafts).
+      kv_events: the KV-cache event publisher (``kv_events_config``), or None.
     """
 
     def __init__(self, config: EngineConfig):
@@ -61,12 +62,16 @@ class EngineCore:
         self.sched_config, self.cache_config = r.sched_config, r.cache_config
         self.memory_plan = r.memory_plan
         offload = r.offload
-        self._state = init_state(self.cache_config, None if offload is None else offload.disk)
+        self._state = init_state(self.cache_config, None if offload is None else offload.disk,
+                                 kv_events=config.kv_events.enabled)
         if offload is not None:
             self._state = with_cost_model(self._state, SwapCostModel(
                 offload.pool.block_bytes, *offload.copy_bandwidth))
+        self.kv_events = self._kv_tracker = None
         try:   # a draft model is checked against the target (vocabulary) and loaded here
             self.speculator = Speculator.from_args(config.speculative, config, self.runner)
+            if config.kv_events.enabled:
+                self._open_kv_events(config.kv_events.kv_events_config)
         except BaseException:
             self.runner.close()
             raise
@@ -89,6 +94,32 @@ class EngineCore:
         self._closed = False
         if config.runtime.warmup:
             self.warmup()
+
+    def _open_kv_events(self, cfg) -> None:
+        """Binds the KV-cache event sockets (jaxkv/engine/kv_event_publisher.py)."""
+        try:
+            from jaxkv.engine.kv_event_publisher import ZmqEventPublisher
+            from jaxkv.engine.kv_event_tracker import KVEventTracker
+            from jaxkv.engine.kv_event_wire import Wire
+        except ImportError as e:
+            raise ImportError(f"kv_events_config needs pyzmq and msgspec (pip install "
+                              f"'jaxkv[kv-events]'): {e}") from None
+        wire = Wire(cfg.encoding)
+        self._kv_tracker = KVEventTracker(wire, self.cache_config.block_size)
+        self.kv_events = ZmqEventPublisher(cfg, wire)
+
+    def _publish_kv_events(self) -> None:
+        """Publishes the block owners' cache transitions since the last call as one batch
+        (none when there were none), as vLLM does once per step."""
+        if self.kv_events is None:
+            return
+        state = self._state
+        records = state.block_manager.take_kv_events()
+        if state.host is not None:
+            records += state.host.take_kv_events()
+        events = self._kv_tracker.events(records)
+        if events:
+            self.kv_events.publish(time.time(), events)
 
     def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
         """Compiles every step bucket, or the padded ``shapes`` only (``ModelRunner.warmup``);
@@ -229,6 +260,7 @@ class EngineCore:
             self._state, self._pending = state, {}
             self._num_preemptions += len(plan.preempted_ids)
             self._num_swapped += len(plan.swapped_ids)
+            self._publish_kv_events()
             return outputs | self._collect()
         samples = self._table.samples
         rows = _rows(state, plan, [samples[s.request_id].params for s in plan.seqs],
@@ -259,6 +291,7 @@ class EngineCore:
         for request_id, err in errors.items():
             outputs |= self._fail(request_id, err)
         self.speculator.forget(self._state)
+        self._publish_kv_events()
         outputs |= self._collect()
         for request_id, req in touched.items():
             if request_id not in outputs:
@@ -396,6 +429,7 @@ class EngineCore:
         if unknown:
             raise ValueError(f"commit: sequences {sorted(map(str, unknown))} are still live")
         self._state = state
+        self._publish_kv_events()
 
     # ------------------------------------------------------------------ introspection
 
@@ -414,6 +448,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (running requests keep their blocks)."""
+        self._publish_kv_events()   # what came before the reset's AllBlocksCleared
         bm = self._state.block_manager.copy()
         bm.reset_prefix_cache()
         host = self._state.host
@@ -421,6 +456,7 @@ class EngineCore:
             host = host.copy()
             host.reset_prefix()
         self._state = dataclasses.replace(self._state, block_manager=bm, host=host)
+        self._publish_kv_events()
 
     def stats(self) -> dict:
         """KV usage and throughput counters since start.
@@ -441,11 +477,14 @@ class EngineCore:
           ``prefix_cache_hit_rate`` (their ratio), ``num_cached_blocks`` (blocks in the prefix
           cache, in use or free), ``host_time_fraction`` (share of step time spent on the host:
           scheduling, batch building, sampling tensors, detokenization; the rest is the jitted
-          step), ``busy_time_s`` and ``device_time_s``; with a host KV tier
+          step), ``busy_time_s`` and ``device_time_s``, ``block_size`` and ``num_gpu_blocks``
+          (the pool's blocks, the null block included, as vLLM counts them); with a host KV tier
           (``kv_offload_bytes``) the ``kv_offload_*`` counters (``offload_stats``); and the
           speculative decoding counters
           (``spec_*``, ``Speculator.stats``: drafts proposed, verified, accepted, acceptance
-          rate, mean acceptance length).
+          rate, mean acceptance length); with ``kv_events_config`` the KV-cache event
+          batches ``kv_events_batches`` (queued to the publisher) and
+          ``kv_events_dropped_batches`` (dropped: its queue was full).
         """
         bm = self._state.block_manager
         total = self.cache_config.num_usable_blocks
@@ -478,7 +517,15 @@ class EngineCore:
             "host_time_fraction": 1.0 - device / busy if busy else 0.0,
             "busy_time_s": busy,
             "device_time_s": device,
-        } | self.offload_stats() | self.speculator.stats()
+            "block_size": self.cache_config.block_size,
+            "num_gpu_blocks": self.cache_config.num_blocks,
+        } | self.offload_stats() | self.speculator.stats() | self._kv_event_stats()
+
+    def _kv_event_stats(self) -> dict:
+        if self.kv_events is None:
+            return {}
+        return {"kv_events_batches": self.kv_events.num_published,
+                "kv_events_dropped_batches": self.kv_events.num_dropped}
 
     def offload_stats(self) -> dict:
         """The host tier's counters ({} without one): ``kv_offload_blocks_total``, ``_prefix``
@@ -521,6 +568,9 @@ class EngineCore:
                                           () if pc is None else pc.full_blocks())
             self.runner.close()
             self.speculator.close()
+            if self.kv_events is not None:
+                self._publish_kv_events()
+                self.kv_events.close()
             self._closed = True
 
 

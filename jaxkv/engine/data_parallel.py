@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
+from jaxkv.config.kv_events import KVEventsConfig
 from jaxkv.engine.llm import LLM, chat_prompts
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.model import checkpoint
@@ -32,7 +33,9 @@ class DataParallelLLM:
       data_parallel_size: number of replicas M.
       tensor_parallel_size: devices per replica N.
       devices: devices to use, in order (default ``jax.devices()``); the first M x N are taken.
-      **engine_kwargs: every other ``LLM`` argument, given to each replica.
+      **engine_kwargs: every other ``LLM`` argument, given to each replica
+        (``kv_events_config``: replica r publishes as data-parallel rank r, on its tcp ports
+        + r, as vLLM's ranks).
 
     Raises:
       ValueError: bad sizes (before any weight is loaded), or any replica's argument error.
@@ -49,9 +52,11 @@ class DataParallelLLM:
                                       num_devices=len(devices))
         self.mesh = sharding.make_mesh(tensor_parallel_size, data_parallel_size, devices)
         self.replicas: list[LLM] = []
-        for row in self.mesh.devices:
+        events = KVEventsConfig.of(engine_kwargs.pop("kv_events_config", None))
+        for rank, row in enumerate(self.mesh.devices):
             sub = jax.sharding.Mesh(row.reshape(1, -1), sharding.MESH_AXES)
             self.replicas.append(LLM(model, tensor_parallel_size=tensor_parallel_size, mesh=sub,
+                                     kv_events_config=events and events.for_rank(rank),
                                      **engine_kwargs))
         self.tokenizer = self.replicas[0].tokenizer
         self.model_config = self.replicas[0].model_config

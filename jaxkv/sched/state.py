@@ -162,16 +162,21 @@ class SchedulerState:
     cost: SwapCostModel | None = None
 
 
-def init_state(cache_config: CacheConfig, disk=None) -> SchedulerState:
+def init_state(cache_config: CacheConfig, disk=None, kv_events: bool = False
+               ) -> SchedulerState:
     """An empty scheduler state over a fresh pool of ``cache_config.num_blocks`` blocks (and a
     host tier of ``cache_config.host_blocks``, with ``disk``, a
-    ``jaxkv.kvcache.disk_store.DiskKVStore``, behind it)."""
+    ``jaxkv.kvcache.disk_store.DiskKVStore``, behind it); with ``kv_events`` (and a prefix
+    cache) the block owners record their cache transitions (jaxkv/blocks/kv_events.py)."""
     bm = BlockManager(cache_config.num_blocks, cache_config.block_size,
                       cache_config.prefix_caching, cache_config.residual_window_blocks,
                       cache_config.kv_groups.windows)
+    kv_events = kv_events and bm.prefix_cache is not None
+    bm.kv_events = [] if kv_events else None
     host = None
     if cache_config.host_blocks:
         host = HostTier(cache_config.host_blocks, disk)
+        host.kv_events = [] if kv_events else None
         bm.record_evictions = bm.prefix_cache is not None
     return SchedulerState(bm, types.MappingProxyType({}), cache_config, host=host)
 

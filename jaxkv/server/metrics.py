@@ -51,6 +51,20 @@ class _EngineCollector:
             metric = family(name, doc, labels=["model_name"])
             metric.add_metric(label, value)
             yield metric
+        info = gauge("vllm:cache_config_info", "Information of the KV cache (value 1): block "
+                     "size, pool blocks (the null block included).",
+                     labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric(label + [str(s["block_size"]), str(s["num_gpu_blocks"])], 1.0)
+        yield info
+        if "kv_events_batches" in s:
+            for name, doc, key in (
+                    ("jaxkv:kv_events_batches", "KV-cache event batches queued to the publisher.",
+                     "kv_events_batches"),
+                    ("jaxkv:kv_events_dropped_batches", "KV-cache event batches dropped: the "
+                     "publisher's queue was full.", "kv_events_dropped_batches")):
+                metric = counter(name, doc, labels=["model_name"])
+                metric.add_metric(label, s[key])
+                yield metric
         if "kv_offload_blocks_total" not in s:
             return
         hits = counter("jaxkv:prefix_cache_hits_by_tier", "Prefix-cache hit tokens by the tier "

@@ -328,6 +328,23 @@ def test_structured_outputs_on_both_routes(client, kind):
         assert all(valid(text(c)) and c.finish_reason == "stop" for c in r.choices), body
 
 
+def test_a_constrained_stream_equals_the_whole_answer_seed_for_seed(client):
+    """Streamed under a grammar (n=2, sampled): each choice's deltas assemble the whole
+    answer's text, which the grammar ended (finish_reason stop)."""
+    kw = dict(max_tokens=32, temperature=0.9, n=2, seed=4,
+              extra_body={"structured_outputs": {"json": POINT, "disable_any_whitespace": True},
+                          "ignore_eos": False})
+    whole = chat(client, **kw)
+    texts, finished = {0: "", 1: ""}, {}
+    for c in chat(client, stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            finished[ch.index] = ch.finish_reason or finished.get(ch.index)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finished == {0: "stop", 1: "stop"}
+    assert all(set(json.loads(t)) == {"x", "ok"} for t in texts.values())
+
+
 def test_chat_greedy_equals_llm_chat_token_for_token(client, offline):
     want = offline_chat(offline, MESSAGES, 16)
     got = chat(client, max_tokens=16, logprobs=True).choices[0]

@@ -393,3 +393,46 @@ def test_bad_tool_requests_are_400_naming_the_field_and_the_server_goes_on(clien
     assert field in e.value.response.json()["error"]["message"]
     assert _create(client, tool_choice="required", parallel_tool_calls=False,
                    max_tokens=120).choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+def test_calls_round_trip_against_the_default_model(tmp_path):
+    """SmolLM2-135M-Instruct behind ``--tool-call-parser smollm2``, 12 questions at
+    temperature 0.7: named and required calls valid against their schemas, whole and streamed
+    alike; each call's result sent back gets a text answer. ``auto`` answers in text: this
+    model does not write calls unprompted (its answers parse as content)."""
+    from test_structured_outputs import REAL_FLAGS
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city.",
+        "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
+                       "properties": {"city": {"type": "string", "maxLength": 20}}}}}
+    live = LiveServer("SmolLM2-135M-Instruct", tmp_path / "server.log", *REAL_FLAGS,
+                      "--tool-call-parser", "smollm2")
+    try:
+        with openai_client(live) as c:
+            for i, city in enumerate(["Paris", "Bath", "Rome", "Oslo"] * 3):
+                messages = [{"role": "user", "content": f"What is the weather in {city}?"}]
+                kw = dict(model=NAME, messages=messages, tools=[weather], temperature=0.7,
+                          seed=i, max_tokens=48)
+                named = {"type": "function", "function": {"name": "get_weather"}}
+                choice = (named, "required")[i % 2]
+                whole = c.chat.completions.create(tool_choice=choice, **kw)
+                with c.chat.completions.stream(tool_choice=choice, **kw) as s:
+                    streamed = s.get_final_completion()
+                calls = [r.choices[0].message.tool_calls for r in (whole, streamed)]
+                assert [[(t.function.name, t.function.arguments) for t in cs] for cs in calls] \
+                    == [[(t.function.name, t.function.arguments) for t in calls[0]]] * 2
+                for t in calls[0]:
+                    jsonschema.validate(json.loads(t.function.arguments),
+                                        weather["function"]["parameters"])
+                reply = c.chat.completions.create(**{**kw, "messages": [
+                    *messages, whole.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": calls[0][0].id,
+                     "content": "Sunny, 21 degrees."}]}, tool_choice="none")
+                assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+            auto = c.chat.completions.create(model=NAME, messages=messages, tools=[weather],
+                                             temperature=0, max_tokens=48)
+            assert auto.choices[0].message.content
+    finally:
+        live.stop()

@@ -436,3 +436,48 @@ def test_calls_round_trip_against_the_default_model(tmp_path):
             assert auto.choices[0].message.content
     finally:
         live.stop()
+
+
+# a chat template that renders tools itself (Qwen 2.5's structure, shortened)
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == "
+    "'system' else 'You are helpful.' }}\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{%- elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}"
+    "<|im_start|>assistant\n{{ m.content or '' }}{%- for c in m.tool_calls %}\n<tool_call>\n"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "\n</tool_call>{%- endfor %}<|im_end|>\n{%- elif m.role == 'tool' %}<|im_start|>user\n"
+    "<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role != 'system' or loop.index0 > 0 or not tools %}{%- if m.role != 'system' %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_with_tools_renders_them_as_transformers_does(tmp_path):
+    """A checkpoint's template that reads ``tools`` gets them, and the earlier calls'
+    arguments as objects: jaxkv's prompt equals transformers' ``apply_chat_template``."""
+    import transformers
+    from tiny_models import save_tokenizer
+
+    from jaxkv.model.tokenizer import Tokenizer
+
+    save_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)   # wins, as in transformers
+    history = [{"role": "system", "content": "Be brief."}, *MESSAGES,
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Rome", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tools.template_renders_tools(tok.chat_template)
+    messages, variables = tools.render(tools.plan(TOOLS, "auto", None, "hermes"), history,
+                                       True, "hermes")
+    ours = tok.apply_chat_template(messages, **variables)
+    hf_history = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m
+        for m in history]
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        hf_history, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert ours == theirs
+    assert '"arguments": {"city": "Rome", "unit": "C"}' in ours and "get_time" in ours

@@ -19,7 +19,7 @@ host timings do not share the CPU with compiles.
 
 Modes:
   (default) every section, under the time guards below.
-  --quick: 62 executables instead of 277, one LLM instead of four. (a) keeps every kernel,
+  --quick: 62 executables instead of 319, one LLM instead of four. (a) keeps every kernel,
     format and option at real sizes but not every product (``QUICK_POOLS``: split-K at auto
     splits only, the same kernel as splits=1 on a larger grid; fp32 plain; the sparse kernel
     on bf16, int8 and a written int4 pool, the hardest of its readers): 49 executables of 84;
@@ -80,6 +80,10 @@ Sections, in the order they run:
   (b4) kept-blocks decode (issue 13): tables keeping 25% of each sequence's blocks, the kept walk
       vs the dense walk of the same table (a window covering the whole context): bytes, ms,
       GB/s, speed-up, and the two outputs' difference;
+  (g) weights kept in GGUF blocks (issue 51): the Pallas ``quantized_matmul`` over square Q8_0
+      and Q4_1 weights of 4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
+      bf16 activations: ms, GB/s over the stored bytes, fraction of copy; XLA's bf16 product
+      with the dequantized weight beside it; the output vs float32 dequantize-then-dot;
   (e) host KV offload (issue 14): HostKVPool D2H/H2D GB/s of 2 MiB all-layer blocks (8B-class),
       staged through pinned_host and not, batches of 1-512; raw device_put vs a jitted copy to
       ``pinned_host`` (targets on H200: >= 40 GB/s D2H, >= 45 GB/s H2D);
@@ -92,12 +96,14 @@ reference, every sparse / kept / end-to-end row is ok and no section failed.
 Time guards (seconds since the process started; full | quick): no bf16 decode row starts after
 200 | 110, no quantized one after 230 | 120; (f) starts before 260 | 135, no end-to-end row after
 400 | 135, nor one the previous row's time (its LLM's build included) would carry past 430 |
-170; then sparse rows until 420, kept-blocks rows until 430, offload before 430, sweep rows
+170; then sparse rows until 420, kept-blocks rows until 430, weight rows until 432, offload
+before 430, sweep rows
 until 440 (full only). The report counts the rows each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 277 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (d) 36, the copy 1. Their
+deviceless here). The full run has 319 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (g) 42, (d) 36, the copy 1
+(the estimate below predates (g)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
 (load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
 loop, 0.2-0.5 s to lower it. At ~2.5 s a compile and ~0.3 s a lowering on the device, one after
@@ -140,13 +146,16 @@ from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_spli
                                     paged_decode_attention, ragged_paged_attention)
 from jaxkv.attention.reference import paged_attention_reference  # noqa: E402
 from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec  # noqa: E402
+from jaxkv.model.quantized import QuantizedWeight, dequantize  # noqa: E402
+from jaxkv.model.quantized_matmul import quantized_matmul  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # bench/, for lib/
 from lib import gpu_artifacts as artifacts  # noqa: E402
 from lib.gpu_e2e import (LLAMA3_8B_L4, SMOLLM2_135M, E2EModel, build_llm, e2e_row,  # noqa: E402
                          write_models)
 from lib.gpu_report import (QUANT_TARGETS, fmt_decode_row, fmt_e2e_row,  # noqa: E402
-                            fmt_kept_row, fmt_quant_row, fmt_sparse_row, markdown)
+                            fmt_kept_row, fmt_quant_row, fmt_sparse_row, fmt_weight_row,
+                            markdown)
 
 TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 KIVI_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.kivi)   # int4, int2
@@ -172,9 +181,10 @@ QUICK_POOLS = (("bfloat16", FLOAT_VARIANTS, QUANT_KERNELS), ("float32", ("plain"
                ("int4", ("plain",), DENSE_KERNELS), ("int2", ("plain",), DENSE_KERNELS),
                ("int4 written", ("plain",), QUANT_KERNELS))
 
-SECTIONS = ("copy_gbps", "correctness", "decode", "prefill", "e2e", "sparse", "kept", "offload",
+SECTIONS = ("copy_gbps", "correctness", "decode", "prefill", "e2e", "sparse", "kept", "weights",
+            "offload", "sweep")
+PREPARED = ("copy_gbps", "correctness", "decode", "prefill", "sparse", "kept", "weights",
             "sweep")
-PREPARED = ("copy_gbps", "correctness", "decode", "prefill", "sparse", "kept", "sweep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +227,9 @@ class Settings:
     kept_contexts: tuple[int, ...] = ()           # (b4)
     kept_batches: tuple[int, ...] = (8, 32)
     kept_fraction: float = 0.25
+    weight_sizes: tuple[int, ...] = ()            # (g): square [K, K] weights
+    weight_batches: tuple[int, ...] = (1, 8, 64)
+    weight_qtypes: tuple[str, ...] = ("Q8_0", "Q4_1")
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
@@ -230,7 +243,8 @@ class Settings:
 
 
 FULL_UNTIL = (("decode", 200.0), ("quant", 230.0), ("e2e_start", 260.0), ("e2e", 400.0),
-              ("e2e_end", 430.0), ("sparse", 420.0), ("kept", 430.0), ("offload", 430.0),
+              ("e2e_end", 430.0), ("sparse", 420.0), ("kept", 430.0), ("weights", 432.0),
+              ("offload", 430.0),
               ("sweep", 440.0))
 QUICK_UNTIL = (("decode", 110.0), ("quant", 120.0), ("e2e_start", 135.0), ("e2e", 135.0),
                ("e2e_end", 170.0))
@@ -246,7 +260,7 @@ FULL = Settings(
                 E2EModel("Llama-3-8B's shape, 4 of its 32 layers", tuple(LLAMA3_8B_L4.items()),
                          (("auto", (1, 32)), ("fp8_e4m3", (32,))))),
     until=FULL_UNTIL, quant_contexts=(32768,), sparse_contexts=(8192, 32768),
-    kept_contexts=(8192, 32768))
+    kept_contexts=(8192, 32768), weight_sizes=(4096, 8192))
 # head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
     interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
@@ -265,7 +279,7 @@ DRY = Settings(
                          (("auto", (4,)), ("fp8_e4m3", (4,))))),
     quant_contexts=(64,), target_context=64, sparse_contexts=(64,), sparse_batches=(2,),
     sparse_budgets=(32, 48), sparse_sinks=8, sparse_recent=8, kept_contexts=(64,),
-    kept_batches=(2,), offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
+    kept_batches=(2,), weight_sizes=(64,), weight_batches=(1, 3), offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
     e2e_prompt=16, e2e_tokens=4, e2e_warmup_tokens=2, e2e_impl="pallas")
 
 
@@ -1030,6 +1044,72 @@ def kept_row(run: Run, ctx: int, B: int) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
+# (g) weights kept in GGUF blocks
+# --------------------------------------------------------------------------------------------
+
+
+def bench_weights(run: Run) -> list[dict]:
+    """Weights kept in GGUF blocks (issue 51): ``quantized_matmul`` over square [K, K] weights
+    (Llama-3-8B's q/o_proj at 4096, Llama-3-70B's at 8192; square, so the timing loop feeds
+    each output back as the next x) at each batch of rows, bf16 activations: ms, GB/s over the
+    stored bytes (codes + f16 scales + minimums), fraction of copy; the bf16 product of the
+    dequantized weight (XLA's GEMM) beside it and the speed-up; the kernel's output against
+    float32 dequantize-then-dot."""
+    s = run.settings
+    rows = []
+    for K in s.weight_sizes:
+        for qtype in s.weight_qtypes:
+            w = run.data(functools.partial(random_blocks, K, qtype))
+            dense = run.data(functools.partial(dequantize, dtype=jnp.bfloat16), w)
+            for M in s.weight_batches:
+                if run.late("weights"):
+                    continue
+                rows.append(weight_row(run, qtype, M, w, dense))
+            gc.collect()
+    return rows
+
+
+def random_blocks(K: int, qtype: str) -> QuantizedWeight:
+    """A [K, K] weight of random codes, scales ~1e-2 and (Q4_1) minimums, on the device."""
+    kq, kd, km = jax.random.split(jax.random.key(K), 3)
+    qs = (jax.random.randint(kq, (K, K), -128, 128).astype(jnp.int8) if qtype == "Q8_0" else
+          jax.random.randint(kq, (K, K // 2), 0, 256).astype(jnp.uint8))
+    d = (jax.random.uniform(kd, (K, K // 32)) * 0.02).astype(jnp.float16)
+    m = (jax.random.normal(km, (K, K // 32)) * 0.01).astype(jnp.float16)
+    return QuantizedWeight(qs, d, m if qtype == "Q4_1" else None, qtype, (K, K))
+
+
+def dequantized_dot(x, w: QuantizedWeight):
+    """The reference: float32 x times float32 dequantized w, transposed, at full precision."""
+    return jnp.dot(x.astype(jnp.float32), dequantize(w).T, precision=jax.lax.Precision.HIGHEST)
+
+
+def weight_row(run: Run, qtype: str, M: int, w: QuantizedWeight, dense) -> dict | None:
+    K = w.cols
+    row = dict(qtype=qtype, batch=M, size=K, dense_bytes=K * K * 2,
+               stored_bytes=sum(nbytes(a) for a in jax.tree.leaves(w)))
+    x = normal(run, M, (M, K))
+    products = {"kept": functools.partial(quantized_matmul, interpret=run.settings.interpret),
+                "dense": lambda x, wd: jnp.dot(x, wd.T)}
+    args = {"kept": (x, w), "dense": (x, dense)}
+    try:
+        got = run.call("check", products["kept"], x, w)
+        want = run.call("check", dequantized_dot, x, w)
+        for name, fn in products.items():
+            run.timed(row, name, "weights", fn, args[name],
+                      row["stored_bytes" if name == "kept" else "dense_bytes"])
+        if run.abstract:
+            return None
+        row.update(max_err=max_err(got, want), ok=is_close(got, want, "bfloat16"),
+                   speedup=row["dense_ms"] / row["kept_ms"])
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    print(fmt_weight_row(row), flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
 # (e) host offload, (d) tuning sweep
 # --------------------------------------------------------------------------------------------
 
@@ -1191,7 +1271,7 @@ def run_sections(run: Run, report: dict, names, out_dir: str | None, models=None
     into ``report["sections_s"]``; the report written after each (unless ``out_dir`` is None)."""
     fns = dict(copy_gbps=copy_bandwidth, correctness=check_correctness, decode=bench_decode,
                prefill=bench_prefill, e2e=lambda r: bench_e2e(r, models), sparse=bench_sparse,
-               kept=bench_kept, offload=bench_offload, sweep=sweep_decode)
+               kept=bench_kept, weights=bench_weights, offload=bench_offload, sweep=sweep_decode)
     for name in names:
         run.section = name
         t0 = time.perf_counter()
@@ -1301,7 +1381,8 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, quick=args.quick,
                   copy_gbps=0.0, head_dim=settings.head_dim,
                   target_context=settings.target_context, correctness=dict(ours=[], peer=[]),
-                  decode=[], prefill=[], e2e=[], sparse=[], kept=[], offload=[], sweep=[],
+                  decode=[], prefill=[], e2e=[], sparse=[], kept=[], weights=[], offload=[],
+                  sweep=[],
                   errors=[], skipped={}, sections_s={}, elapsed_s=0.0,
                   artifacts=dict(archives=notes))
     names = list(settings.sections)
@@ -1324,7 +1405,8 @@ def main(argv=None) -> int:
     write(report, args.out)
     print(markdown(report))
     ok = all(r["ok"] for r in report["correctness"]["ours"]) and not run.errors \
-        and all(r.get("ok", False) for r in report["sparse"] + report["kept"] + report["e2e"])
+        and all(r.get("ok", False) for r in report["sparse"] + report["kept"] + report["e2e"]
+                + report["weights"])
     return 0 if ok else 1
 
 

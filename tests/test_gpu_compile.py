@@ -790,3 +790,36 @@ def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
     assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
     for k in kernels:
         assert k.spill_stores == k.spill_loads == 0, k
+
+
+# --------------------------------------------------------------------------------------------
+# weights kept in GGUF blocks (jaxkv/model/quantized_matmul.py)
+# --------------------------------------------------------------------------------------------
+
+QUANT_SHAPES = {   # (rows M, K, N): Llama-3-8B's gate/up and down at decode and prefill
+    "llama3-8b-decode8-gate": (8, 4096, 14336),
+    "llama3-8b-decode64-down": (64, 14336, 4096),
+    "llama3-8b-prefill512-gate": (512, 4096, 14336),
+}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("case_id", list(QUANT_SHAPES))
+def test_quantized_matmul_compiles_for_h100(case_id, qtype, tmp_path):
+    """The Pallas matmul over GGUF blocks (bf16 activations): one launch of row tiles x
+    column tiles, within shared memory, no spills."""
+    from jaxkv.model.quantized import BLOCK, QuantizedWeight
+    from jaxkv.model.quantized_matmul import quantized_matmul
+
+    M, K, N = QUANT_SHAPES[case_id]
+    qs = (jax.ShapeDtypeStruct((N, K), jnp.int8) if qtype == "Q8_0"
+          else jax.ShapeDtypeStruct((N, K // 2), jnp.uint8))
+    scales = jax.ShapeDtypeStruct((N, K // BLOCK), jnp.float16)
+    w = QuantizedWeight(qs, scales, scales if qtype == "Q4_1" else None, qtype, (N, K))
+    kernels, _ = compile_for(H100, quantized_matmul, (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+                                                      w), tmp_path)
+    assert [k.name for k in kernels] == ["jaxkv_quantized_matmul"]
+    k = kernels[0]
+    assert k.grid[:2] == (-(-M // min(32, max(16, M))), N // 128)
+    assert k.smem + k.static_smem <= smem_limit(H100)
+    assert (k.spill_stores, k.spill_loads) == (0, 0) and k.registers <= 128, k

@@ -22,7 +22,8 @@ EOS_IDS = [2, 0]
 CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
                   "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
                   "qwen3_moe": "Qwen3MoeConfig", "gemma2": "Gemma2Config",
-                  "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}
+                  "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig",
+                  "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}
 
 
 # Engine limits for the tiny model: small buckets (fast compiles) and a pool that holds the batch.

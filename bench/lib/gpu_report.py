@@ -73,6 +73,22 @@ def fmt_kept_row(row) -> str:
     return _line(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}", str(row["ok"])])
 
 
+def fmt_weight_row(row) -> str:
+    """| weight | type | batch | MB (stored / bf16) | kept ms | spread | GB/s | frac | bf16 ms |
+    spread | GB/s | speed-up | max err | ok |"""
+    head = [f"{row['size']}x{row['size']}", row["qtype"], str(row["batch"])]
+    if "error" in row:
+        return _line(head + [f"error: {row['error']}"] + [""] * 10)
+    cells = head + [f"{row['stored_bytes'] / 1e6:.1f} / {row['dense_bytes'] / 1e6:.1f}"]
+    for name in ("kept", "dense"):
+        cells += [f"{row[f'{name}_ms']:.4f}",
+                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
+                  f"{row[f'{name}_gbps']:.0f}"]
+        if name == "kept":
+            cells.append(f"{row['kept_frac_copy']:.2f}")
+    return _line(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}", str(row["ok"])])
+
+
 def fmt_e2e_row(row) -> str:
     """| model | KV | batch | prompt | output | steps (decode) | tokens/s | decode step ms |
     device ms | host ms | host share | host share, all steps | attention | recompiles | ok |"""
@@ -196,6 +212,16 @@ def kept_lines(report) -> list[str]:
     return lines + [fmt_kept_row(r) for r in report["kept"]]
 
 
+def weights_lines(report) -> list[str]:
+    lines = ["", "## (g) weights kept in GGUF blocks (issue 51: quantized_matmul, bf16 "
+              "activations; bf16 = XLA's product with the dequantized weight; GB/s over the "
+              "stored bytes / the bf16 weight's; frac = of copy bandwidth; speed-up = bf16 ms / "
+              "kept ms; max err = kept vs float32 dequantize-then-dot)",
+              "", "| weight | type | batch | MB read | kept ms | spread | GB/s | frac | bf16 ms "
+              "| spread | GB/s | speed-up | max err | ok |", "|" + "---|" * 14]
+    return lines + [fmt_weight_row(r) for r in report["weights"]]
+
+
 def offload_lines(report) -> list[str]:
     lines = ["", "## (e) host KV offload (16-token all-layer block units; targets on H200: "
               ">= 40 GB/s D2H, >= 45 GB/s H2D)", "",
@@ -253,8 +279,8 @@ def executable_lines(report) -> list[str]:
 
 
 SECTION_LINES = dict(correctness=correctness_lines, decode=decode_lines, prefill=prefill_lines,
-                     e2e=e2e_lines, sparse=sparse_lines, kept=kept_lines, offload=offload_lines,
-                     sweep=sweep_lines)
+                     e2e=e2e_lines, sparse=sparse_lines, kept=kept_lines, weights=weights_lines,
+                     offload=offload_lines, sweep=sweep_lines)
 
 
 def markdown(report) -> str:

@@ -17,6 +17,7 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 RETENTION_MODES = ("full", "streaming", "h2o", "snapkv", "random")
 OFFLOAD_POLICIES = ("lru",)
 SPARSE_ATTENTION_METHODS = ("quest",)
+QUANTIZATION_MODES = ("none",)      # and None: as stored (quantizing on load: issue 51's next)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,10 @@ class ModelArgs:
     dtype: str = option("auto", "parameter, activation and default KV dtype (auto: bfloat16 on "
                         "GPU, float32 on CPU)", choices=("auto", *MODEL_DTYPES))
     seed: int = option(0, "engine seed of requests without their own")
+    quantization: str | None = option(
+        None, "weights: as stored (unset: a GGUF's dense Q8_0/Q4_0/Q4_1 weights stay in their "
+        "blocks, products dequantize them in registers) or none (dequantize every weight to "
+        "dtype at load)", choices=QUANTIZATION_MODES)
 
     def __post_init__(self):
         check_fields(self)

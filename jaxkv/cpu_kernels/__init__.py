@@ -21,11 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _DIR = Path(__file__).parent
-_SOURCES = (_DIR / "paged_attention.cc", _DIR / "row_stats.cc", _DIR / "matmul.cc")
+_SOURCES = (_DIR / "paged_attention.cc", _DIR / "row_stats.cc", _DIR / "matmul.cc",
+            _DIR / "quant_matmul.cc")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {"jaxkv_paged_rows": "JaxkvPagedRows", "jaxkv_paged_tiles": "JaxkvPagedTiles",
-            "jaxkv_row_stats": "JaxkvRowStats", "jaxkv_matmul": "JaxkvMatmul"}
+            "jaxkv_row_stats": "JaxkvRowStats", "jaxkv_matmul": "JaxkvMatmul",
+            "jaxkv_quant_matmul": "JaxkvQuantMatmul"}
 
 logger = logging.getLogger("jaxkv")
 
@@ -257,6 +259,39 @@ def matmuls(x: jax.Array, ws, *, transposed_w: bool = False) -> tuple[jax.Array,
     call = jax.ffi.ffi_call("jaxkv_matmul", shapes)
     return tuple(call(x.astype(jnp.float32), *(w.astype(jnp.float32) for w in ws),
                       transposed_w=transposed_w))
+
+
+# GGUF block types the quantized kernel reads (``jaxkv.model.quantized``), by its qtype code.
+QUANT_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+
+
+def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """``x @ dequantize(w).T`` for each quantized weight of ``ws`` in one kernel call, the
+    weights dequantized block by block in registers (any number of rows of x).
+
+    Args:
+      x: f32 [M, K], K a multiple of 32.
+      ws: a sequence of ``jaxkv.model.quantized.QuantizedWeight`` of one qtype (Q8_0, Q4_0 or
+        Q4_1), each stored [N_j, K].
+
+    Returns:
+      a tuple of f32 [M, N_j], one per weight.
+    """
+    _require()
+    M, K = x.shape
+    ws = tuple(ws)
+    if not ws or len({w.qtype for w in ws}) != 1 or ws[0].qtype not in QUANT_TYPES:
+        raise ValueError(f"quant_matmuls: one qtype of {', '.join(QUANT_TYPES)} for all weights, "
+                         f"got {[w.qtype for w in ws]}")
+    operands = []
+    for w in ws:
+        if w.cols != K:
+            raise ValueError(f"quant_matmul: x {x.shape} and a weight of K={w.cols} do not "
+                             "contract")
+        operands += [w.qs, w.d, w.d if w.m is None else w.m]
+    shapes = [jax.ShapeDtypeStruct((M, w.rows), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call("jaxkv_quant_matmul", shapes)
+    return tuple(call(x.astype(jnp.float32), *operands, qtype=np.int64(QUANT_TYPES[ws[0].qtype])))
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

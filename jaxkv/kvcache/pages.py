@@ -102,7 +102,8 @@ def _zeros(spec: KVCacheSpec) -> PagedKVCache:
     k_axis, v_axis = spec.axes
     bounds = spec.bounds_arrays()
     return PagedKVCache(k=tuple(zeros_pool(spec, k_axis) for _ in range(spec.num_layers)),
-                        v=tuple(zeros_pool(spec, v_axis) for _ in range(spec.num_layers)),
+                        v=tuple(zeros_pool(spec, v_axis, value=True)
+                                for _ in range(spec.num_layers)),
                         bounds=tuple(KeyBounds(**{n: jnp.zeros(shape, dt)
                                                   for n, (shape, dt) in bounds.items()})
                                      for _ in range(spec.num_layers)) if bounds else ())

@@ -113,11 +113,11 @@ class HNDPages:
 Pages = jax.Array | QuantizedPages | HNDPages
 
 
-def zeros_pool(spec: KVCacheSpec, axis: str) -> Pages:
-    """One layer's zeroed K (``axis = spec.axes[0]``) or V (``spec.axes[1]``) pool: the arrays
-    ``spec.block_arrays(axis)`` and ``spec.residual_arrays()`` list."""
+def zeros_pool(spec: KVCacheSpec, axis: str, value: bool = False) -> Pages:
+    """One layer's zeroed K (``axis = spec.axes[0]``) or V (``spec.axes[1]``, ``value``) pool:
+    the arrays ``spec.block_arrays(axis, value)`` and ``spec.residual_arrays()`` list."""
     arrays = {name: jnp.zeros(shape, dtype) for name, (shape, dtype)
-              in {**spec.block_arrays(axis), **spec.residual_arrays()}.items()}
+              in {**spec.block_arrays(axis, value), **spec.residual_arrays()}.items()}
     if not spec.format.quantized:
         return HNDPages(arrays["data"]) if spec.layout == "hnd" else arrays["data"]
     return QuantizedPages(**{f: arrays.get(f) for f in _POOL_FIELDS}, fmt=spec.kv_cache_dtype,

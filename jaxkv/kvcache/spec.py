@@ -156,6 +156,10 @@ class KVCacheSpec:
         num_kv_heads, head_dim] (what the Pallas kernels read) or ``"hnd"`` [num_blocks,
         num_kv_heads, block_size, head_dim], where a gathered block is already in the order
         the CPU path's batched dots read it (bench/experiments/kv_layout.py). Quantized pools are NHD.
+      v_head_dim: channels of a V pool; None: ``head_dim``; 0: no values (a latent cache, MLA:
+        each token's one "head" ``[c_kv | k_rope]`` lives in the K pool and is its own value,
+        jaxkv/attention/mla.py; the V pools are zero-width, so every walk over K and V pools
+        holds). Float formats only.
 
     Raises:
       ValueError: naming the field, for any value the cache cannot be built with.
@@ -177,6 +181,7 @@ class KVCacheSpec:
     static_scale: float | None = None
     key_bounds: bool = False
     layout: str = "nhd"
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim",
@@ -214,6 +219,15 @@ class KVCacheSpec:
         if self.head_dim % fmt.per_byte:
             raise ValueError(f"head_dim={self.head_dim} must be a multiple of {fmt.per_byte} for "
                              f"kv_cache_dtype={fmt.name!r} ({fmt.per_byte} codes per byte)")
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.v_head_dim not in (0, self.head_dim):
+            raise ValueError(f"v_head_dim={self.v_head_dim!r} must be head_dim={self.head_dim} "
+                             f"or 0 (a latent cache)")
+        if self.v_head_dim == 0 and fmt.quantized:
+            floats = [f.name for f in KV_FORMATS.values() if not f.quantized]
+            raise ValueError(f"kv_cache_dtype={fmt.name!r}: a latent (MLA) cache holds the float "
+                             f"formats only ({', '.join(floats)}, or 'auto')")
         if fmt.kivi:
             if self.head_dim % self.group_size:
                 raise ValueError(f"group_size={self.group_size} must divide head_dim="
@@ -247,10 +261,13 @@ class KVCacheSpec:
         one scale per token and head)."""
         return self.group_size if self.format.kivi else self.head_dim
 
-    def block_arrays(self, axis: str) -> Arrays:
+    def block_arrays(self, axis: str, value: bool = False) -> Arrays:
         """The arrays with a leading ``num_blocks`` axis of one layer's K (``axis`` =
-        ``axes[0]``) or V pool: name -> (shape, numpy dtype name); see the module docstring."""
+        ``axes[0]``) or V pool (``value``, ``axis = axes[1]``): name -> (shape, numpy dtype
+        name); see the module docstring."""
         fmt, (n, bs, h, d) = self.format, self.pool_shape
+        if value:
+            d = self.v_head_dim
         if self.layout == "hnd":
             return {"data": ((n, h, bs, d), fmt.storage)}
         out = {"data": ((n, bs, h, d // fmt.per_byte), fmt.storage)}
@@ -283,7 +300,8 @@ class KVCacheSpec:
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V (codes, scales, zero points, per-block
         residual index and sealed flag, Quest key bounds)."""
-        arrays = [a for axis in self.axes for a in self.block_arrays(axis).values()]
+        arrays = [a for value, axis in enumerate(self.axes)
+                  for a in self.block_arrays(axis, bool(value)).values()]
         arrays += list(self.bounds_arrays().values())
         return self.num_layers * sum(_nbytes(shape[1:], dt) for shape, dt in arrays)
 

@@ -43,6 +43,11 @@ class Architecture:
         as ``config.json``'s ``norm_topk_prob`` says (None: Qwen3-MoE, default false).
       attention_sinks: a learned sink logit per query head joins each softmax
         (``self_attn.sinks``; gpt-oss), and o_proj has a bias.
+      mla: DeepSeek's decoder: multi-head latent attention over a latent cache
+        (jaxkv/model/mla.py) and, past ``first_k_dense_replace``, routed + shared experts
+        (jaxkv/model/deepseek.py).
+      router_scoring: how the router scores experts: ``"softmax"`` or ``"sigmoid"``
+        (DeepSeek-V3, with ``e_score_correction_bias``); ``ModelConfig.router_scoring``.
     """
 
     model_type: str
@@ -61,6 +66,8 @@ class Architecture:
     gguf_wide_scale_layers: int | None = None
     gguf_norm_topk_prob: bool = False
     gguf_yarn_truncate: bool = True
+    mla: bool = False
+    router_scoring: str = "softmax"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +105,10 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("gpt_oss", gguf="gpt-oss", attention_bias=True, window="layer_types",
                  attention_sinks=True, moe=MoeNames("mlp", "router", gpt_oss=True),
                  gguf_yarn_truncate=False),
+    Architecture("deepseek_v2", mla=True, norm_topk_prob=False,
+                 moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")),
+    Architecture("deepseek_v3", mla=True, router_scoring="sigmoid",
+                 moe=MoeNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")),
 )}
 # llama.cpp's ``general.architecture`` and whether the file has experts (``{arch}.expert_count``)
 # -> the architecture: Mixtral is written as ``llama`` with experts.

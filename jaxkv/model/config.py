@@ -13,6 +13,7 @@ from jaxkv.model.architectures import ARCHITECTURES
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 LAYER_TYPES = ("sliding_attention", "full_attention")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +23,9 @@ class RopeScaling:
 
     Attributes mirror HF's ``rope_scaling`` dict: ``factor``, ``low_freq_factor``,
     ``high_freq_factor``, ``original_max_position_embeddings``; YaRN's ``beta_fast``,
-    ``beta_slow``, ``truncate`` and ``attention_factor`` (None: ``0.1 ln(factor) + 1``).
+    ``beta_slow``, ``truncate`` and ``attention_factor`` (None: ``0.1 ln(factor) + 1``, or
+    DeepSeek's ``mscale(mscale) / mscale(mscale_all_dim)`` when both are set, with
+    ``mscale(m) = 0.1 m ln(factor) + 1``; ``mscale_all_dim`` also scales MLA's softmax).
     """
 
     rope_type: str = "llama3"
@@ -34,11 +37,41 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
         if self.rope_type not in ("llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type={self.rope_type!r} is not supported; "
                              f"supported: 'llama3', 'linear', 'yarn'")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3; jaxkv/model/mla.py).
+
+    Attributes:
+      kv_lora_rank: the latent ``c_kv``'s width ``Lkv`` (512), the values of the cache.
+      qk_rope_head_dim: the one shared rotary key's width ``R`` (64).
+      qk_nope_head_dim: a query/key head's unrotated width ``P`` (128).
+      v_head_dim: a value head's width ``V`` (128).
+      q_lora_rank: the query's low-rank width ``Lq`` (V3: 1536), or None: one q projection
+        (V2-Lite).
+      rope_interleave: the checkpoint's rotary pairs are ``(2i, 2i + 1)`` (V2 always, V3 by
+        ``rope_interleave``); the loader reorders them into rotate-half's halves.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token caches per layer: ``Lkv + R`` (576 for V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +120,16 @@ class ModelConfig:
         None: ``head_dim ** -0.5``.
       attn_logit_softcapping, final_logit_softcapping: logits become ``c * tanh(x / c)`` in
         the attention and at the LM head (Gemma 2); None: no cap.
+      mla: multi-head latent attention's shapes (DeepSeek), or None. With it the cache is
+        latent: ``num_kv_heads`` = 1 and ``head_dim`` = ``mla.latent_dim`` describe the one
+        cached "head", and RoPE turns ``mla.qk_rope_head_dim`` channels (``rope_dim``).
+      num_shared_experts: DeepSeek's shared experts, one SwiGLU of width
+        ``num_shared_experts x expert_size`` every token runs beside its routed experts.
+      router_scoring: ``"softmax"`` (the others, DeepSeek-V2) or ``"sigmoid"`` (DeepSeek-V3:
+        sigmoid scores, chosen with a learned bias, ``e_score_correction_bias``).
+      num_expert_groups, topk_groups: DeepSeek's group-limited routing: the experts in
+        ``num_expert_groups`` groups, a token's top-k taken from its best ``topk_groups``.
+      routed_scaling_factor: the routed experts' weights are multiplied by it (DeepSeek).
       bos_token_id / eos_token_ids: special tokens (several eos ids are allowed).
     """
 
@@ -123,6 +166,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     draft_vocab_size: int | None = None
+    mla: MLA | None = None
+    num_shared_experts: int = 0
+    router_scoring: str = "softmax"
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -155,10 +204,31 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.dense_layers):
             raise ValueError(f"dense_layers={self.dense_layers} must be layer indices in "
                              f"[0, num_layers={self.num_layers})")
+        if self.mla and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+            raise ValueError(f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}: an MLA "
+                             f"model caches one latent head of {self.mla.latent_dim}")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring={self.router_scoring!r} is not one of "
+                             f"{ROUTER_SCORINGS}")
+        if self.num_experts and (self.num_experts % self.num_expert_groups
+                                 or not 1 <= self.topk_groups <= self.num_expert_groups):
+            raise ValueError(f"n_group={self.num_expert_groups} must divide num_experts="
+                             f"{self.num_experts}, topk_group={self.topk_groups} in [1, n_group]")
         if self.draft_vocab_size is not None and (
                 self.tie_word_embeddings or not 1 <= self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} needs an untied LM head "
                              f"and 1 <= draft_vocab_size <= vocab_size={self.vocab_size}")
+
+    @property
+    def rope_dim(self) -> int:
+        """Channels RoPE turns: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_v_dim(self) -> int:
+        """A V pool's channels (``KVCacheSpec.v_head_dim``): ``head_dim``, or 0 for a latent
+        (MLA) cache, whose values live in its K pool."""
+        return 0 if self.mla else self.head_dim
 
     @property
     def num_logits(self) -> int:
@@ -201,7 +271,7 @@ class ModelConfig:
             arch = ARCHITECTURES[model_type]
             window, layer_types = _layer_windows(cfg, arch, source)
             head_dim = int(cfg.get("head_dim") or hidden // heads)
-            return cls(
+            fields = dict(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -224,6 +294,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            return cls(**(fields | _deepseek_fields(cfg, arch, source)))
         except KeyError as e:
             raise ValueError(f"{source}: required field {e.args[0]!r} is missing") from None
 
@@ -267,10 +338,12 @@ def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
         return {}
     n = int(cfg["num_hidden_layers"])
     step = int(cfg.get("decoder_sparse_step") or 1)
-    only = set(cfg.get("mlp_only_layers") or ())
+    only = set(cfg.get("mlp_only_layers") or ()) | set(    # DeepSeek: the first k dense
+        range(int(cfg.get("first_k_dense_replace") or 0)))
     normalize = arch.norm_topk_prob
     return dict(
-        num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+        num_experts=int(cfg.get("num_experts") or cfg.get("n_routed_experts")
+                        or cfg["num_local_experts"]),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
         moe_intermediate_size=int(cfg["moe_intermediate_size"])
         if cfg.get("moe_intermediate_size") else None,
@@ -279,6 +352,29 @@ def _moe_fields(cfg: dict[str, Any], arch) -> dict[str, Any]:
         dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step),
         **(dict(swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702))) if arch.moe.gpt_oss else {}))
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch, source: str) -> dict[str, Any]:
+    """ModelConfig's MLA and DeepSeek-MoE fields from a DeepSeek ``config.json`` (none for other
+    families): the latent cache's one head, the shared experts, the router's scoring, groups
+    and scale (``topk_method="greedy"``: one group)."""
+    if not arch.mla:
+        return {}
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{source}: attention_bias=True is not supported for {arch.model_type}; "
+                         f"supported: false (as every released DeepSeek checkpoint)")
+    q_lora = cfg.get("q_lora_rank")
+    mla = MLA(kv_lora_rank=int(cfg["kv_lora_rank"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+              qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+              q_lora_rank=int(q_lora) if q_lora else None,
+              rope_interleave=bool(cfg.get("rope_interleave", True)))
+    grouped = arch.router_scoring == "sigmoid" or cfg.get("topk_method") == "group_limited_greedy"
+    return dict(mla=mla, num_kv_heads=1, head_dim=mla.latent_dim, attention_bias=False,
+                num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                router_scoring=arch.router_scoring,
+                num_expert_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+                topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0))
 
 
 def _gemma_fields(cfg: dict[str, Any], arch, head_dim: int) -> dict[str, Any]:
@@ -313,7 +409,8 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
         truncate=bool(rs.get("truncate", True)),
         attention_factor=None if rs.get("attention_factor") is None
-        else float(rs["attention_factor"]))
+        else float(rs["attention_factor"]),
+        **{k: float(rs[k]) for k in ("mscale", "mscale_all_dim") if rs.get(k)})
     theta = cfg.get("rope_theta") or params.get("rope_theta") or 10000.0
     return dict(rope_theta=float(theta), rope_scaling=scaling,
                 rope_local_theta=None if local is None else float(local))

@@ -7,7 +7,9 @@ and llama.cpp's own assumptions where the file is silent (Gemma 3's layer patter
 RoPE base, Gemma's attention scale, Qwen3-MoE's renormalised router: the ``gguf_*`` fields of
 ``Architecture``). Tensors of every type the ``gguf`` package's numpy reference decodes (F32,
 F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, MXFP4, the IQ types) are
-dequantized to float32 at load.
+dequantized to float32 at load, except with ``keep_quantized``: the dense layers' and the
+embedding's / head's Q8_0, Q4_0 and Q4_1 tensors then stay in their blocks
+(``jaxkv.model.quantized``).
 
 GGUF stores a linear layer ``[out, in]`` with ``shape = [in, out]`` (ggml's ``ne0`` first); the
 reader hands back numpy arrays already in ``[out, in]`` row-major order. ``gguf_names`` maps the
@@ -18,13 +20,14 @@ names and undoes the converter's reshaping (q/k row permutation of Llama and Mix
 from __future__ import annotations
 
 import functools
+import re
 import struct
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-from jaxkv.model import gguf_names
+from jaxkv.model import gguf_names, quantized
 from jaxkv.model.architectures import GGUF_ARCHITECTURES, Architecture
 from jaxkv.model.config import LAYER_TYPES, ModelConfig, RopeScaling
 
@@ -188,16 +191,31 @@ def _moe_fields(key, arch: Architecture) -> dict:
                 **(dict(swiglu_limit=7.0) if arch.moe.gpt_oss else {}))
 
 
-def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Dequantizes every tensor to float32 under its HF name, as ``gguf_names.hf_tensors``
-    undoes llama.cpp's converter (q/k rows, Gemma's ``w + 1`` norms, stacked experts).
+# The tensors kept in their blocks with ``keep_quantized``: the dense layers' projections, the
+# embedding and the head (an MoE's experts and routers are dequantized).
+_KEPT_NAMES = re.compile(r"(token_embd|output)\.weight|blk\.\d+\.(attn_[qkv]|attn_output|"
+                         r"ffn_gate|ffn_up|ffn_down)\.weight")
+
+
+def kept_quantized(name: str, qtype: gguf.GGMLQuantizationType) -> bool:
+    """Whether ``tensors_from_gguf(keep_quantized=True)`` keeps a tensor in its blocks."""
+    return qtype.name in quantized.KEPT_TYPES and _KEPT_NAMES.fullmatch(name) is not None
+
+
+def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
+                      keep_quantized: bool = False) -> dict[str, np.ndarray]:
+    """Every tensor under its HF name, as ``gguf_names.hf_tensors`` undoes llama.cpp's
+    converter (q/k rows, Gemma's ``w + 1`` norms, stacked experts): dequantized to float32,
+    or with ``keep_quantized`` the ``kept_quantized`` ones as numpy ``QuantizedWeight``.
 
     Args:
       reader: an open ``gguf.GGUFReader``.
       config: the file's config (``config_from_gguf``), for the head counts.
+      keep_quantized: keep the dense weights' Q8_0 / Q4_0 / Q4_1 blocks as stored.
 
     Returns:
-      ``{hf_name: float32 array}`` in torch ``Linear`` orientation (``[out, in]``).
+      ``{hf_name: float32 array or QuantizedWeight}`` in torch ``Linear`` orientation
+      (``[out, in]``).
 
     Raises:
       ValueError: a tensor in a quantization type outside ``SUPPORTED_QUANT_TYPES`` (checked for
@@ -211,8 +229,25 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str,
                 f"not supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
     out = {}
     for t in reader.tensors:
+        if keep_quantized and kept_quantized(t.name, t.tensor_type):
+            out[t.name] = quantized.from_gguf(t.data, t.tensor_type.name)   # copies
+            continue
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists ne0 (the fastest axis) first
         # np.array copies, so no result aliases the file's memory map.
         w = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         out[t.name] = w.reshape(shape)
     return gguf_names.hf_tensors(out, config)
+
+
+def stored_bytes(reader: gguf.GGUFReader, dtype_bytes: int) -> tuple[int, tuple[str, ...]]:
+    """(bytes of the params of ``tensors_from_gguf(keep_quantized=True)`` with every float
+    tensor in a dtype of ``dtype_bytes``, the kept block types): the GGUF's own bytes for
+    each kept tensor."""
+    total, kept = 0, {}
+    for t in reader.tensors:
+        if kept_quantized(t.name, t.tensor_type):
+            total += int(t.n_bytes)
+            kept[t.tensor_type.name] = None
+        else:
+            total += int(t.n_elements) * dtype_bytes
+    return total, tuple(kept)

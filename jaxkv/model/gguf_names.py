@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.quantized import QuantizedWeight
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -110,7 +111,8 @@ def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str, np.ndarray]:
     """GGUF-named float32 tensors (``[out, in]``) -> HF-named ones as jaxkv's loaders return
-    them: renamed, q/k rows un-permuted, Gemma norms un-shifted, experts unstacked.
+    them: renamed, q/k rows un-permuted, Gemma norms un-shifted, experts unstacked. A
+    ``QuantizedWeight`` (a dense weight kept in its blocks) is renamed, its rows un-permuted.
 
     Raises:
       ValueError: a tensor name the architecture's GGUF does not have.
@@ -125,10 +127,11 @@ def hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str,
             experts[int(m[1]), m[2], m[3]] = w
             continue
         hf = hf_name(name, config.architecture)
-        if arch.gguf_permuted_qk and ".self_attn.q_proj." in hf:
-            w = unpermute_qk(w, config.num_heads)
-        elif arch.gguf_permuted_qk and ".self_attn.k_proj." in hf:
-            w = unpermute_qk(w, config.num_kv_heads)
+        heads = (config.num_heads if ".self_attn.q_proj." in hf else
+                 config.num_kv_heads if ".self_attn.k_proj." in hf else None)
+        if arch.gguf_permuted_qk and heads is not None:
+            w = (w.map_rows(lambda a: unpermute_qk(a, heads)) if isinstance(w, QuantizedWeight)
+                 else unpermute_qk(w, heads))                   # a row permutation
         out[hf] = w
     if arch.moe is None:
         return out

@@ -22,10 +22,11 @@ from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.key_bounds import refresh_key_bounds
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pools import write_layer
-from jaxkv.model import moe
+from jaxkv.model import deepseek, mla, moe
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
+from jaxkv.model.quantized import QuantizedWeight, rows, to_device
 from jaxkv.model.rope import attention_factor, inv_frequencies, rotate, rotation
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
@@ -158,13 +159,16 @@ class DecoderLayer(nnx.Module):
     def __init__(self, c: ModelConfig, dtype, index: int):
         norm = functools.partial(RMSNorm, c.hidden_size, c.rms_norm_eps, dtype, c.gemma)
         self.input_layernorm = norm()
-        self.self_attn = Attention(c, dtype)
+        self.self_attn = (mla.LatentAttention(c, dtype, RMSNorm) if c.mla   # DeepSeek: MLA
+                          else Attention(c, dtype))
         self.post_attention_layernorm = norm()   # Gemma: of the attention's output
         if c.gemma:                              # Gemma: the MLP between two norms of its own
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.gemma = c.gemma
         self.mlp = MoE(c, dtype) if c.is_moe_layer(index) else MLP(c, dtype)
+        if c.mla and c.is_moe_layer(index):     # DeepSeek's routed + shared experts
+            self.mlp = deepseek.DeepseekMoE(c, dtype, MLP)
 
 
 def _decoder_layer(graphdef, state, x, rot, sink_rot, pools, md: AttentionMetadata, *,
@@ -223,7 +227,8 @@ class Transformer(nnx.Module):
         sink_rot = (None if options.sink_position_cap is None else
                     rotation(jnp.minimum(positions, options.sink_position_cap), inv_freq,
                              attention_factor(c)))
-        x = self.embed_tokens[...][token_ids]                            # [T, E]
+        x = rows(self.embed_tokens[...], token_ids).astype(                # [T, E]
+            self.norm.weight[...].dtype)
         if c.gemma:                      # scaled by sqrt(E), rounded to the weights' dtype
             x = x * jnp.asarray(math.sqrt(c.hidden_size), x.dtype)
         ks, vs, bs = list(cache.k), list(cache.v), list(cache.bounds)
@@ -323,7 +328,7 @@ def forward(params: dict, token_ids: jax.Array, positions: jax.Array,
       ``attention_options.observe`` also the attention mass per KV block f32 [S, max_blocks]
       (``jaxkv.attention.mass``, summed over layers).
     """
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    dtype = params["norm"]["weight"].dtype      # a quantized weight's leaves are its codes
     graphdef, abstract = _abstract(config, jnp.dtype(dtype).name)
     state = jax.tree_util.tree_map(lambda x: x, abstract)
     nnx.replace_by_pure_dict(state, params)
@@ -363,6 +368,8 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, *, std: 
 
 def _hf_layer_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]]:
     """HF tensor name (or names) -> (params path, converter from the HF [out, in] arrays)."""
+    if c.mla:                                   # DeepSeek (jaxkv/model/deepseek.py)
+        return deepseek.hf_layer_map(c, i)
     E, Hq, Hkv, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     p = f"model.layers.{i}."
     a = ("layers", i, "self_attn")
@@ -453,13 +460,31 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jn
         for n in names:
             if n not in tensors:
                 raise ValueError(f"{source}: tensor {n!r} is missing")
-        value = np.asarray(convert(*(np.asarray(tensors[n]) for n in names)))
         want = functools.reduce(lambda d, k: d[k], path, shapes).shape
-        if value.shape != want:
-            raise ValueError(f"{source}: tensor {names[0]!r} has shape "
-                             f"{np.shape(tensors[names[0]])}, which does not convert to {want}")
         node = params
         for k in path[:-1]:
             node = node.setdefault(k, {})
+        if isinstance(tensors[names[0]], QuantizedWeight):
+            node[path[-1]] = _quantized_param(tensors[names[0]], path, want, names[0], source)
+            continue
+        value = np.asarray(convert(*(np.asarray(tensors[n]) for n in names)))
+        if value.shape != want:
+            raise ValueError(f"{source}: tensor {names[0]!r} has shape "
+                             f"{np.shape(tensors[names[0]])}, which does not convert to {want}")
         node[path[-1]] = jnp.asarray(value, dtype)
     return params
+
+
+def _quantized_param(w: QuantizedWeight, path: tuple, want: tuple, name: str,
+                     source: str) -> QuantizedWeight:
+    """A GGUF weight kept in its blocks, stored [out, in], as the param of shape ``want``: the
+    embedding [V, E] as stored, a linear weight read as [in..., out...] (``linear.linear``)."""
+    q = dataclasses.replace(w, shape=tuple(want))
+    try:
+        ok = want == (w.rows, w.cols) if path == ("embed_tokens",) else bool(q.out_shape())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{source}: quantized tensor {name!r} [{w.rows}, {w.cols}] does not "
+                         f"convert to {want}")
+    return to_device(w, want)

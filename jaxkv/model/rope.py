@@ -17,10 +17,10 @@ from jaxkv.model.config import ModelConfig
 
 
 def inv_frequencies(config: ModelConfig, local: bool = False) -> np.ndarray:
-    """Inverse frequencies float32 [head_dim // 2]: the full layers' (scaled when
-    ``config.rope_scaling`` is set), or with ``local`` the sliding layers' own
-    (``rope_local_theta``, unscaled: Gemma 3)."""
-    D = config.head_dim
+    """Inverse frequencies float32 [rope_dim // 2] (``head_dim``, or MLA's rotary part): the full
+    layers' (scaled when ``config.rope_scaling`` is set), or with ``local`` the sliding layers'
+    own (``rope_local_theta``, unscaled: Gemma 3)."""
+    D = config.rope_dim
     theta = config.rope_local_theta if local else config.rope_theta
     inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
     rs = None if local else config.rope_scaling
@@ -59,13 +59,21 @@ def _yarn(inv: np.ndarray, D: int, theta: float, rs) -> np.ndarray:
 
 def attention_factor(config: ModelConfig) -> float:
     """What YaRN multiplies the cosines and sines by (so the logits by its square):
-    ``attention_factor``, else ``0.1 ln(factor) + 1``; 1 for other scalings."""
+    ``attention_factor``, else DeepSeek's ``mscale(mscale) / mscale(mscale_all_dim)``, else
+    ``0.1 ln(factor) + 1``; 1 for other scalings."""
     rs = config.rope_scaling
     if rs is None or rs.rope_type != "yarn":
         return 1.0
     if rs.attention_factor is not None:
         return rs.attention_factor
-    return 0.1 * math.log(rs.factor) + 1.0 if rs.factor > 1 else 1.0
+    if rs.mscale and rs.mscale_all_dim:      # DeepSeek: 1 when the two are equal
+        return yarn_mscale(rs.factor, rs.mscale) / yarn_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_mscale(rs.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 mscale ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rotation(positions: jax.Array, inv_freq: np.ndarray,

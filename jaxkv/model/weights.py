@@ -53,6 +53,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     (``_moe_shapes``) for the MLP; then
     ``model.norm.weight [E]`` and ``lm_head.weight [V, E]`` unless embeddings are tied.
     """
+    if config.mla:                                 # DeepSeek's names (jaxkv/model/deepseek.py)
+        from jaxkv.model.deepseek_names import expected_shapes as deepseek_shapes
+        return deepseek_shapes(config)
     e, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
@@ -140,12 +143,14 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
     return {k: tensors[k] for k in shapes}
 
 
-def load_gguf(path: str | Path) -> LoadedModel:
-    """Loads a GGUF file (the architectures and tensor types ``jaxkv.model.gguf`` lists)."""
+def load_gguf(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
+    """Loads a GGUF file (the architectures and tensor types ``jaxkv.model.gguf`` lists);
+    ``keep_quantized``: its dense Q8_0 / Q4_0 / Q4_1 weights as ``QuantizedWeight``."""
     from jaxkv.model import gguf   # the gguf package only when a GGUF is read
     reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)
-    tensors = check_tensors(gguf.tensors_from_gguf(reader, config), config, str(path))
+    tensors = check_tensors(gguf.tensors_from_gguf(reader, config, keep_quantized=keep_quantized),
+                            config, str(path))
     return LoadedModel(config, tensors, Tokenizer.from_gguf_metadata(reader), str(path))
 
 
@@ -156,15 +161,17 @@ def load_hf_dir(path: str | Path) -> LoadedModel:
     return LoadedModel(config, tensors, Tokenizer.from_hf_dir(path), str(path))
 
 
-def load_model_files(path_or_name: str | Path) -> LoadedModel:
+def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
     """Loads a model from a GGUF file, an HF directory or a store name.
 
     Args:
       path_or_name: ``*.gguf`` file; directory with ``config.json``; or a name from the local
         store (e.g. ``store.DEFAULT_MODEL``, downloaded on first use).
+      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks
+        (``jaxkv.model.quantized.QuantizedWeight``, ``[out, in]``); no effect on float files.
 
     Returns:
-      LoadedModel with float32 HF-named tensors.
+      LoadedModel with float32 HF-named tensors (and with ``keep_quantized``, quantized ones).
 
     Raises:
       ValueError: unknown name / unsupported file, or any loader error (naming file and field).
@@ -172,7 +179,7 @@ def load_model_files(path_or_name: str | Path) -> LoadedModel:
     """
     path = store.resolve(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path)
+        return load_gguf(path, keep_quantized=keep_quantized)
     if path.is_dir() and (path / "config.json").is_file():
         return load_hf_dir(path)
     if path.is_dir():
@@ -180,6 +187,23 @@ def load_model_files(path_or_name: str | Path) -> LoadedModel:
                                 "config.json, tokenizer.json and safetensors weights)")
     raise ValueError(f"{path}: not a supported model file; supported: a *.gguf file, an HF "
                      f"directory with config.json, or a store name ({', '.join(store.names())})")
+
+
+def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
+                         dtype_bytes: int) -> tuple[int, str] | None:
+    """(bytes, what they are in words) of a model's params when a GGUF's dense Q8_0 / Q4_0 /
+    Q4_1 weights stay in their blocks (``load_model_files(keep_quantized=True)``) and every
+    other tensor is in a dtype of ``dtype_bytes``; None when nothing would stay quantized, or
+    when ``path_or_name`` is not the GGUF ``config`` was read from (no tensor is loaded)."""
+    path = store.resolve(path_or_name)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    from jaxkv.model import gguf
+    reader = gguf.open_gguf(path)
+    if gguf.config_from_gguf(reader) != config:
+        return None
+    total, kept = gguf.stored_bytes(reader, dtype_bytes)
+    return (total, f"{'/'.join(kept)} blocks kept") if kept else None
 
 
 def load_config(path_or_name: str | Path) -> ModelConfig:

@@ -56,7 +56,8 @@ def kv_bytes_per_vector(kv_dtype: str, head_dim: int) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size: int = 1) -> int:
-    """KV bytes one token occupies over all layers on one device: ``2 x L x Hkv x kv_bytes_per_vector``.
+    """KV bytes one token occupies over all layers on one device: ``2 x L x Hkv x kv_bytes_per_vector``
+    (an MLA model: ``L x kv_bytes_per_vector(Lkv + R)``, its one latent head and no V).
 
     Args:
       config: the model; its ``num_kv_heads`` (not ``num_heads``) counts, so GQA is accounted.
@@ -65,7 +66,8 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype: str, tensor_parallel_size:
         ``max(Hkv, tp) / tp`` heads (kv heads are repeated when fewer than devices).
     """
     heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
-    return 2 * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
+    vectors = 1 if config.mla else 2          # MLA: one latent vector, no V
+    return vectors * config.num_layers * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)
 
 
 def kv_groups(config: ModelConfig, hybrid_kv_cache: bool = True) -> KVGroups:
@@ -92,7 +94,8 @@ def device_kv_spec(config: ModelConfig, kv_dtype: str, block_size: int,
     return KVCacheSpec(num_layers=slots, num_blocks=2, block_size=block_size,
                        num_kv_heads=heads, head_dim=config.head_dim, dtype=dtype,
                        kv_cache_dtype=kv_dtype, group_size=group_size,
-                       num_residual_slots=num_residual_slots, key_bounds=key_bounds)
+                       num_residual_slots=num_residual_slots, key_bounds=key_bounds,
+                       v_head_dim=config.kv_cache_v_dim)
 
 
 def kv_bytes_per_block(config: ModelConfig, kv_dtype: str, block_size: int,
@@ -139,6 +142,9 @@ def num_parameters(config: ModelConfig) -> int:
     biases ``(Hq + 2 Hkv) D`` when ``attention_bias``, SwiGLU ``3 E F``, two RMSNorms ``2 E``;
     final norm ``E``; LM head ``E x V`` unless tied to the embedding.
     """
+    if config.mla:                  # DeepSeek: its checkpoint's tensors, counted exactly
+        from jaxkv.model.deepseek_names import expected_shapes
+        return sum(math.prod(shape) for shape in expected_shapes(config).values())
     E, F, D = config.hidden_size, config.intermediate_size, config.head_dim
     qkv = (config.num_heads + 2 * config.num_kv_heads) * D
     layer = E * qkv + config.num_heads * D * E + 3 * E * F + 2 * E
@@ -268,7 +274,8 @@ def group_plans(config: ModelConfig, groups: KVGroups, kv_dtype: str, *, max_mod
     ``L``-token sequence, a sliding one ``window_blocks`` (or, one group only, the retention
     policy's ``retained_blocks_per_seq``)."""
     heads = max(config.num_kv_heads, tensor_parallel_size) // tensor_parallel_size
-    per_layer = 2 * heads * kv_bytes_per_vector(kv_dtype, config.head_dim)    # B/token/layer
+    per_layer = ((1 if config.mla else 2) * heads           # B/token/layer (MLA: no V)
+                 * kv_bytes_per_vector(kv_dtype, config.head_dim))
     layers = groups.layers or (tuple(range(config.num_layers)),)
     return tuple(GroupPlan(
         w, len(members), len(members) * per_layer,
@@ -306,6 +313,8 @@ class MemoryPlan:
       kv_source: what sized the pool, in words (the engine's ``plan_memory`` says), or "".
       groups: per layer group of the KV cache (one unless the cache is hybrid), its kind,
         layers, bytes per token and blocks per sequence; empty: one full group.
+      weights_format: what the weights are when not all in ``dtype`` (a GGUF's blocks kept),
+        in words; "": all in ``dtype``.
     """
 
     dtype: str
@@ -335,6 +344,7 @@ class MemoryPlan:
     retained_blocks_per_seq: int | None = None
     kv_source: str = ""
     groups: tuple[GroupPlan, ...] = ()
+    weights_format: str = ""
 
     @property
     def hybrid(self) -> bool:
@@ -361,7 +371,8 @@ class MemoryPlan:
         return (f"KV pool: {self.num_usable_blocks:,} blocks x {self.block_size} tokens = "
                 f"{self.max_num_tokens:,} tokens, {format_bytes(self.kv_cache_bytes)} "
                 f"{self.kv_cache_dtype}" + (f" ({self.kv_source})" if self.kv_source else "")
-                + f"; weights {format_bytes(self.weights_bytes)} {self.dtype}")
+                + f"; weights {format_bytes(self.weights_bytes)} "
+                + (self.weights_format or self.dtype))
 
     def summary(self) -> str:
         """A readable table of the plan, its verdict and the reasons."""
@@ -371,7 +382,7 @@ class MemoryPlan:
             ("tensor parallel (sizes per device)", f"{self.tensor_parallel_size}"),
             ("kv heads replicated on", f"{self.kv_head_replication} device(s) each"),
             (f"budget (x {self.memory_utilization:g})", format_bytes(self.budget_bytes)),
-            (f"weights ({self.dtype})", format_bytes(self.weights_bytes)),
+            (f"weights ({self.weights_format or self.dtype})", format_bytes(self.weights_bytes)),
             ("activations / workspace", format_bytes(self.activation_bytes)),
             (f"KV cache ({self.kv_cache_dtype})", format_bytes(self.kv_cache_bytes)),
             ("KIVI residual pool", format_bytes(self.kv_residual_bytes)),
@@ -411,7 +422,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
          tensor_parallel_size: int = 1, kv_residual_blocks: int = 1,
          kv_group_size: int | None = None,
          retained_blocks_per_seq: int | None = None, key_bounds: bool = False,
-         hybrid_kv_cache: bool = True) -> MemoryPlan:
+         hybrid_kv_cache: bool = True, stored_weights_bytes: int | None = None,
+         weights_format: str = "") -> MemoryPlan:
     """Sizes the paged KV pool and says whether the configuration fits.
 
     All sizes are per device: with ``tensor_parallel_size`` t > 1 each device holds its share
@@ -446,6 +458,9 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
         group (``ModelConfig.kv_groups``) over ``num_slots`` pool slots, its sliding groups
         only their window's blocks; False: every layer caches every token (vLLM's
         ``disable_hybrid_kv_cache_manager``). No effect on a model with one attention kind.
+      stored_weights_bytes: the weights' bytes as the engine holds them (a GGUF's quantized
+        blocks kept: ``jaxkv.model.weights.stored_weights_bytes``), instead of
+        ``weights_bytes(config, dtype)``; ``weights_format`` says what they are, in words.
 
     Returns:
       MemoryPlan; check ``runs`` before starting an engine and ``fits`` for preemption-free load.
@@ -465,7 +480,8 @@ def plan(config: ModelConfig | str | os.PathLike, *, device_memory_bytes: int,
               kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
               tensor_parallel_size=tensor_parallel_size, kv_residual_blocks=kv_residual_blocks,
               kv_group_size=kv_group_size, retained_blocks_per_seq=retained_blocks_per_seq,
-              key_bounds=key_bounds, hybrid_kv_cache=hybrid_kv_cache)
+              key_bounds=key_bounds, hybrid_kv_cache=hybrid_kv_cache,
+              stored_weights_bytes=stored_weights_bytes, weights_format=weights_format)
     p = _size(config, **kw)
     return p if p.fits else dataclasses.replace(p, reasons=tuple(_reasons(config, p, kw)))
 
@@ -474,7 +490,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
           block_size, max_model_len, max_num_seqs, max_num_batched_tokens, activation_bytes,
           kv_cache_bytes, num_kv_blocks, tensor_parallel_size=1,
           kv_residual_blocks=1, kv_group_size=None, retained_blocks_per_seq=None,
-          key_bounds=False, hybrid_kv_cache=True) -> MemoryPlan:
+          key_bounds=False, hybrid_kv_cache=True, stored_weights_bytes=None,
+          weights_format="") -> MemoryPlan:
     """``plan`` without the reasons: validation and the arithmetic."""
     _check_sizes(device_memory_bytes, memory_utilization, tensor_parallel_size)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -493,7 +510,8 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
                          f"kinds); plan with hybrid_kv_cache=False")
 
     budget = int(device_memory_bytes * memory_utilization)
-    weights = weights_bytes(config, dtype, tensor_parallel_size)
+    weights = (weights_bytes(config, dtype, tensor_parallel_size) if stored_weights_bytes is None
+               else stored_weights_bytes)
     if activation_bytes is None:
         activation_bytes = activation_bytes_estimate(
             config, dtype=dtype, kv_cache_dtype=kv_dtype,
@@ -534,7 +552,7 @@ def _size(config: ModelConfig, *, device_memory_bytes, memory_utilization, dtype
         tensor_parallel_size=tensor_parallel_size,
         kv_head_replication=max(tensor_parallel_size // config.num_kv_heads, 1),
         kv_residual_bytes=residual, retained_blocks_per_seq=retained_blocks_per_seq,
-        groups=plans)
+        groups=plans, weights_format=weights_format)
 
 
 def _check_sizes(device_memory_bytes, memory_utilization, tensor_parallel_size) -> None:
@@ -621,6 +639,8 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
         out.append(f"lower max_num_seqs: max_num_seqs <= {most:,} would fit"
                    + (" (or keep it and let the scheduler preempt under load)" if p.runs else ""))
     for q, alternatives in _ADVICE_KV:
+        if config.mla and get_format(q).quantized:    # a latent cache: float formats only
+            continue
         q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
         if q_plan.kv_bytes_per_block < p.kv_bytes_per_block:     # same slots and key bounds
             if fixed > p.budget_bytes and not getattr(q_plan, goal):
@@ -629,7 +649,7 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
             verdict = "would fit" if getattr(q_plan, goal) else "is not enough"
             out.append(f"quantize the KV cache: kv_cache_dtype={q!r}{also} holds "
                        f"{q_plan.max_concurrent_seqs:,} full-length sequences, {verdict}")
-    if p.dtype == "float32":
+    if p.dtype == "float32" and not p.weights_format:
         verdict = "would fit" if ok(dtype="bfloat16") else "is not enough"
         out.append(f"use dtype='bfloat16': weights become "
                    f"{format_bytes(weights_bytes(config, 'bfloat16'))}, {verdict}")

@@ -33,7 +33,7 @@ from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint
 from jaxkv.model.llama import param_shapes, params_from_hf
-from jaxkv.model.weights import load_config, load_model_files
+from jaxkv.model.weights import load_config, load_model_files, stored_weights_bytes
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
@@ -122,7 +122,8 @@ def plan_memory(config: EngineConfig, model_config,
               tensor_parallel_size=config.parallel.tensor_parallel_size,
               kv_residual_blocks=cc.kv_residual_blocks, kv_group_size=r.kv_group_size,
               retained_blocks_per_seq=retained, hybrid_kv_cache=cc.hybrid_kv_cache,
-              key_bounds=config.sparse.sparse_attention is not None)
+              key_bounds=config.sparse.sparse_attention is not None,
+              **_stored_weights(config, model_config, r.dtype))
     plan = memory_plan.plan(model_config, **kw)
     for field in ("num_gpu_blocks_override", "kv_cache_memory_bytes"):
         if getattr(cc, field) is not None:
@@ -142,6 +143,25 @@ def plan_memory(config: EngineConfig, model_config,
             f"{where} less weights and activations"))
     capped = memory_plan.plan(model_config, **{**kw, "kv_cache_bytes": cap * plan.kv_bytes_per_block})
     return dataclasses.replace(capped, kv_source=source)
+
+
+def keeps_quantized(config: EngineConfig) -> bool:
+    """Whether the engine keeps a GGUF's quantized weights in their blocks: ``quantization``
+    None (as stored) on one device (tensor parallelism shards float weights only, so there
+    they are dequantized as with ``quantization='none'``)."""
+    return config.model.quantization is None and config.parallel.tensor_parallel_size == 1
+
+
+def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
+    """``memory_plan.plan``'s ``stored_weights_bytes`` and ``weights_format`` where the weights
+    stay in a GGUF's blocks (``keeps_quantized``), else nothing."""
+    if not keeps_quantized(config) or checkpoint.is_checkpoint(config.model.model):
+        return {}
+    stored = stored_weights_bytes(config.model.model, model_config,
+                                  memory_plan.WEIGHT_DTYPES[dtype])
+    if stored is None:
+        return {}
+    return dict(stored_weights_bytes=stored[0], weights_format=f"{stored[1]}, else {dtype}")
 
 
 def _check_windows_hold_residual(groups, cc, kivi: bool) -> None:
@@ -235,7 +255,8 @@ class ModelRunner:
                            num_residual_slots=kivi_residual_slots(
                                self.sched_config.max_num_seqs, cc.kv_residual_blocks,
                                groups.num_groups),
-                           key_bounds=config.sparse.sparse_attention is not None, layout=r.kv_layout)
+                           key_bounds=config.sparse.sparse_attention is not None, layout=r.kv_layout,
+                           v_head_dim=c.kv_cache_v_dim)     # 0: a latent (MLA) cache
         self.memory_plan = plan_memory(config, model_config)
         logger.info("%s", self.memory_plan.headline())
         if not self.memory_plan.runs:
@@ -259,7 +280,8 @@ class ModelRunner:
                                     batch.max_blocks_per_seq(self.cache_config, self.sched_config),
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
-        self.params, self.tokenizer = self._load(mc.model, from_checkpoint)
+        self.params, self.tokenizer = self._load(mc.model, from_checkpoint,
+                                                 keeps_quantized(config))
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed
@@ -288,8 +310,9 @@ class ModelRunner:
 
             check_pallas_support(spec)
 
-    def _load(self, model: str, from_checkpoint: bool):
-        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint."""
+    def _load(self, model: str, from_checkpoint: bool, keep_quantized: bool):
+        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint;
+        ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks."""
         c = self.model_config
         if from_checkpoint:
             if self.mesh is None:
@@ -301,7 +324,7 @@ class ModelRunner:
             tokenizer = checkpoint.read_tokenizer(model)
             self.model_path = Path(model)
         else:
-            loaded = load_model_files(model)
+            loaded = load_model_files(model, keep_quantized=keep_quantized)
             self.model_path = Path(loaded.source)
             params = params_from_hf(c, loaded.tensors, self.dtype, source=loaded.source)
             tokenizer = loaded.tokenizer

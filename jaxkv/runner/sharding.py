@@ -38,6 +38,8 @@ def _split_problems(config: ModelConfig, n: int) -> list[str]:
                        ("draft_vocab_size", config.draft_vocab_size or n)):
         if size % n:
             out.append(f"{name}={size} is not divisible by {n}")
+    if config.mla and n > 1:
+        out.append("an MLA model's latent cache and projections are not split yet")
     kv = config.num_kv_heads
     if kv % n and n % kv:
         out.append(f"num_kv_heads={kv} neither divides nor is divisible by {n}")

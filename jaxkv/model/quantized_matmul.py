@@ -1,0 +1,101 @@
+"""``x @ dequantize(w).T`` for a weight kept in GGUF blocks (jaxkv/model/quantized.py) on the
+GPU: a Pallas (Triton) kernel that reads each 32-value block's codes and scale once and
+dequantizes them in registers, so a step streams the stored bytes (Q4_1: 5 bits a weight)
+instead of a float copy.
+
+Grid (row tiles, column tiles); a program walks K one block at a time: its codes
+``[bn, 32]`` (Q4: the 16 stored bytes, low nibbles the block's elements 0-15, high nibbles
+16-31, each half a ``[bm, 16] x [16, bn]`` product with the matching half of x), scaled per
+output column by the block's ``d``; Q4_0 subtracts 8 from the codes, Q4_1 adds ``m`` times
+the block's row sums of x. Accumulation is float32, so the result equals dequantize-then-dot
+up to summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxkv.model.quantized import BLOCK, QuantizedWeight
+
+_HALF = BLOCK // 2
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False,
+                     bn: int | None = None) -> jax.Array:
+    """x [M, K] (float32 or bfloat16) times ``w``'s dequantized [N, K], transposed: [M, N] in
+    x's dtype.
+
+    Args:
+      interpret: run the kernel in Pallas interpret mode (CPU tests).
+      bn: output columns per program (default: 128, or 64 where N is not a multiple of 128).
+
+    Raises:
+      ValueError: N not a multiple of 64 (real models' widths are), or K not ``w``'s.
+    """
+    M, K = x.shape
+    N = w.rows
+    bn = bn or (128 if N % 128 == 0 else 64)
+    if N % bn or K != w.cols:
+        raise ValueError(f"quantized_matmul needs N={N} a multiple of {bn} and x's K={K} equal "
+                         f"to the weight's {w.cols}")
+    bm = min(32, max(16, 1 << (M - 1).bit_length()))     # Triton's dot: at least 16 rows
+    rows = -(-M // bm) * bm
+    m = w.m if w.m is not None else w.d                   # a placeholder Q4_1 alone reads
+    out = pl.pallas_call(
+        functools.partial(_kernel, qtype=w.qtype, bm=bm, bn=bn),
+        grid=(rows // bm, N // bn),
+        in_specs=[_whole(s) for s in ((rows, K), w.qs.shape, w.d.shape, m.shape)],
+        out_specs=_whole((rows, N)),
+        out_shape=jax.ShapeDtypeStruct((rows, N), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="jaxkv_quantized_matmul",
+    )(jnp.pad(x, ((0, rows - M), (0, 0))), w.qs, w.d, m)
+    return out[:M]
+
+
+def _whole(shape) -> pl.BlockSpec:
+    """The whole array as one block (with the Triton lowering, a base pointer)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _dot_t(a, b):
+    """a [R, k] times b [C, k] transposed: f32 [R, C] (float32 inputs at full precision, not
+    TF32)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, bm: int, bn: int):
+    i, j = pl.program_id(0), pl.program_id(1)
+    r, c = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
+    dtype = x_ref.dtype
+
+    def block(b, acc):                                              # acc f32 [bm, bn]
+        d = d_ref[c, b].astype(jnp.float32)                         # [bn]
+        if qtype == "Q8_0":
+            q = qs_ref[c, pl.ds(b * BLOCK, BLOCK)].astype(dtype)   # [bn, 32]
+            return acc + _dot_t(x_ref[r, pl.ds(b * BLOCK, BLOCK)], q) * d[None, :]
+        lo = x_ref[r, pl.ds(b * BLOCK, _HALF)]                      # [bm, 16]: elements 0-15
+        hi = x_ref[r, pl.ds(b * BLOCK + _HALF, _HALF)]              # [bm, 16]: 16-31
+        q = qs_ref[c, pl.ds(b * _HALF, _HALF)]                      # uint8 [bn, 16]
+        q_lo, q_hi = (q & 0xF).astype(jnp.int32), (q >> 4).astype(jnp.int32)
+        if qtype == "Q4_0":
+            q_lo, q_hi = q_lo - 8, q_hi - 8
+        part = _dot_t(lo, q_lo.astype(dtype)) + _dot_t(hi, q_hi.astype(dtype))
+        acc = acc + part * d[None, :]
+        if qtype == "Q4_1":
+            sums = (jnp.sum(lo.astype(jnp.float32), axis=1)
+                    + jnp.sum(hi.astype(jnp.float32), axis=1))      # [bm]
+            acc = acc + sums[:, None] * m_ref[c, b].astype(jnp.float32)[None, :]
+        return acc
+
+    acc = lax.fori_loop(0, d_ref.shape[1], block, jnp.zeros((bm, bn), jnp.float32))
+    o_ref[r, c] = acc.astype(o_ref.dtype)

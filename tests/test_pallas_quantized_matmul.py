@@ -1,0 +1,52 @@
+"""The Pallas matmul over GGUF blocks (jaxkv/model/quantized_matmul.py) in interpret mode
+against numpy's dequantize-then-dot (float64), every kept type, odd row counts, float32 and
+bfloat16 activations. tests/test_gpu_compile.py compiles it for an H100."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.model.quantized import QuantizedWeight, dequantize_numpy
+from jaxkv.model.quantized_matmul import quantized_matmul
+
+
+def random_weight(rng, qtype: str, N: int, K: int) -> QuantizedWeight:
+    """Random codes, scales and (Q4_1) minimums in the kept layout, as jax arrays."""
+    nb = K // 32
+    d = (rng.random((N, nb)) * 0.02 + 1e-3).astype(np.float16)
+    m = (rng.normal(size=(N, nb)) * 0.01).astype(np.float16) if qtype == "Q4_1" else None
+    qs = (rng.integers(-128, 128, (N, K), dtype=np.int8) if qtype == "Q8_0"
+          else rng.integers(0, 256, (N, K // 2), dtype=np.uint8))
+    return jax.tree.map(jnp.asarray, QuantizedWeight(qs, d, m, qtype, (N, K)))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 64), (3, 128, 96), (17, 192, 160), (40, 128, 64)])
+def test_equals_dequantize_then_dot(qtype, M, N, K):
+    rng = np.random.default_rng(M * N + K)
+    w = random_weight(rng, qtype, N, K)
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantize_numpy(w).astype(np.float64).T
+    got = quantized_matmul(jnp.asarray(x), w, interpret=True, bn=64)
+    assert got.shape == (M, N) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_bfloat16_activations_accumulate_in_float32():
+    """bf16 x, codes exact in bf16, float32 accumulation: within bf16's rounding of the result
+    of the bf16-rounded x."""
+    rng = np.random.default_rng(7)
+    w = random_weight(rng, "Q4_1", 128, 256)
+    x = jnp.asarray(rng.normal(size=(5, 256)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ dequantize_numpy(w).astype(np.float64).T
+    got = quantized_matmul(x, w, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2,
+                               atol=1e-2 * np.abs(want).max())
+
+
+def test_widths_it_cannot_tile_are_refused():
+    w = random_weight(np.random.default_rng(0), "Q8_0", 96, 64)
+    with pytest.raises(ValueError, match="N=96"):
+        quantized_matmul(jnp.zeros((1, 64)), w, interpret=True)

@@ -1,7 +1,7 @@
 """Weights kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1): ``QuantizedWeight``, a params leaf.
 
 A GGUF stores a weight ``[N, K]`` (rows = output channels) as blocks of 32 values along K
-(``../shared/notes/wave3.md`` §3.1). ``from_gguf`` repacks each row's blocks into separate
+(llama.cpp's ggml-common.h). ``from_gguf`` repacks each row's blocks into separate
 arrays, the same bytes, bit-exact to dequantize:
 
     qs  int8 [N, K] (Q8_0) or uint8 [N, K / 2] (Q4_0, Q4_1: a block's 16 bytes as stored,

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxkv import LLM, SamplingParams  # noqa: E402
-from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+from tiny_models import austen_text, hf_reference, save_tiny_model, save_tokenizer  # noqa: E402
 
 # per architecture: transformers' config fields beyond tiny_models' defaults (64 wide, 2
 # layers, 4 q / 2 kv heads)
@@ -70,17 +70,6 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, model
 
 
-def hf_reference(model, prompt_ids):
-    """(greedy tokens, the chosen tokens' logprobs) of HF generate + one full forward."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)[0]
-        logits = model(out[None]).logits[0, len(prompt_ids) - 1:-1].double()
-    tokens = out[len(prompt_ids):]
-    logprobs = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), tokens]
-    return tokens.tolist(), logprobs.numpy()
-
-
 def test_engine_equals_transformers(checkpoint):
     """Four requests, two of them sharing a 96-token prefix with a finished one (prefix hits),
     prompts longer than a step's 32 tokens (chunked prefill), batched together in a pool too
@@ -100,7 +89,7 @@ def test_engine_equals_transformers(checkpoint):
     assert stats["prefix_cache_hits"] >= MIN_HITS.get(arch, 2 * 88), stats
     assert stats["num_preemptions"] > 0, stats
     for prompt, out in zip(prompts, outs):
-        want_tokens, want_logprobs = hf_reference(model, prompt)
+        want_tokens, want_logprobs = hf_reference(model, prompt, NEW_TOKENS)
         got = out.outputs[0]
         assert got.token_ids == want_tokens, arch
         logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]

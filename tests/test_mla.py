@@ -137,7 +137,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from jaxkv import LLM, SamplingParams  # noqa: E402
-from tiny_models import austen_text, save_tiny_model, save_tokenizer  # noqa: E402
+from tiny_models import austen_text, hf_reference, save_tiny_model, save_tokenizer  # noqa: E402
 
 # transformers' fields beyond tiny_models' defaults (64 wide, 2 layers, 4 heads): the latent 32
 # + rotary 8 (a 40-wide cache head), 8 routed experts (more than a decode step's tokens use),
@@ -177,17 +177,6 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, model
 
 
-def hf_reference(model, prompt_ids):
-    """(greedy tokens, the chosen tokens' logprobs) of HF generate + one full forward."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)[0]
-        logits = model(out[None]).logits[0, len(prompt_ids) - 1:-1].double()
-    tokens = out[len(prompt_ids):]
-    logprobs = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), tokens]
-    return tokens.tolist(), logprobs.numpy()
-
-
 @pytest.mark.parametrize("offload", [
     pytest.param({}, id="recompute"), pytest.param(dict(kv_offload_bytes=1 << 20, preemption_mode="swap"),
                      marks=pytest.mark.slow, id="swap")])
@@ -214,7 +203,7 @@ def test_engine_equals_transformers(checkpoint, offload):
     assert [(k.nbytes + v.nbytes) // tokens for k, v in zip(
         jax.tree.leaves(cache.k), jax.tree.leaves(cache.v))] == [(32 + 8) * 4] * 2
     for prompt, out in zip(prompts, outs):
-        want_tokens, want_logprobs = hf_reference(model, prompt)
+        want_tokens, want_logprobs = hf_reference(model, prompt, NEW_TOKENS)
         got = out.outputs[0]
         assert got.token_ids == want_tokens, arch
         logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]

@@ -89,6 +89,19 @@ def save_tiny_model(path, kind="llama", *, seed=0, dtype=None, **overrides):
     return model
 
 
+def hf_reference(model, prompt_ids, num_tokens):
+    """(greedy tokens, the chosen tokens' logprobs) of HF generate + one full forward."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens,
+                             do_sample=False, pad_token_id=0)[0]
+        logits = model(out[None]).logits[0, len(prompt_ids) - 1:-1].double()
+    tokens = out[len(prompt_ids):]
+    logprobs = torch.log_softmax(logits, -1)[torch.arange(num_tokens), tokens]
+    return tokens.tolist(), logprobs.numpy()
+
+
 def assert_greedy_equals_hf(model_path, hf, prompt, num_tokens, atol=1e-4, **engine):
     """jaxkv's engine on ``model_path`` and the torch model ``hf`` generate the same greedy
     ``num_tokens`` after ``prompt`` (token ids), with per-token logprobs within ``atol``."""

@@ -56,6 +56,19 @@ def fmt_sparse_row(row) -> str:
     return _line(cells + [f"{row['max_err']:.2e}", str(row["ok"])])
 
 
+def _kept_vs_dense(row) -> list[str]:
+    """The cells of a kept-vs-dense row after its head: ms, spread, GB/s (and the kept one's
+    fraction of copy) of each, the speed-up, the max error, ok."""
+    cells = []
+    for name in ("kept", "dense"):
+        cells += [f"{row[f'{name}_ms']:.4f}",
+                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
+                  f"{row[f'{name}_gbps']:.0f}"]
+        if name == "kept":
+            cells.append(f"{row['kept_frac_copy']:.2f}")
+    return cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}", str(row["ok"])]
+
+
 def fmt_kept_row(row) -> str:
     """| batch | context | pages kept | MB read (kept / dense) | kept ms | spread | GB/s | frac |
     dense ms | spread | GB/s | speed-up | max err | ok |"""
@@ -64,13 +77,7 @@ def fmt_kept_row(row) -> str:
         return _line(head + [f"error: {row['error']}"] + [""] * 11)
     cells = head + [f"{row['kept_pages']} / {row['logical_pages']}",
                     f"{row['kept_bytes'] / 1e6:.1f} / {row['dense_bytes'] / 1e6:.1f}"]
-    for name in ("kept", "dense"):
-        cells += [f"{row[f'{name}_ms']:.4f}",
-                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
-                  f"{row[f'{name}_gbps']:.0f}"]
-        if name == "kept":
-            cells.append(f"{row['kept_frac_copy']:.2f}")
-    return _line(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}", str(row["ok"])])
+    return _line(cells + _kept_vs_dense(row))
 
 
 def fmt_weight_row(row) -> str:
@@ -80,13 +87,7 @@ def fmt_weight_row(row) -> str:
     if "error" in row:
         return _line(head + [f"error: {row['error']}"] + [""] * 10)
     cells = head + [f"{row['stored_bytes'] / 1e6:.1f} / {row['dense_bytes'] / 1e6:.1f}"]
-    for name in ("kept", "dense"):
-        cells += [f"{row[f'{name}_ms']:.4f}",
-                  f"{row[f'{name}_min_ms']:.4f}–{row[f'{name}_max_ms']:.4f}",
-                  f"{row[f'{name}_gbps']:.0f}"]
-        if name == "kept":
-            cells.append(f"{row['kept_frac_copy']:.2f}")
-    return _line(cells + [f"×{row['speedup']:.2f}", f"{row['max_err']:.2e}", str(row["ok"])])
+    return _line(cells + _kept_vs_dense(row))
 
 
 def fmt_e2e_row(row) -> str:

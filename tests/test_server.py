@@ -863,27 +863,37 @@ def test_16_concurrent_streams_equal_llm_generate(client, offline, server):
 HEALTH_BOUND_S = 0.5       # generous on a shared 2-core machine; blocked, it took 26 s (issue 48)
 
 
+PROBER = """
+import json, sys, threading, time, httpx
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+latencies = []
+with httpx.Client(base_url=sys.argv[1], timeout=30) as h:
+    assert h.get("/health").status_code == 200
+    print("connected", flush=True)
+    while not stop.is_set():
+        t = time.perf_counter()
+        assert h.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - t)
+print(json.dumps(latencies), flush=True)
+"""
+
+
 def health_while(url: str, busy) -> tuple[list[float], object]:
-    """(the round trips of ``GET /health`` polled back to back while ``busy()`` runs in another
-    thread, what ``busy`` returned); polling starts first, so every probe overlaps ``busy``."""
-    done, result = threading.Event(), {}
-
-    def run():
-        try:
-            result["value"] = busy()
-        finally:
-            done.set()
-
-    latencies, worker = [], threading.Thread(target=run)
-    with httpx.Client(base_url=url, timeout=30) as h:
-        assert h.get("/health").status_code == 200        # connected before busy starts
-        worker.start()
-        while not done.is_set():
-            t = time.perf_counter()
-            assert h.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - t)
-    worker.join()
-    return latencies, result.get("value")
+    """(the round trips of ``GET /health`` polled back to back while ``busy()`` runs, what
+    ``busy`` returned). The poller is a fresh process: this one's collector, with torch and
+    every earlier test's garbage on its heap, would pause it (0.4 s) and count as the server's.
+    Polling starts first, so every probe overlaps ``busy``."""
+    poller = subprocess.Popen([sys.executable, "-c", PROBER, url], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert poller.stdout.readline() == "connected\n"
+        value = busy()
+        out, _ = poller.communicate("stop\n", timeout=60)
+    finally:
+        poller.kill()
+    assert poller.returncode == 0
+    return json.loads(out), value
 
 
 def _report(what: str, latencies: list[float]) -> str:

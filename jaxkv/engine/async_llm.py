@@ -5,6 +5,7 @@ Design notes: docs/engine.md."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -17,6 +18,16 @@ from jaxkv.sample.sampler import SamplingParams
 
 class EngineDeadError(RuntimeError):
     """The device loop failed or was shut down; the engine takes no more requests."""
+
+
+def freeze_gc_heap() -> None:
+    """Moves everything alive now (modules, weights' pytrees, compiled executables) to the
+    collector's permanent generation, as vLLM's server does once its engine is up: a full
+    collection while serving then scans only what serving allocated. Unfrozen, one took
+    0.3-0.4 s of a tiny model's server (all threads, the event loop included, wait on it).
+    For processes that serve; ``LLM`` leaves the collector of a user's process alone."""
+    gc.collect()
+    gc.freeze()
 
 
 class AsyncLLM:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 import jaxkv
 from jaxkv.config import EngineConfig
 from jaxkv.config.checks import check_token_ids
-from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError
+from jaxkv.engine.async_llm import AsyncLLM, AsyncRequestStream, EngineDeadError, freeze_gc_heap
 from jaxkv.engine.outputs import RequestOutput
 from jaxkv.server import protocol, tool_calls, tools
 from jaxkv.server.gate import DEFAULT_MAX_BODY, Gate
@@ -564,5 +564,6 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
     server = _DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=_AFTER_DRAIN_S),
                              app, engine, shutdown_timeout)
+    freeze_gc_heap()
     server.run(sockets=[sock])
     return 0

@@ -79,7 +79,7 @@ class JaxkvEngine(LLMEngine):
     async def start(self, worker_id: int) -> DynamoEngineConfig:
         """Loads the engine (in a thread: the event loop keeps running) and returns what
         Dynamo registers: the model files, block size and count, context and batch limits."""
-        from jaxkv.engine.async_llm import AsyncLLM
+        from jaxkv.engine.async_llm import AsyncLLM, freeze_gc_heap
         from jaxkv.server.metrics import ServerMetrics
 
         del worker_id
@@ -97,6 +97,7 @@ class JaxkvEngine(LLMEngine):
         logger.info("jaxkv engine ready: %d blocks of %d tokens, max_model_len %d, model "
                     "files %s", cache.num_usable_blocks, cache.block_size, self.max_model_len,
                     self.card)
+        freeze_gc_heap()
         return DynamoEngineConfig(
             model=str(self.card), served_model_name=self.served_model_name,
             llm=LlmRegistration(

@@ -17,11 +17,15 @@ from jaxkv.kvcache import pages as kvcache
 from jaxkv.kvcache.spec import (KV_ALIASES, KV_FORMATS, MODEL_DTYPES, KVCacheSpec,
                                 default_group_size, get_format, kivi_residual_slots,
                                 resolve_kv_cache_dtype)
+from jaxkv.model import quantize
 from jaxkv.model.config import ModelConfig
 from jaxkv.runner import memory_plan
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxkv"
 REGISTRY = PACKAGE / "kvcache" / "spec.py"
+# Weight quantization (``LLM(quantization=...)``) shares three of the names: its registry and
+# its quantizers.
+WEIGHT_MODULES = (PACKAGE / "model" / "quantization.py", PACKAGE / "model" / "quantize.py")
 # The names that mean a KV format and nothing else. The model dtype names (float32, bfloat16,
 # float16) are aliases too, but they also name weight and activation dtypes everywhere.
 FORMAT_NAMES = set(KV_FORMATS) | {a for a in KV_ALIASES if a not in MODEL_DTYPES}
@@ -48,10 +52,12 @@ def test_format_names_appear_only_in_the_registry():
     assert FORMAT_NAMES == {"fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4",
                             "int2", "fp8"}
     found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {value!r}"
-             for path in sorted(PACKAGE.rglob("*.py")) if path != REGISTRY
+             for path in sorted(PACKAGE.rglob("*.py")) if path not in (REGISTRY, *WEIGHT_MODULES)
              for line, value in _string_constants(path) if value in FORMAT_NAMES]
     assert not found, "KV format names outside jaxkv/kvcache/spec.py:\n" + "\n".join(found)
     assert {v for _, v in _string_constants(REGISTRY)} >= FORMAT_NAMES
+    weight_names = {v for _, v in _string_constants(WEIGHT_MODULES[0])} & FORMAT_NAMES
+    assert weight_names == {"int8", "fp8", "int4"} == set(quantize.METHODS)
 
 
 def test_registry_names_and_aliases():

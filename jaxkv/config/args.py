@@ -11,13 +11,14 @@ from jaxkv.config.kv_events import KVEventsConfig, parse_json
 from jaxkv.config.options import check_fields, option, parse_bytes, parse_none
 from jaxkv.config.scheduler import PREEMPTION_MODES, PREFIX_CACHING_MODES
 from jaxkv.kvcache.spec import KV_ALIASES, KV_FORMATS, LAYOUTS, MODEL_DTYPES
+from jaxkv.model.quantization import DEFAULT_GROUP, METHODS, check_group
 from jaxkv.retention.streaming import POSITIONS
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 RETENTION_MODES = ("full", "streaming", "h2o", "snapkv", "random")
 OFFLOAD_POLICIES = ("lru",)
 SPARSE_ATTENTION_METHODS = ("quest",)
-QUANTIZATION_MODES = ("none",)      # and None: as stored (quantizing on load: issue 51's next)
+QUANTIZATION_MODES = ("none", *METHODS)      # and None: as stored
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,11 +32,16 @@ class ModelArgs:
     seed: int = option(0, "engine seed of requests without their own")
     quantization: str | None = option(
         None, "weights: as stored (unset: a GGUF's dense Q8_0/Q4_0/Q4_1 weights stay in their "
-        "blocks, products dequantize them in registers) or none (dequantize every weight to "
-        "dtype at load)", choices=QUANTIZATION_MODES)
+        "blocks, products dequantize them in registers), none (dequantize every weight to "
+        "dtype at load), or the dense projections quantized at load: int8 or fp8 (e4m3) with "
+        "a scale per output channel, int4 with a scale and minimum per group",
+        choices=QUANTIZATION_MODES)
+    quantization_group_size: int = option(
+        DEFAULT_GROUP, "values per scale of quantization=int4 (a multiple of 32)", minimum=1)
 
     def __post_init__(self):
         check_fields(self)
+        check_group(self.quantization_group_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

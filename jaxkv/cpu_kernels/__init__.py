@@ -261,8 +261,8 @@ def matmuls(x: jax.Array, ws, *, transposed_w: bool = False) -> tuple[jax.Array,
                       transposed_w=transposed_w))
 
 
-# GGUF block types the quantized kernel reads (``jaxkv.model.quantized``), by its qtype code.
-QUANT_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+# The quantized weights' code types the kernel reads (``jaxkv.model.quantized``), by its code.
+QUANT_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "F8_E4M3": 3}
 
 
 def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
@@ -271,8 +271,8 @@ def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
 
     Args:
       x: f32 [M, K], K a multiple of 32.
-      ws: a sequence of ``jaxkv.model.quantized.QuantizedWeight`` of one qtype (Q8_0, Q4_0 or
-        Q4_1), each stored [N_j, K].
+      ws: a sequence of ``jaxkv.model.quantized.QuantizedWeight`` of one qtype
+        (``QUANT_TYPES``) and one group, each stored [N_j, K].
 
     Returns:
       a tuple of f32 [M, N_j], one per weight.
@@ -280,9 +280,9 @@ def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
     _require()
     M, K = x.shape
     ws = tuple(ws)
-    if not ws or len({w.qtype for w in ws}) != 1 or ws[0].qtype not in QUANT_TYPES:
-        raise ValueError(f"quant_matmuls: one qtype of {', '.join(QUANT_TYPES)} for all weights, "
-                         f"got {[w.qtype for w in ws]}")
+    if not ws or len({(w.qtype, w.group) for w in ws}) != 1 or ws[0].qtype not in QUANT_TYPES:
+        raise ValueError(f"quant_matmuls: one qtype of {', '.join(QUANT_TYPES)} and one group "
+                         f"for all weights, got {[(w.qtype, w.group) for w in ws]}")
     operands = []
     for w in ws:
         if w.cols != K:
@@ -291,7 +291,8 @@ def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
         operands += [w.qs, w.d, w.d if w.m is None else w.m]
     shapes = [jax.ShapeDtypeStruct((M, w.rows), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call("jaxkv_quant_matmul", shapes)
-    return tuple(call(x.astype(jnp.float32), *operands, qtype=np.int64(QUANT_TYPES[ws[0].qtype])))
+    return tuple(call(x.astype(jnp.float32), *operands, qtype=np.int64(QUANT_TYPES[ws[0].qtype]),
+                      group=np.int64(ws[0].group)))
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

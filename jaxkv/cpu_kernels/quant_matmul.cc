@@ -1,17 +1,20 @@
-// Products of float rows with weights kept in GGUF's quantized blocks, the weights dequantized
-// in registers as they are read, as an XLA FFI custom call (jaxkv/model/linear.py):
+// Products of float rows with quantized weights (jaxkv/model/quantized.py: a GGUF's blocks,
+// or weights quantized at load), the weights dequantized in registers as they are read, as an
+// XLA FFI custom call (jaxkv/model/linear.py):
 //
 //   x      f32 [M, K]          the activations (any number of rows)
-//   per weight j (same qtype for all):
+//   per weight j (same qtype and group G for all; G a multiple of 32, S = ceil(K / G)):
 //   qs_j   s8 [N_j, K]         Q8_0 codes, or
-//          u8 [N_j, K / 2]     Q4_0 / Q4_1: each block's 16 bytes as stored (low nibbles its
-//                              elements 0-15, high nibbles 16-31)
-//   d_j    f16 [N_j, K / 32]   each block's scale
-//   m_j    f16 [N_j, K / 32]   each block's minimum (Q4_1; any f16 array otherwise, unread)
+//          u8 [N_j, K / 2]     Q4_0 / Q4_1: each 32 values' 16 bytes as GGUF stores a block
+//                              (low nibbles its elements 0-15, high nibbles 16-31), or
+//          f8e4m3 [N_j, K]     F8_E4M3 codes
+//   d_j    f16 [N_j, S]        each group's scale (the last group may be partial)
+//   m_j    f16 [N_j, S]        each group's minimum (Q4_1; any f16 array otherwise, unread)
 //   out_j  f32 [M, N_j]        x @ w_j^T, w_j = the dequantized [N_j, K]
 //
-//   w = q * d (Q8_0), (q - 8) * d (Q4_0), q * d + m (Q4_1): as ggml's dequantize_row_*, so the
-//   result equals dequantize-then-dot up to summation order (and the fused q * d + m).
+//   w = q * d (Q8_0, F8_E4M3), (q - 8) * d (Q4_0), q * d + m (Q4_1): as ggml's
+//   dequantize_row_*, so the result equals dequantize-then-dot up to summation order (and the
+//   fused q * d + m).
 //
 // The work items (of every weight of the call) are shared out over XLA's intra-op threads:
 //
@@ -60,7 +63,8 @@ constexpr int64_t kPanelRows = 64;          // more rows: weight rows per work i
 constexpr int64_t kSpanRows = 512;          // more rows: rows of x per work item
 constexpr int64_t kChunkRows = 32;          // rows of x per walk over the panel
 
-enum QType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kPanel = 3 };   // kPanel: dequantized floats
+// kPanel: dequantized floats
+enum QType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF8 = 3, kPanel = 4 };
 
 // kLanes bytes from p as int32 lanes, sign- or zero-extended (one vpmov[sz]xbd: GCC 12 builds
 // a widened byte vector of its own lane by lane).
@@ -101,6 +105,20 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// kLanes float8 e4m3 codes (zero-extended bytes) as floats: a normal code's exponent and
+// mantissa bits moved into a float's (bias 7 -> 127), a subnormal's mantissa times 2^-9, then
+// the sign. (0x7f / 0xff, e4m3's NaN, read as +-480: quantizing never writes them.)
+inline Vec fp8_to_float(IVec c) {
+  const IVec mag = c & 0x7f;
+  const IVec moved = (mag << 20) + (120 << 23);
+  const Vec normal = reinterpret_cast<const Vec&>(moved);
+  const Vec small = __builtin_convertvector(mag, Vec) * (1.0f / 512);
+  const Vec v = mag < 8 ? small : normal;
+  const IVec sign = (c & 0x80) != 0;                              // -1 where negative
+  const IVec bits = reinterpret_cast<const IVec&>(v) | (sign & (IVec{} + INT32_MIN));
+  return reinterpret_cast<const Vec&>(bits);
+}
+
 // One weight of a call, as the kernel reads it.
 struct Weight {
   const uint8_t* qs;
@@ -109,6 +127,8 @@ struct Weight {
   float* out;
   int64_t N;
   int64_t row_bytes;      // bytes of qs per weight row
+  int64_t scales;         // scales per weight row: ceil(K / G)
+  int64_t gb;             // blocks per scale: G / 32
   int64_t blocks;         // work items along N (weight rows kItemRows or kPanelRows each)
   int64_t items;          // blocks x the spans of x's rows
 };
@@ -118,9 +138,10 @@ struct Weight {
 template <int QT, int C>
 struct Rows {
   const uint8_t* q[C];
-  const uint16_t* d[C];
+  const uint16_t* d[C];   // each row's scales (and minima), one per gb blocks
   const uint16_t* m[C];
   const float* f[C];
+  int64_t gb;             // blocks per scale (a panel: all of them)
 };
 
 // The kLanes weights of part s of block b of one row (d, m: that block's scale and minimum).
@@ -130,6 +151,8 @@ inline Vec weights(const uint8_t* q, const float* f, int64_t b, int s, Vec d, Ve
     return load(f + b * kBlock + s * kLanes);
   } else if constexpr (QT == kQ8_0) {
     return __builtin_convertvector(widen<true>(q + b * kBlock + s * kLanes), Vec) * d;
+  } else if constexpr (QT == kF8) {
+    return fp8_to_float(widen<false>(q + b * kBlock + s * kLanes)) * d;
   } else {
     constexpr int kHalf = kParts / 2;              // parts per nibble half
     const IVec c = widen<false>(q + b * (kBlock / 2) + (s % kHalf) * kLanes);
@@ -142,18 +165,20 @@ inline Vec weights(const uint8_t* q, const float* f, int64_t b, int s, Vec d, Ve
 // out[r, n + c] = x[r] . w[n + c] for R rows of x (stride K) and C weight rows: R * C vector
 // accumulators walk the K / 32 blocks, each vector of weights made once (in registers) for its
 // R products, each vector of x loaded once for its C; lane_sums reduce them at the end.
+// The scales broadcast once per group of w.gb blocks.
 template <int QT, int R, int C>
 void rows_q(const float* x, int64_t K, const Rows<QT, C>& w, float* out, int64_t N,
             int64_t n) {
   Vec acc[R * C];
   for (Vec& a : acc) a = Vec{};
   const int64_t blocks = K / kBlock;
+  Vec d[C], m[C];
   for (int64_t b = 0; b < blocks; ++b) {
-    Vec d[C], m[C];
-    for (int c = 0; c < C; ++c) {
-      if constexpr (QT != kPanel) d[c] = Vec{} + half_to_float(w.d[c][b]);
-      if constexpr (QT == kQ4_1) m[c] = Vec{} + half_to_float(w.m[c][b]);
-    }
+    if (b % w.gb == 0)
+      for (int c = 0; c < C; ++c) {
+        if constexpr (QT != kPanel) d[c] = Vec{} + half_to_float(w.d[c][b / w.gb]);
+        if constexpr (QT == kQ4_1) m[c] = Vec{} + half_to_float(w.m[c][b / w.gb]);
+      }
     for (int s = 0; s < kParts; ++s) {
       Vec wv[C];
       for (int c = 0; c < C; ++c) {
@@ -191,11 +216,11 @@ void rows_all(const float* x, int64_t M, int64_t K, const Rows<QT, C>& w, float*
 template <int QT, int C>
 Rows<QT, C> rows_of(const Weight& p, int64_t K, int64_t n, const float* panel, int64_t n0) {
   Rows<QT, C> w{};
-  const int64_t blocks = K / kBlock;
+  w.gb = panel ? K / kBlock : p.gb;
   for (int c = 0; c < C; ++c) {
     w.q[c] = p.qs + (n + c) * p.row_bytes;
-    w.d[c] = p.d + (n + c) * blocks;
-    w.m[c] = p.m + (n + c) * blocks;
+    w.d[c] = p.d + (n + c) * p.scales;
+    w.m[c] = p.m + (n + c) * p.scales;
     w.f[c] = panel ? panel + (n + c - n0) * K : nullptr;
   }
   return w;
@@ -216,13 +241,14 @@ void item_rows(const float* x, int64_t M, int64_t K, const Weight& p, int64_t n0
 // panel [n1 - n0, K] = the dequantized weight rows [n0, n1) of p.
 template <int QT>
 void dequantize_rows(const Weight& p, int64_t K, int64_t n0, int64_t n1, float* panel) {
-  const int64_t blocks = K / kBlock;
+  const int64_t blocks = K / kBlock, gb = p.gb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = p.qs + n * p.row_bytes;
     float* f = panel + (n - n0) * K;
     for (int64_t b = 0; b < blocks; ++b) {
-      const Vec d = Vec{} + half_to_float(p.d[n * blocks + b]);
-      const Vec m = QT == kQ4_1 ? Vec{} + half_to_float(p.m[n * blocks + b]) : Vec{};
+      const int64_t g = n * p.scales + b / gb;
+      const Vec d = Vec{} + half_to_float(p.d[g]);
+      const Vec m = QT == kQ4_1 ? Vec{} + half_to_float(p.m[g]) : Vec{};
       for (int s = 0; s < kParts; ++s)
         *reinterpret_cast<Vec*>(f + b * kBlock + s * kLanes) =
             weights<QT>(q, nullptr, b, s, d, m);
@@ -246,16 +272,20 @@ void item(const float* x, int64_t M, int64_t K, const Weight& p, int64_t n0, int
 }
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                           ffi::RemainingRets outs, int64_t qtype) {
+                           ffi::RemainingRets outs, int64_t qtype, int64_t group) {
   const auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be 2-D");
   const int64_t M = xd[0], K = xd[1];
   if (K % kBlock) return ffi::Error::InvalidArgument("quant_matmul: K must be a multiple of 32");
-  if (qtype < kQ8_0 || qtype > kQ4_1)
-    return ffi::Error::InvalidArgument("quant_matmul: qtype must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1)");
+  if (group <= 0 || group % kBlock)
+    return ffi::Error::InvalidArgument("quant_matmul: the group must be a multiple of 32");
+  const int64_t scales = (K + group - 1) / group;
+  if (qtype < kQ8_0 || qtype > kF8)
+    return ffi::Error::InvalidArgument(
+        "quant_matmul: qtype must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1) or 3 (F8_E4M3)");
   if (args.size() == 0 || args.size() != 3 * outs.size())
     return ffi::Error::InvalidArgument("quant_matmul: three arrays (qs, d, m) per output");
-  const int64_t row_bytes = qtype == kQ8_0 ? K : K / 2;
+  const int64_t row_bytes = qtype == kQ8_0 || qtype == kF8 ? K : K / 2;
   const bool direct = M <= kDirectRows;
   const int64_t per_item = direct ? kItemRows : kPanelRows;        // weight rows per item
   const int64_t spans = direct ? 1 : (M + kSpanRows - 1) / kSpanRows;
@@ -270,12 +300,12 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     const auto qd = qs->dimensions(), dd = d->dimensions(), md = m->dimensions();
     const bool m_ok = qtype != kQ4_1 || (md.size() == 2 && md[0] == dd[0] && md[1] == dd[1]);
     if (qd.size() != 2 || qd[1] != row_bytes || dd.size() != 2 || dd[0] != qd[0] ||
-        dd[1] != K / kBlock || !m_ok)
+        dd[1] != scales || !m_ok)
       return ffi::Error::InvalidArgument("quant_matmul: a weight's arrays do not match x's K");
     Weight w{static_cast<const uint8_t*>(qs->untyped_data()),
              static_cast<const uint16_t*>(d->untyped_data()),
              static_cast<const uint16_t*>(m->untyped_data()), (*out)->typed_data(), qd[0],
-             row_bytes, (qd[0] + per_item - 1) / per_item, 0};
+             row_bytes, scales, group / kBlock, (qd[0] + per_item - 1) / per_item, 0};
     w.items = w.blocks * spans;
     weights.push_back(w);
     first_item.push_back(first_item.back() + w.items);
@@ -291,6 +321,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     switch (qtype) {
       case kQ8_0: item<kQ8_0>(xp, M, K, p, n0, n1, m0, m1); break;
       case kQ4_0: item<kQ4_0>(xp, M, K, p, n0, n1, m0, m1); break;
+      case kF8: item<kF8>(xp, M, K, p, n0, n1, m0, m1); break;
       default: item<kQ4_1>(xp, M, K, p, n0, n1, m0, m1);
     }
   });
@@ -305,4 +336,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvQuantMatmul, QuantMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()     // x
                                   .RemainingArgs()                  // (qs, d, m) per weight
                                   .RemainingRets()                  // one output each
-                                  .Attr<int64_t>("qtype"));
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("group"));

@@ -1,15 +1,18 @@
-"""Weights kept in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1): ``QuantizedWeight``, a params leaf.
+"""Weights kept quantized: ``QuantizedWeight``, a params leaf holding a GGUF's Q8_0 / Q4_0 /
+Q4_1 blocks as stored, or what ``jaxkv.model.quantize`` makes of float weights at load.
 
-A GGUF stores a weight ``[N, K]`` (rows = output channels) as blocks of 32 values along K
-(llama.cpp's ggml-common.h). ``from_gguf`` repacks each row's blocks into separate
-arrays, the same bytes, bit-exact to dequantize:
+A weight ``[N, K]`` (rows = output channels) is stored as codes along K, one scale (and
+minimum) per ``group`` values of a row (a multiple of 32; the last group may be partial, as
+compressed-tensors' ``ceil(K / group)`` scales); GGUF's blocks are groups of 32 (llama.cpp's
+ggml-common.h), repacked by ``from_gguf`` into separate arrays, the same bytes, bit-exact:
 
-    qs  int8 [N, K] (Q8_0) or uint8 [N, K / 2] (Q4_0, Q4_1: a block's 16 bytes as stored,
-        the low nibbles its elements 0-15, the high ones 16-31)
-    d   float16 [N, K / 32]  each block's scale
-    m   float16 [N, K / 32]  each block's minimum (Q4_1; None otherwise)
+    qs  int8 [N, K] (Q8_0), uint8 [N, K / 2] (Q4_0, Q4_1: each 32 values' 16 bytes as
+        GGUF stores a block, the low nibbles its elements 0-15, the high ones 16-31) or
+        float8_e4m3fn [N, K] (F8_E4M3)
+    d   float16 [N, G]  each group's scale, G = ceil(K / group)
+    m   float16 [N, G]  each group's minimum (Q4_1; None otherwise)
 
-    value = q * d (Q8_0),  (q - 8) * d (Q4_0),  q * d + m (Q4_1)
+    value = q * d (Q8_0, F8_E4M3),  (q - 8) * d (Q4_0),  q * d + m (Q4_1)
 
 ``shape`` is the logical shape of the float parameter it stands for (``llama.param_shapes``):
 the model reads a linear weight as ``[K..., N...]`` (``linear.linear``) and the embedding as
@@ -26,21 +29,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-BLOCK = 32                                  # values per block, every kept type
+from jaxkv.model.quantization import BLOCK     # values per GGUF block; groups are multiples
+
 KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")       # the GGUF types kept quantized
+CODE_TYPES = (*KEPT_TYPES, "F8_E4M3")       # how codes decode (module docstring)
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A weight in GGUF blocks (see the module docstring); ``qtype`` and ``shape`` are static."""
+    """A quantized weight (see the module docstring); ``qtype``, ``shape`` and ``group`` are
+    static."""
 
-    qs: object                                            # int8 [N, K] or uint8 [N, K / 2]
-    d: object                                             # f16 [N, K / 32]
-    m: object                                             # f16 [N, K / 32] or None
+    qs: object                                            # [N, K] or uint8 [N, K / 2]
+    d: object                                             # f16 [N, G]
+    m: object                                             # f16 [N, G] or None
     qtype: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(default=BLOCK, metadata=dict(static=True))
 
     @property
     def rows(self) -> int:
@@ -50,11 +57,11 @@ class QuantizedWeight:
     @property
     def cols(self) -> int:
         """K: values per stored row (the contracted axis)."""
-        return int(self.d.shape[1]) * BLOCK
+        return int(self.qs.shape[1]) * (2 if self.qtype in ("Q4_0", "Q4_1") else 1)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arrays (the GGUF's bytes for these rows)."""
+        """Bytes of the arrays (a GGUF's: the file's bytes for these rows)."""
         return sum(int(a.nbytes) for a in (self.qs, self.d, self.m) if a is not None)
 
     @property
@@ -122,36 +129,38 @@ def to_gguf(w: QuantizedWeight) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
-def _codes(xp, qs, qtype: str, n: int, nb: int):
+def _codes(xp, qs, qtype: str, n: int):
     """float32 [N, K / 32, 32] codes (Q4_0: already less 8), with ``xp`` numpy or jax.numpy."""
-    if qtype == "Q8_0":
-        return qs.reshape(n, nb, BLOCK).astype(xp.float32)
-    q = qs.reshape(n, nb, BLOCK // 2)
+    if qtype in ("Q8_0", "F8_E4M3"):
+        return qs.reshape(n, -1, BLOCK).astype(xp.float32)
+    q = qs.reshape(n, -1, BLOCK // 2)
     q = xp.concatenate([q & 0xF, q >> 4], axis=-1)                    # elements 0-15, 16-31
     if qtype == "Q4_0":
-        return (q.astype(xp.int8) - xp.int8(8)).astype(xp.float32)
+        q = q.astype(xp.int8) - xp.int8(8)
     return q.astype(xp.float32)
+
+
+def _per_block(xp, a, w: QuantizedWeight):
+    """float32 [N, K / 32, 1]: each 32-value block's entry of ``a`` [N, G] (its group's)."""
+    a = xp.repeat(a.astype(xp.float32), w.group // BLOCK, axis=1)[:, :w.cols // BLOCK]
+    return a[..., None]
 
 
 def dequantize_numpy(w: QuantizedWeight) -> np.ndarray:
     """float32 [N, K], as ggml's ``dequantize_row_*`` (the ``gguf`` package's order of ops)."""
-    n, nb = w.rows, w.cols // BLOCK
-    q = _codes(np, np.asarray(w.qs), w.qtype, n, nb)
-    d = np.asarray(w.d).astype(np.float32)[..., None]
-    out = d * q if w.qtype != "Q8_0" else q * d
+    out = _codes(np, np.asarray(w.qs), w.qtype, w.rows) * _per_block(np, np.asarray(w.d), w)
     if w.m is not None:
-        out = out + np.asarray(w.m).astype(np.float32)[..., None]
-    return out.reshape(n, w.cols)
+        out = out + _per_block(np, np.asarray(w.m), w)
+    return out.reshape(w.rows, w.cols)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """``dtype`` [N, K] (jax.numpy; the fallback of the CPU kernel and the embedding rows)."""
-    n, nb = w.qs.shape[0], w.d.shape[1]
-    q = _codes(jnp, w.qs, w.qtype, n, nb)
-    out = q * w.d.astype(jnp.float32)[..., None]
+    """``dtype`` [N, K] (jax.numpy; the fallback of the kernels and the embedding rows)."""
+    n = w.qs.shape[0]
+    out = _codes(jnp, w.qs, w.qtype, n) * _per_block(jnp, w.d, w)
     if w.m is not None:
-        out = out + w.m.astype(jnp.float32)[..., None]
-    return out.reshape(n, nb * BLOCK).astype(dtype)
+        out = out + _per_block(jnp, w.m, w)
+    return out.reshape(n, w.cols).astype(dtype)
 
 
 def rows(w, ids: jax.Array) -> jax.Array:

@@ -1,14 +1,14 @@
-"""``x @ dequantize(w).T`` for a weight kept in GGUF blocks (jaxkv/model/quantized.py) on the
-GPU: a Pallas (Triton) kernel that reads each 32-value block's codes and scale once and
-dequantizes them in registers, so a step streams the stored bytes (Q4_1: 5 bits a weight)
-instead of a float copy.
+"""``x @ dequantize(w).T`` for a quantized weight (jaxkv/model/quantized.py) on the GPU: a
+Pallas (Triton) kernel that reads each 32-value block's codes and its group's scale once and
+dequantizes them in registers, so a step streams the stored bytes (Q4_1: 5 bits a weight,
+int4 in groups of 128: 4.25) instead of a float copy.
 
-Grid (row tiles, column tiles); a program walks K one block at a time: its codes
+Grid (row tiles, column tiles); a program walks K one 32-value block at a time: its codes
 ``[bn, 32]`` (Q4: the 16 stored bytes, low nibbles the block's elements 0-15, high nibbles
-16-31, each half a ``[bm, 16] x [16, bn]`` product with the matching half of x), scaled per
-output column by the block's ``d``; Q4_0 subtracts 8 from the codes, Q4_1 adds ``m`` times
-the block's row sums of x. Accumulation is float32, so the result equals dequantize-then-dot
-up to summation order.
+16-31, each half a ``[bm, 16] x [16, bn]`` product with the matching half of x; F8_E4M3:
+float8 codes converted), scaled per output column by its group's ``d``; Q4_0 subtracts 8
+from the codes, Q4_1 adds ``m`` times the block's row sums of x. Accumulation is float32, so
+the result equals dequantize-then-dot up to summation order.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: bool = Fals
     rows = -(-M // bm) * bm
     m = w.m if w.m is not None else w.d                   # a placeholder Q4_1 alone reads
     out = pl.pallas_call(
-        functools.partial(_kernel, qtype=w.qtype, bm=bm, bn=bn),
+        functools.partial(_kernel, qtype=w.qtype, gb=w.group // BLOCK, bm=bm, bn=bn),
         grid=(rows // bm, N // bn),
         in_specs=[_whole(s) for s in ((rows, K), w.qs.shape, w.d.shape, m.shape)],
         out_specs=_whole((rows, N)),
@@ -73,14 +73,15 @@ def _dot_t(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, bm: int, bn: int):
+def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, gb: int, bm: int, bn: int):
+    """Blocks of 32 values along K; their scale (and minimum) is group ``b // gb``'s."""
     i, j = pl.program_id(0), pl.program_id(1)
     r, c = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
     dtype = x_ref.dtype
 
     def block(b, acc):                                              # acc f32 [bm, bn]
-        d = d_ref[c, b].astype(jnp.float32)                         # [bn]
-        if qtype == "Q8_0":
+        d = d_ref[c, b // gb].astype(jnp.float32)                   # [bn]
+        if qtype in ("Q8_0", "F8_E4M3"):
             q = qs_ref[c, pl.ds(b * BLOCK, BLOCK)].astype(dtype)   # [bn, 32]
             return acc + _dot_t(x_ref[r, pl.ds(b * BLOCK, BLOCK)], q) * d[None, :]
         lo = x_ref[r, pl.ds(b * BLOCK, _HALF)]                      # [bm, 16]: elements 0-15
@@ -94,8 +95,9 @@ def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, bm: int, bn: int)
         if qtype == "Q4_1":
             sums = (jnp.sum(lo.astype(jnp.float32), axis=1)
                     + jnp.sum(hi.astype(jnp.float32), axis=1))      # [bm]
-            acc = acc + sums[:, None] * m_ref[c, b].astype(jnp.float32)[None, :]
+            acc = acc + sums[:, None] * m_ref[c, b // gb].astype(jnp.float32)[None, :]
         return acc
 
-    acc = lax.fori_loop(0, d_ref.shape[1], block, jnp.zeros((bm, bn), jnp.float32))
+    blocks = x_ref.shape[1] // BLOCK
+    acc = lax.fori_loop(0, blocks, block, jnp.zeros((bm, bn), jnp.float32))
     o_ref[r, c] = acc.astype(o_ref.dtype)

@@ -31,9 +31,10 @@ from jaxkv.config import CacheConfig, EngineConfig
 from jaxkv.config.resolve import quest_options, resolve
 from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
-from jaxkv.model import checkpoint
+from jaxkv.model import checkpoint, quantize
 from jaxkv.model.llama import param_shapes, params_from_hf
-from jaxkv.model.weights import load_config, load_model_files, stored_weights_bytes
+from jaxkv.model.weights import (expected_shapes, load_config, load_model_files,
+                                 stored_weights_bytes)
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
@@ -152,9 +153,32 @@ def keeps_quantized(config: EngineConfig) -> bool:
     return config.model.quantization is None and config.parallel.tensor_parallel_size == 1
 
 
+def check_quantization(config: EngineConfig, from_checkpoint: bool) -> None:
+    """Raises ValueError naming ``quantization`` where weights cannot be quantized at load:
+    from an orbax checkpoint (it holds the weights as saved) or under tensor parallelism
+    (which shards float weights only)."""
+    method, tp = config.model.quantization, config.parallel.tensor_parallel_size
+    if method not in quantize.METHODS:
+        return
+    if from_checkpoint:
+        raise ValueError(f"quantization={method!r}: {config.model.model} is an orbax checkpoint, "
+                         "which holds its weights as saved; quantize a model file (GGUF or HF) "
+                         "at load")
+    if tp > 1:
+        raise ValueError(f"quantization={method!r} with tensor_parallel_size={tp}: tensor "
+                         "parallelism shards float weights only")
+
+
 def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
-    """``memory_plan.plan``'s ``stored_weights_bytes`` and ``weights_format`` where the weights
-    stay in a GGUF's blocks (``keeps_quantized``), else nothing."""
+    """``memory_plan.plan``'s ``stored_weights_bytes`` and ``weights_format`` where weights are
+    quantized at load or stay in a GGUF's blocks (``keeps_quantized``), else nothing."""
+    mc = config.model
+    if mc.quantization in quantize.METHODS:
+        group = mc.quantization_group_size
+        total = quantize.stored_bytes(expected_shapes(model_config), mc.quantization, group,
+                                      memory_plan.WEIGHT_DTYPES[dtype])
+        return dict(stored_weights_bytes=total,
+                    weights_format=f"{quantize.describe(mc.quantization, group)}, else {dtype}")
     if not keeps_quantized(config) or checkpoint.is_checkpoint(config.model.model):
         return {}
     stored = stored_weights_bytes(config.model.model, model_config,
@@ -222,6 +246,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         mc, cc, rc, pc = config.model, config.cache, config.runtime, config.parallel
         from_checkpoint = checkpoint.is_checkpoint(mc.model)
+        check_quantization(config, from_checkpoint)
         model_config = (checkpoint.read_config(mc.model) if from_checkpoint
                         else load_config(mc.model))
         self.model_config = model_config
@@ -280,8 +305,7 @@ class ModelRunner:
                                     batch.max_blocks_per_seq(self.cache_config, self.sched_config),
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
-        self.params, self.tokenizer = self._load(mc.model, from_checkpoint,
-                                                 keeps_quantized(config))
+        self.params, self.tokenizer = self._load(mc, from_checkpoint, keeps_quantized(config))
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed
@@ -310,10 +334,11 @@ class ModelRunner:
 
             check_pallas_support(spec)
 
-    def _load(self, model: str, from_checkpoint: bool, keep_quantized: bool):
+    def _load(self, mc, from_checkpoint: bool, keep_quantized: bool):
         """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint;
-        ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks."""
-        c = self.model_config
+        ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks;
+        ``mc.quantization`` one of ``quantize.METHODS``: the dense projections quantized."""
+        c, model = self.model_config, mc.model
         if from_checkpoint:
             if self.mesh is None:
                 dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -326,7 +351,11 @@ class ModelRunner:
         else:
             loaded = load_model_files(model, keep_quantized=keep_quantized)
             self.model_path = Path(loaded.source)
-            params = params_from_hf(c, loaded.tensors, self.dtype, source=loaded.source)
+            tensors = loaded.tensors
+            if mc.quantization in quantize.METHODS:
+                tensors = quantize.quantize_tensors(tensors, mc.quantization,
+                                                    mc.quantization_group_size, loaded.source)
+            params = params_from_hf(c, tensors, self.dtype, source=loaded.source)
             tokenizer = loaded.tokenizer
         if self.mesh is not None:
             params = sharding.shard_params(params, c, self.mesh)

@@ -19,13 +19,13 @@ host timings do not share the CPU with compiles.
 
 Modes:
   (default) every section, under the time guards below.
-  --quick: 62 executables instead of 319, one LLM instead of four. (a) keeps every kernel,
+  --quick: 62 executables instead of 335, one LLM instead of four. (a) keeps every kernel,
     format and option at real sizes but not every product (``QUICK_POOLS``: split-K at auto
     splits only, the same kernel as splits=1 on a larger grid; fp32 plain; the sparse kernel
     on bf16, int8 and a written int4 pool, the hardest of its readers): 49 executables of 84;
     (b) at 32k context, batches 8 and 128, GQA 4, with (b2)'s fp8 and int4 rows (the headline
     bandwidths and two targets: 10 of 88); (c) the ragged kernel and cuDNN (2 of 5); one (f)
-    row (SmolLM2's geometry, bf16 KV, batch 64); no (b3), (b4), (d), (e).
+    row (SmolLM2's geometry, bf16 KV, batch 64); no (b3), (b4), (b5), (d), (e).
   --dry-run: tiny sizes in Pallas interpret mode on the CPU, no time guards. Every executable is
     also archived (OUT/artifacts/cpu.zip), and the archived copy loaded back and used, so the
     archive path runs too; ``--quick`` selects as above; ``--prepare``/``--artifacts`` work
@@ -80,6 +80,10 @@ Sections, in the order they run:
   (b4) kept-blocks decode (issue 13): tables keeping 25% of each sequence's blocks, the kept walk
       vs the dense walk of the same table (a window covering the whole context): bytes, ms,
       GB/s, speed-up, and the two outputs' difference;
+  (b5) absorbed MLA decode (issue 53): DeepSeek-V3's latent (512 + 64, bf16, 128 query heads
+      sharing it) at 32k and 4k x batches 1, 32, 128, the MLA kernel at its default head tile (16
+      heads a program) and at 64: ms, GB/s over the latent bytes (batch x context x 576 x 2, read
+      once), fraction of copy; at batch 1 the kernel vs ``mla_attention_reference``;
   (g) weights kept in GGUF blocks (issue 51): the Pallas ``quantized_matmul`` over square Q8_0
       and Q4_1 weights of 4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
       bf16 activations: ms, GB/s over the stored bytes, fraction of copy; XLA's bf16 product
@@ -91,19 +95,19 @@ Sections, in the order they run:
 Every timing runs the op ``inner`` times inside one jitted loop (each call feeds its output into
 the next q, so nothing is hoisted), ``reps`` times: median and min/max per call. Every section and
 row is guarded: a failure is recorded, the run goes on. Exit status 0: every kernel matched the
-reference, every sparse / kept / end-to-end row is ok and no section failed.
+reference, every sparse / kept / MLA / end-to-end row is ok and no section failed.
 
 Time guards (seconds since the process started; full | quick): no bf16 decode row starts after
 200 | 110, no quantized one after 230 | 120; (f) starts before 260 | 135, no end-to-end row after
 400 | 135, nor one the previous row's time (its LLM's build included) would carry past 430 |
-170; then sparse rows until 420, kept-blocks rows until 430, weight rows until 432, offload
-before 430, sweep rows
-until 440 (full only). The report counts the rows each guard dropped.
+170; then sparse rows until 420, kept-blocks rows until 430, MLA rows until 431, weight rows
+until 432, offload before 430, sweep rows until 440 (full only). The report counts the rows
+each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 319 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (g) 42, (d) 36, the copy 1
-(the estimate below predates (g)). Their
+deviceless here). The full run has 335 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 16, (g) 42, (d) 36,
+the copy 1 (the estimate below predates (g) and (b5)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
 (load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
 loop, 0.2-0.5 s to lower it. At ~2.5 s a compile and ~0.3 s a lowering on the device, one after
@@ -142,8 +146,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxkv.attention.mla import mla_attention_reference  # noqa: E402
 from jaxkv.attention.pallas import (DecodeConfig, RaggedConfig, default_num_splits,  # noqa: E402
                                     paged_decode_attention, ragged_paged_attention)
+from jaxkv.attention.pallas.mla_decode import MLADecodeConfig, mla_decode_attention  # noqa: E402
 from jaxkv.attention.reference import paged_attention_reference  # noqa: E402
 from jaxkv.kvcache.spec import KV_FORMATS, KVCacheSpec  # noqa: E402
 from jaxkv.model.quantized import QuantizedWeight, dequantize  # noqa: E402
@@ -154,8 +160,8 @@ from lib import gpu_artifacts as artifacts  # noqa: E402
 from lib.gpu_e2e import (LLAMA3_8B_L4, SMOLLM2_135M, E2EModel, build_llm, e2e_row,  # noqa: E402
                          write_models)
 from lib.gpu_report import (QUANT_TARGETS, fmt_decode_row, fmt_e2e_row,  # noqa: E402
-                            fmt_kept_row, fmt_quant_row, fmt_sparse_row, fmt_weight_row,
-                            markdown)
+                            fmt_kept_row, fmt_mla_row, fmt_quant_row, fmt_sparse_row,
+                            fmt_weight_row, markdown)
 
 TOL = {"float32": dict(atol=2e-4, rtol=2e-4), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 KIVI_DTYPES = tuple(name for name, f in KV_FORMATS.items() if f.kivi)   # int4, int2
@@ -181,9 +187,9 @@ QUICK_POOLS = (("bfloat16", FLOAT_VARIANTS, QUANT_KERNELS), ("float32", ("plain"
                ("int4", ("plain",), DENSE_KERNELS), ("int2", ("plain",), DENSE_KERNELS),
                ("int4 written", ("plain",), QUANT_KERNELS))
 
-SECTIONS = ("copy_gbps", "correctness", "decode", "prefill", "e2e", "sparse", "kept", "weights",
-            "offload", "sweep")
-PREPARED = ("copy_gbps", "correctness", "decode", "prefill", "sparse", "kept", "weights",
+SECTIONS = ("copy_gbps", "correctness", "decode", "prefill", "e2e", "sparse", "kept", "mla",
+            "weights", "offload", "sweep")
+PREPARED = ("copy_gbps", "correctness", "decode", "prefill", "sparse", "kept", "mla", "weights",
             "sweep")
 
 
@@ -227,6 +233,10 @@ class Settings:
     kept_contexts: tuple[int, ...] = ()           # (b4)
     kept_batches: tuple[int, ...] = (8, 32)
     kept_fraction: float = 0.25
+    mla_contexts: tuple[int, ...] = ()            # (b5)
+    mla_batches: tuple[int, ...] = (1, 32, 128)
+    mla_heads: int = 128                          # query heads sharing each latent
+    mla_latent: tuple[int, int] = (512, 64)       # (Lkv, R)
     weight_sizes: tuple[int, ...] = ()            # (g): square [K, K] weights
     weight_batches: tuple[int, ...] = (1, 8, 64)
     weight_qtypes: tuple[str, ...] = ("Q8_0", "Q4_1")
@@ -243,8 +253,8 @@ class Settings:
 
 
 FULL_UNTIL = (("decode", 200.0), ("quant", 230.0), ("e2e_start", 260.0), ("e2e", 400.0),
-              ("e2e_end", 430.0), ("sparse", 420.0), ("kept", 430.0), ("weights", 432.0),
-              ("offload", 430.0),
+              ("e2e_end", 430.0), ("sparse", 420.0), ("kept", 430.0), ("mla", 431.0),
+              ("weights", 432.0), ("offload", 430.0),
               ("sweep", 440.0))
 QUICK_UNTIL = (("decode", 110.0), ("quant", 120.0), ("e2e_start", 135.0), ("e2e", 135.0),
                ("e2e_end", 170.0))
@@ -260,7 +270,7 @@ FULL = Settings(
                 E2EModel("Llama-3-8B's shape, 4 of its 32 layers", tuple(LLAMA3_8B_L4.items()),
                          (("auto", (1, 32)), ("fp8_e4m3", (32,))))),
     until=FULL_UNTIL, quant_contexts=(32768,), sparse_contexts=(8192, 32768),
-    kept_contexts=(8192, 32768), weight_sizes=(4096, 8192))
+    kept_contexts=(8192, 32768), mla_contexts=(4096, 32768), weight_sizes=(4096, 8192))
 # head_dim 64: the smallest at which int2 is served (chunks of head_dim / 4 >= 16 channels)
 DRY = Settings(
     interpret=True, head_dim=64, num_kv_heads=2, block_size=8,
@@ -279,7 +289,8 @@ DRY = Settings(
                          (("auto", (4,)), ("fp8_e4m3", (4,))))),
     quant_contexts=(64,), target_context=64, sparse_contexts=(64,), sparse_batches=(2,),
     sparse_budgets=(32, 48), sparse_sinks=8, sparse_recent=8, kept_contexts=(64,),
-    kept_batches=(2,), weight_sizes=(64,), weight_batches=(1, 3), offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
+    kept_batches=(2,), mla_contexts=(64,), mla_batches=(1,), mla_heads=4, mla_latent=(32, 16),
+    weight_sizes=(64,), weight_batches=(1, 3), offload_layers=2, offload_kv_heads=2, offload_blocks=(1, 8),
     e2e_prompt=16, e2e_tokens=4, e2e_warmup_tokens=2, e2e_impl="pallas")
 
 
@@ -1044,6 +1055,85 @@ def kept_row(run: Run, ctx: int, B: int) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
+# (b5) absorbed MLA decode
+# --------------------------------------------------------------------------------------------
+
+MLA_SCALE = 0.135          # DeepSeek-V3's softmax scale (jaxkv.model.mla.softmax_scale)
+MLA_CONFIGS = {"ours": None, "h64": MLADecodeConfig(block_h=64)}   # head tiles of 16 and 64
+
+
+def bench_mla(run: Run) -> list[dict]:
+    """(b5) the MLA decode kernel per context (longest first) and batch on one bf16 latent pool
+    [blocks, block_size, 1, Lkv + R] per context: ``mla_row``."""
+    s = run.settings
+    rows = []
+    for ctx in sorted(s.mla_contexts, reverse=True):
+        if run.late("mla", len(s.mla_batches)):
+            continue
+        tables, _ = page_tables([ctx] * max(s.mla_batches), s.block_size)
+        pool = run.data(functools.partial(latent_pool, ctx, 1 + int(np.sum(tables > 0)), s))
+        for B in s.mla_batches:
+            if not run.late("mla"):
+                row = mla_row(run, ctx, B, pool, jnp.asarray(tables[:B]))
+                rows += [row] if row else []
+        del pool
+        gc.collect()
+    return rows
+
+
+def latent_pool(seed: int, num_blocks: int, s: Settings):
+    """A latent pool [num_blocks, block_size, 1, Lkv + R] of normal bf16 values."""
+    shape = (num_blocks, s.block_size, 1, sum(s.mla_latent))
+    return jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+
+
+def mla_reference(q, pool, tables, lens, *, kv_lora_rank: int):
+    """``mla_attention_reference`` on a decode batch (sequence s's token is q[s])."""
+    qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
+    return mla_attention_reference(q, pool, tables, lens, qsl, kv_lora_rank=kv_lora_rank,
+                                   sm_scale=MLA_SCALE)
+
+
+def mla_looped(q, pool, tables, lens, *, kv_lora_rank: int, interpret: bool, config):
+    """The kernel's o_lat [S, N, Lkv] with q's rotary channels: q's shape, for ``looped``."""
+    o = mla_decode_attention(q, pool, tables, lens, kv_lora_rank=kv_lora_rank,
+                             sm_scale=MLA_SCALE, interpret=interpret, config=config)
+    return jnp.concatenate([o, q[..., kv_lora_rank:]], axis=-1)
+
+
+def mla_row(run: Run, ctx: int, B: int, pool, tables) -> dict | None:
+    """Each of ``MLA_CONFIGS`` timed on one decode batch: ms, GB/s over the latent bytes read
+    once, fraction of copy; at batch 1 the kernel's output vs the spec. ``ok``: every timing
+    ran and (batch 1) the output is within bf16 tolerance."""
+    s = run.settings
+    Lkv, R = s.mla_latent
+    lens = jnp.full((B,), ctx, jnp.int32)
+    q = normal(run, B, (B, s.mla_heads, Lkv + R))
+    row = dict(batch=B, context=ctx, heads=s.mla_heads, latent_bytes=B * ctx * (Lkv + R) * 2)
+    try:
+        for name, config in MLA_CONFIGS.items():
+            fn = functools.partial(mla_looped, kv_lora_rank=Lkv, interpret=s.interpret,
+                                   config=config)
+            run.timed(row, name, "mla", fn, (q, pool, tables, lens), row["latent_bytes"])
+        if B == 1:
+            got = run.call("check", functools.partial(
+                mla_decode_attention, kv_lora_rank=Lkv, sm_scale=MLA_SCALE,
+                interpret=s.interpret), q, pool, tables, lens)
+            want = run.call("check", functools.partial(mla_reference, kv_lora_rank=Lkv),
+                            q, pool, tables, lens)
+            if not run.abstract:
+                row.update(max_err=max_err(got, want), close=is_close(got, want, "bfloat16"))
+        row["ok"] = row.pop("close", True) and not any(k.endswith("_error") for k in row)
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if run.abstract:
+        return None
+    print(fmt_mla_row(row), flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
 # (g) weights kept in GGUF blocks
 # --------------------------------------------------------------------------------------------
 
@@ -1271,7 +1361,8 @@ def run_sections(run: Run, report: dict, names, out_dir: str | None, models=None
     into ``report["sections_s"]``; the report written after each (unless ``out_dir`` is None)."""
     fns = dict(copy_gbps=copy_bandwidth, correctness=check_correctness, decode=bench_decode,
                prefill=bench_prefill, e2e=lambda r: bench_e2e(r, models), sparse=bench_sparse,
-               kept=bench_kept, weights=bench_weights, offload=bench_offload, sweep=sweep_decode)
+               kept=bench_kept, mla=bench_mla, weights=bench_weights, offload=bench_offload,
+               sweep=sweep_decode)
     for name in names:
         run.section = name
         t0 = time.perf_counter()
@@ -1381,7 +1472,7 @@ def main(argv=None) -> int:
                   python=platform.python_version(), dry_run=args.dry_run, quick=args.quick,
                   copy_gbps=0.0, head_dim=settings.head_dim,
                   target_context=settings.target_context, correctness=dict(ours=[], peer=[]),
-                  decode=[], prefill=[], e2e=[], sparse=[], kept=[], weights=[], offload=[],
+                  decode=[], prefill=[], e2e=[], sparse=[], kept=[], mla=[], weights=[], offload=[],
                   sweep=[],
                   errors=[], skipped={}, sections_s={}, elapsed_s=0.0,
                   artifacts=dict(archives=notes))
@@ -1406,7 +1497,7 @@ def main(argv=None) -> int:
     print(markdown(report))
     ok = all(r["ok"] for r in report["correctness"]["ours"]) and not run.errors \
         and all(r.get("ok", False) for r in report["sparse"] + report["kept"] + report["e2e"]
-                + report["weights"])
+                + report["mla"] + report["weights"])
     return 0 if ok else 1
 
 

@@ -823,3 +823,92 @@ def test_quantized_matmul_compiles_for_h100(case_id, qtype, tmp_path):
     assert k.grid[:2] == (-(-M // min(32, max(16, M))), N // 128)
     assert k.smem + k.static_smem <= smem_limit(H100)
     assert (k.spill_stores, k.spill_loads) == (0, 0) and k.registers <= 128, k
+
+
+# --------------------------------------------------------------------------------------------
+# multi-head latent attention's decode kernel (jaxkv/attention/pallas/mla_decode.py)
+# --------------------------------------------------------------------------------------------
+
+MLA_LATENT = (512, 64)     # DeepSeek-V3's (and V2's) Lkv + R: 576-wide latents
+MLA_CASES = {   # (query heads N, sequences S, context, pool dtype, heads a program)
+    "mla-v3-128h-1-32k": (128, 1, 32768, jnp.bfloat16, 16),     # V3 on one device: 128 heads
+    "mla-v3-128h-32-4k": (128, 32, 4096, jnp.bfloat16, 16),
+    "mla-v3-128h-32-4k-h64": (128, 32, 4096, jnp.bfloat16, 64),  # bench/gpu_check.py's (b5)
+    "mla-v3-tp8-16h-1-32k": (16, 1, 32768, jnp.bfloat16, 16),   # TP-8: 16 heads a device
+    "mla-v3-tp8-16h-128-4k": (16, 128, 4096, jnp.bfloat16, 16),
+    "mla-v3-tp8-16h-8-4k-fp32": (16, 8, 4096, jnp.float32, 16),
+}
+# registers per thread when recorded (ptxas 12.9.86, sm_90a), by jax version, pool dtype and
+# heads a program; the budget is that + 10% as REGISTERS', MAX_REGISTERS on a jax not recorded
+MLA_REGISTERS = {"0.10.2": {(jnp.bfloat16, 16): 100, (jnp.bfloat16, 64): 223,
+                            (jnp.float32, 16): 200}}
+
+
+@pytest.mark.parametrize("case_id", list(MLA_CASES))
+def test_mla_decode_compiles_for_h100(case_id, tmp_path):
+    """The absorbed MLA decode kernel at DeepSeek-V3's latent (512 + 64) over a 16-token paged
+    pool: one launch of (sequences, head tiles, splits) programs with the default splits,
+    within shared memory, no spills, registers within the recorded count + 10%."""
+    from jaxkv.attention.pallas.mla_decode import MLADecodeConfig, mla_decode_attention
+
+    N, S, context, dtype, block_h = MLA_CASES[case_id]
+    (Lkv, R), max_blocks = MLA_LATENT, context // BLOCK_SIZE
+    i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    args = (jax.ShapeDtypeStruct((S, N, Lkv + R), dtype),
+            jax.ShapeDtypeStruct((S * max_blocks + 1, BLOCK_SIZE, 1, Lkv + R), dtype),
+            i32((S, max_blocks)), i32((S,)))
+    config = MLADecodeConfig(block_h=block_h)
+    fn = functools.partial(mla_decode_attention, kv_lora_rank=Lkv, sm_scale=0.135, config=config)
+    kernels, _ = compile_for(H100, fn, args, tmp_path)
+    assert [k.name for k in kernels] == ["jaxkv_mla_decode_attention"]
+    k = kernels[0]
+    tiles = N // config.block_h
+    assert k.grid == (S, tiles, default_num_splits(S, tiles, context, config.block_kv)), k
+    assert k.threads == (32 * config.num_warps, 1, 1)
+    assert k.smem + k.static_smem <= smem_limit(H100)
+    recorded = MLA_REGISTERS.get(jax.__version__, {}).get((dtype, block_h))
+    budget = MAX_REGISTERS if recorded is None else min(MAX_REGISTERS, -(-recorded * 11 // 10))
+    assert (k.spill_stores, k.spill_loads) == (0, 0) and k.registers <= budget, k
+
+
+# DeepSeek-V3's attention and dense-layer shapes (its first 3 layers are dense; 2 of them here)
+DEEPSEEK_V3_L2 = dict(
+    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    num_hidden_layers=2, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+    first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+    norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000,
+    rope_scaling=dict(type="yarn", factor=40, mscale=1.0, mscale_all_dim=1.0, beta_fast=32,
+                      beta_slow=1, original_max_position_embeddings=4096))
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_mla_deepseek_engine_step_compiles_for_h100(decode_only, tmp_path, monkeypatch):
+    """The whole jitted step of DeepSeek-V3's shapes (two dense layers, 128 heads over a bf16
+    latent pool of 16 sequences at 4K) on the Pallas path compiles for an H100: a decode-only
+    step launches the MLA kernel once a layer at the engine's split count, without spills; a
+    mixed step (256 tokens) takes the grouped XLA path, no Pallas attention kernel."""
+    from jaxkv.attention.pallas.mla_decode import MLADecodeConfig
+    from jaxkv.kvcache.pages import abstract_cache
+    from jaxkv.model.config import ModelConfig
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")     # the CPU kernels follow JAX's backend
+    config = ModelConfig.from_hf_dict(DEEPSEEK_V3_L2)
+    seqs, context = 16, 4096
+    step, args, spec = engine_step_args(config, "auto", seqs if decode_only else 256, seqs,
+                                        context=context)
+    latent = dataclasses.replace(spec, v_head_dim=config.kv_cache_v_dim)     # 0: no V pool
+    args = (args[0], abstract_cache(latent), *args[2:])
+    kernels, _ = compile_for(H100, step, args, tmp_path,
+                             static={"num_logprobs": 0, "decode_only": decode_only})
+    attention = [k for k in kernels if "attention" in k.name]
+    if not decode_only:
+        assert attention == [], [k.name for k in attention]
+        return
+    assert [k.name for k in attention] == ["jaxkv_mla_decode_attention"] * config.num_layers
+    c = MLADecodeConfig()
+    tiles = config.num_heads // c.block_h
+    splits = default_num_splits(seqs, tiles, context, c.block_kv, num_sms=132)
+    assert {k.grid for k in attention} == {(seqs, tiles, splits)}
+    assert all(k.spill_stores == k.spill_loads == 0 for k in attention), attention

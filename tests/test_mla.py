@@ -127,7 +127,7 @@ def test_absorbed_equals_expanded_and_cpu_path_equals_spec():
     spec = mla_attention_reference(q, pool, md.block_tables, md.seq_lens, md.query_start_loc,
                                    kv_lora_rank=w_uk.shape[0], sm_scale=scale)
     assert spec.shape == (q.shape[0], q.shape[1], w_uk.shape[0])
-    with pytest.raises(ValueError, match="attention_impl='pallas'"):
+    with pytest.raises(ValueError, match="'pallas' reads NHD latent pools, not HNDPages"):
         mla_attention(q_nope, q_rope, pool, w_uk, w_uv, md, sm_scale=scale, impl="pallas")
 
 

@@ -80,6 +80,21 @@ def fmt_kept_row(row) -> str:
     return _line(cells + _kept_vs_dense(row))
 
 
+def fmt_mla_row(row) -> str:
+    """| batch | context | heads | MB read | ms | spread | GB/s | frac | h64 ms | spread | GB/s |
+    frac | max err | ok |"""
+    head = [str(row["batch"]), str(row["context"]), str(row["heads"])]
+    if "error" in row:
+        return _line(head + [f"error: {row['error']}"] + [""] * 10)
+    cells = head + [f"{row['latent_bytes'] / 1e6:.1f}"]
+    for name in ("ours", "h64"):
+        cells += [_cell(row, name, "ms", ".4f"),
+                  f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",
+                  _cell(row, name, "gbps", ".0f"), _cell(row, name, "frac_copy", ".2f")]
+    err = f"{row['max_err']:.2e}" if "max_err" in row else "-"
+    return _line(cells + [err, str(row["ok"])])
+
+
 def fmt_weight_row(row) -> str:
     """| weight | type | batch | MB (stored / bf16) | kept ms | spread | GB/s | frac | bf16 ms |
     spread | GB/s | speed-up | max err | ok |"""
@@ -213,6 +228,17 @@ def kept_lines(report) -> list[str]:
     return lines + [fmt_kept_row(r) for r in report["kept"]]
 
 
+def mla_lines(report) -> list[str]:
+    lines = ["", "## (b5) MLA decode (absorbed: DeepSeek-V3's 576-wide bf16 latent, 512 + 64, "
+             "all query heads of a sequence on one latent head; ours = the MLA kernel with 16 "
+             "heads a program, h64 = 64; MB read = batch x context x 576 x 2, the latent read "
+             "once; GB/s over those bytes; frac = of copy bandwidth; max err = batch 1 vs "
+             "mla_attention_reference)", "",
+             "| batch | context | heads | MB read | ours ms | spread | GB/s | frac | h64 ms "
+             "| spread | GB/s | frac | max err | ok |", "|" + "---|" * 14]
+    return lines + [fmt_mla_row(r) for r in report["mla"]]
+
+
 def weights_lines(report) -> list[str]:
     lines = ["", "## (g) weights kept in GGUF blocks (issue 51: quantized_matmul, bf16 "
               "activations; bf16 = XLA's product with the dequantized weight; GB/s over the "
@@ -280,8 +306,8 @@ def executable_lines(report) -> list[str]:
 
 
 SECTION_LINES = dict(correctness=correctness_lines, decode=decode_lines, prefill=prefill_lines,
-                     e2e=e2e_lines, sparse=sparse_lines, kept=kept_lines, weights=weights_lines,
-                     offload=offload_lines, sweep=sweep_lines)
+                     e2e=e2e_lines, sparse=sparse_lines, kept=kept_lines, mla=mla_lines,
+                     weights=weights_lines, offload=offload_lines, sweep=sweep_lines)
 
 
 def markdown(report) -> str:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.reference import token_layout
 from jaxkv.kvcache.metadata import AttentionMetadata
-from jaxkv.kvcache.pools import Pages, read_pages
+from jaxkv.kvcache.pools import HNDPages, Pages, read_pages
 
 
 def absorb_query(q_nope: jax.Array, q_rope: jax.Array, w_uk: jax.Array) -> jax.Array:
@@ -76,7 +76,10 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, pool: Pages, w_uk: jax.A
     ``impl="reference"`` runs ``mla_attention_reference``; ``"grouped"`` (the CPU path) the
     paged attention with the latent as both K and V (one kv head shared by the N query heads;
     the output's last R channels dropped), through ``attention`` (``dispatch.paged_attention``'s
-    signature). The Pallas MLA kernel is not there yet.
+    signature); ``"pallas"``: a decode-only step (``md.decode_only``) runs the Pallas MLA decode
+    kernel (``jaxkv.attention.pallas.mla_decode``, in interpret mode with ``interpret``), other
+    steps the grouped path; its pool must be NHD (an HNDPages pool is refused on every step, so
+    a wrong layout fails at the first step rather than at the first decode).
 
     Args:
       q_nope: [T, N, P]; q_rope: [T, N, R] rotated.
@@ -92,13 +95,21 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, pool: Pages, w_uk: jax.A
     if impl == "reference":
         o_lat = mla_attention_reference(q, pool, md.block_tables, md.seq_lens,
                                         md.query_start_loc, kv_lora_rank=Lkv, sm_scale=sm_scale)
-    elif impl == "grouped":
+    elif impl == "pallas" and isinstance(pool, HNDPages):
+        raise ValueError("attention_impl='pallas' reads NHD latent pools, not HNDPages "
+                         "(kv_layout='hnd'); use kv_layout='nhd'")
+    elif impl == "pallas" and md.decode_only:
+        from jaxkv.attention.pallas.mla_decode import mla_decode_step  # lazily: GPU-only code
+
+        o_lat = mla_decode_step(q, pool, md.block_tables, md.seq_lens, md.query_start_loc,
+                                kv_lora_rank=Lkv, sm_scale=sm_scale, interpret=interpret)
+    elif impl in ("grouped", "pallas"):
         o_lat = attention(q, pool, pool, md.block_tables, md.seq_lens, md.query_start_loc,
-                          impl=impl, interpret=interpret, row_queries=row_queries,
+                          impl="grouped", interpret=interpret, row_queries=row_queries,
                           decode_only=md.decode_only, sm_scale=sm_scale)[..., :Lkv]
     else:
-        raise ValueError(f"attention_impl={impl!r} has no MLA path yet; supported for MLA "
-                         f"models: 'grouped', 'reference'")
+        raise ValueError(f"attention_impl={impl!r} has no MLA path; supported for MLA models: "
+                         f"'grouped', 'pallas', 'reference'")
     return jnp.einsum("tnl,lnv->tnv", o_lat, w_uv.astype(o_lat.dtype))
 
 

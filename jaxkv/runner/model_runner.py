@@ -328,11 +328,16 @@ class ModelRunner:
 
     def _check_kv_support(self, spec: KVCacheSpec) -> None:
         """Raises ValueError if the attention implementation cannot read ``spec``'s pools
-        (checked with the planned block count, before the weights load)."""
+        (checked with the planned block count, before the weights load). A latent pool (MLA)
+        is read as its two chunks, ``c_kv`` and ``k_rope`` (``mla_decode.latent_layout``)."""
         if self.attention_impl == "pallas":
             from jaxkv.attention.pallas.kv_format import check_pallas_support
+            from jaxkv.attention.pallas.mla_decode import latent_layout
 
-            check_pallas_support(spec)
+            mla = self.model_config.mla
+            if mla:
+                latent_layout(mla.kv_lora_rank, mla.qk_rope_head_dim)
+            check_pallas_support(spec, whole_heads=not mla)
 
     def _load(self, mc, from_checkpoint: bool, keep_quantized: bool):
         """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint;

@@ -98,15 +98,18 @@ def kivi_chunk_width(fmt: KVFormat, head_dim: int, group_size: int,
     return width
 
 
-def check_pallas_support(spec: KVCacheSpec) -> None:
+def check_pallas_support(spec: KVCacheSpec, whole_heads: bool = True) -> None:
     """Raises ValueError if the Pallas kernels cannot read the pools of ``spec`` (checked on the
-    spec, before anything is allocated): head_dim must be a power of two >= 16; KIVI pools need
-    head-dim chunks of >= 16 channels and the full-precision residual (``kivi_chunk_width``);
-    no 1-byte array may be of 2-4 GiB (``check_offsets``); the pools must be NHD."""
+    spec, before anything is allocated): head_dim must be a power of two >= 16 where a kernel
+    reads whole heads (``whole_heads``; a latent pool is read in chunks of its own); KIVI pools
+    need head-dim chunks of >= 16 channels and the full-precision residual
+    (``kivi_chunk_width``); no 1-byte array may be of 2-4 GiB (``check_offsets``); the pools
+    must be NHD."""
     if spec.layout != "nhd":
         raise ValueError(f"kv_layout={spec.layout!r}: the Pallas kernels read NHD pools; use "
                          f"kv_layout='nhd' (the default with attention_impl='pallas')")
-    check_head_dim(spec.head_dim)
+    if whole_heads:
+        check_head_dim(spec.head_dim)
     if spec.format.kivi:
         kivi_chunk_width(spec.format, spec.head_dim, spec.group_size,
                          spec.residual_full_precision)

@@ -19,7 +19,7 @@ host timings do not share the CPU with compiles.
 
 Modes:
   (default) every section, under the time guards below.
-  --quick: 62 executables instead of 335, one LLM instead of four. (a) keeps every kernel,
+  --quick: 62 executables instead of 371, one LLM instead of four. (a) keeps every kernel,
     format and option at real sizes but not every product (``QUICK_POOLS``: split-K at auto
     splits only, the same kernel as splits=1 on a larger grid; fp32 plain; the sparse kernel
     on bf16, int8 and a written int4 pool, the hardest of its readers): 49 executables of 84;
@@ -84,8 +84,9 @@ Sections, in the order they run:
       sharing it) at 32k and 4k x batches 1, 32, 128, the MLA kernel at its default head tile (16
       heads a program) and at 64: ms, GB/s over the latent bytes (batch x context x 576 x 2, read
       once), fraction of copy; at batch 1 the kernel vs ``mla_attention_reference``;
-  (g) weights kept in GGUF blocks (issue 51): the Pallas ``quantized_matmul`` over square Q8_0
-      and Q4_1 weights of 4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
+  (g) quantized weights (issue 51): the Pallas ``quantized_matmul`` over square Q8_0 and Q4_1
+      weights (GGUF's blocks) and int4 in groups of 128 and fp8 per channel (made at load) of
+      4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
       bf16 activations: ms, GB/s over the stored bytes, fraction of copy; XLA's bf16 product
       with the dequantized weight beside it; the output vs float32 dequantize-then-dot;
   (e) host KV offload (issue 14): HostKVPool D2H/H2D GB/s of 2 MiB all-layer blocks (8B-class),
@@ -105,8 +106,8 @@ until 432, offload before 430, sweep rows until 440 (full only). The report coun
 each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 335 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 16, (g) 42, (d) 36,
+deviceless here). The full run has 371 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 16, (g) 78, (d) 36,
 the copy 1 (the estimate below predates (g) and (b5)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
 (load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
@@ -239,7 +240,7 @@ class Settings:
     mla_latent: tuple[int, int] = (512, 64)       # (Lkv, R)
     weight_sizes: tuple[int, ...] = ()            # (g): square [K, K] weights
     weight_batches: tuple[int, ...] = (1, 8, 64)
-    weight_qtypes: tuple[str, ...] = ("Q8_0", "Q4_1")
+    weight_formats: tuple[str, ...] = ("Q8_0", "Q4_1", "int4-g128", "fp8")   # WEIGHT_FORMATS
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
@@ -1134,7 +1135,7 @@ def mla_row(run: Run, ctx: int, B: int, pool, tables) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
-# (g) weights kept in GGUF blocks
+# (g) quantized weights
 # --------------------------------------------------------------------------------------------
 
 
@@ -1148,7 +1149,7 @@ def bench_weights(run: Run) -> list[dict]:
     s = run.settings
     rows = []
     for K in s.weight_sizes:
-        for qtype in s.weight_qtypes:
+        for qtype in s.weight_formats:
             w = run.data(functools.partial(random_blocks, K, qtype))
             dense = run.data(functools.partial(dequantize, dtype=jnp.bfloat16), w)
             for M in s.weight_batches:
@@ -1159,14 +1160,27 @@ def bench_weights(run: Run) -> list[dict]:
     return rows
 
 
-def random_blocks(K: int, qtype: str) -> QuantizedWeight:
-    """A [K, K] weight of random codes, scales ~1e-2 and (Q4_1) minimums, on the device."""
+# (g)'s formats: (qtype, values per scale; 0: per output channel)
+WEIGHT_FORMATS = {"Q8_0": ("Q8_0", 32), "Q4_1": ("Q4_1", 32), "int4-g128": ("Q4_1", 128),
+                  "fp8": ("F8_E4M3", 0)}
+
+
+def random_blocks(K: int, fmt: str) -> QuantizedWeight:
+    """A [K, K] weight of ``WEIGHT_FORMATS[fmt]``: random codes (fp8: bytes with bit 3 clear,
+    never NaN), scales ~1e-2 and (Q4_1) minimums, on the device."""
+    qtype, group = WEIGHT_FORMATS[fmt]
+    group = group or K
     kq, kd, km = jax.random.split(jax.random.key(K), 3)
-    qs = (jax.random.randint(kq, (K, K), -128, 128).astype(jnp.int8) if qtype == "Q8_0" else
-          jax.random.randint(kq, (K, K // 2), 0, 256).astype(jnp.uint8))
-    d = (jax.random.uniform(kd, (K, K // 32)) * 0.02).astype(jnp.float16)
-    m = (jax.random.normal(km, (K, K // 32)) * 0.01).astype(jnp.float16)
-    return QuantizedWeight(qs, d, m if qtype == "Q4_1" else None, qtype, (K, K))
+    if qtype == "Q8_0":
+        qs = jax.random.randint(kq, (K, K), -128, 128).astype(jnp.int8)
+    elif qtype == "F8_E4M3":
+        codes = jax.random.randint(kq, (K, K), 0, 256).astype(jnp.uint8) & 0xF7
+        qs = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
+    else:
+        qs = jax.random.randint(kq, (K, K // 2), 0, 256).astype(jnp.uint8)
+    d = (jax.random.uniform(kd, (K, -(-K // group))) * 0.02).astype(jnp.float16)
+    m = (jax.random.normal(km, d.shape) * 0.01).astype(jnp.float16)
+    return QuantizedWeight(qs, d, m if qtype == "Q4_1" else None, qtype, (K, K), group)
 
 
 def dequantized_dot(x, w: QuantizedWeight):

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import glob
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -745,6 +746,59 @@ def test_grouped_matmul_compiles_for_h100(case_id, tmp_path):
     assert (k.spill_stores, k.spill_loads) == (0, 0) and k.registers <= 128, k
 
 
+def quantized_param_shapes(config, method: str, group: int) -> dict:
+    """``param_shapes(config)`` in bf16 with the dense projections as abstract
+    ``QuantizedWeight``s of ``method`` (what ``quantization=`` loads): [N, K] codes, f16
+    scales (and int4's minima), K the axes a projection contracts."""
+    from jaxkv.model.llama import param_shapes
+    from jaxkv.model.quantized import QuantizedWeight
+
+    qtype = {"int8": "Q8_0", "fp8": "F8_E4M3", "int4": "Q4_1"}[method]
+
+    def leaf(path, a):
+        name = path[-1].key
+        contracted = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 2, "gate_proj": 1,
+                      "up_proj": 1, "down_proj": 1}.get(name)
+        if contracted is None:
+            return a
+        K, N = math.prod(a.shape[:contracted]), math.prod(a.shape[contracted:])
+        g = group if method == "int4" else K
+        codes = {"Q8_0": (K, jnp.int8), "F8_E4M3": (K, jnp.float8_e4m3fn)}.get(
+            qtype, (K // 2, jnp.uint8))
+        d = jax.ShapeDtypeStruct((N, -(-K // g)), jnp.float16)
+        return QuantizedWeight(jax.ShapeDtypeStruct((N, codes[0]), codes[1]), d,
+                               d if qtype == "Q4_1" else None, qtype, a.shape, g)
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("method", ["int4", "fp8"])
+def test_quantized_weights_engine_step_compiles_for_h100(method, tmp_path, monkeypatch):
+    """A Llama-3-8B-shaped decode step (two layers) with weights quantized at load (int4 in
+    groups of 128, fp8 per channel) compiled for an H100 traced as on a GPU: every dense
+    projection is one ``quantized_matmul`` launch (q/k/v, o, gate/up, down: 7 a layer), no
+    spills, and no bf16 copy of a weight anywhere in the program."""
+    from jaxkv.model import linear
+    from jaxkv.model.config import ModelConfig
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)     # the target's branch, traced here
+    config = ModelConfig(architecture="llama", num_layers=2, rms_norm_eps=1e-5,
+                         rope_scaling=None, **STEP_MODELS["llama3-8b"])
+    step, args, _ = engine_step_args(config, "fp8_e4m3", 16, 16, context=4096)
+    args = (quantized_param_shapes(config, method, 128), *args[1:])
+    kernels, _, compiled = compile_for(H100, step, args, tmp_path, with_compiled=True,
+                                       static={"num_logprobs": 0, "decode_only": True})
+    hlo = compiled.as_text()
+    names = [k.name.split("__")[0] for k in kernels]
+    assert names.count("jaxkv_quantized_matmul") == 7 * config.num_layers, names
+    assert names.count("jaxkv_paged_decode_attention") == config.num_layers, names
+    for k in kernels:
+        assert (k.spill_stores, k.spill_loads) == (0, 0), k
+    for shape in ("bf16[4096,14336]", "bf16[14336,4096]", "bf16[4096,4096]"):
+        assert shape not in hlo, shape
+
+
 def test_moe_engine_step_compiles_for_h100_with_the_grouped_kernel(tmp_path, monkeypatch):
     """A Mixtral-shaped engine step (two layers, 8 experts, top 2) compiled deviceless for an
     H100 takes the Pallas grouped matmul (``lax.platform_dependent`` picks it for the target,
@@ -793,7 +847,7 @@ def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# weights kept in GGUF blocks (jaxkv/model/quantized_matmul.py)
+# quantized weights (jaxkv/model/quantized_matmul.py)
 # --------------------------------------------------------------------------------------------
 
 QUANT_SHAPES = {   # (rows M, K, N): Llama-3-8B's gate/up and down at decode and prefill
@@ -803,19 +857,29 @@ QUANT_SHAPES = {   # (rows M, K, N): Llama-3-8B's gate/up and down at decode and
 }
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+QUANT_FORMATS = {   # (qtype, values per scale; 0: per output channel)
+    "Q8_0": ("Q8_0", 32), "Q4_0": ("Q4_0", 32), "Q4_1": ("Q4_1", 32),   # GGUF's blocks
+    "int8": ("Q8_0", 0), "fp8": ("F8_E4M3", 0), "int4-g128": ("Q4_1", 128),   # made at load
+}
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 @pytest.mark.parametrize("case_id", list(QUANT_SHAPES))
-def test_quantized_matmul_compiles_for_h100(case_id, qtype, tmp_path):
-    """The Pallas matmul over GGUF blocks (bf16 activations): one launch of row tiles x
-    column tiles, within shared memory, no spills."""
-    from jaxkv.model.quantized import BLOCK, QuantizedWeight
+def test_quantized_matmul_compiles_for_h100(case_id, fmt, tmp_path):
+    """The Pallas matmul over quantized weights (bf16 activations), GGUF's blocks and the
+    formats ``quantization=`` makes at load: one launch of row tiles x column tiles, within
+    shared memory, no spills."""
+    from jaxkv.model.quantized import QuantizedWeight
     from jaxkv.model.quantized_matmul import quantized_matmul
 
     M, K, N = QUANT_SHAPES[case_id]
-    qs = (jax.ShapeDtypeStruct((N, K), jnp.int8) if qtype == "Q8_0"
-          else jax.ShapeDtypeStruct((N, K // 2), jnp.uint8))
-    scales = jax.ShapeDtypeStruct((N, K // BLOCK), jnp.float16)
-    w = QuantizedWeight(qs, scales, scales if qtype == "Q4_1" else None, qtype, (N, K))
+    qtype, group = QUANT_FORMATS[fmt]
+    group = group or K
+    codes = {"Q8_0": (K, jnp.int8), "F8_E4M3": (K, jnp.float8_e4m3fn)}.get(qtype,
+                                                                           (K // 2, jnp.uint8))
+    qs = jax.ShapeDtypeStruct((N, codes[0]), codes[1])
+    scales = jax.ShapeDtypeStruct((N, -(-K // group)), jnp.float16)
+    w = QuantizedWeight(qs, scales, scales if qtype == "Q4_1" else None, qtype, (N, K), group)
     kernels, _ = compile_for(H100, quantized_matmul, (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
                                                       w), tmp_path)
     assert [k.name for k in kernels] == ["jaxkv_quantized_matmul"]

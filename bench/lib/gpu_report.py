@@ -240,7 +240,7 @@ def mla_lines(report) -> list[str]:
 
 
 def weights_lines(report) -> list[str]:
-    lines = ["", "## (g) weights kept in GGUF blocks (issue 51: quantized_matmul, bf16 "
+    lines = ["", "## (g) quantized weights (issue 51: quantized_matmul, bf16 "
               "activations; bf16 = XLA's product with the dequantized weight; GB/s over the "
               "stored bytes / the bf16 weight's; frac = of copy bandwidth; speed-up = bf16 ms / "
               "kept ms; max err = kept vs float32 dequantize-then-dot)",

@@ -13,11 +13,13 @@ step's rows, faster there (BENCHMARKS.md, "Grouped CPU attention and the C++ ker
 
 Elsewhere (GPU, bf16 weights, larger steps, tensor parallelism) it is ``x @ w``.
 
-A weight kept in GGUF blocks (``jaxkv.model.quantized.QuantizedWeight``) takes the fused-dequant
-kernel (``cpu_kernels.quant_matmuls``) for up to ``QUANT_KERNEL_ROWS`` rows where the kernels
-are native and x is float32 on one device; elsewhere, and for a larger prefill step, it is
-dequantized and multiplied (``x @ dequantize(w).T``: XLA's GEMM, 1.8x faster than the kernel
-at 512 rows and more, the dequantization a small part of it; equal at 128 rows).
+A quantized weight (``jaxkv.model.quantized.QuantizedWeight``) takes a fused-dequant kernel for
+up to ``QUANT_KERNEL_ROWS`` rows on one device: on CPU the C++ one (``cpu_kernels.quant_matmuls``,
+where the kernels are native and x is float32), on GPU the Pallas one
+(``quantized_matmul.quantized_matmul``, where N is a multiple of 64). Elsewhere, and for a
+larger prefill step, it is dequantized and multiplied (``x @ dequantize(w).T``: XLA's GEMM,
+1.8x faster than the CPU kernel at 512 rows and more, the dequantization a small part of it;
+equal at 128 rows).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxkv import cpu_kernels
 from jaxkv.model.quantized import QuantizedWeight, dequantize
+from jaxkv.model.quantized_matmul import quantized_matmul
 
 MIN_ROWS, SMALL_ROWS = 2, 32
 QUANT_KERNEL_ROWS = 128
@@ -66,6 +69,11 @@ def linear_t(x: jax.Array, w_t: jax.Array) -> jax.Array:
     return x @ w_t.T
 
 
+def on_gpu() -> bool:
+    """Whether a step traced now runs on a GPU (JAX's default backend; decided at trace time)."""
+    return jax.default_backend() == "gpu"
+
+
 def _mixed(x: jax.Array, ws: tuple) -> tuple[jax.Array, ...]:
     """``linears`` of quantized weights (read as ``[K..., N...]``) and float ones, in order."""
     quant = [i for i, w in enumerate(ws) if isinstance(w, QuantizedWeight)]
@@ -78,14 +86,17 @@ def _mixed(x: jax.Array, ws: tuple) -> tuple[jax.Array, ...]:
 
 
 def _quantized(x: jax.Array, ws) -> list[jax.Array]:
-    """``x [T, K] @ dequantize(w).T`` -> [T, N] for each quantized weight: one kernel call per
-    qtype on the native path (up to ``QUANT_KERNEL_ROWS`` rows), else dequantize-then-dot in
-    x's dtype."""
-    if not (x.ndim == 2 and x.shape[0] <= QUANT_KERNEL_ROWS and x.dtype == jnp.float32
-            and jax.device_count() == 1 and cpu_kernels.native()):
+    """``x [T, K] @ dequantize(w).T`` -> [T, N] for each quantized weight: up to
+    ``QUANT_KERNEL_ROWS`` rows on one device, one C++ kernel call per qtype and group (CPU) or a
+    Pallas call per weight (GPU); else dequantize-then-dot in x's dtype."""
+    small = x.ndim == 2 and x.shape[0] <= QUANT_KERNEL_ROWS and jax.device_count() == 1
+    if small and on_gpu():
+        return [quantized_matmul(x, w) if w.rows % 64 == 0 else x @ dequantize(w, x.dtype).T
+                for w in ws]
+    if not (small and x.dtype == jnp.float32 and cpu_kernels.native()):
         return [x @ dequantize(w, x.dtype).T for w in ws]
     out = {}
-    for qtype in dict.fromkeys(w.qtype for w in ws):
-        group = [i for i, w in enumerate(ws) if w.qtype == qtype]
-        out |= dict(zip(group, cpu_kernels.quant_matmuls(x, [ws[i] for i in group])))
+    for kind in dict.fromkeys((w.qtype, w.group) for w in ws):
+        same = [i for i, w in enumerate(ws) if (w.qtype, w.group) == kind]
+        out |= dict(zip(same, cpu_kernels.quant_matmuls(x, [ws[i] for i in same])))
     return [out[i] for i in range(len(ws))]

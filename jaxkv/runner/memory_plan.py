@@ -616,8 +616,8 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
     seqs = p.max_num_seqs if p.runs else 1
     need_blocks = seqs * p.blocks_per_seq + 1
     if fixed > p.budget_bytes:
-        out = [f"weights {format_bytes(p.weights_bytes)} ({p.dtype}) + activations "
-               f"{format_bytes(p.activation_bytes)} exceed the budget "
+        out = [f"weights {format_bytes(p.weights_bytes)} ({p.weights_format or p.dtype}) + "
+               f"activations {format_bytes(p.activation_bytes)} exceed the budget "
                f"{format_bytes(p.budget_bytes)} ({p.memory_utilization:g} x "
                f"{format_bytes(p.device_memory_bytes)}) before any KV"]
     elif fixed + p.kv_cache_bytes > p.budget_bytes:

@@ -167,12 +167,10 @@ def test_a_width_the_kernels_cannot_block_is_refused_naming_the_tensor():
         quantize.quantize_tensors(tensors, "int8", 128, "f.safetensors")
 
 
-def test_tensor_parallelism_and_orbax_checkpoints_are_refused(tmp_path):
+def test_orbax_checkpoints_are_refused():
+    """(A group cut by a tensor-parallel split: tests/test_quantized_tp.py.)"""
     from jaxkv.runner.model_runner import check_quantization
 
-    config = EngineConfig.from_kwargs(model="m", quantization="fp8", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="quantization='fp8' with tensor_parallel_size=2"):
-        check_quantization(config, from_checkpoint=False)
     with pytest.raises(ValueError, match="quantization='fp8': m is an orbax checkpoint"):
         check_quantization(EngineConfig.from_kwargs(model="m", quantization="fp8"),
                            from_checkpoint=True)

@@ -77,13 +77,16 @@ def test_kept_weights_give_the_same_greedy_tokens(tiny):
 def test_quantization_argument():
     assert EngineConfig.from_kwargs().model.quantization is None
     assert EngineConfig.from_kwargs(quantization="none").model.quantization == "none"
-    for value in ("q4", "awq"):      # quantizing float weights on load is not built yet
+    for value in ("q4", "awq"):
         with pytest.raises(ValueError, match=f"quantization='{value}' is not one of: none"):
             EngineConfig.from_kwargs(quantization=value)
-    # tensor parallelism shards float weights: the planner counts them dequantized
-    c = EngineConfig.from_kwargs(model="SmolLM2-135M-Instruct", tensor_parallel_size=2)
+    # tensor parallelism keeps the blocks where every device gets whole blocks of o_proj's K
+    # (576 / 3 = 6 blocks of 32); "none" and a method made at load do not keep the GGUF's
     from jaxkv.runner.model_runner import keeps_quantized
-    assert not keeps_quantized(c) and keeps_quantized(EngineConfig.from_kwargs())
+    assert keeps_quantized(EngineConfig.from_kwargs(tensor_parallel_size=3))
+    assert keeps_quantized(EngineConfig.from_kwargs())
+    for q in ("none", "int8"):
+        assert not keeps_quantized(EngineConfig.from_kwargs(quantization=q))
 
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding) ----

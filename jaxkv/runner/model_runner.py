@@ -33,8 +33,8 @@ from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint, quantize
 from jaxkv.model.llama import param_shapes, params_from_hf
-from jaxkv.model.weights import (expected_shapes, load_config, load_model_files,
-                                 stored_weights_bytes)
+from jaxkv.model.quantization import BLOCK
+from jaxkv.model.weights import load_config, load_model_files, stored_weights_bytes
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
@@ -146,46 +146,72 @@ def plan_memory(config: EngineConfig, model_config,
     return dataclasses.replace(capped, kv_source=source)
 
 
-def keeps_quantized(config: EngineConfig) -> bool:
+def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
     """Whether the engine keeps a GGUF's quantized weights in their blocks: ``quantization``
-    None (as stored) on one device (tensor parallelism shards float weights only, so there
-    they are dequantized as with ``quantization='none'``)."""
-    return config.model.quantization is None and config.parallel.tensor_parallel_size == 1
+    None (as stored), on one device or under tensor parallelism where each device's share of
+    o_proj's and down_proj's K is whole 32-value blocks (``sharding.check_quantized_split``;
+    elsewhere they are dequantized as with ``quantization='none'``). ``model_config``: the
+    model's, else read from ``config.model.model``."""
+    mc, tp = config.model, config.parallel.tensor_parallel_size
+    if mc.quantization is not None:
+        return False
+    if tp == 1:
+        return True
+    try:
+        sharding.check_quantized_split(model_config or load_config(mc.model), BLOCK, tp)
+    except ValueError:
+        return False
+    return True
 
 
 def check_quantization(config: EngineConfig, from_checkpoint: bool) -> None:
     """Raises ValueError naming ``quantization`` where weights cannot be quantized at load:
-    from an orbax checkpoint (it holds the weights as saved) or under tensor parallelism
-    (which shards float weights only)."""
-    method, tp = config.model.quantization, config.parallel.tensor_parallel_size
+    from an orbax checkpoint (it holds the weights as saved); under tensor parallelism, naming
+    ``quantization_group_size`` where a device's share of o_proj's or down_proj's K would cut
+    a group (``sharding.check_quantized_split``)."""
+    mc, tp = config.model, config.parallel.tensor_parallel_size
+    method = mc.quantization
     if method not in quantize.METHODS:
         return
     if from_checkpoint:
-        raise ValueError(f"quantization={method!r}: {config.model.model} is an orbax checkpoint, "
+        raise ValueError(f"quantization={method!r}: {mc.model} is an orbax checkpoint, "
                          "which holds its weights as saved; quantize a model file (GGUF or HF) "
                          "at load")
     if tp > 1:
-        raise ValueError(f"quantization={method!r} with tensor_parallel_size={tp}: tensor "
-                         "parallelism shards float weights only")
+        group = mc.quantization_group_size if method == "int4" else None   # None: per row
+        model_config = load_config(mc.model)
+        try:
+            sharding.check_quantized_split(model_config, group, tp)
+        except ValueError as e:
+            raise ValueError(f"quantization={method!r}: {e}") from None
 
 
 def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
-    """``memory_plan.plan``'s ``stored_weights_bytes`` and ``weights_format`` where weights are
-    quantized at load or stay in a GGUF's blocks (``keeps_quantized``), else nothing."""
-    mc = config.model
+    """``memory_plan.plan``'s ``stored_weights_bytes`` (one device's) and ``weights_format``
+    where weights are quantized at load (under tensor parallelism each tensor's shard,
+    ``sharding.device_tensor_shapes``) or stay in a GGUF's blocks (``keeps_quantized``; under
+    tensor parallelism the norms whole and the rest of the file's bytes times one device's
+    share of the float weights, an estimate), else nothing."""
+    mc, tp = config.model, config.parallel.tensor_parallel_size
     if mc.quantization in quantize.METHODS:
         group = mc.quantization_group_size
-        total = quantize.stored_bytes(expected_shapes(model_config), mc.quantization, group,
+        shapes = sharding.device_tensor_shapes(model_config, tp)
+        total = quantize.stored_bytes(shapes, mc.quantization, group,
                                       memory_plan.WEIGHT_DTYPES[dtype])
         return dict(stored_weights_bytes=total,
                     weights_format=f"{quantize.describe(mc.quantization, group)}, else {dtype}")
-    if not keeps_quantized(config) or checkpoint.is_checkpoint(config.model.model):
+    if not keeps_quantized(config, model_config) or checkpoint.is_checkpoint(mc.model):
         return {}
-    stored = stored_weights_bytes(config.model.model, model_config,
-                                  memory_plan.WEIGHT_DTYPES[dtype])
+    stored = stored_weights_bytes(mc.model, model_config, memory_plan.WEIGHT_DTYPES[dtype])
     if stored is None:
         return {}
-    return dict(stored_weights_bytes=stored[0], weights_format=f"{stored[1]}, else {dtype}")
+    # norms replicated, the rest split as one device's part of the float weights
+    norms = (2 * model_config.num_layers + 1) * model_config.hidden_size * \
+        memory_plan.WEIGHT_DTYPES[dtype]
+    share = ((memory_plan.weights_bytes(model_config, dtype, tp) - norms)
+             / (memory_plan.weights_bytes(model_config, dtype) - norms))
+    return dict(stored_weights_bytes=norms + round((stored[0] - norms) * share),
+                weights_format=f"{stored[1]}, else {dtype}")
 
 
 def _check_windows_hold_residual(groups, cc, kivi: bool) -> None:

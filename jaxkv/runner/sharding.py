@@ -5,6 +5,7 @@ Design notes: docs/runtime.md."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -20,6 +21,9 @@ from jaxkv.kvcache.pools import HNDPages
 from jaxkv.kvcache.spec import KVCacheSpec
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes
+from jaxkv.model.quantization import BLOCK
+from jaxkv.model.quantized import QuantizedWeight
+from jaxkv.model.weights import expected_shapes
 
 MESH_AXES = ("dp", "tp")
 
@@ -185,12 +189,114 @@ def stored_param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
     return param_shardings(config, mesh, rules=_restore_rules(config, mesh.shape["tp"]))
 
 
+def _row_col_axes(w: QuantizedWeight, axes: tuple, name: str) -> tuple[tuple, tuple]:
+    """(logical axes of the stored rows N, of the stored columns K) of ``w``: the embedding
+    [V, E] is stored as read, a linear weight ``[K..., N...]`` transposed (``out_shape``)."""
+    if name == "embed_tokens":
+        return axes[:1], axes[1:]
+    n = len(w.out_shape())
+    return axes[len(axes) - n:], axes[:len(axes) - n]
+
+
+def _mesh_axis(axes: tuple, rules) -> str | None:
+    """The mesh axis one stored axis (the flattened logical ``axes``) is split over, or None."""
+    return next((m for m in spec(axes, rules=rules) if m is not None), None)
+
+
+def _check_k_split(name: str, n: int, k: int, group: int, tp: int) -> None:
+    """Raises ValueError naming ``quantization_group_size`` and tensor ``name`` [n, k] unless
+    ``tp`` devices each get whole groups of K (or whole 32-value blocks with one group a row)."""
+    per = k // tp
+    if k % tp or per % BLOCK or (k > group and per % group):
+        raise ValueError(
+            f"tensor {name!r} [{n}, {k}] split over tensor_parallel_size={tp} devices along K "
+            f"gives {k / tp:g} values a row each, which cuts its groups of {min(group, k)} "
+            f"(quantization_group_size; each device needs whole groups, a multiple of {BLOCK})")
+
+
+def quantized_specs(w: QuantizedWeight, axes: tuple, name: str, mesh: Mesh, *,
+                    rules=LOGICAL_AXIS_RULES) -> QuantizedWeight:
+    """``w`` with a ``PartitionSpec`` for each array: qs, d and m split along their rows where
+    N is split (column-parallel: q, k, v, gate, up, the embedding, the head); qs split along K
+    where K is (row-parallel: o, down), d and m with it (whole groups on each device) or
+    replicated (one scale per row, G == 1). Raises ``_check_k_split``'s ValueError."""
+    row_axes, col_axes = _row_col_axes(w, axes, name)
+    rows, cols = _mesh_axis(row_axes, rules), _mesh_axis(col_axes, rules)
+    scales = P(rows, None)
+    if cols is not None:
+        _check_k_split(name, w.rows, w.cols, w.group, mesh.shape[cols])
+        scales = scales if w.d.shape[1] == 1 else P(rows, cols)
+    return dataclasses.replace(w, qs=P(rows, cols), d=scales,
+                               m=None if w.m is None else scales)
+
+
+def check_quantized_split(config: ModelConfig, group: int | None,
+                          tensor_parallel_size: int) -> None:
+    """``_check_k_split`` of the row-parallel projections (o_proj K = Hq x D; down_proj K = F
+    where the model has dense MLPs) quantized in groups of ``group`` (None: one scale per row),
+    before any weight loads."""
+    split = [("o_proj", config.num_heads * config.head_dim)]
+    if not config.num_experts or config.dense_layers:
+        split.append(("down_proj", config.intermediate_size))
+    for name, k in split:
+        _check_k_split(name, config.hidden_size, k, group or k, tensor_parallel_size)
+
+
+def device_tensor_shapes(config: ModelConfig, tensor_parallel_size: int) -> dict:
+    """HF name -> the shape of the part one tp device holds (``expected_shapes`` of
+    ``tp_config``): o_proj / down_proj [N, K / tp], the other dense weights, biases, the
+    embedding and the head split along axis 0, norms whole, anything else as its 1/tp share
+    (as ``memory_plan.weights_bytes`` counts it)."""
+    t = tensor_parallel_size
+    out = {}
+    for name, shape in expected_shapes(tp_config(config, t)).items():
+        if t == 1 or "norm" in name:
+            out[name] = shape
+        elif re.search(r"(o_proj|down_proj)\.weight$", name) and len(shape) == 2:
+            out[name] = (shape[0], -(-shape[1] // t))
+        elif re.search(r"(_proj|embed_tokens|lm_head)\.(weight|bias)$", name):
+            out[name] = (-(-shape[0] // t), *shape[1:])
+        else:
+            out[name] = (-(-math.prod(shape) // t),)
+    return out
+
+
+def _shardings(params: dict, config: ModelConfig, mesh: Mesh, rules) -> dict:
+    """``params``' shardings (arrays, or ``QuantizedWeight``s of arrays or shape structs) by
+    the logical axes of ``config``'s params."""
+    def one(path, axes, x):
+        if isinstance(x, QuantizedWeight):
+            s = quantized_specs(x, axes, path[-1].key, mesh, rules=rules)
+            return jax.tree.map(lambda p: NamedSharding(mesh, p), s,
+                                is_leaf=lambda p: isinstance(p, P))
+        return NamedSharding(mesh, spec(axes, rules=rules))
+
+    return jax.tree_util.tree_map_with_path(one, logical_axes(config), params,
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _repeat_kv(x, axes: tuple, r: int):
+    """A k / v param with each kv head repeated ``r`` times: a float array along its
+    "kv_heads" axis, a ``QuantizedWeight``'s rows [Hkv x D] (heads major) as [Hkv x r x D]."""
+    a = axes.index("kv_heads")
+    if not isinstance(x, QuantizedWeight):
+        return jnp.repeat(x, r, axis=a)
+    h = x.shape[a]
+
+    def rows(q):                                            # [Hkv * D, C] -> [Hkv * r * D, C]
+        return jnp.repeat(q.reshape(h, -1, q.shape[1]), r, axis=0).reshape(-1, q.shape[1])
+
+    return dataclasses.replace(x.map_rows(rows),
+                               shape=x.shape[:a] + (h * r,) + x.shape[a + 1:])
+
+
 def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     """Places params of ``config`` on ``mesh`` by the rules, repeating kv heads if needed.
 
     Args:
-      params: nested dict of numpy or jax arrays shaped like ``param_shapes(config)``; jax
-        arrays already in ``stored_param_shardings`` (e.g. from an orbax restore) stay put.
+      params: nested dict of numpy or jax arrays (or ``QuantizedWeight``s of them, split by
+        ``quantized_specs``) shaped like ``param_shapes(config)``; jax arrays already in
+        their stored sharding (e.g. from an orbax restore) stay put.
       config: the model's original config.
       mesh: an engine mesh.
 
@@ -198,7 +304,8 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
       Params shaped like ``param_shapes(tp_config(config, tp))`` in ``param_shardings`` of it.
       Each process only reads the slices its own devices hold (multi-host safe).
     """
-    stored = stored_param_shardings(config, mesh)
+    tp = mesh.shape["tp"]
+    stored = _shardings(params, config, mesh, _restore_rules(config, tp))
 
     def place(x, s):
         if isinstance(x, jax.Array) and x.sharding == s:
@@ -207,17 +314,16 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
         return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 
     params = jax.tree.map(place, params, stored)
-    r = kv_replication(config, mesh.shape["tp"])
+    r = kv_replication(config, tp)
     if r == 1:
         return params
-    axes = logical_axes(config)
-    target = param_shardings(tp_config(config, mesh.shape["tp"]), mesh)
 
     def repeat(p):
-        return jax.tree.map(lambda x, a: jnp.repeat(x, r, axis=a.index("kv_heads"))
-                            if "kv_heads" in a else x, p, axes,
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(lambda a, x: _repeat_kv(x, a, r) if "kv_heads" in a else x,
+                            logical_axes(config), p, is_leaf=lambda x: isinstance(x, tuple))
 
+    target = _shardings(jax.eval_shape(repeat, params), tp_config(config, tp), mesh,
+                        LOGICAL_AXIS_RULES)
     return jax.jit(repeat, out_shardings=target)(params)
 
 

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxkv.model.quantization import DEFAULT_GROUP, METHODS
-from jaxkv.model.quantized import BLOCK, QuantizedWeight
+from jaxkv.model.quantized import BLOCK, QuantizedWeight, pack_nibbles
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)     # 448
 DENSE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
@@ -66,10 +66,8 @@ def _int4(w: np.ndarray, group: int) -> QuantizedWeight:
     d, m = ((hi - lo) / 15).astype(np.float16), lo.astype(np.float16)
     d32, m32 = d.astype(np.float32)[..., None], m.astype(np.float32)[..., None]
     q = np.divide(g - m32, d32, out=np.zeros_like(g), where=d32 > 0)
-    q = np.clip(np.rint(q), 0, 15).astype(np.uint8).reshape(n, -1)[:, :k]
-    q = q.reshape(n, k // BLOCK, BLOCK)
-    qs = q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)           # elements 0-15 low
-    return QuantizedWeight(qs.reshape(n, k // 2), d, m, "Q4_1", w.shape, group)
+    q = np.clip(np.rint(q), 0, 15).reshape(n, -1)[:, :k]
+    return QuantizedWeight(pack_nibbles(q), d, m, "Q4_1", w.shape, group)
 
 
 def quantize_tensors(tensors: dict, method: str, group: int, source: str) -> dict:

@@ -129,6 +129,13 @@ def to_gguf(w: QuantizedWeight) -> np.ndarray:
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """uint8 [N, K / 2] of 4-bit codes [N, K] in GGUF's order: each 32 values' byte j holds
+    element j (low nibble) and element j + 16 (high)."""
+    q = np.asarray(q).astype(np.uint8).reshape(len(q), -1, BLOCK)
+    return (q[..., :BLOCK // 2] | (q[..., BLOCK // 2:] << 4)).reshape(len(q), -1)
+
+
 def _codes(xp, qs, qtype: str, n: int):
     """float32 [N, K / 32, 32] codes (Q4_0: already less 8), with ``xp`` numpy or jax.numpy."""
     if qtype in ("Q8_0", "F8_E4M3"):

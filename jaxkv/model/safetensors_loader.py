@@ -1,5 +1,6 @@
 """HF model directories: ``config.json`` -> ModelConfig, ``*.safetensors`` -> float32 numpy
-(an MXFP4 checkpoint's packed weights de-quantized: jaxkv/model/mxfp4.py).
+(an MXFP4 checkpoint's packed weights de-quantized: jaxkv/model/mxfp4.py; a compressed-tensors
+checkpoint's kept quantized or de-quantized: jaxkv/model/compressed_tensors.py).
 
 The safetensors layout is small enough to read directly, which lets bf16 through (safetensors'
 numpy API rejects it) and lets every corruption error name the file and the tensor::
@@ -18,16 +19,23 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jaxkv.model import mxfp4
+from jaxkv.model import compressed_tensors, mxfp4
 from jaxkv.model.config import ModelConfig
 
 SAFETENSORS_DTYPES = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "U8": np.dtype(np.uint8),   # an MXFP4 checkpoint's blocks and scales, kept as stored
+    # kept as stored: an MXFP4 checkpoint's blocks and scales, compressed-tensors' codes
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
-QUANT_METHODS = (None, "mxfp4")   # config.json's quantization_config.quant_method
+FLOAT_DTYPES = ("F32", "F16", "BF16")       # read as float32
+# config.json's quantization_config.quant_method
+QUANT_METHODS = (None, "mxfp4", compressed_tensors.METHOD)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -55,8 +63,8 @@ def _read_json(file: Path) -> dict:
 
 
 def _quant_method(cfg: dict, file: Path) -> str | None:
-    """``quantization_config.quant_method`` of a config.json: None or one ``QUANT_METHODS``
-    de-quantizes at load, else a ValueError naming the field."""
+    """``quantization_config.quant_method`` of a config.json: one of ``QUANT_METHODS``, else a
+    ValueError naming the field."""
     method = (cfg.get("quantization_config") or {}).get("quant_method")
     if method not in QUANT_METHODS:
         raise ValueError(f"{file}: quantization_config.quant_method={method!r} is not "
@@ -91,13 +99,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
-    """Reads one safetensors file, converting every float tensor to float32.
+    """Reads one safetensors file, converting every F32 / F16 / BF16 tensor to float32.
 
     Args:
-      file: path to a ``.safetensors`` file with F32, F16, BF16 or U8 tensors.
+      file: path to a ``.safetensors`` file with tensors of ``SAFETENSORS_DTYPES``.
 
     Returns:
-      ``{name: array}`` with the stored shapes: float32, or uint8 as stored.
+      ``{name: array}`` with the stored shapes: float32, or the others as stored.
 
     Raises:
       ValueError: truncated/corrupt header or data, or a dtype outside ``SAFETENSORS_DTYPES``
@@ -134,21 +142,33 @@ def read_safetensors(file: str | Path) -> dict[str, np.ndarray]:
                              f"for {expected} bytes of {dtype_name}{list(shape)} in a "
                              f"{len(data)}-byte data section")
         w = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        out[name] = w.copy() if dtype == np.uint8 else w.astype(np.float32)
+        out[name] = w.astype(np.float32) if dtype_name in FLOAT_DTYPES else w.copy()
     return out
 
 
-def read_hf_tensors(path: str | Path) -> dict[str, np.ndarray]:
+def read_hf_tensors(path: str | Path, *, keep_quantized: bool = False) -> dict[str, np.ndarray]:
     """Reads all weight files of an HF directory (single or sharded) as float32.
+
+    Args:
+      keep_quantized: a compressed-tensors checkpoint's dense projections as
+        ``QuantizedWeight`` (else, as its other quantized Linears, float32).
 
     Returns:
       ``{hf_name: float32 array}``, exactly the stored names and shapes; an MXFP4 checkpoint's
-      ``W_blocks`` / ``W_scales`` pairs as the float32 ``W`` they encode.
+      ``W_blocks`` / ``W_scales`` pairs as the float32 ``W`` they encode; a compressed-tensors
+      checkpoint's Linear parts as ``P.weight`` (``compressed_tensors.convert``).
     """
-    out = {}
+    out, sources = {}, {}
     for file in safetensors_files(path):
-        out.update(read_safetensors(file))
+        tensors = read_safetensors(file)
+        out.update(tensors)
+        sources.update(dict.fromkeys(tensors, str(file)))
     config = Path(path) / "config.json"
-    if config.is_file() and _quant_method(_read_json(config), config) == "mxfp4":
+    cfg = _read_json(config) if config.is_file() else {}
+    method = _quant_method(cfg, config)
+    if method == "mxfp4":
         out = mxfp4.dequantize_checkpoint(out, str(path))
+    if method == compressed_tensors.METHOD:
+        out = compressed_tensors.convert(out, sources, cfg["quantization_config"], str(config),
+                                         keep_quantized)
     return out

@@ -9,10 +9,13 @@ RoPE order, and the Tokenizer. Every tensor is checked against the shapes the co
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from pathlib import Path
 
 import numpy as np
 
+from jaxkv.model import compressed_tensors as ct
 from jaxkv.model import safetensors_loader, store
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
@@ -146,7 +149,7 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
 def load_gguf(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
     """Loads a GGUF file (the architectures and tensor types ``jaxkv.model.gguf`` lists);
     ``keep_quantized``: its dense Q8_0 / Q4_0 / Q4_1 weights as ``QuantizedWeight``."""
-    from jaxkv.model import gguf   # the gguf package only when a GGUF is read
+    from jaxkv.model import gguf  # the gguf package only when a GGUF is read
     reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)
     tensors = check_tensors(gguf.tensors_from_gguf(reader, config, keep_quantized=keep_quantized),
@@ -154,10 +157,13 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
     return LoadedModel(config, tensors, Tokenizer.from_gguf_metadata(reader), str(path))
 
 
-def load_hf_dir(path: str | Path) -> LoadedModel:
-    """Loads an HF transformers directory (``config.json``, safetensors, ``tokenizer.json``)."""
+def load_hf_dir(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
+    """Loads an HF transformers directory (``config.json``, safetensors, ``tokenizer.json``);
+    ``keep_quantized``: a compressed-tensors checkpoint's dense projections as
+    ``QuantizedWeight``."""
     config = safetensors_loader.read_hf_config(path)
-    tensors = check_tensors(safetensors_loader.read_hf_tensors(path), config, str(path))
+    tensors = check_tensors(safetensors_loader.read_hf_tensors(path, keep_quantized=keep_quantized),
+                            config, str(path))
     return LoadedModel(config, tensors, Tokenizer.from_hf_dir(path), str(path))
 
 
@@ -167,7 +173,8 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
     Args:
       path_or_name: ``*.gguf`` file; directory with ``config.json``; or a name from the local
         store (e.g. ``store.DEFAULT_MODEL``, downloaded on first use).
-      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks
+      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks, a
+        compressed-tensors checkpoint's dense projections in its codes
         (``jaxkv.model.quantized.QuantizedWeight``, ``[out, in]``); no effect on float files.
 
     Returns:
@@ -181,7 +188,7 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, keep_quantized=keep_quantized)
     if path.is_dir() and (path / "config.json").is_file():
-        return load_hf_dir(path)
+        return load_hf_dir(path, keep_quantized=keep_quantized)
     if path.is_dir():
         raise FileNotFoundError(f"{path / 'config.json'}: not found (a model directory needs "
                                 "config.json, tokenizer.json and safetensors weights)")
@@ -192,10 +199,13 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
 def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
                          dtype_bytes: int) -> tuple[int, str] | None:
     """(bytes, what they are in words) of a model's params when a GGUF's dense Q8_0 / Q4_0 /
-    Q4_1 weights stay in their blocks (``load_model_files(keep_quantized=True)``) and every
-    other tensor is in a dtype of ``dtype_bytes``; None when nothing would stay quantized, or
-    when ``path_or_name`` is not the GGUF ``config`` was read from (no tensor is loaded)."""
+    Q4_1 weights stay in their blocks, or a compressed-tensors checkpoint's dense projections
+    in its codes (``load_model_files(keep_quantized=True)``), and every other tensor is in a
+    dtype of ``dtype_bytes``; None when nothing would stay quantized, or when ``path_or_name``
+    is not the model ``config`` was read from (no tensor is loaded)."""
     path = store.resolve(path_or_name)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _compressed_tensors_bytes(path, config, dtype_bytes)
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
     from jaxkv.model import gguf
@@ -204,6 +214,25 @@ def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
         return None
     total, kept = gguf.stored_bytes(reader, dtype_bytes)
     return (total, f"{'/'.join(kept)} blocks kept") if kept else None
+
+
+def _compressed_tensors_bytes(path: Path, config: ModelConfig,
+                              dtype_bytes: int) -> tuple[int, str] | None:
+    """``stored_weights_bytes`` of an HF directory: its config's quantized dense projections
+    (``compressed_tensors.scheme_of``) as ``compressed_tensors.nbytes``, None if none."""
+    file = path / "config.json"
+    qc = json.loads(file.read_text(encoding="utf-8")).get("quantization_config") or {}
+    if (qc.get("quant_method") != ct.METHOD
+            or safetensors_loader.read_hf_config(path) != config):
+        return None
+    schemes, ignore = ct.read_config(qc, str(file))
+    total, kinds = 0, set()
+    for name, shape in expected_shapes(config).items():
+        s = ct.DENSE.fullmatch(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes, ignore)
+        if s:
+            kinds.add(f"{'fp' if s.fp else 'int'}{s.bits} {s.strategy}")
+        total += ct.nbytes(s, *shape) if s else math.prod(shape) * dtype_bytes
+    return (total, f"compressed-tensors {'/'.join(sorted(kinds))} kept") if kinds else None
 
 
 def load_config(path_or_name: str | Path) -> ModelConfig:

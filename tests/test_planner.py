@@ -165,6 +165,29 @@ def test_weights_that_do_not_fit_suggest_bf16_tensor_parallelism_and_fewer_token
     assert not plan(LLAMA3_8B, **kw, max_num_batched_tokens=tokens + 1).runs
 
 
+def test_weights_that_do_not_fit_suggest_quantizing_them_at_load():
+    """The lever names the mildest ``quantization`` that fits, at the bytes
+    ``quantize.stored_bytes`` counts (what the engine holds, tests/test_quantize_on_load.py);
+    re-planned with those bytes the model runs."""
+    from jaxkv.model import quantize
+    from jaxkv.model.weights import expected_shapes
+
+    kw = dict(device_memory_bytes=16 * GiB, dtype="bfloat16", max_model_len=8192)
+    p = plan(LLAMA3_8B, **kw)
+    assert not p.runs
+    stored = {m: quantize.stored_bytes(expected_shapes(LLAMA3_8B), m, 128, 2)
+              for m in quantize.METHODS}
+    assert stored["int8"] == stored["fp8"] > stored["int4"]
+    lever = next(r for r in p.reasons if r.startswith("quantize the weights"))
+    assert lever == (f"quantize the weights: quantization='int8' (or 'fp8') holds the dense "
+                     f"projections in {memory_plan.format_bytes(stored['int8'])} of weights, "
+                     "would fit")
+    assert plan(LLAMA3_8B, **kw, stored_weights_bytes=stored["int8"]).runs
+    p = plan(LLAMA3_8B, **{**kw, "device_memory_bytes": 11 * GiB})
+    assert any(r.startswith("quantize the weights: quantization='int4' holds") and
+               r.endswith("would fit") for r in p.reasons)
+
+
 def test_indivisible_kv_heads_rule_out_tensor_parallelism():
     p = plan(SMOLLM2_135M, device_memory_bytes=2 * GiB, max_model_len=8192)
     assert not p.fits

@@ -8,6 +8,12 @@ DEFAULT_GROUP = 128                        # int4's values per scale (llm-compre
 BLOCK = 32                                 # the kernels' blocks: groups are multiples
 
 
+def scale_group(method: str, group: int) -> int | None:
+    """Values per scale of ``method``: ``group`` for int4, None (one per output channel) for
+    int8 and fp8."""
+    return group if method == "int4" else None
+
+
 def check_group(group: int) -> None:
     """Raises ValueError naming ``quantization_group_size`` unless it is a positive multiple
     of 32 (the kernels' nibble blocks)."""

@@ -653,6 +653,8 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
         verdict = "would fit" if ok(dtype="bfloat16") else "is not enough"
         out.append(f"use dtype='bfloat16': weights become "
                    f"{format_bytes(weights_bytes(config, 'bfloat16'))}, {verdict}")
+    if not p.weights_format and p.tensor_parallel_size == 1:
+        out.append(_quantize_reason(config, p, ok))
     tokens = _largest(1, p.max_num_batched_tokens - 1, lambda n: ok(max_num_batched_tokens=n))
     if tokens and kw["activation_bytes"] is None:
         out.append(f"lower max_num_batched_tokens: <= {tokens:,} shrinks the activation "
@@ -664,6 +666,25 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
         out.append(f"raise memory_utilization: {u:.2f} would fit, if nothing else uses the device")
     out.append(_tp_reason(config, p, need_blocks))
     return out
+
+
+def _quantize_reason(config: ModelConfig, p: MemoryPlan, ok) -> str:
+    """The weights quantized at load (``quantization=``, jaxkv/model/quantize.py; int4 in
+    groups of 128): the mildest method that reaches the goal, else the smallest one's bytes."""
+    from jaxkv.model import quantize
+    from jaxkv.model.weights import expected_shapes
+
+    shapes, options = expected_shapes(config), {}        # stored bytes -> methods
+    for method in quantize.METHODS:
+        options.setdefault(quantize.stored_bytes(shapes, method, quantize.DEFAULT_GROUP,
+                                                 WEIGHT_DTYPES[p.dtype]), []).append(method)
+    for stored, methods in sorted(options.items(), reverse=True):
+        fits = ok(stored_weights_bytes=stored, weights_format=methods[0])
+        if fits or stored == min(options):
+            also = f" (or {', '.join(map(repr, methods[1:]))})" if methods[1:] else ""
+            return (f"quantize the weights: quantization={methods[0]!r}{also} holds the dense "
+                    f"projections in {format_bytes(stored)} of weights, "
+                    f"{'would fit' if fits else 'is not enough'}")
 
 
 def _tp_reason(config: ModelConfig, p: MemoryPlan, need_blocks: int) -> str:

@@ -33,7 +33,7 @@ from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint, quantize
 from jaxkv.model.llama import param_shapes, params_from_hf
-from jaxkv.model.quantization import BLOCK
+from jaxkv.model.quantization import BLOCK, scale_group
 from jaxkv.model.weights import load_config, load_model_files, stored_weights_bytes
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, memory_plan, sharding
@@ -178,7 +178,7 @@ def check_quantization(config: EngineConfig, from_checkpoint: bool) -> None:
                          "which holds its weights as saved; quantize a model file (GGUF or HF) "
                          "at load")
     if tp > 1:
-        group = mc.quantization_group_size if method == "int4" else None   # None: per row
+        group = scale_group(method, mc.quantization_group_size)            # None: per row
         model_config = load_config(mc.model)
         try:
             sharding.check_quantized_split(model_config, group, tp)

@@ -28,7 +28,9 @@ sent to every engine):
 * ``A``: 8 requests, prompts 32–64 tokens, outputs 16–32 (seed 0: 199 output tokens);
 * ``B``: 8 requests, prompts 32–512, outputs 16–64 (340 output tokens);
 * ``T``: bench/throughput.py's 128 requests, prompts 32–512, outputs 16–256 (18,395 tokens);
-* ``L``: 64 requests of 512 prompt tokens and 128 output tokens each.
+* ``L``: 64 requests of 512 prompt tokens and 128 output tokens each;
+* ``S``: batch-1 decode: 1 request, prompt 32–64 tokens, 200 output tokens;
+* ``S8``: batch-8 decode: 8 requests, prompts 32–64, 200 output tokens each.
 
 llama.cpp runs with ``OMP_WAIT_POLICY=PASSIVE`` (``--llama-omp-wait-policy``): its OpenMP threads
 spin by default, and with anything else on the two cores a 2-thread run collapses (one 512-token
@@ -68,7 +70,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxkv.data import austen
 from lib.step_timing import loadavg, log   # bench/ is the script's directory
 from lib.vllm_peer import peer_env, vllm_llm
 
@@ -85,11 +86,13 @@ WORKLOADS = {
     "B": (8, 0, 32, 512, 16, 64),
     "T": (128, 0, 32, 512, 16, 256),
     "L": (64, 0, 512, 512, 128, 128),
+    "S": (1, 0, 32, 64, 200, 200),
+    "S8": (8, 0, 32, 64, 200, 200),
 }
 BIG = ("T", "L")
 
 ENGINES = {
-    "jaxkv": dict(kind="jaxkv", precision="fp32", threads="XLA (2 cores)"),
+    "jaxkv": dict(kind="jaxkv", precision="Q4_1/Q8_0 weights kept, fp32 KV", threads="XLA (2 cores)"),
     "vllm-fp32-t1": dict(kind="vllm", precision="fp32", dtype="float32", threads=1),
     "vllm-fp32-t2": dict(kind="vllm", precision="fp32", dtype="float32", threads=2),
     "vllm-bf16-t1": dict(kind="vllm", precision="bf16", dtype="bfloat16", threads=1),
@@ -328,6 +331,8 @@ def worker_main(job_file: str, out_file: str) -> None:
 
 
 def make_workloads(names: list[str]) -> dict:
+    # imported here: the peers' workers import this module with only their own venv's paths
+    from jaxkv.data import austen
     from jaxkv.model.gguf import open_gguf
     from jaxkv.model.tokenizer import Tokenizer
     import numpy as np
@@ -620,8 +625,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default=None,
                     help=f"comma list of {', '.join(ENGINES)} (default: all but llama-f32-*)")
-    ap.add_argument("--workloads", default=None, help="comma list of A,B,T,L (default: all)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats of A and B")
+    ap.add_argument("--workloads", default=None,
+                    help="comma list of A,B,T,L,S,S8 (default: A,B,T,L)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of A, B, S and S8")
     ap.add_argument("--big-repeats", type=int, default=3, help="repeats of T and L")
     ap.add_argument("--quick", action="store_true",
                     help="1 repeat; default engines jaxkv,vllm-fp32-t1,llama-q4_1-t1, workload A")

@@ -22,8 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def gpu_check():
+def load_gpu_check():
+    """bench/gpu_check.py as the module ``gpu_check`` (loaded once per process)."""
     if "gpu_check" not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             "gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
@@ -31,6 +31,11 @@ def gpu_check():
         sys.modules["gpu_check"] = module
         spec.loader.exec_module(module)
     return sys.modules["gpu_check"]
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return load_gpu_check()
 
 
 def affine(x, y, *, scale):

@@ -7,10 +7,7 @@ tokens as the default path); the refusals; bench/gpu_check.py's MLA section on t
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +19,6 @@ from jaxkv.attention.pallas.mla_decode import MLADecodeConfig, mla_decode_attent
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pools import HNDPages
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -193,13 +189,9 @@ def test_engine_pallas_decode_gives_the_default_paths_tokens(tmp_path, caplog):
 def test_gpu_check_mla_section_dry_run():
     """The MLA section of bench/gpu_check.py alone on its dry-run sizes (interpret mode): every
     row timed, and its batch-1 rows' kernel output within tolerance of the spec."""
-    if "gpu_check" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = module
-        spec.loader.exec_module(module)
-    gc = sys.modules["gpu_check"]
+    from test_gpu_check import load_gpu_check
+
+    gc = load_gpu_check()
     s = gc.DRY
     run = gc.Run(s, gc.artifacts.Executables(gc.artifacts.local_target()))
     report = dict(device="cpu", jax=jax.__version__, dry_run=True, quick=False, sections_s={},

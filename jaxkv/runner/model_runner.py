@@ -164,11 +164,12 @@ def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
     return True
 
 
-def check_quantization(config: EngineConfig, from_checkpoint: bool) -> None:
+def check_quantization(config: EngineConfig, from_checkpoint: bool, model_config=None) -> None:
     """Raises ValueError naming ``quantization`` where weights cannot be quantized at load:
     from an orbax checkpoint (it holds the weights as saved); under tensor parallelism, naming
     ``quantization_group_size`` where a device's share of o_proj's or down_proj's K would cut
-    a group (``sharding.check_quantized_split``)."""
+    a group (``sharding.check_quantized_split``). ``model_config``: the model's, else read
+    from ``config.model.model``."""
     mc, tp = config.model, config.parallel.tensor_parallel_size
     method = mc.quantization
     if method not in quantize.METHODS:
@@ -179,9 +180,8 @@ def check_quantization(config: EngineConfig, from_checkpoint: bool) -> None:
                          "at load")
     if tp > 1:
         group = scale_group(method, mc.quantization_group_size)            # None: per row
-        model_config = load_config(mc.model)
         try:
-            sharding.check_quantized_split(model_config, group, tp)
+            sharding.check_quantized_split(model_config or load_config(mc.model), group, tp)
         except ValueError as e:
             raise ValueError(f"quantization={method!r}: {e}") from None
 
@@ -272,9 +272,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         mc, cc, rc, pc = config.model, config.cache, config.runtime, config.parallel
         from_checkpoint = checkpoint.is_checkpoint(mc.model)
-        check_quantization(config, from_checkpoint)
         model_config = (checkpoint.read_config(mc.model) if from_checkpoint
                         else load_config(mc.model))
+        check_quantization(config, from_checkpoint, model_config)
         self.model_config = model_config
         r = resolve(config, model_config)
         self.attention_impl, self.kv_cache_dtype = r.attention_impl, r.kv_cache_dtype
@@ -331,7 +331,8 @@ class ModelRunner:
                                     batch.max_blocks_per_seq(self.cache_config, self.sched_config),
                                     spec.format.kivi)
         self.dtype = jnp.dtype(r.dtype)
-        self.params, self.tokenizer = self._load(mc, from_checkpoint, keeps_quantized(config))
+        self.params, self.tokenizer = self._load(mc, from_checkpoint,
+                                                 keeps_quantized(config, model_config))
         self.cache = init_cache(self.kv_spec, None if mesh is None
                                 else sharding.cache_shardings(self.kv_spec, mesh))
         self._seed = mc.seed

@@ -3,8 +3,11 @@ transformers (fp32, CPU) on tiny random checkpoints written by transformers, the
 attention against its pure-jnp spec and against the expanded (MHA) form, the latent pool's
 bytes, the planner's, and the refusals."""
 
+import dataclasses
 import functools
+import importlib.util
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ import pytest
 
 from jaxkv.attention.mla import (absorb_query, mla_attention, mla_attention_expanded,
                                  mla_attention_reference)
+from jaxkv.attention.mla_prefill import expanded_min_tokens, mla_prefill_attention
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pages import init_cache
 from jaxkv.kvcache.pools import HNDPages
@@ -21,25 +25,19 @@ from jaxkv.model.config import ModelConfig
 from jaxkv.model.mla import softmax_scale
 from jaxkv.runner import memory_plan, sharding
 
-# DeepSeek-V3's and V2-Lite's released config.json fields that matter here
-V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-          num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-          q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-          v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
-          moe_intermediate_size=2048, first_k_dense_replace=3, n_group=8, topk_group=4,
-          routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840,
-          rope_scaling=dict(type="yarn", factor=40, mscale=1.0, mscale_all_dim=1.0, beta_fast=32,
-                            beta_slow=1, original_max_position_embeddings=4096),
-          rope_theta=10000)
-V2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
-               intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
-               num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-               qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
-               n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
-               n_group=1, topk_group=1, topk_method="greedy", routed_scaling_factor=1.0,
-               max_position_embeddings=163840,
-               rope_scaling=dict(type="yarn", factor=40, mscale=0.707, mscale_all_dim=0.707,
-                                 beta_fast=32, beta_slow=1, original_max_position_embeddings=4096))
+
+def _load_bench(name):
+    """bench/<name>.py as a module (the released configs and the planner table live there)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MLA_PLAN = _load_bench("mla_plan")
+V3, V2_LITE = MLA_PLAN.CONFIGS["DeepSeek-V3"], MLA_PLAN.CONFIGS["DeepSeek-V2-Lite"]
 
 
 def test_released_configs_read_as_a_latent_cache():
@@ -75,6 +73,28 @@ def test_latent_pool_bytes_per_token_from_the_arrays():
     lite = ModelConfig.from_hf_dict(V2_LITE)       # the released sizes: 671B and 15.7B
     assert round(memory_plan.num_parameters(v3) / 1e9) == 671
     assert round(memory_plan.num_parameters(lite) / 1e8) == 157
+
+
+def test_plan_table_counts_the_allocated_latent_bytes():
+    """bench/mla_plan.py's rows: the MLA bytes per token are an allocated V3 / V2-Lite latent
+    pool's (one device's spec from the planner, its arrays counted), the MHA ones N (P + R + V)
+    bf16 values per layer, and the sequences at 8K and 32K what a 40 GiB pool of 16-token blocks
+    holds of each (null block kept)."""
+    rows = MLA_PLAN.table(40 << 30, 80 << 30)
+    fixed = {r["model"]: r for r in rows if r["pool"] == "fixed"}
+    for name, layers, heads in (("DeepSeek-V3", 61, 128), ("DeepSeek-V2-Lite", 27, 16)):
+        c, r = ModelConfig.from_hf_dict(MLA_PLAN.CONFIGS[name]), fixed[name]
+        spec = dataclasses.replace(memory_plan.device_kv_spec(c, "bf16", 16, dtype="bfloat16"),
+                                   num_blocks=3)
+        cache = init_cache(spec)
+        arrays = sum(x.nbytes for x in jax.tree.leaves((cache.k, cache.v)))
+        assert r["mla_bytes_per_token"] == arrays // (3 * 16) == layers * 576 * 2
+        assert r["mha_bytes_per_token"] == layers * heads * (192 + 128) * 2
+        for ctx, (mla, mha) in r["seqs"].items():
+            blocks = ctx // 16
+            assert mla == ((40 << 30) // (16 * r["mla_bytes_per_token"]) - 1) // blocks
+            assert mha == ((40 << 30) // (16 * r["mha_bytes_per_token"]) - 1) // blocks
+    assert fixed["DeepSeek-V3"]["seqs"][32768] == (18, 0)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
@@ -131,6 +151,34 @@ def test_absorbed_equals_expanded_and_cpu_path_equals_spec():
         mla_attention(q_nope, q_rope, pool, w_uk, w_uv, md, sm_scale=scale, impl="pallas")
 
 
+@pytest.mark.parametrize("hnd", [False, True])
+def test_expanded_prefill_equals_the_spec(hnd):
+    """The chunked, tiled expanded form (kv chunks of one 4-token block, query tiles of 2, so
+    tiles cross chunks and sequences) equals the pure-jnp expanded spec for the chosen
+    sequences' tokens and leaves the others zero."""
+    q_nope, q_rope, pool, w_uk, w_uv, md, n = _random_step(1, hnd=hnd)
+    layout = (md.block_tables, md.seq_lens, md.query_start_loc)
+    want = mla_attention_expanded(q_nope, q_rope, pool, w_uk, w_uv, *layout, sm_scale=0.3)
+    run = jax.jit(functools.partial(mla_prefill_attention, sm_scale=0.3, block_q=2, kv_chunk=4))
+    for chosen in ([True] * 4, [False, True, False, True], [True, False, True, False]):
+        got = run(q_nope, q_rope, pool, w_uk, w_uv, *layout, jnp.asarray(chosen))
+        seq = np.repeat(np.arange(4), [1, 5, 7, 0])
+        picked = np.asarray(chosen)[seq]
+        np.testing.assert_allclose(got[:n][picked], want[:n][picked], atol=2e-5, rtol=1e-5)
+        np.testing.assert_array_equal(got[:n][~picked], 0.0)
+        np.testing.assert_array_equal(got[n:], 0.0)
+
+
+def test_expanded_min_tokens_follows_the_multiply_add_model():
+    """DeepSeek's shapes cross over near 171 query tokens per sequence (the module's model,
+    times the measured CPU factor); a latent no wider than the heads' K and V: always expanded
+    past decode."""
+    model = 512 * 256 / (1024 - 256)
+    from jaxkv.attention import mla_prefill
+    assert expanded_min_tokens(512, 128, 128) == round(model * mla_prefill.CPU_CROSSOVER_FACTOR)
+    assert expanded_min_tokens(64, 64, 64) == 2
+
+
 # --- the engine against transformers -------------------------------------------------------
 
 torch = pytest.importorskip("torch")
@@ -157,7 +205,7 @@ ARCHITECTURES = {
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32, block_size=8,
               token_buckets=(8, 32), seq_buckets=(4,), prefix_caching="hash",
               num_kv_blocks=40)     # 39 usable blocks of 8: the four requests do not fit at once
-NEW_TOKENS = 40
+NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -177,37 +225,87 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, model
 
 
-@pytest.mark.parametrize("offload", [
-    pytest.param({}, id="recompute"), pytest.param(dict(kv_offload_bytes=1 << 20, preemption_mode="swap"),
-                     marks=pytest.mark.slow, id="swap")])
-def test_engine_equals_transformers(checkpoint, offload):
-    """Four requests, two sharing a 96-token prefix with a finished one (prefix hits), prompts
-    longer than a step's 32 tokens (chunked prefill), batched in a pool too small for all
-    (preemption; slow: swapped to the host tier and back): every request's greedy tokens and
-    logprobs are HF's; the latent pool holds one 40-wide head per token and layer."""
-    arch, path, model = checkpoint
+@pytest.fixture
+def prefill_forms(monkeypatch):
+    """Counts the layer's traces of the expanded form; ``force(n)`` sets the fewest query tokens
+    a sequence needs to attend expanded (2: every prefill chunk; a huge n: absorbed only)."""
+    import jaxkv.model.mla as layer
+
+    traces = []
+
+    def counted(*args, **kw):
+        traces.append(args[0].shape)
+        return mla_prefill_attention(*args, **kw)
+
+    monkeypatch.setattr(layer, "mla_prefill_attention", counted)
+
+    def force(n):
+        monkeypatch.setattr(layer, "expanded_min_tokens", lambda *_: n)
+
+    return traces, force
+
+
+def _generate(path, **engine):
+    """The workload of the engine tests: four requests, two sharing a 96-token prefix with a
+    finished one (prefix hits), prompts longer than a step's 32 tokens (chunked prefill), batched
+    in a pool too small for all (preemption). Returns (prompts, outputs, stats, cache)."""
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(path), **ENGINE, **offload) as llm:
+    with LLM(str(path), **ENGINE, **engine) as llm:
         ids = llm.tokenizer.encode(austen_text(8000))
         shared = ids[:96]
         prompts = [shared + ids[200:240], ids[300:450], shared + ids[500:530], ids[600:620]]
         first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
         outs = first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
                                     use_tqdm=False)
-        stats = llm.stats()
-        cache = llm.engine.runner.cache
+        return prompts, [o.outputs[0] for o in outs], llm.stats(), llm.engine.runner.cache
+
+
+def _assert_equals_hf(arch, model, prompts, outs):
+    for prompt, got in zip(prompts, outs):
+        want_tokens, want_logprobs = hf_reference(model, prompt, NEW_TOKENS)
+        assert got.token_ids == want_tokens, arch
+        logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("offload", [
+    pytest.param({}, id="recompute"), pytest.param(dict(kv_offload_bytes=1 << 20, preemption_mode="swap"),
+                     marks=pytest.mark.slow, id="swap")])
+def test_engine_equals_transformers(checkpoint, offload, prefill_forms):
+    """The workload (``_generate``; slow: preempted sequences swapped to the host tier and back)
+    with the layer's own choice of form (chunks of 25+ tokens expanded, the rest absorbed, so
+    steps mix both): every request's greedy tokens and logprobs are HF's; the latent pool
+    holds one 40-wide head per token and layer."""
+    arch, path, model = checkpoint
+    traces, _ = prefill_forms
+    prompts, outs, stats, cache = _generate(path, **offload)
+    assert traces, "no step ran the expanded form"
     assert stats["prefix_cache_hits"] >= (88 if offload else 2 * 88), stats
     assert stats["num_preemptions"] > 0, stats
     assert stats.get("num_swap_preemptions", 0) > 0 or not offload, stats
     tokens = ENGINE["num_kv_blocks"] * ENGINE["block_size"]
     assert [(k.nbytes + v.nbytes) // tokens for k, v in zip(
         jax.tree.leaves(cache.k), jax.tree.leaves(cache.v))] == [(32 + 8) * 4] * 2
-    for prompt, out in zip(prompts, outs):
-        want_tokens, want_logprobs = hf_reference(model, prompt, NEW_TOKENS)
-        got = out.outputs[0]
-        assert got.token_ids == want_tokens, arch
-        logprobs = [lp[t] for lp, t in zip(got.logprobs, got.token_ids)]
-        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+    _assert_equals_hf(arch, model, prompts, outs)
+
+
+def test_expanded_prefill_equals_absorbed_only(checkpoint, prefill_forms):
+    """Every prefill chunk expanded, against the absorbed-only engine (the expanded form never
+    traced) and against HF: the same greedy tokens, logprobs within 1e-4 of both."""
+    arch, path, model = checkpoint
+    traces, force = prefill_forms
+    force(1 << 30)
+    prompts, absorbed, _, _ = _generate(path)
+    assert not traces
+    force(2)
+    _, expanded, stats, _ = _generate(path)
+    assert traces and stats["prefix_cache_hits"] > 0 and stats["num_preemptions"] > 0, stats
+    for a, e in zip(absorbed, expanded):
+        assert a.token_ids == e.token_ids, arch
+        np.testing.assert_allclose([lp[t] for lp, t in zip(e.logprobs, e.token_ids)],
+                                   [lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
+                                   atol=1e-4, rtol=0)
+    _assert_equals_hf(arch, model, prompts, expanded)
 
 
 def test_engine_refuses_a_quantized_latent_cache(checkpoint):

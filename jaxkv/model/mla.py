@@ -9,12 +9,16 @@ docs/kv-cache.md ("The latent cache").
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxkv.attention.mla import mla_attention
+from jaxkv.attention.mla_prefill import expanded_min_tokens, mla_prefill_attention
 from jaxkv.attention.options import AttentionOptions
+from jaxkv.attention.reference import token_layout
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pools import write_layer
 from jaxkv.model.config import ModelConfig
@@ -78,12 +82,35 @@ class LatentAttention(nnx.Module):
         k_rope = rotate(kv[:, None, m.kv_lora_rank:], rot)                 # [T, 1, R]
         latent = jnp.concatenate([c_kv[:, None, :], k_rope], axis=-1)      # [T, 1, Lkv + R]
         pool = write_layer(pools[0], latent, md.slot_mapping, md)
-        o = mla_attention(q_nope, q_rope, pool, self.k_up[...], self.v_up[...], md,
-                          sm_scale=self.scale, impl=impl, interpret=interpret,
-                          attention=attention, row_queries=row_queries)   # [T, N, V]
+        o = self._attend(q_nope, q_rope, pool, md, impl=impl, interpret=interpret,
+                         attention=attention, row_queries=row_queries)    # [T, N, V]
         w_o = self.o_proj[...]
         out = linear(o.reshape(o.shape[0], -1), w_o.reshape(-1, w_o.shape[-1]))
         return out, (pool, pools[1], pools[2]), None
+
+    def _attend(self, q_nope, q_rope, pool, md: AttentionMetadata, *, impl, **kw):
+        """MLA's two forms, chosen per step and sequence: a step that may hold a sequence of
+        ``expanded_min_tokens`` query tokens (not decode-only, a token bucket that wide) runs
+        such sequences expanded (jaxkv/attention/mla_prefill.py) and the rest absorbed, the
+        expanded ones' kv lengths zeroed for the absorbed pass; other steps run absorbed only.
+        Returns o [T, N, V]."""
+        m = self.mla
+        k_up, v_up = self.k_up[...], self.v_up[...]
+        min_tokens = expanded_min_tokens(m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim)
+        if md.decode_only or q_nope.shape[0] < min_tokens:
+            return mla_attention(q_nope, q_rope, pool, k_up, v_up, md, sm_scale=self.scale,
+                                 impl=impl, **kw)
+        q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+        chosen = q_lens >= min_tokens                                  # [S]
+        absorbed = dataclasses.replace(md, seq_lens=jnp.where(chosen, 0, md.seq_lens))
+        o = mla_attention(q_nope, q_rope, pool, k_up, v_up, absorbed, sm_scale=self.scale,
+                          impl=impl, **kw)
+        o_exp = mla_prefill_attention(q_nope, q_rope, pool, k_up, v_up, md.block_tables,
+                                      md.seq_lens, md.query_start_loc, chosen,
+                                      sm_scale=self.scale)
+        seq, _, valid = token_layout(md.query_start_loc, md.seq_lens, o.shape[0])
+        expanded = chosen[seq] & valid                                 # [T]
+        return jnp.where(expanded[:, None, None], o_exp.astype(o.dtype), o)
 
 
 def _check_options(options: AttentionOptions, sparse, sink_rot) -> None:

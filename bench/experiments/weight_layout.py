@@ -7,7 +7,7 @@ jitted function per layout:
 
     in-out   x @ w         w [in, out]   (jaxkv's layout, jaxkv/model/llama.py)
     out-in   x . w^T       w [out, in]   (dot_general contracting both last dims; tried in the
-                                          engine and not kept: BENCHMARKS.md, "Tried, not kept")
+                                          engine and not kept: BENCHMARKS.md, "What did not work")
 
 Runs the layouts alternately, ``--repeats`` rounds of ``--iters`` calls each, and reports the
 median and min-max of the per-round medians, the out-in / in-out ratio, and a memcpy of the

@@ -13,6 +13,7 @@ the devices it needs and prints one JSON object (the results) as its last stdout
     python tests/tp_worker.py checkpoint MODEL_DIR CKPT_DIR --tp 4
     python tests/tp_worker.py distributed MODEL_DIR --tp 4 --coordinator 127.0.0.1:PORT \
         --num-processes 2 --process-id 0
+    python tests/tp_worker.py requests MODEL_DIR SPEC_JSON --tp 4
 """
 
 from __future__ import annotations
@@ -241,11 +242,25 @@ def cmd_distributed(a) -> dict:
                 "processes_in_mesh": sorted({d.process_index for d in llm.engine.runner.mesh.devices.flat})}
 
 
+def cmd_requests(a) -> dict:
+    """SPEC_JSON: {"engine": LLM kwargs, "requests": [{"prompt", "params": SamplingParams
+    kwargs}]} -> each request's completions' tokens as a server's logprobs name them
+    (generated together)."""
+    with open(a.ckpt) as f:
+        spec = json.load(f)
+    with LLM(a.model, tensor_parallel_size=a.tp[0], **spec["engine"]) as llm:
+        outs = llm.generate([r["prompt"] for r in spec["requests"]],
+                            [SamplingParams(**r["params"]) for r in spec["requests"]],
+                            use_tqdm=False)
+        return {"token_texts": [[[llm.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+                                  for t in c.token_ids] for c in o.outputs] for o in outs]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("command", choices=["parity", "kv_parity", "forks", "inspect", "errors",
                                        "checkpoint", "distributed", "streaming",
-                                       "offload", "scored"])
+                                       "offload", "scored", "requests"])
     p.add_argument("model")
     p.add_argument("ckpt", nargs="?")
     p.add_argument("--tp", type=int, nargs="+", default=[1])

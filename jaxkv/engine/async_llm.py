@@ -35,6 +35,8 @@ class AsyncLLM:
 
     Args:
       model: as for ``LLM``.
+      step_feed: multi-host serving's leader end (``jaxkv.engine.multihost.StepFeed``): every
+        add and abort applied to the engine, and every step, are sent to the followers.
       **kwargs: the engine arguments of ``LLM`` (``EngineConfig.from_kwargs``), listed below.
 
     Raises:
@@ -44,8 +46,9 @@ class AsyncLLM:
     Engine arguments:
     """
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs):
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", *, step_feed=None, **kwargs):
         self.engine = EngineCore(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._feed = step_feed
         self._lock = threading.Lock()                 # guards the engine and the queues
         self._wake = threading.Condition(self._lock)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -74,8 +77,10 @@ class AsyncLLM:
                     rid = self._aborts.popleft()
                     if self.engine.is_live(rid):
                         self.engine.abort_request(rid)
+                        if self._feed is not None:
+                            self._feed.abort(rid)
                 try:
-                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else {}
+                    outputs = self._step() if self.engine.has_unfinished_requests() else {}
                 except BaseException as e:   # nothing to blame one request for: fail them all
                     self._error = e
                     for loop, queue in self._queues.values():
@@ -90,6 +95,11 @@ class AsyncLLM:
                 if route is not None:
                     _deliver(*route, out)
 
+    def _step(self) -> dict:
+        if self._feed is not None:
+            self._feed.step()
+        return self.engine.step()
+
     # ------------------------------------------------------------------ requests
 
     def _check_alive(self) -> None:
@@ -103,10 +113,14 @@ class AsyncLLM:
         spec = getattr(sampling_params, "structured_outputs", None)
         if spec is not None:   # compiled here, not under the lock the engine loop steps in
             self.engine.compile_structured_outputs(spec)
+        self._check_alive()    # failed (``fail``): the device thread may never free the lock
         with self._wake:
             self._check_alive()
             rid = self.engine.add_request(prompt, sampling_params, request_id=request_id,
                                           priority=priority, cache_salt=cache_salt)
+            if self._feed is not None:
+                self._feed.add(dict(prompt=prompt, sampling_params=sampling_params,
+                                    request_id=rid, priority=priority, cache_salt=cache_salt))
             self._queues[rid] = (loop, queue)
             self._wake.notify()
             return rid
@@ -176,6 +190,15 @@ class AsyncLLM:
         with self._lock:
             return self.engine.stats()
 
+    def fail(self, error: EngineDeadError) -> None:
+        """Fails every in-flight request with ``error`` and refuses new ones, without the
+        engine lock (multi-host: a lost process leaves the device thread inside a step whose
+        collective may never end). The process is expected to exit; ``shutdown`` would wait
+        for that step."""
+        self._error = error
+        for loop, queue in list(self._queues.values()):
+            _deliver(loop, queue, error)
+
     def shutdown(self) -> None:
         """Stops the device loop (in-flight requests get ``EngineDeadError``) and frees the
         device memory. Idempotent."""
@@ -189,6 +212,8 @@ class AsyncLLM:
                     "the engine was shut down before this request finished"))
             self._queues.clear()
         self._thread.join()
+        if self._feed is not None:   # multi-host: the followers stop too
+            self._feed.close()
         self.engine.close()
 
     async def __aenter__(self) -> "AsyncLLM":

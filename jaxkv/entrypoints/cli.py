@@ -192,15 +192,23 @@ def cmd_bench(a) -> int:
 def cmd_serve(a) -> int:
     from jaxkv.server.app import serve
 
-    if a.coordinator_address or a.num_processes:
-        raise ValueError("serve runs one engine in one process; multi-host serving is not "
-                         "supported")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    return serve(EngineConfig.from_cli(a), host=a.host, port=a.port,
+    config, feed = EngineConfig.from_cli(a), None
+    if a.coordinator_address or a.num_processes:   # process 0 serves, the others follow
+        from jaxkv.engine import multihost
+        from jaxkv.runner.sharding import initialize_distributed
+
+        multihost.check_multihost(config, a.peer_timeout)
+        initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
+        if not multihost.is_leader():
+            multihost.run_follower(config, timeout=a.peer_timeout)
+            return 0
+        feed = multihost.open_leader_feed(a.peer_timeout)
+    return serve(config, host=a.host, port=a.port,
                  served_model_name=a.served_model_name, api_key=a.api_key,
                  shutdown_timeout=a.shutdown_timeout, max_request_bytes=a.max_request_bytes,
-                 log_level=a.log_level, tool_call_parser=a.tool_call_parser)
+                 log_level=a.log_level, tool_call_parser=a.tool_call_parser, step_feed=feed)
 
 
 def cmd_plan(a) -> int:
@@ -332,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag, accepted: tool_choice=\"auto\" works whenever "
                         "--tool-call-parser is given")
+    g.add_argument("--peer-timeout", type=float, default=10.0,
+                   help="multi-host: seconds of a process's silence after which the others "
+                        "give up (the leader fails its requests with 503 and exits; process "
+                        "0 serves, the others follow it without a port)")
     s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")

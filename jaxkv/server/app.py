@@ -11,6 +11,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +28,9 @@ from jaxkv.server import protocol, tool_calls, tools
 from jaxkv.server.gate import DEFAULT_MAX_BODY, Gate
 from jaxkv.server.metrics import ServerMetrics
 from jaxkv.server.prompts import PromptTokenizer
+
+if TYPE_CHECKING:
+    from jaxkv.engine.multihost import StepFeed
 
 logger = logging.getLogger("uvicorn.error")
 # The grace uvicorn gives responses after the drain (their engine requests are aborted by then).
@@ -534,7 +538,8 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
           served_model_name: str | None = None, api_key: str | None = None,
           shutdown_timeout: float = 30.0, max_request_bytes: int = DEFAULT_MAX_BODY,
-          log_level: str = "info", tool_call_parser: str | None = None) -> int:
+          log_level: str = "info", tool_call_parser: str | None = None,
+          step_feed: StepFeed | None = None) -> int:
     """Starts the engine and serves it until SIGTERM / SIGINT; returns the exit status 0.
 
     Args:
@@ -547,6 +552,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
       log_level: uvicorn's log level.
       tool_call_parser: the format ``tool_choice="auto"`` reads calls in
         (``tool_calls.PARSERS``; None: ``auto`` is refused).
+      step_feed: multi-host tensor parallelism's leader end (``jaxkv.engine.multihost.open_leader_feed``):
+        the engine starts once every follower has joined, and its inputs are replayed on them.
 
     Raises:
       TypeError, ValueError: a bad engine argument, or an address that cannot be bound
@@ -554,9 +561,16 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
     """
     sock = bind(host, port)
     try:
-        engine = AsyncLLM(**config.to_kwargs())
+        if step_feed is None:
+            engine = AsyncLLM(**config.to_kwargs())
+        else:
+            from jaxkv.engine.multihost import start_leader
+
+            engine = start_leader(config, step_feed)
     except BaseException:
         sock.close()
+        if step_feed is not None:
+            step_feed.close()
         raise
     app = build_app(engine, served_model_name=served_model_name or config.model.model,
                     api_key=api_key, model_path=str(engine.engine.runner.model_path),

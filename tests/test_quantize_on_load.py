@@ -165,12 +165,3 @@ def test_a_width_the_kernels_cannot_block_is_refused_naming_the_tensor():
     with pytest.raises(ValueError, match=r"f\.safetensors: quantization='int8': tensor "
                                          r"'model\.layers\.0\.mlp\.down_proj\.weight' \[8, 40\]"):
         quantize.quantize_tensors(tensors, "int8", 128, "f.safetensors")
-
-
-def test_orbax_checkpoints_are_refused():
-    """(A group cut by a tensor-parallel split: tests/test_quantized_tp.py.)"""
-    from jaxkv.runner.model_runner import check_quantization
-
-    with pytest.raises(ValueError, match="quantization='fp8': m is an orbax checkpoint"):
-        check_quantization(EngineConfig.from_kwargs(model="m", quantization="fp8"),
-                           from_checkpoint=True)

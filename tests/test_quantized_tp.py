@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ PROMPTS = ["Emma Woodhouse, handsome, clever,", "and rich, with a comfortable ho
 # of o_proj's K (64, 32) and down_proj's (192, 96) is whole groups of 32
 TINY = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 RUNS = (("int8", 128, (1, 2)), ("int4", 32, (1, 2, 4)))
+CHECKPOINTS = {"gguf": ("tiny.gguf", None, 32), "int4": ("", "int4", 32)}   # model, convert's args
 GGUF_TPS = (1, 2, 4)   # FFN 128: tp 2 keeps the blocks; tp 4 (o_proj's K 64 / 4) dequantizes
 # a float [N, K] (or [N, K / 32, 32]) of a whole weight (q, o: [128, 128]; gate, up [384, 128];
 # down [128, 384]): the dequantized weight one device would hold after a gather
@@ -101,6 +103,23 @@ def test_a_gguf_keeps_its_blocks_where_they_split_whole(result):
         assert r["plan_weights"] == r["device0_bytes"]
 
 
+def test_a_checkpoint_restores_each_devices_share_as_the_source_load_places_it(result):
+    """``jaxkv convert``'s checkpoints of the GGUF's blocks and of int4 (groups of 32) restored
+    at tp 2: the tokens and logprobs of one device loading the source, each device's shards of
+    codes and scales those of loading the source at tp 2, the plan's weights device 0's bytes;
+    at tp 4 the GGUF's blocks would be cut (o_proj's K 64 / 4): refused naming the field."""
+    for name, source in (("gguf", "gguf"), ("int4", "int4")):
+        run, ref = result[f"ckpt_{name}_tp2"], result[f"{source}_tp1"]
+        assert run["tokens"] == ref["tokens"], name
+        assert max(abs(a - b) for x, y in zip(run["logprobs"], ref["logprobs"])
+                   for a, b in zip(x, y)) < 1e-3, name
+        assert run["shards"] == result[f"{source}_tp2"]["shards"], name
+        assert run["kept"] == result[f"{source}_tp2"]["kept"] > 0, name
+        assert run["plan_weights"] == run["device0_bytes"], name
+    assert re.search(r"tensor 'o_proj' \[256, 64\] split over tensor_parallel_size=4 .*"
+                     r"quantization_group_size", result["ckpt_gguf_tp4_error"])
+
+
 def test_a_split_that_cuts_a_group_is_refused_naming_the_field(tmp_path):
     """int4 in groups of 128 over 2 devices: down_proj's K = 384 gives 192 values each (o_proj's
     K = 128 is one group a row, its scales replicated: no cut)."""
@@ -163,7 +182,27 @@ def _worker(path: str) -> dict:
     out = {f"{method}_tp{tp}": _run(path, tp, hlo=tp == 2, quantization=method,
                                     quantization_group_size=group)
            for method, group, tps in RUNS for tp in tps}
-    return out | {f"gguf_tp{tp}": _run(f"{path}/tiny.gguf", tp) for tp in GGUF_TPS}
+    out |= {f"gguf_tp{tp}": _run(f"{path}/tiny.gguf", tp) for tp in GGUF_TPS}
+    return out | _checkpoint_runs(path)
+
+
+def _checkpoint_runs(path: str) -> dict:
+    """Orbax checkpoints of the GGUF's kept blocks and of int4 in groups of 32 (``CHECKPOINTS``)
+    restored at tp 2; the GGUF's at tp 4 (whose o_proj split cuts its blocks): the error."""
+    from jaxkv.model import checkpoint
+
+    out = {}
+    for name, (model, method, group) in CHECKPOINTS.items():
+        ckpt = f"{path}/ckpt_{name}"
+        checkpoint.convert(Path(path, model), ckpt, quantization=method, group=group,
+                           overwrite=True)
+        out[f"ckpt_{name}_tp2"] = _run(ckpt, 2)
+    try:
+        _run(f"{path}/ckpt_gguf", 4)
+        out["ckpt_gguf_tp4_error"] = "no error"
+    except ValueError as e:
+        out["ckpt_gguf_tp4_error"] = str(e)
+    return out
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import sys
 import time
 
 from jaxkv.config import EngineConfig
+from jaxkv.config.args import QUANTIZATION_MODES
 from jaxkv.config.options import parse_bytes
+from jaxkv.model.quantization import DEFAULT_GROUP
 from jaxkv.server.tool_calls import PARSERS
 
 BENCH_MIN_PROMPT_LEN = 32   # bench's default shortest prompt and output, in tokens
@@ -260,7 +262,9 @@ def cmd_convert(a) -> int:
 
     if checkpoint.is_checkpoint(a.out) and not a.overwrite:
         raise ValueError(f"{a.out} already holds a checkpoint; pass --overwrite to replace it")
-    path = checkpoint.convert(a.model, a.out, dtype=a.dtype, overwrite=a.overwrite)
+    quantization = None if a.quantization == checkpoint.AS_STORED else a.quantization
+    path = checkpoint.convert(a.model, a.out, dtype=a.dtype, quantization=quantization,
+                              group=a.quantization_group_size, overwrite=a.overwrite)
     print(f"wrote {path} (orbax params + config + tokenizer); load it sharded with "
           f"jaxkv generate --model {path} --tensor-parallel-size N")
     return 0
@@ -359,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store name, .gguf file or HF directory")
     v.add_argument("--out", required=True, help="checkpoint directory to write")
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--quantization", default="as stored",
+                   choices=["as stored", *QUANTIZATION_MODES],
+                   help="weights as saved: as stored (a GGUF's kept blocks, a compressed-tensors "
+                        "checkpoint's codes), none (every weight in --dtype), or the dense "
+                        "projections quantized as LLM(quantization=...) does")
+    v.add_argument("--quantization-group-size", type=int, default=DEFAULT_GROUP,
+                   help="values per scale of --quantization int4 (a multiple of 32)")
     v.add_argument("--overwrite", action="store_true")
     v.set_defaults(func=cmd_convert)
 

@@ -3,13 +3,19 @@
 Layout of a checkpoint directory::
 
     <path>/
-      params/        orbax StandardCheckpointer output (one array per leaf, tensorstore)
-      jaxkv.json     {"config": ModelConfig fields or null, "metadata": caller's dict}
+      params/        orbax StandardCheckpointer output (one array per leaf, tensorstore; a
+                     ``QuantizedWeight``'s codes, scales and minima as three)
+      jaxkv.json     {"config": ModelConfig fields or null, "metadata": caller's dict,
+                      "quantized": {"layers/0/attn/q_proj": {"qtype", "shape", "group",
+                                    "arrays": {"qs": [shape, dtype], "d": ..., "m": ... or null}}}}
       tokenizer.json, tokenizer_config.json, generation_config.json   (``convert`` only: the
                      tokenizer in HF layout, read back by ``read_tokenizer``)
 
 Restoring takes optional target shardings, so a tensor-parallel model can read each device's
-shard straight from disk instead of materializing full arrays on one device first.
+shard straight from disk instead of materializing full arrays on one device first. Quantized
+weights come back as the same ``QuantizedWeight``s (``restore_target`` rebuilds their static
+fields from ``quantized``); ``convert``'s metadata says how they were made
+(``read_quantization``).
 """
 
 from __future__ import annotations
@@ -21,15 +27,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxkv.model import quantize
 from jaxkv.model.config import ModelConfig, RopeScaling
 from jaxkv.model.llama import params_from_hf
+from jaxkv.model.quantization import DEFAULT_GROUP, METHODS, check_group, scale_group
+from jaxkv.model.quantized import QuantizedWeight
 from jaxkv.model.tokenizer import Tokenizer
 from jaxkv.model.weights import load_model_files
 
 PARAMS_DIR = "params"
 METADATA_FILE = "jaxkv.json"
+AS_STORED = "as stored"       # convert's default: a model file's quantized tensors kept as stored
+FLOAT = "none"                # every weight dequantized (quantization="none")
 
 
 def save_params(path: str | Path, params: Any, metadata: dict[str, Any] | None = None, *,
@@ -54,6 +66,7 @@ def save_params(path: str | Path, params: Any, metadata: dict[str, Any] | None =
         meta_text = json.dumps({
             "config": None if config is None else dataclasses.asdict(config),
             "metadata": metadata or {},
+            "quantized": _quantized_leaves(params),
         }, indent=2)
     except TypeError as e:
         raise ValueError(f"{path}: metadata is not JSON-serializable: {e}") from e
@@ -70,13 +83,15 @@ def restore_params(path: str | Path, target: Any = None, shardings: Any = None) 
     Args:
       path: checkpoint directory.
       target: optional pytree of arrays or ``jax.ShapeDtypeStruct`` giving the structure, shapes
-        and dtypes to restore into (casting if the dtype differs from the stored one).
+        and dtypes to restore into (casting if the dtype differs from the stored one); the
+        quantized weights' places are taken by what is stored (``restore_target``).
       shardings: optional pytree of ``jax.sharding.Sharding`` (same structure as the params);
         each leaf is restored directly into that sharding. Without it and without ``target``,
-        leaves come back as saved (numpy leaves as numpy, jax leaves on their saved devices).
+        leaves come back as saved (numpy leaves as numpy, jax leaves on their saved devices;
+        where some weights are quantized, every leaf as a jax array).
 
     Returns:
-      The params pytree.
+      The params pytree, quantized weights as the ``QuantizedWeight``s saved.
 
     Raises:
       FileNotFoundError: no checkpoint at ``path``.
@@ -84,13 +99,54 @@ def restore_params(path: str | Path, target: Any = None, shardings: Any = None) 
     path = Path(path).absolute()
     if not (path / PARAMS_DIR).is_dir():
         raise FileNotFoundError(f"{path / PARAMS_DIR}: no params checkpoint found")
+    if target is not None or shardings is not None or _read(path).get("quantized"):
+        target = restore_target(path, target)
     with ocp.StandardCheckpointer() as ckptr:
-        if target is None and shardings is not None:
-            target = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
         if shardings is not None:
             target = jax.tree.map(
                 lambda t, s: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=s), target, shardings)
         return ckptr.restore(path / PARAMS_DIR, target)
+
+
+def restore_target(path: str | Path, target: Any = None) -> Any:
+    """The pytree ``restore_params`` restores into: ``target`` (default: the stored tree's
+    shapes and dtypes) with each quantized weight's place taken by a ``QuantizedWeight`` of
+    ``jax.ShapeDtypeStruct``s, its static fields and array dtypes as saved."""
+    path = Path(path).absolute()
+    if target is None:
+        with ocp.StandardCheckpointer() as ckptr:
+            tree = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+    for key, q in _read(path).get("quantized", {}).items():
+        arrays = {k: None if a is None else jax.ShapeDtypeStruct(tuple(a[0]), jnp.dtype(a[1]))
+                  for k, a in q["arrays"].items()}
+        w = QuantizedWeight(**arrays, qtype=q["qtype"], shape=tuple(q["shape"]), group=q["group"])
+        target = _replace(target, key.split("/"), w)
+    return target
+
+
+def _replace(tree: dict, keys: list[str], value: Any) -> dict:
+    """A copy of the nested dict ``tree`` with the node at ``keys`` (str of each key) ``value``."""
+    if not keys:
+        return value
+    k = next((k for k in tree if str(k) == keys[0]), None)
+    if k is None:
+        raise ValueError(f"the params have no {keys[0]!r} among {sorted(map(str, tree))}")
+    return {**tree, k: _replace(tree[k], keys[1:], value)}
+
+
+def _quantized_leaves(params: Any) -> dict[str, dict]:
+    """``jaxkv.json``'s ``quantized``: each ``QuantizedWeight``'s key path ("a/b/c"), static
+    fields and arrays' [shape, dtype]."""
+    out = {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    for kp, w in flat:
+        if isinstance(w, QuantizedWeight):
+            arrays = {k: None if a is None else [list(a.shape), jnp.dtype(a.dtype).name]
+                      for k, a in (("qs", w.qs), ("d", w.d), ("m", w.m))}
+            out[_key(kp)] = dict(qtype=w.qtype, shape=list(w.shape), group=w.group, arrays=arrays)
+    return out
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -100,22 +156,105 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def convert(model: str | Path, path: str | Path, *, dtype: str = "float32",
+            quantization: str | None = None, group: int = DEFAULT_GROUP,
             overwrite: bool = False) -> Path:
     """Converts model files (GGUF, HF safetensors dir or store name) once into a checkpoint.
 
-    The checkpoint holds the params dict (``jaxkv.model.llama`` layout, in ``dtype``), the
-    config and the tokenizer, so ``LLM(path, tensor_parallel_size=N)`` restores each device's
-    shards straight from disk without reading the source model again.
+    The checkpoint holds the params dict (``jaxkv.model.llama`` layout, float weights in
+    ``dtype``), the config and the tokenizer, so ``LLM(path, tensor_parallel_size=N)`` restores
+    each device's shards straight from disk without reading the source model again.
+
+    Args:
+      quantization: None (as stored: a GGUF's kept blocks and a compressed-tensors
+        checkpoint's codes stay quantized, as ``LLM(model)`` keeps them), ``"none"`` (every
+        weight dequantized) or one of ``quantization.METHODS`` (the dense projections quantized
+        as ``LLM(model, quantization=...)`` does); recorded in the metadata.
+      group: int4's values per scale (``quantization_group_size``).
 
     Returns:
       The checkpoint directory.
+
+    Raises:
+      ValueError: naming ``quantization`` or ``quantization_group_size``, before any weight
+        is read.
     """
-    loaded = load_model_files(model)
-    params = params_from_hf(loaded.config, loaded.tensors, jnp.dtype(dtype), source=loaded.source)
-    save_params(path, params, {"source": loaded.source, "dtype": dtype}, config=loaded.config,
-                overwrite=overwrite)
+    if quantization not in (None, FLOAT, *METHODS):
+        raise ValueError(f"quantization={quantization!r}: one of None (as stored), {FLOAT!r}, "
+                         f"{', '.join(map(repr, METHODS))}")
+    check_group(group)
+    loaded = load_model_files(model, keep_quantized=quantization is None)
+    tensors = loaded.tensors
+    if quantization in METHODS:
+        tensors = quantize.quantize_tensors(tensors, quantization, group, loaded.source)
+    params = params_from_hf(loaded.config, tensors, jnp.dtype(dtype), source=loaded.source)
+    held = AS_STORED if quantization is None else quantization
+    save_params(path, params, {"source": loaded.source, "dtype": dtype, "quantization": held,
+                               "quantization_group_size": scale_group(held, group)},
+                config=loaded.config, overwrite=overwrite)
     write_tokenizer(path, loaded.tokenizer)
     return Path(path)
+
+
+def read_quantization(path: str | Path) -> tuple[str, int | None, tuple[str, ...]]:
+    """(how ``convert`` made the checkpoint's weights: one of ``METHODS``, ``AS_STORED`` or
+    ``FLOAT``; int4's group, else None; the stored quantized types, e.g. ("Q4_1",), empty when
+    every weight is float). A checkpoint of ``save_params`` without that record counts as
+    ``AS_STORED``, one with no quantized weight as ``FLOAT``."""
+    data = _read(Path(path))
+    kinds = tuple(dict.fromkeys(q["qtype"] for q in data.get("quantized", {}).values()))
+    meta = data["metadata"]
+    method = meta.get("quantization", AS_STORED if kinds else FLOAT)
+    return method, meta.get("quantization_group_size"), kinds
+
+
+def check_quantization(path: str | Path, method: str | None, group: int) -> None:
+    """Raises ValueError naming ``quantization`` (or ``quantization_group_size``) where an
+    engine asks the checkpoint at ``path`` for other weights than it holds, as vLLM refuses a
+    ``quantization`` that differs from the checkpoint's: None (as stored) always reads it;
+    ``"none"`` a float checkpoint; a method the checkpoint ``convert`` made with it (int4: in
+    the same groups)."""
+    held, held_group, kinds = read_quantization(path)
+    if method is None or (method == held and (held_group is None or held_group == group)):
+        return
+    what = (f"{held} weights" + (f" in groups of {held_group}" if held_group else "")
+            if held in METHODS else f"its source's {'/'.join(kinds)} weights as stored"
+            if kinds else "float weights")
+    field = ("quantization_group_size" if method == held else "quantization")
+    asked = group if method == held else repr(method)
+    raise ValueError(f"{field}={asked}: {path} is an orbax checkpoint holding {what}; load it "
+                     f"with quantization=None (as stored) or convert the model again with "
+                     f"jaxkv convert --quantization {method}")
+
+
+def stored_bytes(path: str | Path, dtype_bytes: int) -> tuple[int, str] | None:
+    """(bytes of the checkpoint's params with its float leaves in a dtype of ``dtype_bytes``,
+    what the quantized ones are in words), None when no weight is quantized."""
+    path = Path(path).absolute()
+    quantized = _read(path).get("quantized", {})
+    if not quantized:
+        return None
+    with ocp.StandardCheckpointer() as ckptr:
+        tree = ckptr.metadata(path / PARAMS_DIR).item_metadata.tree
+    quant_keys = set(quantized)
+    floats = sum(int(np.prod(x.shape)) * dtype_bytes
+                 for k, x in _flat(tree).items() if k.rsplit("/", 1)[0] not in quant_keys)
+    quant = sum(int(np.prod(a[0])) * jnp.dtype(a[1]).itemsize
+                for q in quantized.values() for a in q["arrays"].values() if a is not None)
+    held, group, kinds = read_quantization(path)
+    how = f"{held}" + (f" (groups of {group})" if group else "") if held in METHODS else \
+        f"{'/'.join(kinds)} blocks kept"
+    return floats + quant, how
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    """{"a/b/c": leaf} of a nested dict."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {_key(kp): x for kp, x in flat}
+
+
+def _key(key_path) -> str:
+    """A pytree key path as "a/b/c" (each dict key or sequence index as str)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
 
 
 def write_tokenizer(path: str | Path, tokenizer: Tokenizer) -> None:

@@ -166,18 +166,18 @@ def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
 
 def check_quantization(config: EngineConfig, from_checkpoint: bool, model_config=None) -> None:
     """Raises ValueError naming ``quantization`` where weights cannot be quantized at load:
-    from an orbax checkpoint (it holds the weights as saved); under tensor parallelism, naming
+    from an orbax checkpoint, a ``quantization`` other than None or what the checkpoint holds
+    (``checkpoint.check_quantization``); under tensor parallelism, naming
     ``quantization_group_size`` where a device's share of o_proj's or down_proj's K would cut
     a group (``sharding.check_quantized_split``). ``model_config``: the model's, else read
     from ``config.model.model``."""
     mc, tp = config.model, config.parallel.tensor_parallel_size
     method = mc.quantization
+    if from_checkpoint:
+        checkpoint.check_quantization(mc.model, method, mc.quantization_group_size)
+        return
     if method not in quantize.METHODS:
         return
-    if from_checkpoint:
-        raise ValueError(f"quantization={method!r}: {mc.model} is an orbax checkpoint, "
-                         "which holds its weights as saved; quantize a model file (GGUF or HF) "
-                         "at load")
     if tp > 1:
         group = scale_group(method, mc.quantization_group_size)            # None: per row
         try:
@@ -188,26 +188,33 @@ def check_quantization(config: EngineConfig, from_checkpoint: bool, model_config
 
 def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
     """``memory_plan.plan``'s ``stored_weights_bytes`` (one device's) and ``weights_format``
-    where weights are quantized at load (under tensor parallelism each tensor's shard,
-    ``sharding.device_tensor_shapes``) or stay in a GGUF's blocks (``keeps_quantized``; under
-    tensor parallelism the norms whole and the rest of the file's bytes times one device's
-    share of the float weights, an estimate), else nothing."""
+    where weights are quantized at load or by ``jaxkv convert`` (under tensor parallelism each
+    tensor's shard, ``sharding.device_tensor_shapes``) or stay in a GGUF's blocks
+    (``keeps_quantized``, or an orbax checkpoint of them: under tensor parallelism the norms
+    whole and the rest of the stored bytes times one device's share of the float weights, an
+    estimate), else nothing."""
     mc, tp = config.model, config.parallel.tensor_parallel_size
-    if mc.quantization in quantize.METHODS:
-        group = mc.quantization_group_size
+    method, group = mc.quantization, mc.quantization_group_size
+    from_checkpoint = checkpoint.is_checkpoint(mc.model)
+    if from_checkpoint:
+        held, held_group, _ = checkpoint.read_quantization(mc.model)
+        method, group = (held, held_group) if held in quantize.METHODS else (None, group)
+    dtype_bytes = memory_plan.WEIGHT_DTYPES[dtype]
+    if method in quantize.METHODS:
         shapes = sharding.device_tensor_shapes(model_config, tp)
-        total = quantize.stored_bytes(shapes, mc.quantization, group,
-                                      memory_plan.WEIGHT_DTYPES[dtype])
+        total = quantize.stored_bytes(shapes, method, group, dtype_bytes)
         return dict(stored_weights_bytes=total,
-                    weights_format=f"{quantize.describe(mc.quantization, group)}, else {dtype}")
-    if not keeps_quantized(config, model_config) or checkpoint.is_checkpoint(mc.model):
+                    weights_format=f"{quantize.describe(method, group)}, else {dtype}")
+    if from_checkpoint:
+        stored = checkpoint.stored_bytes(mc.model, dtype_bytes)
+    elif keeps_quantized(config, model_config):
+        stored = stored_weights_bytes(mc.model, model_config, dtype_bytes)
+    else:
         return {}
-    stored = stored_weights_bytes(mc.model, model_config, memory_plan.WEIGHT_DTYPES[dtype])
     if stored is None:
         return {}
     # norms replicated, the rest split as one device's part of the float weights
-    norms = (2 * model_config.num_layers + 1) * model_config.hidden_size * \
-        memory_plan.WEIGHT_DTYPES[dtype]
+    norms = (2 * model_config.num_layers + 1) * model_config.hidden_size * dtype_bytes
     share = ((memory_plan.weights_bytes(model_config, dtype, tp) - norms)
              / (memory_plan.weights_bytes(model_config, dtype) - norms))
     return dict(stored_weights_bytes=norms + round((stored[0] - norms) * share),
@@ -372,12 +379,13 @@ class ModelRunner:
         ``mc.quantization`` one of ``quantize.METHODS``: the dense projections quantized."""
         c, model = self.model_config, mc.model
         if from_checkpoint:
+            target = checkpoint.restore_target(model, param_shapes(c, self.dtype))
             if self.mesh is None:
                 dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-                shardings = jax.tree.map(lambda _: dev, param_shapes(c, self.dtype))
+                shardings = jax.tree.map(lambda _: dev, target)
             else:
-                shardings = sharding.stored_param_shardings(c, self.mesh)
-            params = checkpoint.restore_params(model, param_shapes(c, self.dtype), shardings)
+                shardings = sharding.stored_param_shardings(c, self.mesh, target)
+            params = checkpoint.restore_params(model, target, shardings)
             tokenizer = checkpoint.read_tokenizer(model)
             self.model_path = Path(model)
         else:

@@ -180,13 +180,17 @@ def _restore_rules(config: ModelConfig, tensor_parallel_size: int):
     return tuple((a, None if a == "kv_heads" else m) for a, m in LOGICAL_AXIS_RULES)
 
 
-def stored_param_shardings(config: ModelConfig, mesh: Mesh) -> dict:
+def stored_param_shardings(config: ModelConfig, mesh: Mesh, params: dict | None = None) -> dict:
     """Shardings to load a checkpoint of ``config`` (the original kv head count) into.
 
     Same as ``param_shardings`` except that k/v heads stay whole on each device when
-    ``shard_params`` will repeat them (kv heads < tp).
+    ``shard_params`` will repeat them (kv heads < tp). ``params``: the tree to restore (shape
+    structs), whose ``QuantizedWeight``s get their arrays' shardings (``quantized_specs``).
     """
-    return param_shardings(config, mesh, rules=_restore_rules(config, mesh.shape["tp"]))
+    rules = _restore_rules(config, mesh.shape["tp"])
+    if params is None:
+        return param_shardings(config, mesh, rules=rules)
+    return _shardings(params, config, mesh, rules)
 
 
 def _row_col_axes(w: QuantizedWeight, axes: tuple, name: str) -> tuple[tuple, tuple]:

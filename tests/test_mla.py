@@ -170,12 +170,10 @@ def test_expanded_prefill_equals_the_spec(hnd):
 
 
 def test_expanded_min_tokens_follows_the_multiply_add_model():
-    """DeepSeek's shapes cross over near 171 query tokens per sequence (the module's model,
-    times the measured CPU factor); a latent no wider than the heads' K and V: always expanded
-    past decode."""
-    model = 512 * 256 / (1024 - 256)
-    from jaxkv.attention import mla_prefill
-    assert expanded_min_tokens(512, 128, 128) == round(model * mla_prefill.CPU_CROSSOVER_FACTOR)
+    """DeepSeek's shapes cross over at 171 query tokens per sequence, the tests' tiny ones at 25
+    (Lkv 32, P 16, V 12); a latent no wider than the heads' K and V: expanded past decode."""
+    assert expanded_min_tokens(512, 128, 128) == round(512 * 256 / 768) == 171
+    assert expanded_min_tokens(32, 16, 12) == 25
     assert expanded_min_tokens(64, 64, 64) == 2
 
 

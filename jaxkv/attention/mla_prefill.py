@@ -9,8 +9,9 @@ Multiply-adds per head for q query tokens of one sequence over J kv positions::
     expanded  J Lkv (P + V) + q J (P + R + V)   up-projection once, then MHA
 
 so the expanded form is cheaper once ``q > Lkv (P + V) / (2 Lkv - P - V)`` (171 for
-DeepSeek's Lkv 512, P = V = 128), whatever J; ``expanded_min_tokens`` scales that by the
-crossover measured on CPU (bench/mla_prefill.py).
+DeepSeek's Lkv 512, P = V = 128), whatever J. On CPU (fp32, bench/mla_prefill.py) the measured
+crossovers, 113 to 225 tokens over 16 and 32 heads at J = 1K and 4K, bracket it, so
+``expanded_min_tokens`` is the model's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import jax.numpy as jnp
 from jaxkv.attention.reference import online_softmax_step, softmax_init, softmax_result
 from jaxkv.kvcache.pools import Pages, read_pages
 
-# measured crossover / the multiply-add model's (bench/mla_prefill.py, fp32 CPU; module docstring)
-CPU_CROSSOVER_FACTOR = 1.0
-
 
 def expanded_min_tokens(kv_lora_rank: int, nope_dim: int, v_dim: int) -> int:
     """The fewest query tokens of one sequence in a step for which the expanded form is cheaper
@@ -31,8 +29,7 @@ def expanded_min_tokens(kv_lora_rank: int, nope_dim: int, v_dim: int) -> int:
     denom = 2 * kv_lora_rank - nope_dim - v_dim
     if denom <= 0:
         return 2
-    model = kv_lora_rank * (nope_dim + v_dim) / denom
-    return max(2, round(model * CPU_CROSSOVER_FACTOR))
+    return max(2, round(kv_lora_rank * (nope_dim + v_dim) / denom))
 
 
 def _up_project(latent: jax.Array, w_uk: jax.Array, w_uv: jax.Array):

@@ -6,8 +6,9 @@ with each (``jaxkv.runner.memory_plan.plan``, what ``jaxkv plan`` runs; no weigh
     python3 bench/mla_plan.py [--kv-pool 40GiB] [--device-memory 80GiB]
 
 Two pools per model: the fixed ``--kv-pool`` (the same for both, so the rows compare), and what
-one ``--device-memory`` device leaves after the bf16 weights at utilization 0.9 (V3's 1.3 TB
-of weights leave nothing on one device). bf16 cache, blocks of 16.
+one ``--device-memory`` device leaves after the bf16 weights and the activations of the
+planner's default 256 sequences at utilization 0.9 (V3's 1.3 TB of weights leave nothing on one
+device). bf16 cache, blocks of 16.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def pool_row(name: str, c: ModelConfig, pool: str, kv_budget: int | None,
     row = dict(model=name, pool=pool, mha_bytes_per_token=mha_bytes_per_token(c), seqs={})
     for ctx in CONTEXTS:
         p = plan(c, device_memory_bytes=device_memory, dtype="bfloat16", block_size=BLOCK,
-                 max_model_len=ctx, max_num_seqs=1 << 20, kv_cache_bytes=kv_budget)
+                 max_model_len=ctx, kv_cache_bytes=kv_budget)
         mha_blocks = p.kv_budget_bytes // (BLOCK * row["mha_bytes_per_token"])
         row |= dict(mla_bytes_per_token=p.kv_bytes_per_token, kv_budget=p.kv_budget_bytes)
         row["seqs"][ctx] = (p.max_concurrent_seqs, max(mha_blocks - 1, 0) // p.blocks_per_seq)

@@ -10,8 +10,8 @@ Multiply-adds per head for q query tokens of one sequence over J kv positions::
 
 so the expanded form is cheaper once ``q > Lkv (P + V) / (2 Lkv - P - V)`` (171 for
 DeepSeek's Lkv 512, P = V = 128), whatever J. On CPU (fp32, bench/mla_prefill.py) the measured
-crossovers, 113 to 225 tokens over 16 and 32 heads at J = 1K and 4K, bracket it, so
-``expanded_min_tokens`` is the model's.
+crossovers, 89 to 225 tokens over 16 and 32 heads at J = 1K and 4K (two runs under load),
+bracket it, so ``expanded_min_tokens`` is the model's.
 """
 
 from __future__ import annotations

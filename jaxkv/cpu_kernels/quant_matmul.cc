@@ -8,8 +8,10 @@
 //          u8 [N_j, K / 2]     Q4_0 / Q4_1: each 32 values' 16 bytes as GGUF stores a block
 //                              (low nibbles its elements 0-15, high nibbles 16-31), or
 //          f8e4m3 [N_j, K]     F8_E4M3 codes
-//   d_j    f16 [N_j, S]        each group's scale (the last group may be partial)
-//   m_j    f16 [N_j, S]        each group's minimum (Q4_1; any f16 array otherwise, unread)
+//   d_j    f16 [N_j, S]        each group's scale (the last group may be partial), or f32
+//                              (a GGUF Q4_K repacked as Q4_1: d x sc in float32, as ggml)
+//   m_j    f16 [N_j, S]        each group's minimum (Q4_1, f32 where d_j is; any array
+//                              otherwise, unread)
 //   out_j  f32 [M, N_j]        x @ w_j^T, w_j = the dequantized [N_j, K]
 //
 //   w = q * d (Q8_0, F8_E4M3), (q - 8) * d (Q4_0), q * d + m (Q4_1): as ggml's
@@ -119,11 +121,21 @@ inline Vec fp8_to_float(IVec c) {
   return reinterpret_cast<const Vec&>(bits);
 }
 
+// Scale i of scales p: f16, or f32 where `wide`.
+inline float scale_at(const void* p, int64_t i, bool wide) {
+  return wide ? static_cast<const float*>(p)[i]
+              : half_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+// p advanced by i scales (f16, or f32 where `wide`).
+inline const void* scales_from(const void* p, int64_t i, bool wide) {
+  return static_cast<const char*>(p) + i * (wide ? 4 : 2);
+}
 // One weight of a call, as the kernel reads it.
 struct Weight {
   const uint8_t* qs;
-  const uint16_t* d;
-  const uint16_t* m;
+  const void* d;          // f16, or f32 where `wide`
+  const void* m;
+  bool wide;
   float* out;
   int64_t N;
   int64_t row_bytes;      // bytes of qs per weight row
@@ -138,10 +150,11 @@ struct Weight {
 template <int QT, int C>
 struct Rows {
   const uint8_t* q[C];
-  const uint16_t* d[C];   // each row's scales (and minima), one per gb blocks
-  const uint16_t* m[C];
+  const void* d[C];       // each row's scales (and minima), one per gb blocks
+  const void* m[C];
   const float* f[C];
   int64_t gb;             // blocks per scale (a panel: all of them)
+  bool wide;              // f32 scales
 };
 
 // The kLanes weights of part s of block b of one row (d, m: that block's scale and minimum).
@@ -176,8 +189,8 @@ void rows_q(const float* x, int64_t K, const Rows<QT, C>& w, float* out, int64_t
   for (int64_t b = 0; b < blocks; ++b) {
     if (b % w.gb == 0)
       for (int c = 0; c < C; ++c) {
-        if constexpr (QT != kPanel) d[c] = Vec{} + half_to_float(w.d[c][b / w.gb]);
-        if constexpr (QT == kQ4_1) m[c] = Vec{} + half_to_float(w.m[c][b / w.gb]);
+        if constexpr (QT != kPanel) d[c] = Vec{} + scale_at(w.d[c], b / w.gb, w.wide);
+        if constexpr (QT == kQ4_1) m[c] = Vec{} + scale_at(w.m[c], b / w.gb, w.wide);
       }
     for (int s = 0; s < kParts; ++s) {
       Vec wv[C];
@@ -217,10 +230,11 @@ template <int QT, int C>
 Rows<QT, C> rows_of(const Weight& p, int64_t K, int64_t n, const float* panel, int64_t n0) {
   Rows<QT, C> w{};
   w.gb = panel ? K / kBlock : p.gb;
+  w.wide = p.wide;
   for (int c = 0; c < C; ++c) {
     w.q[c] = p.qs + (n + c) * p.row_bytes;
-    w.d[c] = p.d + (n + c) * p.scales;
-    w.m[c] = p.m + (n + c) * p.scales;
+    w.d[c] = scales_from(p.d, (n + c) * p.scales, p.wide);
+    w.m[c] = scales_from(p.m, (n + c) * p.scales, p.wide);
     w.f[c] = panel ? panel + (n + c - n0) * K : nullptr;
   }
   return w;
@@ -247,8 +261,8 @@ void dequantize_rows(const Weight& p, int64_t K, int64_t n0, int64_t n1, float* 
     float* f = panel + (n - n0) * K;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t g = n * p.scales + b / gb;
-      const Vec d = Vec{} + half_to_float(p.d[g]);
-      const Vec m = QT == kQ4_1 ? Vec{} + half_to_float(p.m[g]) : Vec{};
+      const Vec d = Vec{} + scale_at(p.d, g, p.wide);
+      const Vec m = QT == kQ4_1 ? Vec{} + scale_at(p.m, g, p.wide) : Vec{};
       for (int s = 0; s < kParts; ++s)
         *reinterpret_cast<Vec*>(f + b * kBlock + s * kLanes) =
             weights<QT>(q, nullptr, b, s, d, m);
@@ -298,13 +312,15 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (!qs.has_value() || !d.has_value() || !m.has_value() || !out.has_value())
       return ffi::Error::InvalidArgument("quant_matmul: bad operand");
     const auto qd = qs->dimensions(), dd = d->dimensions(), md = m->dimensions();
-    const bool m_ok = qtype != kQ4_1 || (md.size() == 2 && md[0] == dd[0] && md[1] == dd[1]);
+    const bool wide = d->element_type() == ffi::DataType::F32;
+    const bool m_ok = qtype != kQ4_1 || (md.size() == 2 && md[0] == dd[0] && md[1] == dd[1] &&
+                                         m->element_type() == d->element_type());
     if (qd.size() != 2 || qd[1] != row_bytes || dd.size() != 2 || dd[0] != qd[0] ||
-        dd[1] != scales || !m_ok)
-      return ffi::Error::InvalidArgument("quant_matmul: a weight's arrays do not match x's K");
-    Weight w{static_cast<const uint8_t*>(qs->untyped_data()),
-             static_cast<const uint16_t*>(d->untyped_data()),
-             static_cast<const uint16_t*>(m->untyped_data()), (*out)->typed_data(), qd[0],
+        dd[1] != scales || !m_ok || (!wide && d->element_type() != ffi::DataType::F16))
+      return ffi::Error::InvalidArgument("quant_matmul: a weight's arrays do not match x's K "
+                                         "(or its scales are neither f16 nor f32)");
+    Weight w{static_cast<const uint8_t*>(qs->untyped_data()), d->untyped_data(),
+             m->untyped_data(), wide, (*out)->typed_data(), qd[0],
              row_bytes, scales, group / kBlock, (qd[0] + per_item - 1) / per_item, 0};
     w.items = w.blocks * spans;
     weights.push_back(w);

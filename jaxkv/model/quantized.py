@@ -1,5 +1,6 @@
 """Weights kept quantized: ``QuantizedWeight``, a params leaf holding a GGUF's Q8_0 / Q4_0 /
-Q4_1 blocks as stored, or what ``jaxkv.model.quantize`` makes of float weights at load.
+Q4_1 blocks as stored (Q4_K's repacked), or what ``jaxkv.model.quantize`` makes of float
+weights at load.
 
 A weight ``[N, K]`` (rows = output channels) is stored as codes along K, one scale (and
 minimum) per ``group`` values of a row (a multiple of 32; the last group may be partial, as
@@ -13,6 +14,14 @@ ggml-common.h), repacked by ``from_gguf`` into separate arrays, the same bytes, 
     m   float16 [N, G]  each group's minimum (Q4_1; None otherwise)
 
     value = q * d (Q8_0, F8_E4M3),  (q - 8) * d (Q4_0),  q * d + m (Q4_1)
+
+A GGUF Q4_K tensor (super-blocks of 256: f16 ``d`` and ``dmin``, eight 6-bit sub-block scales
+``sc`` and minima ``mn``, 4-bit codes; ``x = d*sc * q - dmin*mn``) is repacked by ``from_q4_k``
+as Q4_1 in groups of 32 with float32 ``d = d*sc`` and ``m = -(dmin*mn)``, each product computed
+in float32 as ggml computes it: both are exact (11-bit by 6-bit significands), ``q * d`` is
+exact too, so ``q * d + m`` rounds once, as ggml's ``d*sc * q - dmin*mn`` does, bit-exact.
+That costs 6 bits a weight (0.75 bytes; Q4_K's own layout 4.5, the float32 weight 32); keeping
+the super-block layout would save 1.5 bits a weight at the price of a kernel of its own.
 
 ``shape`` is the logical shape of the float parameter it stands for (``llama.param_shapes``):
 the model reads a linear weight as ``[K..., N...]`` (``linear.linear``) and the embedding as
@@ -31,9 +40,11 @@ import numpy as np
 
 from jaxkv.model.quantization import BLOCK     # values per GGUF block; groups are multiples
 
-KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")       # the GGUF types kept quantized
-CODE_TYPES = (*KEPT_TYPES, "F8_E4M3")       # how codes decode (module docstring)
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # GGUF types kept in their own blocks
+KEPT_TYPES = (*BLOCK_TYPES, "Q4_K")         # the GGUF types kept quantized (Q4_K repacked)
+CODE_TYPES = (*BLOCK_TYPES, "F8_E4M3")      # how codes decode (module docstring)
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_Q4_K_BYTES = 144                           # its bytes: d, dmin, 12 of scales, 128 of codes
 
 
 @jax.tree_util.register_dataclass
@@ -43,8 +54,8 @@ class QuantizedWeight:
     static."""
 
     qs: object                                            # [N, K] or uint8 [N, K / 2]
-    d: object                                             # f16 [N, G]
-    m: object                                             # f16 [N, G] or None
+    d: object                                             # f16 [N, G] (Q4_K's: f32)
+    m: object                                             # f16 [N, G] or None (Q4_K's: f32)
     qtype: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple = dataclasses.field(metadata=dict(static=True))
     group: int = dataclasses.field(default=BLOCK, metadata=dict(static=True))
@@ -100,14 +111,18 @@ class QuantizedWeight:
                          f"N={self.rows}")
 
 
-def block_bytes(qtype: str) -> int:
-    """Bytes of one 32-value block of ``qtype`` (a ``KEPT_TYPES`` name)."""
-    return _BLOCK_BYTES[qtype]
+def kept_bytes(qtype: str, n_bytes: int, n_elements: int) -> int:
+    """Bytes a GGUF tensor of ``qtype`` (a ``KEPT_TYPES`` name; ``n_bytes`` in the file) takes
+    kept: its own bytes, Q4_K's repacked (4-bit codes, f32 scale and minimum per 32)."""
+    return n_elements * 3 // 4 if qtype == "Q4_K" else n_bytes
 
 
 def from_gguf(data: np.ndarray, qtype: str) -> QuantizedWeight:
-    """Repacks a GGUF tensor's bytes uint8 [N, K / 32 * block_bytes] (``ReaderTensor.data``)
-    into a numpy ``QuantizedWeight`` of logical shape (N, K)."""
+    """Repacks a GGUF tensor's bytes uint8 [N, K / 32 * block_bytes] (``ReaderTensor.data``;
+    Q4_K: [N, K / 256 * 144], ``from_q4_k``) into a numpy ``QuantizedWeight`` of logical
+    shape (N, K)."""
+    if qtype == "Q4_K":
+        return from_q4_k(data)
     data = np.asarray(data, np.uint8)
     n = data.shape[0]
     blocks = data.reshape(n, -1, _BLOCK_BYTES[qtype])                 # [N, K / 32, bytes]
@@ -117,6 +132,32 @@ def from_gguf(data: np.ndarray, qtype: str) -> QuantizedWeight:
     if qtype == "Q8_0":
         qs = qs.view(np.int8)
     return QuantizedWeight(qs, d, m, qtype, (n, blocks.shape[1] * BLOCK))
+
+
+def from_q4_k(data: np.ndarray) -> QuantizedWeight:
+    """Q4_K bytes uint8 [N, K / 256 * 144] as Q4_1 in groups of 32 with float32 ``d = d*sc``
+    and ``m = -(dmin*mn)`` (module docstring), bit-exact to ggml's ``dequantize_row_q4_K``."""
+    data = np.asarray(data, np.uint8)
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, _Q4_K_BYTES)                         # [N, S, 144]
+    d, dmin = (np.ascontiguousarray(blocks[..., i:i + 2]).view(np.float16).astype(np.float32)
+               for i in (0, 2))                                        # [N, S, 1]
+    sc, mn = _q4_k_scales(blocks[..., 4:16])                           # [N, S, 8]
+    q = blocks[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    codes = (q & 0xF).reshape(n, -1)                  # [N, K]: sub-block 2j low nibbles, 2j+1 high
+    return QuantizedWeight(pack_nibbles(codes), (d * sc).reshape(n, -1),
+                           -(dmin * mn).reshape(n, -1), "Q4_1", (n, codes.shape[1]))
+
+
+def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes [..., 12] as eight 6-bit scales and minima, float32 [..., 8] each
+    (ggml's ``get_scale_min_k4``: sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, 4-7
+    in the nibbles of bytes 8-11 with their top 2 bits in bytes 0-3's and 4-7's top bits)."""
+    s = s.astype(np.uint8)
+    lo_sc, lo_mn, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo_sc & 63, (hi & 0xF) | ((lo_sc >> 6) << 4)], axis=-1)
+    mn = np.concatenate([lo_mn & 63, (hi >> 4) | ((lo_mn >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
 
 
 def to_gguf(w: QuantizedWeight) -> np.ndarray:

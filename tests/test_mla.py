@@ -97,7 +97,7 @@ def test_plan_table_counts_the_allocated_latent_bytes():
     assert fixed["DeepSeek-V3"]["seqs"][32768] == (18, 0)
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("kv", ["int8", "int4"])      # fp8: tests/test_mla_fp8.py
 def test_quantized_latent_cache_refused_naming_kv_cache_dtype(kv):
     with pytest.raises(ValueError, match="kv_cache_dtype=.*latent"):
         KVCacheSpec(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=1, head_dim=576,
@@ -287,6 +287,7 @@ def test_engine_equals_transformers(checkpoint, offload, prefill_forms):
     _assert_equals_hf(arch, model, prompts, outs)
 
 
+@pytest.mark.slow     # the default suite: test_engine_equals_transformers runs both forms
 def test_expanded_prefill_equals_absorbed_only(checkpoint, prefill_forms):
     """Every prefill chunk expanded, against the absorbed-only engine (the expanded form never
     traced) and against HF: the same greedy tokens, logprobs within 1e-4 of both."""

@@ -132,10 +132,11 @@ def test_gemma3_270m_gguf_read_by_jaxkv_equals_transformers(gemma3_gguf, gemma3_
 
 
 @pytest.mark.slow
-def test_gemma3_270m_q4_k_kept_quantized_equals_the_dequantized_load(gemma3_gguf):
-    """The file's Q4_K tensors (attn_output, half the ffn_down) stay kept, repacked as Q4_1 with
-    float32 scales: each dequantizes bit for bit as the gguf package's decoder, and the greedy
-    tokens equal ``quantization="none"``'s (every tensor dequantized) on the prompts."""
+def test_gemma3_270m_k_quants_kept_quantized_equal_the_dequantized_load(gemma3_gguf):
+    """The file's Q4_K tensors (attn_output, half the ffn_down) and Q6_K ones (the other
+    ffn_down) stay kept, repacked with float32 scales: each dequantizes bit for bit as the gguf
+    package's decoder, and the greedy tokens equal ``quantization="none"``'s (every tensor
+    dequantized) on the prompts."""
     import gguf
     import jax
     import numpy as np
@@ -145,10 +146,10 @@ def test_gemma3_270m_q4_k_kept_quantized_equals_the_dequantized_load(gemma3_gguf
     from jaxkv.model.gguf import open_gguf
 
     reader = open_gguf(gemma3_gguf)
-    q4_k = [t for t in reader.tensors if t.tensor_type.name == "Q4_K"]
-    assert len(q4_k) == 27
-    for t in q4_k:
-        w = quantized.from_gguf(t.data, "Q4_K")
+    k_quants = [t for t in reader.tensors if t.tensor_type.name in ("Q4_K", "Q6_K")]
+    assert len(k_quants) == 27 + 9
+    for t in k_quants:
+        w = quantized.from_gguf(t.data, t.tensor_type.name)
         want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
         np.testing.assert_array_equal(quantized.dequantize_numpy(w).view(np.uint32),
                                       want.astype(np.float32).view(np.uint32), err_msg=t.name)
@@ -156,8 +157,11 @@ def test_gemma3_270m_q4_k_kept_quantized_equals_the_dequantized_load(gemma3_gguf
     tokens = {}
     for q in (None, "none"):
         with LLM(str(gemma3_gguf), quantization=q, **ENGINE) as llm:
-            tokens[q] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-            kept = [w for w in jax.tree.leaves(llm.engine.runner.params, is_leaf=lambda w: isinstance(
-                w, quantized.QuantizedWeight)) if isinstance(w, quantized.QuantizedWeight)]
-            assert sum(w.d.dtype == np.float32 for w in kept) == (27 if q is None else 0)
+            outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+            tokens[q] = [o.outputs[0].token_ids for o in outs]
+            leaves = jax.tree.leaves(llm.engine.runner.params,
+                                     is_leaf=lambda w: isinstance(w, quantized.QuantizedWeight))
+            repacked = [w for w in leaves if isinstance(w, quantized.QuantizedWeight)
+                        and w.d.dtype == np.float32]
+            assert len(repacked) == (36 if q is None else 0)
     assert tokens[None] == tokens["none"]

@@ -3,7 +3,8 @@
 // XLA FFI custom call (jaxkv/model/linear.py):
 //
 //   x      f32 [M, K]          the activations (any number of rows)
-//   per weight j (same qtype and group G for all; G a multiple of 32, S = ceil(K / G)):
+//   per weight j (same qtype and group G for all; G a multiple of 32, or 16 for Q8_0 codes
+//   (a GGUF Q6_K repacked: a scale per 16 values), S = ceil(K / G)):
 //   qs_j   s8 [N_j, K]         Q8_0 codes, or
 //          u8 [N_j, K / 2]     Q4_0 / Q4_1: each 32 values' 16 bytes as GGUF stores a block
 //                              (low nibbles its elements 0-15, high nibbles 16-31), or
@@ -54,6 +55,7 @@ namespace {
 
 constexpr int kBlock = 32;                  // values per block
 constexpr int kParts = kBlock / kLanes;     // vectors per block
+constexpr int kHalfParts = kParts / 2;      // vectors per half block (group 16's scale)
 // Rows of x and weight rows per pass: R x C accumulators, C weight vectors and one of x in
 // registers (8 x 2 of AVX-512's 32, 4 x 3 of AVX2's 16; 8 x 2 measured 5-15% faster than 4 x 3
 // at 8 rows on AVX-512, a decode step's padded rows, on a busy 2-core Xeon).
@@ -140,7 +142,8 @@ struct Weight {
   int64_t N;
   int64_t row_bytes;      // bytes of qs per weight row
   int64_t scales;         // scales per weight row: ceil(K / G)
-  int64_t gb;             // blocks per scale: G / 32
+  int64_t gb;             // blocks per scale: G / 32 (1 where `halves`)
+  bool halves;            // G = 16: two scales per block
   int64_t blocks;         // work items along N (weight rows kItemRows or kPanelRows each)
   int64_t items;          // blocks x the spans of x's rows
 };
@@ -155,6 +158,7 @@ struct Rows {
   const float* f[C];
   int64_t gb;             // blocks per scale (a panel: all of them)
   bool wide;              // f32 scales
+  bool halves;            // two scales per block (G = 16, Q8_0 codes)
 };
 
 // The kLanes weights of part s of block b of one row (d, m: that block's scale and minimum).
@@ -178,7 +182,7 @@ inline Vec weights(const uint8_t* q, const float* f, int64_t b, int s, Vec d, Ve
 // out[r, n + c] = x[r] . w[n + c] for R rows of x (stride K) and C weight rows: R * C vector
 // accumulators walk the K / 32 blocks, each vector of weights made once (in registers) for its
 // R products, each vector of x loaded once for its C; lane_sums reduce them at the end.
-// The scales broadcast once per group of w.gb blocks.
+// The scales broadcast once per group of w.gb blocks (or per half block: `halves`).
 template <int QT, int R, int C>
 void rows_q(const float* x, int64_t K, const Rows<QT, C>& w, float* out, int64_t N,
             int64_t n) {
@@ -187,12 +191,15 @@ void rows_q(const float* x, int64_t K, const Rows<QT, C>& w, float* out, int64_t
   const int64_t blocks = K / kBlock;
   Vec d[C], m[C];
   for (int64_t b = 0; b < blocks; ++b) {
-    if (b % w.gb == 0)
+    if (!w.halves && b % w.gb == 0)
       for (int c = 0; c < C; ++c) {
         if constexpr (QT != kPanel) d[c] = Vec{} + scale_at(w.d[c], b / w.gb, w.wide);
         if constexpr (QT == kQ4_1) m[c] = Vec{} + scale_at(w.m[c], b / w.gb, w.wide);
       }
     for (int s = 0; s < kParts; ++s) {
+      if constexpr (QT == kQ8_0)
+        if (w.halves && s % kHalfParts == 0)
+          for (int c = 0; c < C; ++c) d[c] = Vec{} + scale_at(w.d[c], 2 * b + s / kHalfParts, true);
       Vec wv[C];
       for (int c = 0; c < C; ++c) {
         wv[c] = weights<QT>(w.q[c], w.f[c], b, s, d[c], m[c]);
@@ -231,6 +238,7 @@ Rows<QT, C> rows_of(const Weight& p, int64_t K, int64_t n, const float* panel, i
   Rows<QT, C> w{};
   w.gb = panel ? K / kBlock : p.gb;
   w.wide = p.wide;
+  w.halves = !panel && p.halves;
   for (int c = 0; c < C; ++c) {
     w.q[c] = p.qs + (n + c) * p.row_bytes;
     w.d[c] = scales_from(p.d, (n + c) * p.scales, p.wide);
@@ -261,11 +269,14 @@ void dequantize_rows(const Weight& p, int64_t K, int64_t n0, int64_t n1, float* 
     float* f = panel + (n - n0) * K;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t g = n * p.scales + b / gb;
-      const Vec d = Vec{} + scale_at(p.d, g, p.wide);
+      Vec d = Vec{} + scale_at(p.d, g, p.wide);
       const Vec m = QT == kQ4_1 ? Vec{} + scale_at(p.m, g, p.wide) : Vec{};
-      for (int s = 0; s < kParts; ++s)
+      for (int s = 0; s < kParts; ++s) {
+        if (p.halves && s % kHalfParts == 0)
+          d = Vec{} + scale_at(p.d, n * p.scales + 2 * b + s / kHalfParts, true);
         *reinterpret_cast<Vec*>(f + b * kBlock + s * kLanes) =
             weights<QT>(q, nullptr, b, s, d, m);
+      }
     }
   }
 }
@@ -291,8 +302,10 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
   if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be 2-D");
   const int64_t M = xd[0], K = xd[1];
   if (K % kBlock) return ffi::Error::InvalidArgument("quant_matmul: K must be a multiple of 32");
-  if (group <= 0 || group % kBlock)
-    return ffi::Error::InvalidArgument("quant_matmul: the group must be a multiple of 32");
+  const bool halves = group == kBlock / 2 && qtype == kQ8_0;
+  if (group <= 0 || (group % kBlock && !halves))
+    return ffi::Error::InvalidArgument(
+        "quant_matmul: the group must be a multiple of 32 (or 16 with Q8_0 codes)");
   const int64_t scales = (K + group - 1) / group;
   if (qtype < kQ8_0 || qtype > kF8)
     return ffi::Error::InvalidArgument(
@@ -316,12 +329,14 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     const bool m_ok = qtype != kQ4_1 || (md.size() == 2 && md[0] == dd[0] && md[1] == dd[1] &&
                                          m->element_type() == d->element_type());
     if (qd.size() != 2 || qd[1] != row_bytes || dd.size() != 2 || dd[0] != qd[0] ||
-        dd[1] != scales || !m_ok || (!wide && d->element_type() != ffi::DataType::F16))
+        dd[1] != scales || !m_ok || (!wide && d->element_type() != ffi::DataType::F16) ||
+        (halves && !wide))
       return ffi::Error::InvalidArgument("quant_matmul: a weight's arrays do not match x's K "
                                          "(or its scales are neither f16 nor f32)");
     Weight w{static_cast<const uint8_t*>(qs->untyped_data()), d->untyped_data(),
              m->untyped_data(), wide, (*out)->typed_data(), qd[0],
-             row_bytes, scales, group / kBlock, (qd[0] + per_item - 1) / per_item, 0};
+             row_bytes, scales, halves ? 1 : group / kBlock, halves,
+             (qd[0] + per_item - 1) / per_item, 0};
     w.items = w.blocks * spans;
     weights.push_back(w);
     first_item.push_back(first_item.back() + w.items);

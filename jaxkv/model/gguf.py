@@ -8,8 +8,9 @@ RoPE base, Gemma's attention scale, Qwen3-MoE's renormalised router: the ``gguf_
 ``Architecture``). Tensors of every type the ``gguf`` package's numpy reference decodes (F32,
 F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, MXFP4, the IQ types) are
 dequantized to float32 at load, except with ``keep_quantized``: the dense layers' and the
-embedding's / head's Q8_0, Q4_0 and Q4_1 tensors then stay in their blocks, and Q4_K's are
-repacked bit-exactly as Q4_1 with float32 scales (``jaxkv.model.quantized``).
+embedding's / head's Q8_0, Q4_0 and Q4_1 tensors then stay in their blocks, and Q4_K's and
+Q6_K's are repacked bit-exactly as Q4_1 / Q8_0 codes with float32 scales
+(``jaxkv.model.quantized``).
 
 GGUF stores a linear layer ``[out, in]`` with ``shape = [in, out]`` (ggml's ``ne0`` first); the
 reader hands back numpy arrays already in ``[out, in]`` row-major order. ``gguf_names`` maps the
@@ -212,7 +213,7 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
       reader: an open ``gguf.GGUFReader``.
       config: the file's config (``config_from_gguf``), for the head counts.
       keep_quantized: keep the dense weights' Q8_0 / Q4_0 / Q4_1 blocks as stored (Q4_K's
-        repacked).
+        and Q6_K's repacked).
 
     Returns:
       ``{hf_name: float32 array or QuantizedWeight}`` in torch ``Linear`` orientation
@@ -243,7 +244,7 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
 def stored_bytes(reader: gguf.GGUFReader, dtype_bytes: int) -> tuple[int, tuple[str, ...]]:
     """(bytes of the params of ``tensors_from_gguf(keep_quantized=True)`` with every float
     tensor in a dtype of ``dtype_bytes``, the kept block types): the GGUF's own bytes for
-    each kept tensor (Q4_K's repacked, ``quantized.kept_bytes``)."""
+    each kept tensor (the K-quants' repacked, ``quantized.kept_bytes``)."""
     total, kept = 0, {}
     for t in reader.tensors:
         if kept_quantized(t.name, t.tensor_type):

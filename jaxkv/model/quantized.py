@@ -1,11 +1,11 @@
 """Weights kept quantized: ``QuantizedWeight``, a params leaf holding a GGUF's Q8_0 / Q4_0 /
-Q4_1 blocks as stored (Q4_K's repacked), or what ``jaxkv.model.quantize`` makes of float
+Q4_1 blocks as stored (Q4_K's and Q6_K's repacked), or what ``jaxkv.model.quantize`` makes of float
 weights at load.
 
 A weight ``[N, K]`` (rows = output channels) is stored as codes along K, one scale (and
-minimum) per ``group`` values of a row (a multiple of 32; the last group may be partial, as
-compressed-tensors' ``ceil(K / group)`` scales); GGUF's blocks are groups of 32 (llama.cpp's
-ggml-common.h), repacked by ``from_gguf`` into separate arrays, the same bytes, bit-exact:
+minimum) per ``group`` values of a row (a multiple of 32, or 16 for Q6_K; the last group may
+be partial, as compressed-tensors' ``ceil(K / group)`` scales); GGUF's blocks are groups of
+32 (llama.cpp's ggml-common.h), repacked by ``from_gguf`` into separate arrays, the same bytes, bit-exact:
 
     qs  int8 [N, K] (Q8_0), uint8 [N, K / 2] (Q4_0, Q4_1: each 32 values' 16 bytes as
         GGUF stores a block, the low nibbles its elements 0-15, the high ones 16-31) or
@@ -22,6 +22,10 @@ in float32 as ggml computes it: both are exact (11-bit by 6-bit significands), `
 exact too, so ``q * d + m`` rounds once, as ggml's ``d*sc * q - dmin*mn`` does, bit-exact.
 That costs 6 bits a weight (0.75 bytes; Q4_K's own layout 4.5, the float32 weight 32); keeping
 the super-block layout would save 1.5 bits a weight at the price of a kernel of its own.
+A Q6_K tensor (super-blocks of 256: 6-bit codes, sixteen int8 scales ``sc`` of 16 values, an
+f16 ``d``; ``x = d*sc * (q - 32)``) is repacked by ``from_q6_k`` as Q8_0 codes ``q - 32`` in
+groups of 16 (the one group below 32, two scales a block) with float32 ``d = d*sc`` (exact),
+bit-exact as one rounding of the same product: 10 bits a weight (1.25 bytes; Q6_K's 6.5625).
 
 ``shape`` is the logical shape of the float parameter it stands for (``llama.param_shapes``):
 the model reads a linear weight as ``[K..., N...]`` (``linear.linear``) and the embedding as
@@ -41,10 +45,11 @@ import numpy as np
 from jaxkv.model.quantization import BLOCK     # values per GGUF block; groups are multiples
 
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # GGUF types kept in their own blocks
-KEPT_TYPES = (*BLOCK_TYPES, "Q4_K")         # the GGUF types kept quantized (Q4_K repacked)
+KEPT_TYPES = (*BLOCK_TYPES, "Q4_K", "Q6_K")  # the GGUF types kept quantized (K-quants repacked)
 CODE_TYPES = (*BLOCK_TYPES, "F8_E4M3")      # how codes decode (module docstring)
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _Q4_K_BYTES = 144                           # its bytes: d, dmin, 12 of scales, 128 of codes
+_Q6_K_BYTES = 210                           # Q6_K's: 128 of low 4 bits, 64 of high 2, 16 scales, d
 
 
 @jax.tree_util.register_dataclass
@@ -114,15 +119,15 @@ class QuantizedWeight:
 def kept_bytes(qtype: str, n_bytes: int, n_elements: int) -> int:
     """Bytes a GGUF tensor of ``qtype`` (a ``KEPT_TYPES`` name; ``n_bytes`` in the file) takes
     kept: its own bytes, Q4_K's repacked (4-bit codes, f32 scale and minimum per 32)."""
-    return n_elements * 3 // 4 if qtype == "Q4_K" else n_bytes
+    return {"Q4_K": n_elements * 3 // 4, "Q6_K": n_elements * 5 // 4}.get(qtype, n_bytes)
 
 
 def from_gguf(data: np.ndarray, qtype: str) -> QuantizedWeight:
     """Repacks a GGUF tensor's bytes uint8 [N, K / 32 * block_bytes] (``ReaderTensor.data``;
     Q4_K: [N, K / 256 * 144], ``from_q4_k``) into a numpy ``QuantizedWeight`` of logical
     shape (N, K)."""
-    if qtype == "Q4_K":
-        return from_q4_k(data)
+    if qtype in ("Q4_K", "Q6_K"):
+        return (from_q4_k if qtype == "Q4_K" else from_q6_k)(data)
     data = np.asarray(data, np.uint8)
     n = data.shape[0]
     blocks = data.reshape(n, -1, _BLOCK_BYTES[qtype])                 # [N, K / 32, bytes]
@@ -147,6 +152,23 @@ def from_q4_k(data: np.ndarray) -> QuantizedWeight:
     codes = (q & 0xF).reshape(n, -1)                  # [N, K]: sub-block 2j low nibbles, 2j+1 high
     return QuantizedWeight(pack_nibbles(codes), (d * sc).reshape(n, -1),
                            -(dmin * mn).reshape(n, -1), "Q4_1", (n, codes.shape[1]))
+
+
+def from_q6_k(data: np.ndarray) -> QuantizedWeight:
+    """Q6_K bytes uint8 [N, K / 256 * 210] as Q8_0 codes ``q - 32`` in groups of 16 with float32
+    ``d = d*sc`` (module docstring), bit-exact to ggml's ``dequantize_row_q6_K``."""
+    data = np.asarray(data, np.uint8)
+    n = data.shape[0]
+    blocks = data.reshape(n, -1, _Q6_K_BYTES)                         # [N, S, 210]
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    d = np.ascontiguousarray(blocks[..., 208:]).view(np.float16).astype(np.float32)
+    # each 128 values: ql's 64 bytes low nibbles then high, qh's 32 bytes 2 bits at a time
+    lo = (ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 0xF
+    hi = (qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    q = lo.reshape(n, -1, 2, 4, 32) | (hi.reshape(n, -1, 2, 4, 32) << 4)
+    codes = (q.astype(np.int8) - np.int8(32)).reshape(n, -1)          # [N, K]
+    return QuantizedWeight(codes, (d * sc).reshape(n, -1), None, "Q8_0", (n, codes.shape[1]), 16)
 
 
 def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -189,26 +211,30 @@ def _codes(xp, qs, qtype: str, n: int):
 
 
 def _per_block(xp, a, w: QuantizedWeight):
-    """float32 [N, K / 32, 1]: each 32-value block's entry of ``a`` [N, G] (its group's)."""
-    a = xp.repeat(a.astype(xp.float32), w.group // BLOCK, axis=1)[:, :w.cols // BLOCK]
+    """float32 [N, K / u, 1]: each u-value unit's entry of ``a`` [N, G] (its group's); u is a
+    block (32) or, for group 16, half of one."""
+    u = min(w.group, BLOCK)
+    a = xp.repeat(a.astype(xp.float32), w.group // u, axis=1)[:, :w.cols // u]
     return a[..., None]
+
+
+def _dequantize(xp, w: QuantizedWeight):
+    """float32 [N, K] with ``xp`` numpy or jax.numpy (ggml's order of ops)."""
+    n, u = w.qs.shape[0], min(w.group, BLOCK)
+    out = _codes(xp, w.qs, w.qtype, n).reshape(n, -1, u) * _per_block(xp, w.d, w)
+    if w.m is not None:
+        out = out + _per_block(xp, w.m, w)
+    return out.reshape(n, w.cols)
 
 
 def dequantize_numpy(w: QuantizedWeight) -> np.ndarray:
     """float32 [N, K], as ggml's ``dequantize_row_*`` (the ``gguf`` package's order of ops)."""
-    out = _codes(np, np.asarray(w.qs), w.qtype, w.rows) * _per_block(np, np.asarray(w.d), w)
-    if w.m is not None:
-        out = out + _per_block(np, np.asarray(w.m), w)
-    return out.reshape(w.rows, w.cols)
+    return _dequantize(np, jax.tree.map(np.asarray, w))
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """``dtype`` [N, K] (jax.numpy; the fallback of the kernels and the embedding rows)."""
-    n = w.qs.shape[0]
-    out = _codes(jnp, w.qs, w.qtype, n) * _per_block(jnp, w.d, w)
-    if w.m is not None:
-        out = out + _per_block(jnp, w.m, w)
-    return out.reshape(n, w.cols).astype(dtype)
+    return _dequantize(jnp, w).astype(dtype)
 
 
 def rows(w, ids: jax.Array) -> jax.Array:

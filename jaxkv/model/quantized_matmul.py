@@ -7,8 +7,9 @@ Grid (row tiles, column tiles); a program walks K one 32-value block at a time: 
 ``[bn, 32]`` (Q4: the 16 stored bytes, low nibbles the block's elements 0-15, high nibbles
 16-31, each half a ``[bm, 16] x [16, bn]`` product with the matching half of x; F8_E4M3:
 float8 codes converted), scaled per output column by its group's ``d``; Q4_0 subtracts 8
-from the codes, Q4_1 adds ``m`` times the block's row sums of x. Accumulation is float32, so
-the result equals dequantize-then-dot up to summation order.
+from the codes, Q4_1 adds ``m`` times the block's row sums of x; Q8_0 codes in groups of 16 (a
+GGUF Q6_K repacked) take each half block's product with its own scale. Accumulation is
+float32, so the result equals dequantize-then-dot up to summation order.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: bool = Fals
     rows = -(-M // bm) * bm
     m = w.m if w.m is not None else w.d                   # a placeholder Q4_1 alone reads
     out = pl.pallas_call(
-        functools.partial(_kernel, qtype=w.qtype, gb=w.group // BLOCK, bm=bm, bn=bn),
+        functools.partial(_kernel, qtype=w.qtype, group=w.group, bm=bm, bn=bn),
         grid=(rows // bm, N // bn),
         in_specs=[_whole(s) for s in ((rows, K), w.qs.shape, w.d.shape, m.shape)],
         out_specs=_whole((rows, N)),
@@ -73,13 +74,22 @@ def _dot_t(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, gb: int, bm: int, bn: int):
-    """Blocks of 32 values along K; their scale (and minimum) is group ``b // gb``'s."""
+def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, group: int, bm: int, bn: int):
+    """Blocks of 32 values along K; their scale (and minimum) is group ``b // gb``'s (group
+    16: each half block's own)."""
     i, j = pl.program_id(0), pl.program_id(1)
     r, c = pl.ds(i * bm, bm), pl.ds(j * bn, bn)
     dtype = x_ref.dtype
+    gb = max(group // BLOCK, 1)
 
     def block(b, acc):                                              # acc f32 [bm, bn]
+        if group == _HALF:                                          # Q8_0 codes, two scales
+            for h in range(2):
+                k = pl.ds(b * BLOCK + h * _HALF, _HALF)
+                q = qs_ref[c, k].astype(dtype)                      # [bn, 16]
+                acc = acc + _dot_t(x_ref[r, k], q) * d_ref[c, 2 * b + h].astype(
+                    jnp.float32)[None, :]
+            return acc
         d = d_ref[c, b // gb].astype(jnp.float32)                   # [bn]
         if qtype in ("Q8_0", "F8_E4M3"):
             q = qs_ref[c, pl.ds(b * BLOCK, BLOCK)].astype(dtype)   # [bn, 32]

@@ -894,18 +894,21 @@ def test_quantized_matmul_compiles_for_h100(case_id, fmt, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 MLA_LATENT = (512, 64)     # DeepSeek-V3's (and V2's) Lkv + R: 576-wide latents
-MLA_CASES = {   # (query heads N, sequences S, context, pool dtype, heads a program)
+MLA_CASES = {   # (query heads N, sequences S, context, pool dtype, heads a program); an fp8
+    # pool (e4m3 codes, a bf16 scale per token; bf16 queries) is dequantized in the kernel
     "mla-v3-128h-1-32k": (128, 1, 32768, jnp.bfloat16, 16),     # V3 on one device: 128 heads
     "mla-v3-128h-32-4k": (128, 32, 4096, jnp.bfloat16, 16),
     "mla-v3-128h-32-4k-h64": (128, 32, 4096, jnp.bfloat16, 64),  # bench/gpu_check.py's (b5)
     "mla-v3-tp8-16h-1-32k": (16, 1, 32768, jnp.bfloat16, 16),   # TP-8: 16 heads a device
     "mla-v3-tp8-16h-128-4k": (16, 128, 4096, jnp.bfloat16, 16),
     "mla-v3-tp8-16h-8-4k-fp32": (16, 8, 4096, jnp.float32, 16),
+    "mla-v3-128h-32-4k-fp8": (128, 32, 4096, jnp.float8_e4m3fn, 16),
+    "mla-v3-tp8-16h-1-32k-fp8": (16, 1, 32768, jnp.float8_e4m3fn, 16),
 }
 # registers per thread when recorded (ptxas 12.9.86, sm_90a), by jax version, pool dtype and
 # heads a program; the budget is that + 10% as REGISTERS', MAX_REGISTERS on a jax not recorded
 MLA_REGISTERS = {"0.10.2": {(jnp.bfloat16, 16): 100, (jnp.bfloat16, 64): 223,
-                            (jnp.float32, 16): 200}}
+                            (jnp.float32, 16): 200, (jnp.float8_e4m3fn, 16): 204}}
 
 
 @pytest.mark.parametrize("case_id", list(MLA_CASES))
@@ -914,13 +917,22 @@ def test_mla_decode_compiles_for_h100(case_id, tmp_path):
     pool: one launch of (sequences, head tiles, splits) programs with the default splits,
     within shared memory, no spills, registers within the recorded count + 10%."""
     from jaxkv.attention.pallas.mla_decode import MLADecodeConfig, mla_decode_attention
+    from jaxkv.kvcache.pages import abstract_cache
+    from jaxkv.kvcache.spec import KVCacheSpec
 
     N, S, context, dtype, block_h = MLA_CASES[case_id]
     (Lkv, R), max_blocks = MLA_LATENT, context // BLOCK_SIZE
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    args = (jax.ShapeDtypeStruct((S, N, Lkv + R), dtype),
-            jax.ShapeDtypeStruct((S * max_blocks + 1, BLOCK_SIZE, 1, Lkv + R), dtype),
-            i32((S, max_blocks)), i32((S,)))
+    pool_shape = (S * max_blocks + 1, BLOCK_SIZE, 1, Lkv + R)
+    if dtype == jnp.float8_e4m3fn:
+        pool = abstract_cache(KVCacheSpec(
+            num_layers=1, num_blocks=pool_shape[0], block_size=BLOCK_SIZE, num_kv_heads=1,
+            head_dim=Lkv + R, v_head_dim=0, dtype="bfloat16", kv_cache_dtype="fp8")).k[0]
+        q_dtype = jnp.bfloat16
+    else:
+        pool, q_dtype = jax.ShapeDtypeStruct(pool_shape, dtype), dtype
+    args = (jax.ShapeDtypeStruct((S, N, Lkv + R), q_dtype), pool, i32((S, max_blocks)),
+            i32((S,)))
     config = MLADecodeConfig(block_h=block_h)
     fn = functools.partial(mla_decode_attention, kv_lora_rank=Lkv, sm_scale=0.135, config=config)
     kernels, _ = compile_for(H100, fn, args, tmp_path)

@@ -17,7 +17,9 @@ import pytest
 from jaxkv.attention.mla import mla_attention, mla_attention_reference
 from jaxkv.attention.pallas.mla_decode import MLADecodeConfig, mla_decode_attention
 from jaxkv.kvcache.metadata import AttentionMetadata
-from jaxkv.kvcache.pools import HNDPages
+from jaxkv.kvcache.pages import init_cache
+from jaxkv.kvcache.pools import HNDPages, QuantizedPages, write_layer
+from jaxkv.kvcache.spec import KVCacheSpec
 
 TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -34,6 +36,17 @@ def latent_batch(seed, seq_lens, *, N, Lkv, R, bs, dtype=jnp.float32, spare_bloc
     pool = jnp.asarray(rng.normal(size=(S * B + 1, bs, 1, Lkv + R)), dtype)
     q = jnp.asarray(rng.normal(size=(S, N, Lkv + R)), dtype)
     return q, pool, jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32)
+
+
+def latent_pool(latent: jax.Array, kv: str, static_scale: float | None = None) -> QuantizedPages:
+    """A latent pool of format ``kv`` (fp8) holding ``latent`` [num_blocks, block_size, 1, D],
+    every slot written by ``write_layer`` (the layer's write: codes and per-token scales, or
+    codes of ``static_scale``)."""
+    n, bs, _, d = latent.shape
+    spec = KVCacheSpec(num_layers=1, num_blocks=n, block_size=bs, num_kv_heads=1, head_dim=d,
+                       v_head_dim=0, kv_cache_dtype=kv, static_scale=static_scale)
+    return write_layer(init_cache(spec).k[0], latent.reshape(n * bs, 1, d),
+                       jnp.arange(n * bs, dtype=jnp.int32))
 
 
 def reference(q, pool, tables, lens, Lkv, scale):
@@ -90,6 +103,36 @@ def test_bf16_kernel_equals_reference():
     assert_close(out, reference(q, pool, tables, lens, 64, 0.1), jnp.bfloat16)
 
 
+# fp8 latent pools (codes dequantized in the kernel by their per-token scales, or one static
+# scale): V3's chunking (c_kv in 64-channel chunks, k_rope one) and narrower chunks; bf16 q
+FP8_CASES = {
+    "e4m3-v3-chunks": dict(kv="fp8_e4m3", static=None, Lkv=128, R=64, dtype=jnp.float32),
+    "e5m2-narrow": dict(kv="fp8_e5m2", static=None, Lkv=32, R=16, dtype=jnp.float32),
+    "e4m3-static": dict(kv="fp8_e4m3", static=0.05, Lkv=64, R=16, dtype=jnp.float32),
+    "e4m3-bf16-q": dict(kv="fp8_e4m3", static=None, Lkv=64, R=16, dtype=jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_kernel_equals_reference(name):
+    """The kernel over an fp8 latent pool equals the spec over the same pool (which reads it
+    dequantized, ``read_pages``); the pool's values are not the float latent's."""
+    c = FP8_CASES[name]
+    q, latent, tables, lens = latent_batch(11, [1, 37, 100, 0], N=20, Lkv=c["Lkv"], R=c["R"],
+                                           bs=8)
+    pool = latent_pool(latent, c["kv"], c["static"])
+    q = q.astype(c["dtype"])
+    scale = 1 / math.sqrt(c["Lkv"] + c["R"])
+    out = mla_decode_attention(q, pool, tables, lens, kv_lora_rank=c["Lkv"], sm_scale=scale,
+                               num_splits=3, interpret=True)
+    want = reference(q, pool, tables, lens, c["Lkv"], scale)
+    assert out.shape == (4, 20, c["Lkv"]) and out.dtype == c["dtype"]
+    assert_close(out, want, c["dtype"])
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[3], 0.0)
+    floats = reference(q, latent.astype(c["dtype"]), tables, lens, c["Lkv"], scale)
+    assert np.abs(np.asarray(floats, np.float32) - np.asarray(want, np.float32)).max() > 1e-3
+
+
 def step_inputs(seed, q_lens, seq_lens, T, *, N=4, P=16, R=16, V=12, Lkv=32, bs=8):
     """A ragged step's layer inputs (``mla_attention``'s) over a random NHD latent pool."""
     rng = np.random.default_rng(seed)
@@ -136,10 +179,14 @@ def test_refusals_name_the_problem():
     hnd = HNDPages(pool.swapaxes(1, 2))
     with pytest.raises(ValueError, match="NHD array"):
         call(q, hnd, tables, lens, kv_lora_rank=32)
+    int8 = KVCacheSpec(num_layers=1, num_blocks=pool.shape[0], block_size=8, num_kv_heads=1,
+                       head_dim=48, kv_cache_dtype="int8")           # not a latent spec
+    with pytest.raises(ValueError, match="or fp8 QuantizedPages of one head"):
+        call(q, init_cache(int8).k[0], tables, lens, kv_lora_rank=32)
     q_nope, q_rope, _, w_uk, w_uv, md = step_inputs(0, [1, 1], [5, 9], T=2, R=16)
     with pytest.raises(ValueError, match="attention_impl='pallas' reads NHD"):   # any step
         mla_attention(q_nope, q_rope, hnd, w_uk, w_uv, md, sm_scale=0.1, impl="pallas")
-    with pytest.raises(ValueError, match="share one of"):
+    with pytest.raises(ValueError, match="a float latent pool share it"):
         call(q.astype(jnp.bfloat16), pool, tables, lens, kv_lora_rank=32)
     with pytest.raises(ValueError, match="is not a page id"):
         call(q, pool, tables.at[1, 0].set(pool.shape[0]), lens, kv_lora_rank=32)
@@ -160,10 +207,12 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, bloc
               num_kv_blocks=48, token_buckets=(64,), seq_buckets=(4,), decode_buckets=(4,))
 
 
-def test_engine_pallas_decode_gives_the_default_paths_tokens(tmp_path, caplog):
+@pytest.mark.parametrize("kv", ["auto", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_engine_pallas_decode_gives_the_default_paths_tokens(tmp_path, caplog, kv):
     """Greedy tokens of three requests on the Pallas path (interpret mode: prefill through the
     grouped path, decode-only steps, a step variant of their own, through the MLA kernel) equal
-    the default CPU path's."""
+    the default CPU path's, with a float and (slow; test_fp8_kernel_equals_reference checks the
+    kernel on fp8 pools) an fp8 latent cache."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from jaxkv import LLM, SamplingParams
@@ -175,7 +224,8 @@ def test_engine_pallas_decode_gives_the_default_paths_tokens(tmp_path, caplog):
     prompts = austen_prompts(3, seed=2, max_chars=120)
     tokens = {}
     for impl in ("grouped", "pallas"):
-        with LLM(str(tmp_path), **ENGINE, attention_impl=impl, interpret=True) as llm, \
+        with LLM(str(tmp_path), **ENGINE, attention_impl=impl, interpret=True,
+                 kv_cache_dtype=kv) as llm, \
                 caplog.at_level("INFO", logger="jaxkv"):
             outs = llm.generate(prompts, params, use_tqdm=False)
         tokens[impl] = [o.outputs[0].token_ids for o in outs]

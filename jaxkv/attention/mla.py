@@ -1,6 +1,8 @@
 """Multi-head latent attention (DeepSeek) over a paged latent pool: every token of a layer
 caches one "head" ``latent = [c_kv | k_rope]`` of ``Lkv + R`` values, the K pool of a
-``KVCacheSpec`` with one kv head and ``v_head_dim = 0`` (jaxkv/model/mla.py writes it).
+``KVCacheSpec`` with one kv head and ``v_head_dim = 0`` (jaxkv/model/mla.py writes it): floats,
+or fp8 codes with one scale per token over the whole latent, which every path here reads
+dequantized (``read_pages``; the CPU kernel and the Pallas kernel in their tiles).
 
 Absorbed (the decode form, the only one that reads just the latent): W_UK folded into the
 query, so all N heads score the one latent head (MQA, qk width Lkv + R), the latent's first Lkv
@@ -41,7 +43,8 @@ def mla_attention_reference(q: jax.Array, pool: Pages, block_tables: jax.Array,
     Args:
       q: [T, N, Lkv + R] latent-space queries (``absorb_query``); rows past
         ``query_start_loc[-1]`` are padding.
-      pool: the layer's latent pool [num_blocks, block_size, 1, Lkv + R] (array or HNDPages).
+      pool: the layer's latent pool [num_blocks, block_size, 1, Lkv + R] (array, HNDPages or
+        fp8 QuantizedPages).
       block_tables, seq_lens, query_start_loc: the step's ragged layout (as
         ``jaxkv.attention.reference.paged_attention_reference``).
       kv_lora_rank: Lkv, the latent's value channels.
@@ -83,7 +86,7 @@ def mla_attention(q_nope: jax.Array, q_rope: jax.Array, pool: Pages, w_uk: jax.A
 
     Args:
       q_nope: [T, N, P]; q_rope: [T, N, R] rotated.
-      pool: the latent pool [num_blocks, block_size, 1, Lkv + R].
+      pool: the latent pool [num_blocks, block_size, 1, Lkv + R] (any ``LATENT_FORMATS``).
       w_uk, w_uv: [Lkv, N, P] and [Lkv, N, V], ``kv_b_proj``'s halves.
       md: the step's metadata.
 

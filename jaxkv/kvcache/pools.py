@@ -123,7 +123,8 @@ def zeros_pool(spec: KVCacheSpec, axis: str, value: bool = False) -> Pages:
     return QuantizedPages(**{f: arrays.get(f) for f in _POOL_FIELDS}, fmt=spec.kv_cache_dtype,
                           axis=axis, group_size=spec.token_group_size,
                           residual_full_precision=spec.residual_full_precision,
-                          static_scale=spec.static_scale, head_dim=spec.head_dim,
+                          static_scale=spec.static_scale,
+                          head_dim=spec.v_head_dim if value else spec.head_dim,
                           residual_blocks=spec.residual_blocks)
 
 

@@ -69,6 +69,10 @@ KV_ALIASES: dict[str, str] = {**{f.storage: f.name for f in KV_FORMATS.values() 
 SCALE_STORAGE = KV_FORMATS["bf16"].storage
 # KIVI's value group G: the default group is the largest divisor of head_dim up to this.
 KIVI_MAX_GROUP_SIZE = 32
+# Formats a latent (MLA) cache holds: the floats, and fp8 with one scale per token over the
+# whole latent [c_kv | k_rope] (docs/kv-cache.md, "The latent cache").
+LATENT_FORMATS: tuple[str, ...] = tuple(f.name for f in KV_FORMATS.values()
+                                        if not f.quantized or f.storage.startswith("float8"))
 AXES = ("channel", "token")
 LAYOUTS = ("nhd", "hnd")   # float pools: [N, bs, Hkv, D] or [N, Hkv, bs, D] (KVCacheSpec.layout)
 _ITEMSIZE = {"int32": 4, "bool": 1, "uint8": 1,
@@ -159,7 +163,7 @@ class KVCacheSpec:
       v_head_dim: channels of a V pool; None: ``head_dim``; 0: no values (a latent cache, MLA:
         each token's one "head" ``[c_kv | k_rope]`` lives in the K pool and is its own value,
         jaxkv/attention/mla.py; the V pools are zero-width, so every walk over K and V pools
-        holds). Float formats only.
+        holds). ``LATENT_FORMATS`` only: the floats and fp8 (per-token scale).
 
     Raises:
       ValueError: naming the field, for any value the cache cannot be built with.
@@ -224,10 +228,10 @@ class KVCacheSpec:
         if self.v_head_dim not in (0, self.head_dim):
             raise ValueError(f"v_head_dim={self.v_head_dim!r} must be head_dim={self.head_dim} "
                              f"or 0 (a latent cache)")
-        if self.v_head_dim == 0 and fmt.quantized:
-            floats = [f.name for f in KV_FORMATS.values() if not f.quantized]
-            raise ValueError(f"kv_cache_dtype={fmt.name!r}: a latent (MLA) cache holds the float "
-                             f"formats only ({', '.join(floats)}, or 'auto')")
+        if self.v_head_dim == 0 and fmt.name not in LATENT_FORMATS:
+            raise ValueError(f"kv_cache_dtype={fmt.name!r}: a latent (MLA) cache holds "
+                             f"{', '.join(LATENT_FORMATS)} or 'auto' (int8 and KIVI's int4/int2 "
+                             f"are not served for it)")
         if fmt.kivi:
             if self.head_dim % self.group_size:
                 raise ValueError(f"group_size={self.group_size} must divide head_dim="

@@ -258,13 +258,13 @@ def decode_step_attention(q: jax.Array, k_pages, v_pages, block_tables: jax.Arra
     T, S = q.shape[0], block_tables.shape[0]
     has_q = query_start_loc[1:] > query_start_loc[:-1]                           # [S]
     out, lse = paged_decode_attention(
-        _rows(q, S), k_pages, v_pages, block_tables, jnp.where(has_q, seq_lens, 0),
-        return_lse=True, q_sinks=None if q_sinks is None else _rows(q_sinks, S), **options)
-    out, lse = _rows(out, T), _rows(lse, T, -jnp.inf)        # sequence s's row is token s
+        pad_rows(q, S), k_pages, v_pages, block_tables, jnp.where(has_q, seq_lens, 0),
+        return_lse=True, q_sinks=None if q_sinks is None else pad_rows(q_sinks, S), **options)
+    out, lse = pad_rows(out, T), pad_rows(lse, T, -jnp.inf)        # sequence s's row is token s
     return (out, lse) if return_lse else out
 
 
-def _rows(x, n: int, fill=0):
+def pad_rows(x, n: int, fill=0):
     """x's first n rows, padded with ``fill`` to n: [n, ...]."""
     m = min(n, x.shape[0])
     return jnp.pad(x[:m], ((0, n - m),) + ((0, 0),) * (x.ndim - 1), constant_values=fill)

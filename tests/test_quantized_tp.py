@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gguf import austen, bpe, write_tiny_gguf  # noqa: F401  (fixtures)
+from test_gguf import Q, austen, bpe, write_tiny_gguf  # noqa: F401  (fixtures)
 
 ENGINE = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=24,
               block_size=8, token_buckets=(16,), seq_buckets=(2,), dtype="float32")
@@ -25,6 +25,8 @@ PROMPTS = ["Emma Woodhouse, handsome, clever,", "and rich, with a comfortable ho
 TINY = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
 RUNS = (("int8", 128, (1, 2)), ("int4", 32, (1, 2, 4)))
 CHECKPOINTS = {"gguf": ("tiny.gguf", None, 32), "int4": ("", "int4", 32)}   # model, convert's args
+# K-quants (K = E = 256, split by rows) beside write_tiny_gguf's Q8_0 k, Q4_1 o / down, Q4_0 up
+GGUF_K_QUANTS = {"attn_q": Q.Q4_K, "ffn_gate": Q.Q6_K}
 GGUF_TPS = (1, 2, 4)   # FFN 128: tp 2 keeps the blocks; tp 4 (o_proj's K 64 / 4) dequantizes
 # a float [N, K] (or [N, K / 32, 32]) of a whole weight (q, o: [128, 128]; gate, up [384, 128];
 # down [128, 384]): the dequantized weight one device would hold after a gather
@@ -43,7 +45,7 @@ def result(tmp_path_factory, bpe):  # noqa: F811
     save_tiny_model(path, "llama", **TINY)
     with pytest.MonkeyPatch.context() as mp:      # test_gguf's FFN 96 splits into 48-value K
         mp.setattr(test_gguf, "F", 128)
-        write_tiny_gguf(path / "tiny.gguf", bpe, tied=True)
+        write_tiny_gguf(path / "tiny.gguf", bpe, tied=True, qtypes=GGUF_K_QUANTS)
     proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
                           env=worker_env(4), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -91,11 +93,12 @@ def test_the_product_stays_split_and_the_plan_counts_one_device(result, method):
 
 
 def test_a_gguf_keeps_its_blocks_where_they_split_whole(result):
-    """Q8_0 / Q4_0 / Q4_1 blocks kept at tp 2 (whole 32-value blocks a device), dequantized at
+    """Q8_0 / Q4_0 / Q4_1 blocks and repacked Q4_K / Q6_K (2 x 2 of them) kept at tp 2 (whole
+    32-value blocks a device), dequantized at
     tp 4 (o_proj's K = 64 over 4 devices cuts them): one device's tokens, the plan's weights
     the bytes device 0 holds."""
     runs = [result[f"gguf_tp{tp}"] for tp in GGUF_TPS]
-    assert [r["kept"] for r in runs] == [9, 9, 0]
+    assert [r["kept"] for r in runs] == [13, 13, 0]
     for r in runs:
         assert r["tokens"] == runs[0]["tokens"]
         assert max(abs(a - b) for x, y in zip(r["logprobs"], runs[0]["logprobs"])

@@ -94,9 +94,8 @@ def test_the_product_stays_split_and_the_plan_counts_one_device(result, method):
 
 def test_a_gguf_keeps_its_blocks_where_they_split_whole(result):
     """Q8_0 / Q4_0 / Q4_1 blocks and repacked Q4_K / Q6_K (2 x 2 of them) kept at tp 2 (whole
-    32-value blocks a device), dequantized at
-    tp 4 (o_proj's K = 64 over 4 devices cuts them): one device's tokens, the plan's weights
-    the bytes device 0 holds."""
+    32-value blocks a device), dequantized at tp 4 (o_proj's K = 64 over 4 devices cuts them):
+    one device's tokens, the plan's weights the bytes device 0 holds."""
     runs = [result[f"gguf_tp{tp}"] for tp in GGUF_TPS]
     assert [r["kept"] for r in runs] == [13, 13, 0]
     for r in runs:

@@ -115,40 +115,99 @@ def test_a_follower_replaying_the_feed_ends_every_request_with_the_leaders_token
     assert follower.last == leader_tokens
 
 
+class DynamoContext:
+    """Dynamo's request ``Context``, as much of it as ``JaxkvEngine.generate`` reads."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+
+    def id(self):
+        return self.rid
+
+    def is_stopped(self):
+        return False
+
+
+def test_a_dynamo_worker_leads_a_follower_and_its_cleanup_stops_it(tiny):
+    pytest.importorskip("dynamo.common.backend", reason="NVIDIA Dynamo is not installed")
+    from jaxkv.entrypoints.dynamo.engine import JaxkvEngine
+
+    config = EngineConfig.from_kwargs(model=str(tiny[0]), **TINY_ENGINE)
+    feed = StepFeed("127.0.0.1", 1, timeout=30)
+    follower, done = RecordingEngine(EngineCore(config)), {}
+    thread = threading.Thread(target=_follow, args=(feed.address, follower, done))
+    thread.start()
+    worker = JaxkvEngine(config, "tiny", feed)
+    request = {"token_ids": [5, 6, 7, 8, 9], "sampling_options": {"temperature": 0.0},
+               "stop_conditions": {"max_tokens": 8, "ignore_eos": True}}
+
+    async def run():
+        await worker.start(worker_id=1)
+        return [t async for chunk in worker.generate(request, DynamoContext("d1"))
+                for t in chunk["token_ids"]]
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        asyncio.run(worker.cleanup())
+        thread.join(30)
+    follower.engine.close()
+    assert not thread.is_alive() and done == {"stopped": True}
+    assert len(tokens) == 8 and follower.last == {"d1": [(tokens, "length")]}
+
+
 @pytest.mark.parametrize("how", ["silent", "failed"])
 def test_a_lost_follower_fails_the_leaders_requests_within_the_timeout(tiny, how):
+    """The leader's device thread is held inside a step, as a collective with a dead peer
+    holds it: the requests still fail, without the engine lock, within the timeout."""
     feed = StepFeed("127.0.0.1", 1, timeout=1.0)
     link = FollowerLink(feed.address, 1, timeout=1.0)
-    reasons = []
+    reasons, stuck, release = [], threading.Event(), threading.Event()
     leader = AsyncLLM(str(tiny[0]), step_feed=feed, **TINY_ENGINE)
+    step = leader.engine.step
+
+    def hung_step():
+        stuck.set()
+        release.wait()
+        return step()
 
     def lost(reason):
         reasons.append(reason)
         leader.fail(EngineDeadError(f"lost: {reason}"))
 
     feed.wait_for_followers(lost, within=10)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
-    async def long_request():
-        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async def scenario():
+        async for _ in leader.generate(PROMPTS[0], params):   # compiled, nothing lost
+            pass
+        leader.engine.step = hung_step
+        stream = await leader.add_request(PROMPTS[1], params)
+        await asyncio.to_thread(stuck.wait, 10)
         started = time.monotonic()
+        if how == "silent":
+            link.close()
+        else:
+            link.report(RuntimeError("boom"))
         with pytest.raises(EngineDeadError, match="lost: follower"):
-            async for _ in leader.generate(PROMPTS[0], params):
-                if how == "failed":
-                    link.report(RuntimeError("boom"))
-                await asyncio.sleep(0.05)   # slower than the engine: the request is in flight
-        with pytest.raises(EngineDeadError):
-            await leader.add_request(PROMPTS[1], params)
-        return time.monotonic() - started
+            async for _ in stream:
+                pass
+        elapsed = time.monotonic() - started
+        try:
+            with pytest.raises(EngineDeadError):    # the lock is held: refused before it
+                await asyncio.wait_for(leader.add_request(PROMPTS[2], params), 5)
+        finally:
+            release.set()
+        return elapsed
 
     try:
-        if how == "silent":
-            link.close()               # no more heartbeats
-        elapsed = asyncio.run(long_request())
+        elapsed = asyncio.run(scenario())
     finally:
+        release.set()
+        leader.shutdown()
         if how == "failed":
             link.close()
-        feed.close()
-    assert elapsed < 5.0
+    assert reasons and elapsed < 1.0 + 2.0   # the timeout, and a margin for a loaded machine
     expected = "failed: RuntimeError('boom')" if how == "failed" else "no heartbeat for 1.0 s"
     assert len(reasons) == 1 and expected in reasons[0]
 

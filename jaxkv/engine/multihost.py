@@ -185,11 +185,25 @@ class StepFeed:
             self._on_lost(reason)
 
 
-def is_leader() -> bool:
-    """Whether this process serves (process 0 of ``jax.distributed``)."""
+def launch(config: EngineConfig, *, coordinator_address: str | None, num_processes: int | None,
+           process_id: int | None, peer_timeout: float) -> bool:
+    """A serving process's start: checks ``config`` and joins ``jax.distributed``. The leader
+    (process 0) gets True and serves (``open_leader_feed``); a follower replays until the
+    leader stops it (``run_follower``), then gets False.
+
+    Raises:
+      ValueError: ``check_multihost``'s, before anything starts.
+    """
     import jax
 
-    return jax.process_index() == 0
+    from jaxkv.runner.sharding import initialize_distributed
+
+    check_multihost(config, peer_timeout)
+    initialize_distributed(coordinator_address, num_processes, process_id)
+    if jax.process_index() == 0:
+        return True
+    run_follower(config, timeout=peer_timeout)
+    return False
 
 
 def coordinator_host() -> str:
@@ -217,19 +231,18 @@ def open_leader_feed(timeout: float = DEFAULT_TIMEOUT_S) -> StepFeed:
     return feed
 
 
-def start_leader(config: EngineConfig, feed: StepFeed):
-    """The leader's ``AsyncLLM`` once every follower has joined ``feed``. A lost follower
-    fails every request with ``EngineDeadError`` (a server's 503) and, ``LOST_GRACE_S`` later
-    (the answers go out), ends the process with status 1; ``AsyncLLM.shutdown`` stops the
-    followers.
+def start_leader(feed: StepFeed, **engine_kwargs):
+    """The leader's ``AsyncLLM`` over ``engine_kwargs`` (which ``launch`` checked), once every
+    follower has joined ``feed``. A lost follower fails every request with ``EngineDeadError``
+    (a server's 503) and, ``LOST_GRACE_S`` later (the answers go out), ends the process with
+    status 1; ``AsyncLLM.shutdown`` stops the followers.
 
     Raises:
-      ValueError: ``check_multihost``'s, or a bad engine argument.
+      TypeError, ValueError: a bad engine argument.
       PeerLost: not every follower joined in time.
     """
     from jaxkv.engine.async_llm import AsyncLLM, EngineDeadError
 
-    check_multihost(config, feed.timeout)
     engines = []
 
     def lost(reason: str) -> None:
@@ -238,7 +251,7 @@ def start_leader(config: EngineConfig, feed: StepFeed):
         threading.Timer(LOST_GRACE_S, exit_process, (1,)).start()
 
     feed.wait_for_followers(lost)
-    engines.append(AsyncLLM(**config.to_kwargs(), step_feed=feed))
+    engines.append(AsyncLLM(**engine_kwargs, step_feed=feed))
     return engines[0]
 
 
@@ -354,11 +367,7 @@ def run_follower(config: EngineConfig, *, timeout: float = DEFAULT_TIMEOUT_S) ->
     """A follower process's life: joins the leader's feed (its address from the key-value
     store), builds the same engine (without KV-cache events: the leader publishes them) and
     replays until the leader says stop. A lost leader or a failing engine is reported to the
-    leader, logged, and ends the process with status 1 (``exit_process``).
-
-    Raises:
-      ValueError: ``check_multihost``'s, before anything starts.
-    """
+    leader, logged, and ends the process with status 1 (``exit_process``)."""
     import dataclasses
 
     import jax
@@ -366,7 +375,6 @@ def run_follower(config: EngineConfig, *, timeout: float = DEFAULT_TIMEOUT_S) ->
     from jaxkv.config.args import KVEventsArgs
     from jaxkv.engine.core import EngineCore
 
-    check_multihost(config, timeout)
     address = _kv_client().blocking_key_value_get(FEED_KEY, int(STARTUP_TIMEOUT_S * 1000))
 
     def leader_gone():

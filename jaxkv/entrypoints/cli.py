@@ -25,9 +25,15 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _engine_args(p: argparse.ArgumentParser, **defaults) -> None:
+def _engine_args(p: argparse.ArgumentParser, *, serving: bool = False, **defaults) -> None:
     """Every engine flag (generated from ``EngineConfig``) and the multi-host launch flags."""
     EngineConfig.add_cli_args(p, **defaults)
+    add_launch_args(p, serving=serving)
+
+
+def add_launch_args(p: argparse.ArgumentParser, *, serving: bool = False) -> None:
+    """The multi-host launch flags; ``serving``: with ``--peer-timeout`` (a server's and a
+    Dynamo worker's)."""
     g = p.add_argument_group("multi-host launch (jax.distributed)")
     g.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0, for jax.distributed.initialize "
@@ -35,6 +41,20 @@ def _engine_args(p: argparse.ArgumentParser, **defaults) -> None:
                         "same command")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: process count")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's rank")
+    if serving:
+        g.add_argument("--peer-timeout", type=float, default=10.0,
+                       help="multi-host: process 0 serves, the others follow it (no port); "
+                            "seconds of a process's silence after which the others give up "
+                            "(the leader fails its requests with 503 and exits)")
+
+
+def launch_kwargs(a: argparse.Namespace) -> dict | None:
+    """``jaxkv.engine.multihost.launch``'s keywords from a serving command's launch flags;
+    None when they ask for one process."""
+    if not (a.coordinator_address or a.num_processes):
+        return None
+    return dict(coordinator_address=a.coordinator_address, num_processes=a.num_processes,
+                process_id=a.process_id, peer_timeout=a.peer_timeout)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -196,15 +216,11 @@ def cmd_serve(a) -> int:
 
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    config, feed = EngineConfig.from_cli(a), None
-    if a.coordinator_address or a.num_processes:   # process 0 serves, the others follow
+    config, feed, launch = EngineConfig.from_cli(a), None, launch_kwargs(a)
+    if launch is not None:   # process 0 serves, the others follow
         from jaxkv.engine import multihost
-        from jaxkv.runner.sharding import initialize_distributed
 
-        multihost.check_multihost(config, a.peer_timeout)
-        initialize_distributed(a.coordinator_address, a.num_processes, a.process_id)
-        if not multihost.is_leader():
-            multihost.run_follower(config, timeout=a.peer_timeout)
+        if not multihost.launch(config, **launch):
             return 0
         feed = multihost.open_leader_feed(a.peer_timeout)
     return serve(config, host=a.host, port=a.port,
@@ -323,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn)")
-    _engine_args(s)
+    _engine_args(s, serving=True)
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
@@ -344,10 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag, accepted: tool_choice=\"auto\" works whenever "
                         "--tool-call-parser is given")
-    g.add_argument("--peer-timeout", type=float, default=10.0,
-                   help="multi-host: seconds of a process's silence after which the others "
-                        "give up (the leader fails its requests with 503 and exits; process "
-                        "0 serves, the others follow it without a port)")
     s.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="memory plan: what fits, how many blocks, why it OOMs")

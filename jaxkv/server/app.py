@@ -552,7 +552,8 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
       log_level: uvicorn's log level.
       tool_call_parser: the format ``tool_choice="auto"`` reads calls in
         (``tool_calls.PARSERS``; None: ``auto`` is refused).
-      step_feed: multi-host tensor parallelism's leader end (``jaxkv.engine.multihost.open_leader_feed``):
+      step_feed: multi-host tensor parallelism's leader end
+        (``jaxkv.engine.multihost.open_leader_feed``):
         the engine starts once every follower has joined, and its inputs are replayed on them.
 
     Raises:
@@ -566,7 +567,7 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000,
         else:
             from jaxkv.engine.multihost import start_leader
 
-            engine = start_leader(config, step_feed)
+            engine = start_leader(step_feed, **config.to_kwargs())
     except BaseException:
         sock.close()
         if step_feed is not None:

@@ -1,6 +1,7 @@
 """The Dynamo worker's command line: Dynamo's runtime flags (``--discovery-backend``,
 ``--namespace``, ``--endpoint``, ``--request-plane`` ... with their ``DYN_*`` variables), the
-worker's own (``--served-model-name``) and every jaxkv engine flag (``EngineConfig``)."""
+worker's own (``--served-model-name``), every jaxkv engine flag (``EngineConfig``) and the
+multi-host launch flags (``jaxkv serve``'s)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from jaxkv.config import EngineConfig
+from jaxkv.entrypoints.cli import add_launch_args, launch_kwargs
 from jaxkv.entrypoints.dynamo import require_dynamo
 
 require_dynamo()
@@ -27,12 +29,14 @@ COMPONENT, ENDPOINT = "backend", "generate"   # Dynamo's defaults: dyn://<namesp
 @dataclasses.dataclass
 class Parsed:
     """What ``parse`` returns: the engine's config, the name clients send, Dynamo's runtime
-    config (endpoint resolved) and whether KV routing is on."""
+    config (endpoint resolved), whether KV routing is on, and ``jaxkv.engine.multihost.launch``'s
+    keywords (None: one process)."""
 
     engine: EngineConfig
     served_model_name: str
     runtime: DynamoRuntimeConfig
     kv_routing: bool
+    launch: dict | None
 
     def worker_config(self, model_path: str | Path) -> WorkerConfig:
         """Dynamo's ``WorkerConfig``; ``model_path`` is the directory whose tokenizer and
@@ -54,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="publish neither KV events nor load snapshots (the KV router then "
                         "predicts the caches from its own decisions)")
     EngineConfig.add_cli_args(parser)
+    add_launch_args(parser, serving=True)
     return parser
 
 
@@ -75,4 +80,4 @@ def parse(argv: list[str] | None = None) -> Parsed:
     namespace, component, endpoint = parse_endpoint(
         runtime.endpoint or f"dyn://{runtime.namespace}.{COMPONENT}.{ENDPOINT}")
     runtime.namespace, runtime.component, runtime.endpoint = namespace, component, endpoint
-    return Parsed(engine, served, runtime, not ns.disable_kv_routing)
+    return Parsed(engine, served, runtime, not ns.disable_kv_routing, launch_kwargs(ns))

@@ -51,11 +51,14 @@ class JaxkvEngine(LLMEngine):
     Args:
       config: the jaxkv ``EngineConfig`` (engine flags).
       served_model_name: the model name clients send.
+      step_feed: multi-host: the leader's ``jaxkv.engine.multihost.StepFeed`` (None: one
+        process).
     """
 
-    def __init__(self, config, served_model_name: str):
+    def __init__(self, config, served_model_name: str, step_feed=None):
         self.config = config
         self.served_model_name = served_model_name
+        self.step_feed = step_feed
         self.llm = None
         self.metrics = None
         self.max_model_len = 0
@@ -73,7 +76,12 @@ class JaxkvEngine(LLMEngine):
     async def from_args(cls, argv: list[str] | None = None):
         """Parses Dynamo's runtime flags and jaxkv's engine flags (``args.parse``)."""
         parsed = dynamo_args.parse(argv)
-        engine = cls(parsed.engine, parsed.served_model_name)
+        feed = None
+        if parsed.launch is not None:   # __main__ joined jax.distributed as process 0
+            from jaxkv.engine.multihost import open_leader_feed
+
+            feed = open_leader_feed(parsed.launch["peer_timeout"])
+        engine = cls(parsed.engine, parsed.served_model_name, feed)
         return engine, parsed.worker_config(engine.card)
 
     async def start(self, worker_id: int) -> DynamoEngineConfig:
@@ -86,7 +94,12 @@ class JaxkvEngine(LLMEngine):
         kwargs = self.config.to_kwargs()
         kwargs["kv_events_config"], self._kv_source = kv_events(
             kwargs["kv_events_config"], self._tmp)
-        self.llm = await asyncio.to_thread(AsyncLLM, **kwargs)
+        if self.step_feed is None:
+            self.llm = await asyncio.to_thread(AsyncLLM, **kwargs)
+        else:
+            from jaxkv.engine.multihost import start_leader
+
+            self.llm = await asyncio.to_thread(start_leader, self.step_feed, **kwargs)
         core = self.llm.engine
         self.max_model_len = core.sched_config.max_model_len
         self.metrics = ServerMetrics(self.served_model_name, self.llm.stats_now)

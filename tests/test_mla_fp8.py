@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxkv.attention.mla import mla_attention, mla_attention_expanded
+from jaxkv.attention.mla_prefill import mla_prefill_attention
 from jaxkv.kvcache.metadata import AttentionMetadata
 from jaxkv.kvcache.pages import init_cache
 from jaxkv.kvcache.pools import QuantizedPages, read_pages, write_layer
@@ -117,7 +118,7 @@ def _step(seed):
 def test_every_path_reads_the_fp8_latent_as_its_values(kv, static):
     """Absorbed MLA through the reference, the CPU path, the Pallas path (interpret mode; this
     decode-free step runs the grouped path, the decode-only one below the kernel) and the
-    expanded form over an fp8 pool equal the same over the float pool holding the values its
+    expanded form (its spec and the chunked prefill form) over an fp8 pool equal the same over the float pool holding the values its
     codes stand for (numpy's codes x scales); the fp8 pool's values are not the float latent's."""
     (q_nope, q_rope, w_uk, w_uv, md), latent, n = _step(1)
     pool = latent_pool(latent, kv, static)
@@ -132,11 +133,14 @@ def test_every_path_reads_the_fp8_latent_as_its_values(kv, static):
                                                                     w_uk, w_uv, md)
         np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=1e-5, err_msg=impl)
         np.testing.assert_array_equal(got[n:], 0.0)
-    expanded = jax.jit(mla_attention_expanded, static_argnames="sm_scale")
     args = (md.block_tables, md.seq_lens, md.query_start_loc)
-    np.testing.assert_allclose(expanded(q_nope, q_rope, pool, w_uk, w_uv, *args, sm_scale=0.2),
-                               expanded(q_nope, q_rope, values, w_uk, w_uv, *args, sm_scale=0.2),
-                               atol=1e-5, rtol=1e-5)
+    chosen = jnp.ones(md.seq_lens.shape, bool)
+    for expanded in (mla_attention_expanded,                    # the spec and the chunked form
+                     lambda *a, **kw: mla_prefill_attention(*a, chosen, **kw)):
+        run = jax.jit(expanded, static_argnames="sm_scale")
+        np.testing.assert_allclose(run(q_nope, q_rope, pool, w_uk, w_uv, *args, sm_scale=0.2),
+                                   run(q_nope, q_rope, values, w_uk, w_uv, *args, sm_scale=0.2),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_decode_step_runs_the_kernel_on_the_fp8_pool():

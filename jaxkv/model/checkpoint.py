@@ -216,14 +216,19 @@ def check_quantization(path: str | Path, method: str | None, group: int) -> None
     held, held_group, kinds = read_quantization(path)
     if method is None or (method == held and (held_group is None or held_group == group)):
         return
-    what = (f"{held} weights" + (f" in groups of {held_group}" if held_group else "")
-            if held in METHODS else f"its source's {'/'.join(kinds)} weights as stored"
-            if kinds else "float weights")
     field = ("quantization_group_size" if method == held else "quantization")
     asked = group if method == held else repr(method)
-    raise ValueError(f"{field}={asked}: {path} is an orbax checkpoint holding {what}; load it "
-                     f"with quantization=None (as stored) or convert the model again with "
-                     f"jaxkv convert --quantization {method}")
+    raise ValueError(f"{field}={asked}: {path} is an orbax checkpoint holding "
+                     f"{_describe(held, held_group, kinds)}; load it with quantization=None "
+                     f"(as stored) or convert the model again with jaxkv convert "
+                     f"--quantization {method}")
+
+
+def _describe(held: str, group: int | None, kinds: tuple[str, ...]) -> str:
+    """A checkpoint's weights in words (``read_quantization``'s fields)."""
+    if held in METHODS:
+        return f"{held} weights" + (f" in groups of {group}" if group else "")
+    return f"its source's {'/'.join(kinds)} weights as stored" if kinds else "float weights"
 
 
 def stored_bytes(path: str | Path, dtype_bytes: int) -> tuple[int, str] | None:
@@ -240,10 +245,7 @@ def stored_bytes(path: str | Path, dtype_bytes: int) -> tuple[int, str] | None:
                  for k, x in _flat(tree).items() if k.rsplit("/", 1)[0] not in quant_keys)
     quant = sum(int(np.prod(a[0])) * jnp.dtype(a[1]).itemsize
                 for q in quantized.values() for a in q["arrays"].values() if a is not None)
-    held, group, kinds = read_quantization(path)
-    how = f"{held}" + (f" (groups of {group})" if group else "") if held in METHODS else \
-        f"{'/'.join(kinds)} blocks kept"
-    return floats + quant, how
+    return floats + quant, _describe(*read_quantization(path))
 
 
 def _flat(tree: Any) -> dict[str, Any]:

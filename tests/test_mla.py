@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +313,18 @@ def test_engine_refuses_a_quantized_latent_cache(checkpoint):
     _, path, _ = checkpoint
     with pytest.raises(ValueError, match="kv_cache_dtype='int8'"):
         LLM(str(path), **ENGINE, kv_cache_dtype="int8")
+
+
+def test_a_latent_cache_short_of_room_is_advised_fp8_not_an_integer_format():
+    """The planner's checklist for an MLA model short of KV offers fp8 (with its e5m2
+    alternative) and no integer format a latent cache refuses; the count is the fp8 plan's."""
+    c = ModelConfig.from_hf_dict(V2_LITE)
+    kw = dict(device_memory_bytes=80 * memory_plan.GiB, dtype="bfloat16", max_model_len=32768,
+              max_num_seqs=256)
+    p = memory_plan.plan(c, **kw)
+    assert p.runs and not p.fits
+    kv = [r for r in p.reasons if r.startswith("quantize the KV cache")]
+    assert len(kv) == 1 and "int" not in kv[0]
+    held = int(re.search(r"kv_cache_dtype='fp8_e4m3' \(or 'fp8_e5m2'\) holds ([\d,]+)",
+                         kv[0]).group(1).replace(",", ""))
+    assert held == memory_plan.plan(c, **{**kw, "kv_cache_dtype": "fp8"}).max_concurrent_seqs

@@ -258,7 +258,7 @@ def test_fp8_latent_drift_from_the_float_latent(checkpoint):
         nll, top = {}, {}
         for kv in ("fp32", "bf16", "fp8"):
             runs = [retained_nll(llm.engine.runner, p + c, retention=FullRetention(),
-                                 kv_cache_dtype=kv, chunk=80, v_head_dim=0)
+                                 kv_cache_dtype=kv, chunk=80)
                     for p, c in zip(prompts, continuations)]
             nll[kv] = np.stack([r.nll[47:] for r in runs])                # [prompts, 32]
             top[kv] = np.stack([r.argmax[47:] for r in runs])

@@ -46,7 +46,7 @@ def _sequence_cache(runner, num_blocks: int, kv_cache_dtype: str, cache_options:
                                   block_size=runner.cache_config.block_size,
                                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                   dtype=jnp.dtype(runner.dtype).name, kv_cache_dtype=kv_cache_dtype,
-                                  **cache_options))
+                                  v_head_dim=c.kv_cache_v_dim, **cache_options))
 
 
 @lru_cache(maxsize=16)   # one compiled function per (model, impl, options)

@@ -9,8 +9,8 @@ import math
 import os
 
 from jaxkv.config.kv_groups import KVGroups, window_blocks
-from jaxkv.kvcache.spec import (KV_FORMATS, KVCacheSpec, check_model_dtype, get_format,
-                                kivi_residual_slots, resolve_kv_cache_dtype)
+from jaxkv.kvcache.spec import (KV_FORMATS, LATENT_FORMATS, KVCacheSpec, check_model_dtype,
+                                get_format, kivi_residual_slots, resolve_kv_cache_dtype)
 from jaxkv.model.config import ModelConfig
 
 GiB = 1 << 30
@@ -639,8 +639,10 @@ def _reasons(config: ModelConfig, p: MemoryPlan, kw: dict) -> list[str]:
         out.append(f"lower max_num_seqs: max_num_seqs <= {most:,} would fit"
                    + (" (or keep it and let the scheduler preempt under load)" if p.runs else ""))
     for q, alternatives in _ADVICE_KV:
-        if config.mla and get_format(q).quantized:    # a latent cache: float formats only
-            continue
+        if config.mla:                  # a latent cache: floats and fp8 only
+            if q not in LATENT_FORMATS:
+                continue
+            alternatives = tuple(a for a in alternatives if a in LATENT_FORMATS)
         q_plan = _size(config, **{**kw, "kv_cache_dtype": q})
         if q_plan.kv_bytes_per_block < p.kv_bytes_per_block:     # same slots and key bounds
             if fixed > p.budget_bytes and not getattr(q_plan, goal):

@@ -160,8 +160,9 @@ class StepFeed:
     def _watch(self) -> None:
         """Sends the leader's heartbeat and checks the followers' until closed or lost."""
         beat = self.timeout / 4
-        started = next_beat = time.monotonic()
-        seen = {}        # follower process id -> its last message (monotonic)
+        next_beat = time.monotonic()
+        # follower process id (processes 1..N) -> its last message (monotonic)
+        last = {str(i).encode(): next_beat for i in range(1, self.num_followers + 1)}
         while not self._closed.is_set() and self._lost is None:
             if time.monotonic() >= next_beat:
                 self._send(_HEARTBEAT, b"")
@@ -169,13 +170,13 @@ class StepFeed:
             if self._pull.poll(beat * 1000):
                 while self._pull.poll(0):
                     pid, kind, text = self._pull.recv_multipart()
-                    seen[pid] = time.monotonic()
+                    last[pid] = time.monotonic()
                     if kind == _ERROR:
                         self._lose(f"follower {pid.decode()} failed: {text.decode()}")
             now = time.monotonic()
-            silent = [p.decode() for p, t in seen.items() if now - t > self.timeout]
-            if silent or (len(seen) < self.num_followers and now - started > self.timeout):
-                self._lose(f"follower(s) {', '.join(silent) or '?'} sent no heartbeat for "
+            silent = [p.decode() for p, t in last.items() if now - t > self.timeout]
+            if silent:
+                self._lose(f"follower(s) {', '.join(silent)} sent no heartbeat for "
                            f"{self.timeout:.1f} s")
 
     def _lose(self, reason: str) -> None:

@@ -3,7 +3,8 @@
 * In one process (default suite): an ``AsyncLLM`` leader with a ``StepFeed`` and a follower
   ``EngineCore`` replaying it over loopback ZMQ end every request with the same tokens, aborts
   and late adds included; a follower that goes silent or reports a failure fails the leader's
-  requests with ``EngineDeadError`` within the peer timeout.
+  requests with ``EngineDeadError`` within the peer timeout, the leader's device thread held
+  inside a step; a Dynamo worker (where Dynamo is installed) leads a follower the same way.
 * Two processes x 2 fake CPU devices (slow): ``jaxkv serve`` at TP 4 on process 0 and its
   follower on process 1, driven by the official ``openai`` client, give the tokens of one
   process at TP 4 (tests/tp_worker.py ``requests``); a killed follower makes the leader answer

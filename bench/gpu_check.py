@@ -19,7 +19,7 @@ host timings do not share the CPU with compiles.
 
 Modes:
   (default) every section, under the time guards below.
-  --quick: 62 executables instead of 371, one LLM instead of four. (a) keeps every kernel,
+  --quick: 62 executables instead of 381, one LLM instead of four. (a) keeps every kernel,
     format and option at real sizes but not every product (``QUICK_POOLS``: split-K at auto
     splits only, the same kernel as splits=1 on a larger grid; fp32 plain; the sparse kernel
     on bf16, int8 and a written int4 pool, the hardest of its readers): 49 executables of 84;
@@ -83,7 +83,9 @@ Sections, in the order they run:
   (b5) absorbed MLA decode (issue 53): DeepSeek-V3's latent (512 + 64, bf16, 128 query heads
       sharing it) at 32k and 4k x batches 1, 32, 128, the MLA kernel at its default head tile (16
       heads a program) and at 64: ms, GB/s over the latent bytes (batch x context x 576 x 2, read
-      once), fraction of copy; at batch 1 the kernel vs ``mla_attention_reference``;
+      once), fraction of copy; the same latent as fp8 e4m3 codes with a bf16 scale per token
+      (``kv_cache_dtype="fp8"``: 578 bytes a token, dequantized in the kernel); at batch 1
+      each kernel vs ``mla_attention_reference`` over its own pool;
   (g) quantized weights (issue 51): the Pallas ``quantized_matmul`` over square Q8_0 and Q4_1
       weights (GGUF's blocks) and int4 in groups of 128 and fp8 per channel (made at load) of
       4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
@@ -106,8 +108,8 @@ until 432, offload before 430, sweep rows until 440 (full only). The report coun
 each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 371 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 16, (g) 78, (d) 36,
+deviceless here). The full run has 381 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 26, (g) 78, (d) 36,
 the copy 1 (the estimate below predates (g) and (b5)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
 (load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
@@ -1061,6 +1063,7 @@ def kept_row(run: Run, ctx: int, B: int) -> dict | None:
 
 MLA_SCALE = 0.135          # DeepSeek-V3's softmax scale (jaxkv.model.mla.softmax_scale)
 MLA_CONFIGS = {"ours": None, "h64": MLADecodeConfig(block_h=64)}   # head tiles of 16 and 64
+MLA_FP8 = "fp8_e4m3"       # the fp8 latent: codes + one bf16 scale per token
 
 
 def bench_mla(run: Run) -> list[dict]:
@@ -1073,11 +1076,12 @@ def bench_mla(run: Run) -> list[dict]:
             continue
         tables, _ = page_tables([ctx] * max(s.mla_batches), s.block_size)
         pool = run.data(functools.partial(latent_pool, ctx, 1 + int(np.sum(tables > 0)), s))
+        pools = {"bf16": pool, "fp8": run.data(fp8_latent_pool, pool)}
         for B in s.mla_batches:
             if not run.late("mla"):
-                row = mla_row(run, ctx, B, pool, jnp.asarray(tables[:B]))
+                row = mla_row(run, ctx, B, pools, jnp.asarray(tables[:B]))
                 rows += [row] if row else []
-        del pool
+        del pool, pools
         gc.collect()
     return rows
 
@@ -1086,6 +1090,21 @@ def latent_pool(seed: int, num_blocks: int, s: Settings):
     """A latent pool [num_blocks, block_size, 1, Lkv + R] of normal bf16 values."""
     shape = (num_blocks, s.block_size, 1, sum(s.mla_latent))
     return jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16)
+
+
+@jax.jit
+def fp8_latent_pool(pool):
+    """The bf16 latent ``pool`` as the engine's fp8 latent cache holds it (``QuantizedPages``:
+    e4m3 codes [blocks, block_size, 1, Lkv + R], bf16 scales [blocks, block_size, 1, 1]); codes
+    of 2-4 GiB (which the kernels refuse: ``kv_format.check_offsets``) get unused zero blocks
+    past 4 GiB, as a pool sized for them would."""
+    from jaxkv.kvcache.pools import quantize_pages
+
+    block_bytes = math.prod(pool.shape[1:])                 # 1-byte codes
+    if 2 ** 31 < pool.shape[0] * block_bytes <= 2 ** 32:
+        pad = 2 ** 32 // block_bytes + 1 - pool.shape[0]
+        pool = jnp.concatenate([pool, jnp.zeros((pad, *pool.shape[1:]), pool.dtype)])
+    return quantize_pages(pool, MLA_FP8, axis="token")
 
 
 def mla_reference(q, pool, tables, lens, *, kv_lora_rank: int):
@@ -1102,29 +1121,36 @@ def mla_looped(q, pool, tables, lens, *, kv_lora_rank: int, interpret: bool, con
     return jnp.concatenate([o, q[..., kv_lora_rank:]], axis=-1)
 
 
-def mla_row(run: Run, ctx: int, B: int, pool, tables) -> dict | None:
-    """Each of ``MLA_CONFIGS`` timed on one decode batch: ms, GB/s over the latent bytes read
-    once, fraction of copy; at batch 1 the kernel's output vs the spec. ``ok``: every timing
-    ran and (batch 1) the output is within bf16 tolerance."""
+def mla_row(run: Run, ctx: int, B: int, pools: dict, tables) -> dict | None:
+    """Each of ``MLA_CONFIGS`` timed on one decode batch over the bf16 latent, and the default
+    config over the fp8 one: ms, GB/s over the latent bytes read once, fraction of copy; at
+    batch 1 each pool's kernel output vs the spec over that pool. ``ok``: every timing ran
+    and (batch 1) the outputs are within bf16 tolerance."""
     s = run.settings
     Lkv, R = s.mla_latent
     lens = jnp.full((B,), ctx, jnp.int32)
     q = normal(run, B, (B, s.mla_heads, Lkv + R))
-    row = dict(batch=B, context=ctx, heads=s.mla_heads, latent_bytes=B * ctx * (Lkv + R) * 2)
+    row = dict(batch=B, context=ctx, heads=s.mla_heads, latent_bytes=B * ctx * (Lkv + R) * 2,
+               fp8_bytes=B * ctx * (Lkv + R + 2))
+    runs = [(name, pools["bf16"], config, row["latent_bytes"])
+            for name, config in MLA_CONFIGS.items()] + [("fp8", pools["fp8"], None,
+                                                          row["fp8_bytes"])]
     try:
-        for name, config in MLA_CONFIGS.items():
+        for name, pool, config, nbytes in runs:
             fn = functools.partial(mla_looped, kv_lora_rank=Lkv, interpret=s.interpret,
                                    config=config)
-            run.timed(row, name, "mla", fn, (q, pool, tables, lens), row["latent_bytes"])
-        if B == 1:
+            run.timed(row, name, "mla", fn, (q, pool, tables, lens), nbytes)
+        close, checks = True, (("", pools["bf16"]), ("fp8_", pools["fp8"])) if B == 1 else ()
+        for prefix, pool in checks:
             got = run.call("check", functools.partial(
                 mla_decode_attention, kv_lora_rank=Lkv, sm_scale=MLA_SCALE,
                 interpret=s.interpret), q, pool, tables, lens)
             want = run.call("check", functools.partial(mla_reference, kv_lora_rank=Lkv),
                             q, pool, tables, lens)
             if not run.abstract:
-                row.update(max_err=max_err(got, want), close=is_close(got, want, "bfloat16"))
-        row["ok"] = row.pop("close", True) and not any(k.endswith("_error") for k in row)
+                row[f"{prefix}max_err"] = max_err(got, want)
+                close = close and is_close(got, want, "bfloat16")
+        row["ok"] = close and not any(k.endswith("_error") for k in row)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on
         traceback.print_exc()
         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

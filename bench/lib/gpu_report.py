@@ -81,17 +81,17 @@ def fmt_kept_row(row) -> str:
 
 
 def fmt_mla_row(row) -> str:
-    """| batch | context | heads | MB read | ms | spread | GB/s | frac | h64 ms | spread | GB/s |
-    frac | max err | ok |"""
+    """| batch | context | heads | MB read (bf16 / fp8) | ours ms | spread | GB/s | frac | h64 ms |
+    spread | GB/s | frac | fp8 ms | spread | GB/s | frac | max err (bf16 / fp8) | ok |"""
     head = [str(row["batch"]), str(row["context"]), str(row["heads"])]
     if "error" in row:
-        return _line(head + [f"error: {row['error']}"] + [""] * 10)
-    cells = head + [f"{row['latent_bytes'] / 1e6:.1f}"]
-    for name in ("ours", "h64"):
+        return _line(head + [f"error: {row['error']}"] + [""] * 14)
+    cells = head + [f"{row['latent_bytes'] / 1e6:.1f} / {row['fp8_bytes'] / 1e6:.1f}"]
+    for name in ("ours", "h64", "fp8"):
         cells += [_cell(row, name, "ms", ".4f"),
                   f"{_cell(row, name, 'min_ms', '.4f')}–{_cell(row, name, 'max_ms', '.4f')}",
                   _cell(row, name, "gbps", ".0f"), _cell(row, name, "frac_copy", ".2f")]
-    err = f"{row['max_err']:.2e}" if "max_err" in row else "-"
+    err = " / ".join(f"{row[k]:.2e}" if k in row else "-" for k in ("max_err", "fp8_max_err"))
     return _line(cells + [err, str(row["ok"])])
 
 
@@ -231,11 +231,13 @@ def kept_lines(report) -> list[str]:
 def mla_lines(report) -> list[str]:
     lines = ["", "## (b5) MLA decode (absorbed: DeepSeek-V3's 576-wide bf16 latent, 512 + 64, "
              "all query heads of a sequence on one latent head; ours = the MLA kernel with 16 "
-             "heads a program, h64 = 64; MB read = batch x context x 576 x 2, the latent read "
-             "once; GB/s over those bytes; frac = of copy bandwidth; max err = batch 1 vs "
-             "mla_attention_reference)", "",
-             "| batch | context | heads | MB read | ours ms | spread | GB/s | frac | h64 ms "
-             "| spread | GB/s | frac | max err | ok |", "|" + "---|" * 14]
+             "heads a program, h64 = 64; fp8 = ours over the latent as e4m3 codes and a bf16 "
+             "scale per token; MB read = batch x context x 576 x 2 (fp8: x 578), the latent "
+             "read once; GB/s over those bytes; frac = of copy bandwidth; max err = batch 1 vs "
+             "mla_attention_reference over the same pool)", "",
+             "| batch | context | heads | MB read (bf16 / fp8) | ours ms | spread | GB/s | frac "
+             "| h64 ms | spread | GB/s | frac | fp8 ms | spread | GB/s | frac "
+             "| max err (bf16 / fp8) | ok |", "|" + "---|" * 18]
     return lines + [fmt_mla_row(r) for r in report["mla"]]
 
 

@@ -374,8 +374,10 @@ class ModelRunner:
             check_pallas_support(spec, whole_heads=not mla)
 
     def _load(self, mc, from_checkpoint: bool, keep_quantized: bool):
-        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint;
-        ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks;
+        """(params on this engine's devices, tokenizer) from model files or an orbax checkpoint
+        (its quantized weights restored as saved, each device reading its shards);
+        ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks
+        (Q4_K / Q6_K repacked, ``quantized.from_gguf``);
         ``mc.quantization`` one of ``quantize.METHODS``: the dense projections quantized."""
         c, model = self.model_config, mc.model
         if from_checkpoint:

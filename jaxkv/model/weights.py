@@ -148,7 +148,8 @@ def check_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
 
 def load_gguf(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
     """Loads a GGUF file (the architectures and tensor types ``jaxkv.model.gguf`` lists);
-    ``keep_quantized``: its dense Q8_0 / Q4_0 / Q4_1 weights as ``QuantizedWeight``."""
+    ``keep_quantized``: its dense Q8_0 / Q4_0 / Q4_1 weights as ``QuantizedWeight`` (Q4_K /
+    Q6_K repacked, ``quantized.from_gguf``)."""
     from jaxkv.model import gguf  # the gguf package only when a GGUF is read
     reader = gguf.open_gguf(path)
     config = gguf.config_from_gguf(reader)
@@ -173,7 +174,8 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
     Args:
       path_or_name: ``*.gguf`` file; directory with ``config.json``; or a name from the local
         store (e.g. ``store.DEFAULT_MODEL``, downloaded on first use).
-      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks, a
+      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks (Q4_K /
+        Q6_K repacked), a
         compressed-tensors checkpoint's dense projections in its codes
         (``jaxkv.model.quantized.QuantizedWeight``, ``[out, in]``); no effect on float files.
 

@@ -244,11 +244,11 @@ def prefill_forms(monkeypatch):
     return traces, force
 
 
-def _generate(path, **engine):
+def _generate(path, new_tokens: int = NEW_TOKENS, **engine):
     """The workload of the engine tests: four requests, two sharing a 96-token prefix with a
     finished one (prefix hits), prompts longer than a step's 32 tokens (chunked prefill), batched
     in a pool too small for all (preemption). Returns (prompts, outputs, stats, cache)."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
     with LLM(str(path), **ENGINE, **engine) as llm:
         ids = llm.tokenizer.encode(austen_text(8000))
         shared = ids[:96]

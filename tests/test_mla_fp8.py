@@ -179,20 +179,11 @@ V3_ONLY = pytest.mark.parametrize("checkpoint", ["deepseek_v3"], indirect=True)
 
 
 def _serve(path, **kw):
-    """Four requests, two sharing a 96-token prefix with a finished one, in a pool too small
-    for all: (token ids, chosen logprobs, stats, cache)."""
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    with LLM(str(path), **ENGINE, **kw) as llm:
-        ids = llm.tokenizer.encode(austen_text(8000))
-        shared = ids[:96]
-        prompts = [shared + ids[200:240], ids[300:450], shared + ids[500:530], ids[600:620]]
-        outs = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
-                             use_tqdm=False)
-        stats, cache = llm.stats(), llm.engine.runner.cache
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                for o in outs]
+    """test_mla's engine workload (prefix hits, chunked prefill, preemption) at ``NEW_TOKENS``:
+    (token ids, chosen logprobs [4, NEW_TOKENS], stats, cache)."""
+    _, outs, stats, cache = test_mla._generate(path, new_tokens=NEW_TOKENS, **kw)
+    tokens = [o.token_ids for o in outs]
+    logprobs = [[lp[t] for lp, t in zip(o.logprobs, o.token_ids)] for o in outs]
     return tokens, np.asarray(logprobs), stats, cache
 
 

@@ -134,14 +134,16 @@ def test_scheduler_plan_round_trip():
 
 def test_decode_buckets_pad_a_decode_only_step_on_both_axes():
     sc = SchedulerConfig(max_num_batched_tokens=512, max_model_len=1024)
-    assert sc.decode_buckets == (20, 24, 28, 80, 96, 112, 160, 192, 224)
+    assert sc.decode_buckets == (1, 2, 4, 20, 24, 28, 80, 96, 112, 160, 192, 224)
     pairs, decode = sc.step_shapes()
-    assert len(pairs) == 42 and decode == [(20, 20), (24, 24), (28, 28), (80, 80), (112, 112),
-                                           (160, 160), (192, 192), (224, 224)]
+    assert len(pairs) == 42 and decode == [(1, 1), (2, 2), (4, 4), (20, 20), (24, 24), (28, 28),
+                                           (80, 80), (112, 112), (160, 160), (192, 192),
+                                           (224, 224)]
     # a decode-only step: its decode bucket where one is below the token bucket
-    assert [sc.padded_shape(n, n) for n in (7, 16, 17, 23, 29, 33, 64, 65, 81, 100, 113, 200)] \
-        == [(8, 8), (16, 16), (20, 20), (24, 24), (32, 32), (64, 64), (64, 64), (80, 80),
-            (96, 96), (112, 112), (128, 128), (224, 224)]
+    assert [sc.padded_shape(n, n) for n in (1, 2, 3, 5, 7, 16, 17, 23, 29, 33, 64, 65, 81, 100,
+                                            113, 200)] \
+        == [(1, 1), (2, 2), (4, 4), (8, 8), (8, 8), (16, 16), (20, 20), (24, 24), (32, 32),
+            (64, 64), (64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (224, 224)]
     # any step with more tokens than sequences (a prefill chunk, drafts): the bucket pair
     assert sc.padded_shape(101, 100) == (128, 128) and sc.padded_shape(512, 70) == (512, 96)
     # every shape a step can pad to is compiled by the warm-up
@@ -155,10 +157,13 @@ def test_decode_buckets_pad_a_decode_only_step_on_both_axes():
         == set(pairs) | set(decode)
     # the defaults go with the default buckets only, and end below the smaller maximum
     assert SchedulerConfig(max_model_len=8, token_buckets=(2048,)).decode_buckets == ()
-    assert SchedulerConfig(max_num_seqs=100, max_model_len=8).decode_buckets == (20, 24, 28,
-                                                                                  80, 96)
-    assert SchedulerConfig(max_num_seqs=64, max_model_len=8).decode_buckets == (20, 24, 28)
-    assert SchedulerConfig(max_num_seqs=22, max_model_len=8).decode_buckets == (20,)
+    assert SchedulerConfig(max_num_seqs=100, max_model_len=8).decode_buckets == (1, 2, 4, 20,
+                                                                                  24, 28, 80,
+                                                                                  96)
+    assert SchedulerConfig(max_num_seqs=64, max_model_len=8).decode_buckets == (1, 2, 4, 20, 24,
+                                                                                 28)
+    assert SchedulerConfig(max_num_seqs=22, max_model_len=8).decode_buckets == (1, 2, 4, 20)
+    assert SchedulerConfig(max_num_seqs=2, max_model_len=8).decode_buckets == (1, 2)
     # batch.build lays a decode step of 41 out on 48 rows
     sc = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=64, max_model_len=16,
                          token_buckets=(16, 64), seq_buckets=(16, 64), decode_buckets=(48,))

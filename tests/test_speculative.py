@@ -713,8 +713,9 @@ def test_engine_probes_requests_shorter_than_the_interval():
 
 
 class CostlyProposer(ProbedProposer):
-    """A ``ProbedProposer`` that reports a draft forward of ``forward_seconds`` per proposed
-    token into its ``forward_cost`` (as the draft model measures its forwards)."""
+    """A ``ProbedProposer`` batched as the draft model is: one draft forward per draft position
+    over the requests still drafting, reported into its ``forward_cost`` at that many rows and
+    taking ``forward_seconds`` per proposed token (as the draft model measures its forwards)."""
 
     def __init__(self, right: bool, forward_seconds: float, sc):
         from jaxkv.sched.step_cost import StepCostModel
@@ -723,10 +724,11 @@ class CostlyProposer(ProbedProposer):
         self.forward_cost = StepCostModel.for_scheduler(sc)
         self.forward_seconds = forward_seconds
 
-    def propose(self, token_ids, num_drafts):
-        for _ in range(num_drafts):
-            self.forward_cost.observe(1, 1, False, self.forward_seconds)
-        return super().propose(token_ids, num_drafts)
+    def propose_batch(self, requests):
+        for position in range(max((k for _, k in requests.values()), default=0)):
+            rows = sum(k > position for _, k in requests.values())
+            self.forward_cost.observe(rows, rows, False, rows * self.forward_seconds)
+        return {i: self.propose(tokens, k) for i, (tokens, k) in requests.items()}
 
 
 def step_time_speculator(proposer, sc):
@@ -761,7 +763,7 @@ def test_probes_cost_at_most_their_share_of_the_step_time():
 @pytest.mark.parametrize("forward_seconds, drafts", [(0.05, True), (1.5, False)])
 def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, drafts):
     """Always-right drafts on a target whose plain step takes 1 s: the first steps are plain
-    (measuring the plain step: its first time holds the compilation), the next drafts (the
+    (measuring the plain step: each shape's first time holds its compilation), the next drafts (the
     draft's forward is unmeasured, so free: the draft step is explored); then a draft whose
     forward takes 5% of a step drafts the full length (5 tokens in 1.04 + 4 x 0.05 s), and
     one costlier than the target (2 tokens in 1.01 + 1.5 s at best) never verifies a draft
@@ -779,18 +781,18 @@ def test_step_time_rule_weighs_the_measured_draft_forward(forward_seconds, draft
 
     lengths = step_one_request(spec, state, sc, 40, note,
                                lambda plan: 1.0 + 0.01 * plan.num_drafts)
-    # the prefill and the first decode pad to one shape: its first time is dropped, so the
-    # plain step is measured from step 2 on
-    assert lengths[:2] == [0, 0] and proposer.asked_at[0] == 2
-    assert costs[2] == 0.0 and lengths[2] > 0   # the forward unmeasured: free
+    # the prefill (3 tokens) and the first decode (1 row, decode bucket 1) run on two shapes,
+    # each first time dropped, so the plain step is measured from step 2 on and drafts from 3
+    assert lengths[:3] == [0, 0, 0] and proposer.asked_at[0] == 3
+    assert costs[3] == 0.0 and lengths[3] > 0   # the forward unmeasured: free
     assert costs[-1] == pytest.approx(4 * forward_seconds)
     if drafts:
-        assert lengths[2:] == [4] * 38 and spec.stats()["spec_num_accepted_tokens"] > 0
+        assert lengths[3:] == [4] * 37 and spec.stats()["spec_num_accepted_tokens"] > 0
     else:
-        assert lengths == [0, 0, 4] + [0] * 37
+        assert lengths == [0, 0, 0, 4] + [0] * 36
         # once its forward is measured slower than the target's step, no draft could pay,
         # were every one accepted: it is not even probed
-        assert proposer.asked_at == [2]
+        assert proposer.asked_at == [3]
 
 
 @pytest.mark.parametrize("forward_seconds, backs_off", [(0.05, False), (0.3, True)])

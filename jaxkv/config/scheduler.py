@@ -107,8 +107,9 @@ class SchedulerConfig:
         ``>= max_num_seqs``. Default: powers of two from 8, and 96, closed by the maximum.
       decode_buckets: padded sizes of a decode-only step (one token per sequence), on both
         axes, where one fits it below its token bucket (``pad_step``); strictly increasing.
-        Default, when both bucket lists are the defaults: quarter octaves between 16 and 32
-        and from 64 to the smaller maximum (20, 24, 28, 80, 96, 112, 160, ...); else none.
+        Default, when both bucket lists are the defaults: 1, 2 and 4, and quarter octaves
+        between 16 and 32 and from 64 to the smaller maximum (20, 24, 28, 80, 96, 112, 160,
+        ...); else none.
     """
 
     max_num_seqs: int = option(256, "most sequences in one step", minimum=1)
@@ -124,9 +125,9 @@ class SchedulerConfig:
     seq_buckets: tuple[int, ...] | None = option(None, "padded sequence-axis sizes the step "
                                                  "compiles for (default: powers of two)")
     decode_buckets: tuple[int, ...] | None = option(None, "padded sizes of a decode-only step "
-                                                    "on both axes (default: quarter octaves "
-                                                    "of 16-32 and above 64 with the default "
-                                                    "buckets)")
+                                                    "on both axes (default: 1, 2, 4 and "
+                                                    "quarter octaves of 16-32 and above 64 "
+                                                    "with the default buckets)")
 
     def __post_init__(self):
         check_fields(self)

@@ -13,6 +13,10 @@ EXTRA_BUCKETS = (96,)
 # these (lo, hi) spans (hi None: the smaller maximum), where the step's dense products cost in
 # proportion to their rows; none between 32 and 64, where XLA's GEMM is no faster than at 64
 DECODE_BUCKET_SPANS = ((16, 32), (64, None))
+# and below the smallest token bucket (8), a decode step of 1, 2 or 4 sequences runs on that
+# many rows: the fused-dequant matmuls of weights kept quantized work per row (the default
+# model's batch-1 decode step, 8 rows -> 1: 47.5 -> 27.0 ms of CPU, bench/decode_step.py)
+SMALL_DECODE_BUCKETS = (1, 2, 4)
 
 
 def _powers_of_two(lo: int, hi: int, *, midpoints_from: int | None = None,
@@ -72,12 +76,14 @@ def default_buckets(max_num_batched_tokens: int, max_num_seqs: int, *,
                     decode: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """The default ``(token_buckets, seq_buckets, decode_buckets)``: powers of two from 8 (and
     96) closed by each maximum, the token axis with 1.5x midpoints from 256; with ``decode``,
-    the quarter octaves of ``DECODE_BUCKET_SPANS`` up to the smaller maximum, else none."""
+    ``SMALL_DECODE_BUCKETS`` below the smallest token bucket and the quarter octaves of
+    ``DECODE_BUCKET_SPANS`` up to the smaller maximum, else none."""
     most = min(max_num_seqs, max_num_batched_tokens)
-    decode_buckets = () if not decode else tuple(
-        size for lo, hi in DECODE_BUCKET_SPANS
-        for size in _quarter_octaves(lo, min(most, hi or most)))
     tokens = _powers_of_two(min(8, max_num_batched_tokens), max_num_batched_tokens,
                             midpoints_from=TOKEN_MIDPOINTS_FROM, extra=EXTRA_BUCKETS)
+    decode_buckets = () if not decode else (
+        *(size for size in SMALL_DECODE_BUCKETS if size < tokens[0] and size <= most),
+        *(size for lo, hi in DECODE_BUCKET_SPANS
+          for size in _quarter_octaves(lo, min(most, hi or most))))
     seqs = _powers_of_two(min(8, max_num_seqs), max_num_seqs, extra=EXTRA_BUCKETS)
     return tokens, seqs, decode_buckets

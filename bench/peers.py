@@ -32,6 +32,9 @@ sent to every engine):
 * ``S``: batch-1 decode: 1 request, prompt 32–64 tokens, 200 output tokens;
 * ``S8``: batch-8 decode: 8 requests, prompts 32–64, 200 output tokens each.
 
+``jaxkv-f32`` is jaxkv with the GGUF's weights dequantized to fp32 (``quantization="none"``):
+its greedy agreement with ``jaxkv`` checks that keeping the blocks changes no token.
+
 llama.cpp runs with ``OMP_WAIT_POLICY=PASSIVE`` (``--llama-omp-wait-policy``): its OpenMP threads
 spin by default, and with anything else on the two cores a 2-thread run collapses (one 512-token
 step took 4.3 s at load 3.6; passive: 49 tok/s on A).
@@ -93,6 +96,8 @@ BIG = ("T", "L")
 
 ENGINES = {
     "jaxkv": dict(kind="jaxkv", precision="Q4_1/Q8_0 weights kept, fp32 KV", threads="XLA (2 cores)"),
+    "jaxkv-f32": dict(kind="jaxkv", precision="weights dequantized to fp32 (quantization='none')",
+                      threads="XLA (2 cores)", quantization="none"),
     "vllm-fp32-t1": dict(kind="vllm", precision="fp32", dtype="float32", threads=1),
     "vllm-fp32-t2": dict(kind="vllm", precision="fp32", dtype="float32", threads=2),
     "vllm-bf16-t1": dict(kind="vllm", precision="bf16", dtype="bfloat16", threads=1),
@@ -102,7 +107,7 @@ ENGINES = {
     "llama-f32-t1": dict(kind="llama", precision="fp32", threads=1, f32=True),
     "llama-f32-t2": dict(kind="llama", precision="fp32", threads=2, f32=True),
 }
-DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith("llama-f32")]
+DEFAULT_ENGINES = [e for e in ENGINES if not e.startswith(("llama-f32", "jaxkv-f32"))]
 
 def git(*a) -> str:
     return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,
@@ -164,7 +169,7 @@ def jaxkv_worker(job) -> dict:
     from jaxkv import LLM, SamplingParams
 
     llm = LLM(str(GGUF), dtype="float32", seed=0, num_kv_blocks=job["kv_tokens"] // 16 + 1,
-              **LIMITS)
+              quantization=job["config"].get("quantization"), **LIMITS)
     t = time.perf_counter()
     compiled = llm.warmup()
     compile_s = time.perf_counter() - t
@@ -624,7 +629,8 @@ def summarize(result: dict) -> str:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default=None,
-                    help=f"comma list of {', '.join(ENGINES)} (default: all but llama-f32-*)")
+                    help=f"comma list of {', '.join(ENGINES)} (default: all but llama-f32-* "
+                         "and jaxkv-f32)")
     ap.add_argument("--workloads", default=None,
                     help="comma list of A,B,T,L,S,S8 (default: A,B,T,L)")
     ap.add_argument("--repeats", type=int, default=3, help="repeats of A, B, S and S8")
@@ -707,7 +713,8 @@ def main():
     }
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         work = Path(tmp)
-        snap = jaxkv_snapshot(work) if "jaxkv" in engines else None
+        snap = (jaxkv_snapshot(work) if any(ENGINES[e]["kind"] == "jaxkv" for e in engines)
+                else None)
         if a.interleave:
             run_interleaved(a, engines, workloads, work, snap, result)
         else:

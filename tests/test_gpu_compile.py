@@ -850,35 +850,41 @@ def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
 # quantized weights (jaxkv/model/quantized_matmul.py)
 # --------------------------------------------------------------------------------------------
 
-QUANT_SHAPES = {   # (rows M, K, N): Llama-3-8B's gate/up and down at decode and prefill
+QUANT_SHAPES = {   # (rows M, K, N): Llama-3-8B's gate/up and down at decode and prefill,
+    # Gemma-3-4B's down at batch 1 (a projection GGUF's Q4_K_M stores as Q6_K)
+    "gemma3-4b-decode1-down": (1, 10240, 2560),
     "llama3-8b-decode8-gate": (8, 4096, 14336),
     "llama3-8b-decode64-down": (64, 14336, 4096),
     "llama3-8b-prefill512-gate": (512, 4096, 14336),
 }
 
 
-QUANT_FORMATS = {   # (qtype, values per scale; 0: per output channel)
-    "Q8_0": ("Q8_0", 32), "Q4_0": ("Q4_0", 32), "Q4_1": ("Q4_1", 32),   # GGUF's blocks
-    "int8": ("Q8_0", 0), "fp8": ("F8_E4M3", 0), "int4-g128": ("Q4_1", 128),   # made at load
+QUANT_FORMATS = {   # (qtype, values per scale (0: per output channel), the scales' dtype)
+    "Q8_0": ("Q8_0", 32, jnp.float16), "Q4_0": ("Q4_0", 32, jnp.float16),   # GGUF's blocks
+    "Q4_1": ("Q4_1", 32, jnp.float16),
+    "Q4_K": ("Q4_1", 32, jnp.float32), "Q6_K": ("Q8_0", 16, jnp.float32),  # GGUF's, repacked
+    "int8": ("Q8_0", 0, jnp.float16), "fp8": ("F8_E4M3", 0, jnp.float16),   # made at load
+    "int4-g128": ("Q4_1", 128, jnp.float16),
 }
 
 
 @pytest.mark.parametrize("fmt", list(QUANT_FORMATS))
 @pytest.mark.parametrize("case_id", list(QUANT_SHAPES))
 def test_quantized_matmul_compiles_for_h100(case_id, fmt, tmp_path):
-    """The Pallas matmul over quantized weights (bf16 activations), GGUF's blocks and the
-    formats ``quantization=`` makes at load: one launch of row tiles x column tiles, within
-    shared memory, no spills."""
+    """The Pallas matmul over quantized weights (bf16 activations), GGUF's blocks (Q4_K
+    repacked as Q4_1 with float32 scales and minima, Q6_K as Q8_0 codes in groups of 16 with
+    float32 scales, jaxkv/model/quantized.py) and the formats ``quantization=`` makes at load:
+    one launch of row tiles x column tiles, within shared memory, no spills."""
     from jaxkv.model.quantized import QuantizedWeight
     from jaxkv.model.quantized_matmul import quantized_matmul
 
     M, K, N = QUANT_SHAPES[case_id]
-    qtype, group = QUANT_FORMATS[fmt]
+    qtype, group, scale_dtype = QUANT_FORMATS[fmt]
     group = group or K
     codes = {"Q8_0": (K, jnp.int8), "F8_E4M3": (K, jnp.float8_e4m3fn)}.get(qtype,
                                                                            (K // 2, jnp.uint8))
     qs = jax.ShapeDtypeStruct((N, codes[0]), codes[1])
-    scales = jax.ShapeDtypeStruct((N, -(-K // group)), jnp.float16)
+    scales = jax.ShapeDtypeStruct((N, -(-K // group)), scale_dtype)
     w = QuantizedWeight(qs, scales, scales if qtype == "Q4_1" else None, qtype, (N, K), group)
     kernels, _ = compile_for(H100, quantized_matmul, (jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
                                                       w), tmp_path)

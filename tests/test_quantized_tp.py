@@ -7,6 +7,7 @@ The multi-device checks run this file as a script in a subprocess with 4 fake CP
 JSON line.
 """
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -28,6 +29,9 @@ CHECKPOINTS = {"gguf": ("tiny.gguf", None, 32), "int4": ("", "int4", 32)}   # mo
 # K-quants (K = E = 256, split by rows) beside write_tiny_gguf's Q8_0 k, Q4_1 o / down, Q4_0 up
 GGUF_K_QUANTS = {"attn_q": Q.Q4_K, "ffn_gate": Q.Q6_K}
 GGUF_TPS = (1, 2, 4)   # FFN 128: tp 2 keeps the blocks; tp 4 (o_proj's K 64 / 4) dequantizes
+# a compressed-tensors checkpoint (test_compressed_tensors' tiny Llama: o_proj's K 128, down's
+# 256) in asymmetric int4 groups of 64: whole at tp 2, cut at tp 4 (o_proj 32 values a device)
+CT_PRESET, CT_TPS = "W4A16_ASYM", (1, 2, 4)
 # a float [N, K] (or [N, K / 32, 32]) of a whole weight (q, o: [128, 128]; gate, up [384, 128];
 # down [128, 384]): the dequantized weight one device would hold after a gather
 WHOLE = re.compile(r"\bf32\[(128,128|384,128|128,384|128,4,32|384,4,32|128,12,32)\]")
@@ -46,6 +50,9 @@ def result(tmp_path_factory, bpe):  # noqa: F811
     with pytest.MonkeyPatch.context() as mp:      # test_gguf's FFN 96 splits into 48-value K
         mp.setattr(test_gguf, "F", 128)
         write_tiny_gguf(path / "tiny.gguf", bpe, tied=True, qtypes=GGUF_K_QUANTS)
+    if importlib.util.find_spec("compressed_tensors"):
+        from test_compressed_tensors import write_compressed
+        write_compressed(path / "ct", CT_PRESET)
     proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
                           env=worker_env(4), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -102,6 +109,22 @@ def test_a_gguf_keeps_its_blocks_where_they_split_whole(result):
         assert r["tokens"] == runs[0]["tokens"]
         assert max(abs(a - b) for x, y in zip(r["logprobs"], runs[0]["logprobs"])
                    for a, b in zip(x, y)) < 1e-3      # logits of std ~16 (N(0, 1) weights)
+        assert r["plan_weights"] == r["device0_bytes"]
+
+
+def test_a_compressed_tensors_checkpoint_keeps_its_codes_where_its_groups_split_whole(result):
+    """Asymmetric int4 in groups of 64 (14 projections) kept at tp 2, dequantized at tp 4 where
+    o_proj's K of 128 over 4 devices would cut its groups (a GGUF's rule with the checkpoint's
+    group, not the 32-value blocks): one device's tokens, the plan's weights device 0's bytes."""
+    if "ct_tp1" not in result:
+        pytest.skip("compressed-tensors is not installed (pip install compressed-tensors)")
+    runs = [result[f"ct_tp{tp}"] for tp in CT_TPS]
+    assert [r["kept"] for r in runs] == [14, 14, 0]
+    for r in runs[1:]:
+        assert r["tokens"] == runs[0]["tokens"]
+        assert max(abs(a - b) for x, y in zip(r["logprobs"], runs[0]["logprobs"])
+                   for a, b in zip(x, y)) < 1e-3
+    for r in runs:
         assert r["plan_weights"] == r["device0_bytes"]
 
 
@@ -185,6 +208,8 @@ def _worker(path: str) -> dict:
                                     quantization_group_size=group)
            for method, group, tps in RUNS for tp in tps}
     out |= {f"gguf_tp{tp}": _run(f"{path}/tiny.gguf", tp) for tp in GGUF_TPS}
+    if Path(path, "ct").is_dir():
+        out |= {f"ct_tp{tp}": _run(f"{path}/ct", tp) for tp in CT_TPS}
     return out | _checkpoint_runs(path)
 
 

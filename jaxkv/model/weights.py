@@ -19,6 +19,7 @@ from jaxkv.model import compressed_tensors as ct
 from jaxkv.model import safetensors_loader, store
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
+from jaxkv.model.quantization import BLOCK
 from jaxkv.model.tokenizer import Tokenizer
 
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
@@ -222,19 +223,45 @@ def _compressed_tensors_bytes(path: Path, config: ModelConfig,
                               dtype_bytes: int) -> tuple[int, str] | None:
     """``stored_weights_bytes`` of an HF directory: its config's quantized dense projections
     (``compressed_tensors.scheme_of``) as ``compressed_tensors.nbytes``, None if none."""
+    schemes = _kept_schemes(path, config)
+    if not schemes:
+        return None
+    total = sum(ct.nbytes(schemes[name], *shape) if name in schemes
+                else math.prod(shape) * dtype_bytes
+                for name, shape in expected_shapes(config).items())
+    kinds = sorted({f"{'fp' if s.fp else 'int'}{s.bits} {s.strategy}" for s in schemes.values()})
+    return total, f"compressed-tensors {'/'.join(kinds)} kept"
+
+
+def _kept_schemes(path: Path, config: ModelConfig) -> dict[str, ct.Scheme]:
+    """{HF weight name: its scheme} of the dense projections a compressed-tensors checkpoint at
+    ``path`` keeps quantized; empty for any other directory or one not of ``config``."""
     file = path / "config.json"
     qc = json.loads(file.read_text(encoding="utf-8")).get("quantization_config") or {}
     if (qc.get("quant_method") != ct.METHOD
             or safetensors_loader.read_hf_config(path) != config):
-        return None
+        return {}
     schemes, ignore = ct.read_config(qc, str(file))
-    total, kinds = 0, set()
-    for name, shape in expected_shapes(config).items():
-        s = ct.DENSE.fullmatch(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes, ignore)
-        if s:
-            kinds.add(f"{'fp' if s.fp else 'int'}{s.bits} {s.strategy}")
-        total += ct.nbytes(s, *shape) if s else math.prod(shape) * dtype_bytes
-    return (total, f"compressed-tensors {'/'.join(sorted(kinds))} kept") if kinds else None
+    kept = {name: ct.DENSE.fullmatch(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes,
+                                                             ignore)
+            for name in expected_shapes(config)}
+    return {name: s for name, s in kept.items() if s}
+
+
+def kept_k_group(path_or_name: str | Path, config: ModelConfig) -> int | None:
+    """The widest scale group along K of the row-parallel projections (o_proj, down_proj) that
+    ``load_model_files(keep_quantized=True)`` keeps quantized, what a tensor-parallel split of
+    K must not cut: a GGUF's 32-value blocks (Q4_K and Q6_K repacked in groups of 32 and 16), a
+    compressed-tensors checkpoint's group or block width; None for a scale per row, or
+    nothing kept."""
+    path = store.resolve(path_or_name)
+    if path.is_file() and path.suffix == ".gguf":
+        return BLOCK
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return None
+    groups = [s.group for name, s in _kept_schemes(path, config).items()
+              if name.endswith(("o_proj.weight", "down_proj.weight")) and s.group]
+    return max(groups, default=None)
 
 
 def load_config(path_or_name: str | Path) -> ModelConfig:

@@ -33,8 +33,8 @@ from jaxkv.kvcache.pages import copy_blocks, init_cache
 from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint, quantize
 from jaxkv.model.llama import param_shapes, params_from_hf
-from jaxkv.model.quantization import BLOCK, scale_group
-from jaxkv.model.weights import load_config, load_model_files, stored_weights_bytes
+from jaxkv.model.quantization import scale_group
+from jaxkv.model.weights import kept_k_group, load_config, load_model_files, stored_weights_bytes
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
@@ -147,18 +147,20 @@ def plan_memory(config: EngineConfig, model_config,
 
 
 def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
-    """Whether the engine keeps a GGUF's quantized weights in their blocks: ``quantization``
-    None (as stored), on one device or under tensor parallelism where each device's share of
-    o_proj's and down_proj's K is whole 32-value blocks (``sharding.check_quantized_split``;
-    elsewhere they are dequantized as with ``quantization='none'``). ``model_config``: the
-    model's, else read from ``config.model.model``."""
+    """Whether the engine keeps a GGUF's quantized weights in their blocks (or a
+    compressed-tensors checkpoint's in its codes): ``quantization`` None (as stored), on one
+    device or under tensor parallelism where each device's share of o_proj's and down_proj's K
+    is whole groups (``weights.kept_k_group``, ``sharding.check_quantized_split``; elsewhere
+    they are dequantized as with ``quantization='none'``). ``model_config``: the model's, else
+    read from ``config.model.model``."""
     mc, tp = config.model, config.parallel.tensor_parallel_size
     if mc.quantization is not None:
         return False
     if tp == 1:
         return True
+    model_config = model_config or load_config(mc.model)
     try:
-        sharding.check_quantized_split(model_config or load_config(mc.model), BLOCK, tp)
+        sharding.check_quantized_split(model_config, kept_k_group(mc.model, model_config), tp)
     except ValueError:
         return False
     return True

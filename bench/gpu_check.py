@@ -87,8 +87,10 @@ Sections, in the order they run:
       (``kv_cache_dtype="fp8"``: 578 bytes a token, dequantized in the kernel); at batch 1
       each kernel vs ``mla_attention_reference`` over its own pool;
   (g) quantized weights (issue 51): the Pallas ``quantized_matmul`` over square Q8_0 and Q4_1
-      weights (GGUF's blocks) and int4 in groups of 128 and fp8 per channel (made at load) of
-      4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
+      weights (GGUF's blocks), Q4_K and Q6_K as jaxkv keeps them (Q4_1 codes, an f32 scale and
+      minimum per 32; Q8_0 codes, an f32 scale per 16), int4 in groups of 128 and fp8 per
+      channel (made at load) of 4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and
+      64 rows,
       bf16 activations: ms, GB/s over the stored bytes, fraction of copy; XLA's bf16 product
       with the dequantized weight beside it; the output vs float32 dequantize-then-dot;
   (e) host KV offload (issue 14): HostKVPool D2H/H2D GB/s of 2 MiB all-layer blocks (8B-class),
@@ -108,9 +110,10 @@ until 432, offload before 430, sweep rows until 440 (full only). The report coun
 each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 381 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 26, (g) 78, (d) 36,
-the copy 1 (the estimate below predates (g) and (b5)). Their
+deviceless here). The full run has 417 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 26, (g) 114 (6
+formats x 2 sizes x 3 batches: the kernel's check and timing loop and the reference, + 6 bf16
+timing loops), (d) 36, the copy 1 (the estimate below predates (g) and (b5)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
 (load ~6); one alone, uncontended: 1.4 s (jax 0.10.2) to 2.4 s (0.11.2) for a 32k split-K timing
 loop, 0.2-0.5 s to lower it. At ~2.5 s a compile and ~0.3 s a lowering on the device, one after
@@ -242,7 +245,8 @@ class Settings:
     mla_latent: tuple[int, int] = (512, 64)       # (Lkv, R)
     weight_sizes: tuple[int, ...] = ()            # (g): square [K, K] weights
     weight_batches: tuple[int, ...] = (1, 8, 64)
-    weight_formats: tuple[str, ...] = ("Q8_0", "Q4_1", "int4-g128", "fp8")   # WEIGHT_FORMATS
+    weight_formats: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_K", "Q6_K", "int4-g128",
+                                       "fp8")             # WEIGHT_FORMATS
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
     offload_blocks: tuple[int, ...] = (1, 8, 64, 512)
@@ -1169,9 +1173,9 @@ def bench_weights(run: Run) -> list[dict]:
     """Weights kept in GGUF blocks (issue 51): ``quantized_matmul`` over square [K, K] weights
     (Llama-3-8B's q/o_proj at 4096, Llama-3-70B's at 8192; square, so the timing loop feeds
     each output back as the next x) at each batch of rows, bf16 activations: ms, GB/s over the
-    stored bytes (codes + f16 scales + minimums), fraction of copy; the bf16 product of the
-    dequantized weight (XLA's GEMM) beside it and the speed-up; the kernel's output against
-    float32 dequantize-then-dot."""
+    stored bytes (codes + f16 scales + minimums; Q4_K's and Q6_K's scales f32), fraction of
+    copy; the bf16 product of the dequantized weight (XLA's GEMM) beside it and the speed-up;
+    the kernel's output against float32 dequantize-then-dot."""
     s = run.settings
     rows = []
     for K in s.weight_sizes:
@@ -1186,15 +1190,18 @@ def bench_weights(run: Run) -> list[dict]:
     return rows
 
 
-# (g)'s formats: (qtype, values per scale; 0: per output channel)
-WEIGHT_FORMATS = {"Q8_0": ("Q8_0", 32), "Q4_1": ("Q4_1", 32), "int4-g128": ("Q4_1", 128),
-                  "fp8": ("F8_E4M3", 0)}
+# (g)'s formats: (qtype, values per scale (0: per output channel), the scales' dtype); GGUF's
+# Q4_K and Q6_K as jaxkv keeps them (jaxkv/model/quantized.py: Q4_1 codes with float32 scales
+# and minima per 32, Q8_0 codes with a float32 scale per 16)
+WEIGHT_FORMATS = {"Q8_0": ("Q8_0", 32, jnp.float16), "Q4_1": ("Q4_1", 32, jnp.float16),
+                  "Q4_K": ("Q4_1", 32, jnp.float32), "Q6_K": ("Q8_0", 16, jnp.float32),
+                  "int4-g128": ("Q4_1", 128, jnp.float16), "fp8": ("F8_E4M3", 0, jnp.float16)}
 
 
 def random_blocks(K: int, fmt: str) -> QuantizedWeight:
     """A [K, K] weight of ``WEIGHT_FORMATS[fmt]``: random codes (fp8: bytes with bit 3 clear,
-    never NaN), scales ~1e-2 and (Q4_1) minimums, on the device."""
-    qtype, group = WEIGHT_FORMATS[fmt]
+    never NaN), scales ~1e-2 and (Q4_1, Q4_K) minimums, on the device."""
+    qtype, group, scale_dtype = WEIGHT_FORMATS[fmt]
     group = group or K
     kq, kd, km = jax.random.split(jax.random.key(K), 3)
     if qtype == "Q8_0":
@@ -1204,8 +1211,8 @@ def random_blocks(K: int, fmt: str) -> QuantizedWeight:
         qs = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
     else:
         qs = jax.random.randint(kq, (K, K // 2), 0, 256).astype(jnp.uint8)
-    d = (jax.random.uniform(kd, (K, -(-K // group))) * 0.02).astype(jnp.float16)
-    m = (jax.random.normal(km, d.shape) * 0.01).astype(jnp.float16)
+    d = (jax.random.uniform(kd, (K, -(-K // group))) * 0.02).astype(scale_dtype)
+    m = (jax.random.normal(km, d.shape) * 0.01).astype(scale_dtype)
     return QuantizedWeight(qs, d, m if qtype == "Q4_1" else None, qtype, (K, K), group)
 
 

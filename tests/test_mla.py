@@ -55,7 +55,7 @@ def test_released_configs_read_as_a_latent_cache():
     assert v3.norm_topk_prob and not lite.norm_topk_prob and v3.routed_scaling_factor == 2.5
     assert softmax_scale(v3) == pytest.approx(0.135234, abs=1e-6)
     assert softmax_scale(lite) == pytest.approx(0.114721, abs=1e-6)
-    assert sharding.valid_tensor_parallel_sizes(lite, 4) == [1]     # not split yet
+    assert sharding.valid_tensor_parallel_sizes(lite, 4) == [1, 2, 4]    # tests/test_mla_tp.py
 
 
 def test_latent_pool_bytes_per_token_from_the_arrays():

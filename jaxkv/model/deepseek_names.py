@@ -3,7 +3,19 @@ and the planner's parameter count read them; jaxkv/model/deepseek.py maps them t
 
 from __future__ import annotations
 
+import re
+
 from jaxkv.model.config import ModelConfig
+
+# what every tensor-parallel device holds whole: the norms, the down-projections whose outputs
+# (the q latent, the kv latent and k_rope) feed every head, and the router (jaxkv.runner.sharding)
+_REPLICATED = re.compile(r"norm\.|q_a_proj\.|kv_a_proj_with_mqa\.|mlp\.gate\.")
+
+
+def replicated(name: str) -> bool:
+    """Whether HF tensor ``name`` of a DeepSeek checkpoint is whole on every tp device (the
+    rest split 1/tp ways: query heads, ``kv_b_proj``, ``o_proj``, MLPs, experts, vocab)."""
+    return bool(_REPLICATED.search(name))
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -10,11 +10,13 @@ docs/kv-cache.md ("The latent cache").
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv.attention.dispatch import paged_attention
 from jaxkv.attention.mla import mla_attention
 from jaxkv.attention.mla_prefill import expanded_min_tokens, mla_prefill_attention
 from jaxkv.attention.options import AttentionOptions
@@ -82,35 +84,42 @@ class LatentAttention(nnx.Module):
         k_rope = rotate(kv[:, None, m.kv_lora_rank:], rot)                 # [T, 1, R]
         latent = jnp.concatenate([c_kv[:, None, :], k_rope], axis=-1)      # [T, 1, Lkv + R]
         pool = write_layer(pools[0], latent, md.slot_mapping, md)
-        o = self._attend(q_nope, q_rope, pool, md, impl=impl, interpret=interpret,
-                         attention=attention, row_queries=row_queries)    # [T, N, V]
+        # tensor parallel (``sharding.ShardedAttention``): each device its heads, whole latent
+        over_heads = getattr(attention, "over_heads", None)
+        attend = functools.partial(
+            _attend, mla=m, sm_scale=self.scale, impl=impl, interpret=interpret,
+            attention=attention if over_heads is None else paged_attention,
+            row_queries=row_queries)
+        heads = (q_nope, q_rope, self.k_up[...], self.v_up[...])
+        o = (attend(*heads, pool, md) if over_heads is None
+             else over_heads(attend, heads, pool, md))                     # [T, N, V]
         w_o = self.o_proj[...]
         out = linear(o.reshape(o.shape[0], -1), w_o.reshape(-1, w_o.shape[-1]))
         return out, (pool, pools[1], pools[2]), None
 
-    def _attend(self, q_nope, q_rope, pool, md: AttentionMetadata, *, impl, **kw):
-        """MLA's two forms, chosen per step and sequence: a step that may hold a sequence of
-        ``expanded_min_tokens`` query tokens (not decode-only, a token bucket that wide) runs
-        such sequences expanded (jaxkv/attention/mla_prefill.py) and the rest absorbed, the
-        expanded ones' kv lengths zeroed for the absorbed pass; other steps run absorbed only.
-        Returns o [T, N, V]."""
-        m = self.mla
-        k_up, v_up = self.k_up[...], self.v_up[...]
-        min_tokens = expanded_min_tokens(m.kv_lora_rank, m.qk_nope_head_dim, m.v_head_dim)
-        if md.decode_only or q_nope.shape[0] < min_tokens:
-            return mla_attention(q_nope, q_rope, pool, k_up, v_up, md, sm_scale=self.scale,
-                                 impl=impl, **kw)
-        q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-        chosen = q_lens >= min_tokens                                  # [S]
-        absorbed = dataclasses.replace(md, seq_lens=jnp.where(chosen, 0, md.seq_lens))
-        o = mla_attention(q_nope, q_rope, pool, k_up, v_up, absorbed, sm_scale=self.scale,
-                          impl=impl, **kw)
-        o_exp = mla_prefill_attention(q_nope, q_rope, pool, k_up, v_up, md.block_tables,
-                                      md.seq_lens, md.query_start_loc, chosen,
-                                      sm_scale=self.scale)
-        seq, _, valid = token_layout(md.query_start_loc, md.seq_lens, o.shape[0])
-        expanded = chosen[seq] & valid                                 # [T]
-        return jnp.where(expanded[:, None, None], o_exp.astype(o.dtype), o)
+
+def _attend(q_nope, q_rope, k_up, v_up, pool, md: AttentionMetadata, *, mla, sm_scale,
+            impl, **kw):
+    """MLA's two forms, chosen per step and sequence: a step that may hold a sequence of
+    ``expanded_min_tokens`` query tokens (not decode-only, a token bucket that wide) runs
+    such sequences expanded (jaxkv/attention/mla_prefill.py) and the rest absorbed, the
+    expanded ones' kv lengths zeroed for the absorbed pass; other steps run absorbed only.
+    q_nope [T, N, P], q_rope [T, N, R], k_up [Lkv, N, P], v_up [Lkv, N, V] (N: the heads
+    this device computes). Returns o [T, N, V]."""
+    min_tokens = expanded_min_tokens(mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim)
+    if md.decode_only or q_nope.shape[0] < min_tokens:
+        return mla_attention(q_nope, q_rope, pool, k_up, v_up, md, sm_scale=sm_scale,
+                             impl=impl, **kw)
+    q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    chosen = q_lens >= min_tokens                                      # [S]
+    absorbed = dataclasses.replace(md, seq_lens=jnp.where(chosen, 0, md.seq_lens))
+    o = mla_attention(q_nope, q_rope, pool, k_up, v_up, absorbed, sm_scale=sm_scale,
+                      impl=impl, **kw)
+    o_exp = mla_prefill_attention(q_nope, q_rope, pool, k_up, v_up, md.block_tables,
+                                  md.seq_lens, md.query_start_loc, chosen, sm_scale=sm_scale)
+    seq, _, valid = token_layout(md.query_start_loc, md.seq_lens, o.shape[0])
+    expanded = chosen[seq] & valid                                     # [T]
+    return jnp.where(expanded[:, None, None], o_exp.astype(o.dtype), o)
 
 
 def _check_options(options: AttentionOptions, sparse, sink_rot) -> None:

@@ -159,12 +159,18 @@ def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_s
 
     Under tensor parallelism the RMSNorm weights ``(2L + 1) E`` are replicated and everything
     else is split ``tensor_parallel_size`` ways, with k/v projections counted at
-    ``max(Hkv, tp)`` heads (repeated kv heads, see jaxkv.runner.sharding).
+    ``max(Hkv, tp)`` heads (repeated kv heads, see jaxkv.runner.sharding); an MLA model's
+    latent down-projections and router are replicated too (``deepseek_names.replicated``).
     """
     check_model_dtype(dtype)
     t = tensor_parallel_size
     if t == 1:
         return num_parameters(config) * WEIGHT_DTYPES[dtype]
+    if config.mla:                  # DeepSeek: each tensor whole or split (deepseek_names)
+        from jaxkv.model.deepseek_names import expected_shapes, replicated
+        return WEIGHT_DTYPES[dtype] * sum(
+            math.prod(s) if replicated(n) else -(-math.prod(s) // t)
+            for n, s in expected_shapes(config).items())
     norms = (2 * config.num_layers + 1) * config.hidden_size
     split = num_parameters(dataclasses.replace(
         config, num_kv_heads=max(config.num_kv_heads, t))) - norms

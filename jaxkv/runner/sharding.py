@@ -1,6 +1,11 @@
 """Tensor parallelism: logical axis rules -> ``NamedSharding``s over a ``Mesh(("dp", "tp"))``.
 
-Design notes: docs/runtime.md."""
+An MLA model (DeepSeek) splits its query heads: ``q_proj`` / ``q_b_proj``, ``kv_b_proj``'s
+W_UK and W_UV and the row-parallel ``o_proj`` by their "heads" axis, the down-projections to
+the latent (``q_a_proj``, ``kv_a_proj``) replicated; its one latent kv head, which every query
+head reads, is held whole on every device (``cache_specs``) rather than repeated (MQA's
+``tp_config``): each device writes its copy and attends its heads over it (``ShardedAttention.
+over_heads``). Design notes: docs/runtime.md."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from jaxkv.kvcache.pages import PagedKVCache, abstract_cache
 from jaxkv.kvcache.pages import logical_axes as cache_logical_axes
 from jaxkv.kvcache.pools import HNDPages
 from jaxkv.kvcache.spec import KVCacheSpec
+from jaxkv.model import deepseek_names
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes
 from jaxkv.model.quantization import BLOCK
@@ -42,8 +48,6 @@ def _split_problems(config: ModelConfig, n: int) -> list[str]:
                        ("draft_vocab_size", config.draft_vocab_size or n)):
         if size % n:
             out.append(f"{name}={size} is not divisible by {n}")
-    if config.mla and n > 1:
-        out.append("an MLA model's latent cache and projections are not split yet")
     kv = config.num_kv_heads
     if kv % n and n % kv:
         out.append(f"num_kv_heads={kv} neither divides nor is divisible by {n}")
@@ -110,8 +114,9 @@ def check_mesh(mesh: Mesh, tensor_parallel_size: int) -> None:
 
 
 def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
-    """How many tp devices hold each kv head (1 = no replication)."""
-    return max(tensor_parallel_size // config.num_kv_heads, 1)
+    """How many times each kv head is repeated (1 = none; an MLA model's latent is never
+    repeated: its pool is replicated whole, ``cache_specs``)."""
+    return 1 if config.mla else max(tensor_parallel_size // config.num_kv_heads, 1)
 
 
 def tp_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
@@ -146,12 +151,22 @@ def cache_specs(tree, *, rules=LOGICAL_AXIS_RULES):
     tracers or ``jax.ShapeDtypeStruct``s), in the same structure: pool-shaped arrays (float
     pages, codes, scales, zero points, the KIVI residual) split over their kv-head axis, the
     KIVI bookkeeping replicated (``jaxkv.kvcache.pages.logical_axes``; an ``HNDPages`` over the head
-    axis of its data)."""
+    axis of its data). An array of ONE kv head is replicated: only an MLA latent pool has one at
+    tp > 1 (fewer kv heads than devices are otherwise repeated, ``tp_config``), and every query
+    head reads all of it."""
     def leaf_spec(x):
-        out = spec(cache_logical_axes(x), rules=rules)
+        axes = cache_logical_axes(x)
+        if "kv_heads" in axes and _array_shape(x)[axes.index("kv_heads")] == 1:
+            axes = tuple(None if a == "kv_heads" else a for a in axes)
+        out = spec(axes, rules=rules)
         return HNDPages(out) if isinstance(x, HNDPages) else out
 
     return jax.tree.map(leaf_spec, tree, is_leaf=lambda x: isinstance(x, HNDPages))
+
+
+def _array_shape(x) -> tuple[int, ...]:
+    """The stored shape of a cache leaf (an ``HNDPages``' data, [N, Hkv, bs, D])."""
+    return x.data.shape if isinstance(x, HNDPages) else x.shape
 
 
 def cache_shardings(cache: PagedKVCache | KVCacheSpec, mesh: Mesh, *,
@@ -249,12 +264,13 @@ def check_quantized_split(config: ModelConfig, group: int | None,
 def device_tensor_shapes(config: ModelConfig, tensor_parallel_size: int) -> dict:
     """HF name -> the shape of the part one tp device holds (``expected_shapes`` of
     ``tp_config``): o_proj / down_proj [N, K / tp], the other dense weights, biases, the
-    embedding and the head split along axis 0, norms whole, anything else as its 1/tp share
-    (as ``memory_plan.weights_bytes`` counts it)."""
+    embedding and the head split along axis 0, norms (and an MLA model's latent
+    down-projections and router, ``deepseek_names.replicated``) whole, anything else as its
+    1/tp share (as ``memory_plan.weights_bytes`` counts it)."""
     t = tensor_parallel_size
     out = {}
     for name, shape in expected_shapes(tp_config(config, t)).items():
-        if t == 1 or "norm" in name:
+        if t == 1 or "norm" in name or (config.mla and deepseek_names.replicated(name)):
             out[name] = shape
         elif re.search(r"(o_proj|down_proj)\.weight$", name) and len(shape) == 2:
             out[name] = (shape[0], -(-shape[1] // t))
@@ -331,23 +347,35 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh) -> dict:
     return jax.jit(repeat, out_shardings=target)(params)
 
 
-def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
-    """``paged_attention`` run under ``shard_map`` on each device's kv-head shard.
+def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES) -> "ShardedAttention":
+    """``paged_attention`` run under ``shard_map`` on each device's kv-head shard
+    (``ShardedAttention``)."""
+    return ShardedAttention(mesh, rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedAttention:
+    """``paged_attention``'s signature, run under ``shard_map`` on each device's heads.
 
     q [T, Hq, D] is split over heads and the pools [num_blocks, block_size, Hkv, D] over kv
     heads, so each device attends its ``Hq/tp`` q heads over its ``Hkv/tp`` kv heads (the GQA
     groups stay whole); metadata is replicated. A quantized pool (``QuantizedPages``) is split
     the same way (``cache_specs``): each device reads its heads' codes, scales, zero points and
-    KIVI residual, with the per-block bookkeeping replicated. Same signature as
-    ``paged_attention``; with ``return_lse=True`` the lse f32 [T, heads] comes back split over
-    heads like the output (a scoring retention policy's block mass reads it).
+    KIVI residual, with the per-block bookkeeping replicated; a one-head (MLA latent) pool is
+    whole on every device. With ``return_lse=True`` the lse f32 [T, heads] comes back split
+    over heads like the output (a scoring retention policy's block mass reads it).
     """
-    q_spec = spec(("heads", "head_dim"), rules=rules)
-    q_spec = P(None, *q_spec)                            # [T, heads, head_dim]
 
-    def attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
-                  q_sinks=None, return_lse=False, **kw):
-        pool_specs = cache_specs((k_pages, v_pages), rules=rules)
+    mesh: Mesh
+    rules: tuple = LOGICAL_AXIS_RULES
+
+    def _heads(self) -> P:
+        return P(None, *spec(("heads", "head_dim"), rules=self.rules))   # [T, heads, head_dim]
+
+    def __call__(self, q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *,
+                 q_sinks=None, return_lse=False, **kw):
+        q_spec = self._heads()
+        pool_specs = cache_specs((k_pages, v_pages), rules=self.rules)
         extra = () if q_sinks is None else (q_sinks,)   # split over heads like q
 
         def local(q, k, v, tables, lens, qsl, *qs):
@@ -355,12 +383,21 @@ def sharded_attention(mesh: Mesh, *, rules=LOGICAL_AXIS_RULES):
                                    **({"q_sinks": qs[0]} if qs else {}))
 
         out_specs = (q_spec, P(*q_spec[:2])) if return_lse else q_spec
-        fn = jax.shard_map(local, mesh=mesh,
+        fn = jax.shard_map(local, mesh=self.mesh,
                            in_specs=(q_spec, *pool_specs, P(), P(), P(), *[q_spec] * len(extra)),
                            out_specs=out_specs, check_vma=False)
         return fn(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, *extra)
 
-    return attention
+    def over_heads(self, fn, heads: tuple, pool, shared):
+        """``fn(*heads, pool, shared)`` on each device's query heads (MLA's attention, every
+        form and kernel run per device): ``heads`` are arrays with the heads on axis 1 (q
+        [T, N, .], W_UK / W_UV [Lkv, N, .]), split over them; ``pool`` split as the cache
+        (``cache_specs``: a latent pool whole); ``shared`` (a pytree: the step's metadata)
+        replicated. ``fn`` returns [T, N, .], gathered back split over heads."""
+        h = self._heads()
+        return jax.shard_map(fn, mesh=self.mesh,
+                             in_specs=(*[h] * len(heads), cache_specs(pool, rules=self.rules),
+                                       P()), out_specs=h, check_vma=False)(*heads, pool, shared)
 
 
 def put_replicated(tree, mesh: Mesh):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 ENGINE = dict(max_model_len=96, max_num_seqs=3, max_num_batched_tokens=32, block_size=8,
-              token_buckets=(32,), seq_buckets=(4,), decode_buckets=(4,), num_kv_blocks=24,
+              token_buckets=(32,), seq_buckets=(4,), num_kv_blocks=24,
               prefix_caching="hash", dtype="float32")
 NEW_TOKENS = 5
 # (checkpoint, tp, kv_cache_dtype, attention_impl) -> its run; SLOW's compare with RUNS' tp 1

@@ -8,6 +8,7 @@ The multi-device runs are this file as a script in a subprocess with 4 fake CPU 
 """
 
 import json
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -64,6 +65,7 @@ def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
     """Three requests, two sharing a 3-block prefix with the first (prefix hits), prompts of
     40+ tokens (a 32-token chunk: expanded, the rest absorbed), decoded together."""
     from jaxkv import LLM, SamplingParams
+    from jaxkv.runner import sharding
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     pallas = dict(interpret=True, kv_layout="nhd") if impl == "pallas" else {}
@@ -80,13 +82,16 @@ def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
         shard = {name: list(x.addressable_shards[0].data.shape) for name, x in attn.items()
                  if isinstance(x, jax.Array)}
         pool = jax.tree.leaves(runner.cache.k[0])
+        hlo = llm.compiled_step_text(32, 4) if tp > 1 and kv == "auto" else ""
         return {"tokens": [o.outputs[0].token_ids for o in outs],
                 "logprobs": [[lp[t] for lp, t in zip(o.outputs[0].logprobs,
                                                      o.outputs[0].token_ids)] for o in outs],
                 "hits": llm.stats()["prefix_cache_hits"], "shards": shard,
                 "pool": [[list(a.shape), list(a.addressable_shards[0].data.shape),
                           len(a.sharding.device_set)] for a in pool],
-                "plan": [runner.memory_plan.kv_bytes_per_block, runner.memory_plan.num_blocks]}
+                "plan": [runner.memory_plan.kv_bytes_per_block, runner.memory_plan.num_blocks],
+                "collectives": [sharding.count_all_reduces(hlo),
+                                len(re.findall(r"all-gather(?:-start)?\(", hlo))]}
 
 
 def _refusal(path: str) -> str:
@@ -174,7 +179,8 @@ def test_more_tp_sizes_and_the_pallas_kernel(result, slow_result, run):
 def test_each_device_holds_its_heads_and_the_whole_latent(result, arch, tp):
     """q / q_b, W_UK, W_UV and o_proj hold N / tp heads; the latent's down-projections and
     every latent pool row [.., 1, Lkv + R] are whole on each of the tp devices, so the plan's
-    KV bytes per block and block count are tp 1's."""
+    KV bytes per block and block count are tp 1's; the compiled step's collectives are the
+    row-parallel products' all-reduces (none gathers the heads or the latent)."""
     run, ref = result[_key(arch, tp, "auto", "grouped")], result[_key(arch, 1, "auto", "grouped")]
     s, h = run["shards"], N // tp
     q = s["q_b_proj"] if arch == "deepseek_v3" else s["q_proj"]
@@ -185,6 +191,9 @@ def test_each_device_holds_its_heads_and_the_whole_latent(result, arch, tp):
     (shape, device_shape, devices), = run["pool"]
     assert shape == device_shape == [24, 1, 8, LATENT] and devices == tp      # HND on CPU
     assert run["plan"] == ref["plan"]
+    # the embedding's, o_proj's (x2), the dense, shared and routed experts' down: no collective
+    # for the attention; one all-gather, of the vocab-split logits
+    assert run["collectives"] == [6, 1]
 
 
 def test_fp8_latent_pool_is_whole_on_each_device(result):

@@ -211,7 +211,8 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused(result):
 def test_planner_counts_the_replicated_latent_and_projections():
     """A V3-shaped plan at tp 8: each device's KV is the whole latent (tp 1's bytes a token);
     its weights are tp 1's / 8 plus 7/8 of what stays whole (norms, the latent
-    down-projections, routers), as the device's share of every checkpoint tensor sums."""
+    down-projections, routers), as the device's share of every checkpoint tensor sums; a
+    quantized o_proj's split is checked on its K = N x V."""
     from jaxkv.model.config import ModelConfig
     from jaxkv.model.deepseek_names import expected_shapes, replicated
     from jaxkv.runner import memory_plan, sharding
@@ -227,6 +228,8 @@ def test_planner_counts_the_replicated_latent_and_projections():
     assert shapes["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
     assert shapes["model.layers.3.self_attn.kv_b_proj.weight"] == (128 * 256 // 8, 512)
     assert sharding.valid_tensor_parallel_sizes(c, 8) == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match=r"'o_proj' \[7168, 16384\]"):   # K = N x V, not N x 576
+        sharding.check_quantized_split(c, 4096, 8)
 
 
 if __name__ == "__main__":

@@ -251,10 +251,11 @@ def quantized_specs(w: QuantizedWeight, axes: tuple, name: str, mesh: Mesh, *,
 
 def check_quantized_split(config: ModelConfig, group: int | None,
                           tensor_parallel_size: int) -> None:
-    """``_check_k_split`` of the row-parallel projections (o_proj K = Hq x D; down_proj K = F
-    where the model has dense MLPs) quantized in groups of ``group`` (None: one scale per row),
-    before any weight loads."""
-    split = [("o_proj", config.num_heads * config.head_dim)]
+    """``_check_k_split`` of the row-parallel projections (o_proj K = Hq x D, an MLA model's
+    Hq x V; down_proj K = F where the model has dense MLPs) quantized in groups of ``group``
+    (None: one scale per row), before any weight loads."""
+    v = config.mla.v_head_dim if config.mla else config.head_dim     # o_proj's input per head
+    split = [("o_proj", config.num_heads * v)]
     if not config.num_experts or config.dense_layers:
         split.append(("down_proj", config.intermediate_size))
     for name, k in split:

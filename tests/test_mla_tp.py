@@ -62,8 +62,9 @@ def _run(path: str, tp: int, kv: str, impl: str) -> dict:
 
 
 def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
-    """Three requests, two sharing a 3-block prefix with the first (prefix hits), prompts of
-    40+ tokens (a 32-token chunk: expanded, the rest absorbed), decoded together."""
+    """Three requests, the first alone, then two together, one sharing its 3-block prefix
+    (prefix hits); the first two prompts of 40+ tokens (a 32-token chunk: expanded, the rest
+    absorbed)."""
     from jaxkv import LLM, SamplingParams
     from jaxkv.runner import sharding
 

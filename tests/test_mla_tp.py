@@ -21,18 +21,25 @@ ENGINE = dict(max_model_len=96, max_num_seqs=3, max_num_batched_tokens=32, block
               token_buckets=(32,), seq_buckets=(4,), num_kv_blocks=24,
               prefix_caching="hash", dtype="float32")
 NEW_TOKENS = 5
-# (checkpoint, tp, kv_cache_dtype, attention_impl) -> its run; SLOW's compare with RUNS' tp 1
+# the engine's variants: the CPU path; the Pallas MLA decode kernel (interpreted); swap
+# preemption (a 10-block pool: the host tier takes each device's copy of the latent blocks)
+VARIANTS = {"grouped": dict(attention_impl="grouped"),
+            "pallas": dict(attention_impl="pallas", interpret=True, kv_layout="nhd"),
+            "swap": dict(num_kv_blocks=10, max_model_len=64, kv_offload_bytes=1 << 20,
+                         preemption_mode="swap")}
+# (checkpoint, tp, kv_cache_dtype, variant) -> its run; SLOW's compare with RUNS' tp 1 grouped
 RUNS = [("deepseek_v2", 1, "auto", "grouped"), ("deepseek_v2", 2, "auto", "grouped"),
         ("deepseek_v3", 1, "auto", "grouped"), ("deepseek_v3", 4, "auto", "grouped"),
         ("deepseek_v3", 1, "fp8", "grouped"), ("deepseek_v3", 2, "fp8", "grouped")]
 # "pallas": tests/test_pallas_mla.py's checkpoint (rotary 16, as the MLA decode kernel needs)
 SLOW = [("deepseek_v2", 4, "auto", "grouped"), ("deepseek_v3", 2, "auto", "grouped"),
-        ("pallas", 1, "auto", "grouped"), ("pallas", 2, "auto", "pallas")]
+        ("pallas", 1, "auto", "grouped"), ("pallas", 2, "auto", "pallas"),
+        ("deepseek_v3", 2, "auto", "swap")]
 N, P, V, LATENT, E = 4, 16, 12, 32 + 8, 64          # heads, nope, value, latent + rope, hidden
 
 
-def _key(arch, tp, kv, impl) -> str:
-    return f"{arch}_tp{tp}_{kv}_{impl}"
+def _key(arch, tp, kv, variant) -> str:
+    return f"{arch}_tp{tp}_{kv}_{variant}"
 
 
 def _heads_seen(module, name: str, seen: set):
@@ -47,7 +54,7 @@ def _heads_seen(module, name: str, seen: set):
     return mock.patch.object(module, name, traced)
 
 
-def _run(path: str, tp: int, kv: str, impl: str) -> dict:
+def _run(path: str, tp: int, kv: str, variant: str) -> dict:
     """The workload's tokens and logprobs, the prefix hits, the shard shapes one device holds
     of layer 0's latent pool and projections, and the query heads the expanded prefill and the
     Pallas decode kernel were traced with."""
@@ -57,11 +64,11 @@ def _run(path: str, tp: int, kv: str, impl: str) -> dict:
     expanded, decoded = set(), set()
     with _heads_seen(layer, "mla_prefill_attention", expanded), \
             _heads_seen(kernel, "mla_decode_step", decoded):
-        out = _generate(path, tp, kv, impl)
+        out = _generate(path, tp, kv, variant)
     return out | {"expanded_heads": sorted(expanded), "kernel_heads": sorted(decoded)}
 
 
-def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
+def _generate(path: str, tp: int, kv: str, variant: str) -> dict:
     """Three requests, the first alone, then two together, one sharing its 3-block prefix
     (prefix hits); the first two prompts of 40+ tokens (a 32-token chunk: expanded, the rest
     absorbed)."""
@@ -69,9 +76,8 @@ def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
     from jaxkv.runner import sharding
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    pallas = dict(interpret=True, kv_layout="nhd") if impl == "pallas" else {}
-    with LLM(path, tensor_parallel_size=tp, kv_cache_dtype=kv, attention_impl=impl, **pallas,
-             **ENGINE) as llm:
+    with LLM(path, tensor_parallel_size=tp, kv_cache_dtype=kv,
+             **(ENGINE | VARIANTS[variant])) as llm:
         ids = llm.tokenizer.encode(" ".join(["Emma Woodhouse, handsome, clever, and rich,"] * 30))
         shared = ids[:24]                          # 3 blocks a later request finds cached
         prompts = [shared + ids[30:50], ids[60:100], shared + ids[110:115]]   # 44 / 40: chunked
@@ -83,11 +89,13 @@ def _generate(path: str, tp: int, kv: str, impl: str) -> dict:
         shard = {name: list(x.addressable_shards[0].data.shape) for name, x in attn.items()
                  if isinstance(x, jax.Array)}
         pool = jax.tree.leaves(runner.cache.k[0])
-        hlo = llm.compiled_step_text(32, 4) if tp > 1 and kv == "auto" else ""
+        plain = tp > 1 and (kv, variant) == ("auto", "grouped")
+        hlo = llm.compiled_step_text(32, 4) if plain else ""
         return {"tokens": [o.outputs[0].token_ids for o in outs],
                 "logprobs": [[lp[t] for lp, t in zip(o.outputs[0].logprobs,
                                                      o.outputs[0].token_ids)] for o in outs],
                 "hits": llm.stats()["prefix_cache_hits"], "shards": shard,
+                "swapped": llm.stats().get("num_swap_preemptions", 0),
                 "pool": [[list(a.shape), list(a.addressable_shards[0].data.shape),
                           len(a.sharding.device_set)] for a in pool],
                 "plan": [runner.memory_plan.kv_bytes_per_block, runner.memory_plan.num_blocks],
@@ -168,12 +176,13 @@ def test_tp_gives_one_devices_tokens_and_logprobs(result, run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", SLOW, ids=lambda r: _key(*r))
-def test_more_tp_sizes_and_the_pallas_kernel(result, slow_result, run):
+def test_more_tp_sizes_the_pallas_kernel_and_swapping(result, slow_result, run):
     """The other tp sizes; the Pallas path (decode-only steps in its MLA kernel, traced on
-    each device's N / tp heads) against tp 1's grouped path."""
+    each device's N / tp heads) and swap preemption, against tp 1's grouped path."""
     runs = result | slow_result
     _assert_same_run(runs[_key(*run)], runs[_key(run[0], 1, run[2], "grouped")])
     assert runs[_key(*run)]["kernel_heads"] == ([N // run[1]] if run[3] == "pallas" else [])
+    assert (runs[_key(*run)]["swapped"] > 0) == (run[3] == "swap")
 
 
 @pytest.mark.parametrize("arch,tp", [("deepseek_v2", 2), ("deepseek_v3", 4)])

@@ -3,12 +3,13 @@ cache's bytes per token against an MHA cache of the same model (every layer cach
 K, P + R wide, and V, V wide), and the sequences of 8K and 32K tokens a KV pool holds at once
 with each (``jaxkv.runner.memory_plan.plan``, what ``jaxkv plan`` runs; no weight is read).
 
-    python3 bench/mla_plan.py [--kv-pool 40GiB] [--device-memory 80GiB]
+    python3 bench/mla_plan.py [--kv-pool 40GiB] [--device-memory 80GiB] [--tensor-parallel-size 1]
 
 Two pools per model: the fixed ``--kv-pool`` (the same for both, so the rows compare), and what
-one ``--device-memory`` device leaves after the bf16 weights and the activations of the
-planner's default 256 sequences at utilization 0.9 (V3's 1.3 TB of weights leave nothing on one
-device). bf16 cache, blocks of 16.
+one ``--device-memory`` device leaves after its share of the bf16 weights (``--tensor-parallel-
+size`` devices split the heads and experts; the latent is whole on each) and the activations of
+the planner's default 256 sequences at utilization 0.9 (V3's 1.3 TB of weights leave nothing on
+one device). bf16 cache, blocks of 16.
 """
 
 from __future__ import annotations
@@ -57,26 +58,28 @@ def mha_bytes_per_token(c: ModelConfig, dtype_bytes: int = 2) -> int:
 
 
 def pool_row(name: str, c: ModelConfig, pool: str, kv_budget: int | None,
-             device_memory: int) -> dict:
-    """One pool's row: bytes per token and sequences at once per context, MLA and MHA. With
-    ``kv_budget`` None the pool is what the device leaves after the weights."""
-    row = dict(model=name, pool=pool, mha_bytes_per_token=mha_bytes_per_token(c), seqs={})
+             device_memory: int, tp: int = 1) -> dict:
+    """One pool's row: bytes per token (one device's) and sequences at once per context, MLA
+    and MHA (its heads split over ``tp`` devices). With ``kv_budget`` None the pool is what the
+    device leaves after its share of the weights."""
+    row = dict(model=name, pool=pool, mha_bytes_per_token=mha_bytes_per_token(c) // tp, seqs={})
     for ctx in CONTEXTS:
         p = plan(c, device_memory_bytes=device_memory, dtype="bfloat16", block_size=BLOCK,
-                 max_model_len=ctx, kv_cache_bytes=kv_budget)
+                 max_model_len=ctx, kv_cache_bytes=kv_budget, tensor_parallel_size=tp)
         mha_blocks = p.kv_budget_bytes // (BLOCK * row["mha_bytes_per_token"])
         row |= dict(mla_bytes_per_token=p.kv_bytes_per_token, kv_budget=p.kv_budget_bytes)
         row["seqs"][ctx] = (p.max_concurrent_seqs, max(mha_blocks - 1, 0) // p.blocks_per_seq)
     return row
 
 
-def table(kv_pool: int, device_memory: int) -> list[dict]:
+def table(kv_pool: int, device_memory: int, tp: int = 1) -> list[dict]:
     rows = []
+    where = (f"left on one {format_bytes(device_memory)} device" if tp == 1 else
+             f"left on each of {tp} {format_bytes(device_memory)} devices (tp {tp})")
     for name, fields in CONFIGS.items():
         c = ModelConfig.from_hf_dict(fields)
         rows.append(pool_row(name, c, "fixed", kv_pool, device_memory))
-        rows.append(pool_row(name, c, f"left on one {format_bytes(device_memory)} device",
-                             None, device_memory))
+        rows.append(pool_row(name, c, where, None, device_memory, tp))
     return rows
 
 
@@ -84,11 +87,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-pool", type=parse_bytes, default=parse_bytes("40GiB"))
     ap.add_argument("--device-memory", type=parse_bytes, default=parse_bytes("80GiB"))
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     a = ap.parse_args()
     print("| model | KV pool | MLA B/token | MHA B/token | ratio | 8K seqs MLA / MHA "
           "| 32K seqs MLA / MHA |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for r in table(a.kv_pool, a.device_memory):
+    for r in table(a.kv_pool, a.device_memory, a.tensor_parallel_size):
         if not r["kv_budget"]:
             print(f"| {r['model']} | {r['pool']}: none, its bf16 weights do not fit | | | | | |")
             continue

@@ -96,6 +96,10 @@ def test_plan_table_counts_the_allocated_latent_bytes():
             assert mla == ((40 << 30) // (16 * r["mla_bytes_per_token"]) - 1) // blocks
             assert mha == ((40 << 30) // (16 * r["mha_bytes_per_token"]) - 1) // blocks
     assert fixed["DeepSeek-V3"]["seqs"][32768] == (18, 0)
+    # over 16 devices each holds the whole latent but an MHA cache's 8 heads of V3's 128
+    v3_tp = MLA_PLAN.table(40 << 30, 141 << 30, 16)[1]
+    assert v3_tp["mla_bytes_per_token"] == 61 * 576 * 2
+    assert v3_tp["mha_bytes_per_token"] == 61 * 8 * (192 + 128) * 2 and v3_tp["kv_budget"] > 0
 
 
 @pytest.mark.parametrize("kv", ["int8", "int4"])      # fp8: tests/test_mla_fp8.py

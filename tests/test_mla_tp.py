@@ -9,7 +9,6 @@ The multi-device runs are this file as a script in a subprocess with 4 fake CPU 
 
 import json
 import re
-import subprocess
 import sys
 from unittest import mock
 
@@ -140,12 +139,9 @@ def checkpoints(tmp_path_factory):
 
 
 def _launch(root, runs: str) -> dict:
-    from tp_runner import REPO, worker_env
+    from tp_runner import run_script
 
-    proc = subprocess.run([sys.executable, __file__, str(root), runs], capture_output=True,
-                          text=True, env=worker_env(4), timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__, root, runs, devices=4, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ JSON line.
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def result(tmp_path_factory, bpe):  # noqa: F811
     pytest.importorskip("torch")
     import test_gguf
     from tiny_models import save_tiny_model, save_tokenizer
-    from tp_runner import REPO, worker_env
+    from tp_runner import run_script
 
     path = tmp_path_factory.mktemp("tiny_qtp")
     save_tokenizer(path)
@@ -53,10 +52,7 @@ def result(tmp_path_factory, bpe):  # noqa: F811
     if importlib.util.find_spec("compressed_tensors"):
         from test_compressed_tensors import write_compressed
         write_compressed(path / "ct", CT_PRESET)
-    proc = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
-                          env=worker_env(4), timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__, path, devices=4, timeout=300)
 
 
 @pytest.mark.parametrize("method", [m for m, _, _ in RUNS])

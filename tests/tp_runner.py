@@ -40,8 +40,14 @@ def worker_cmd(*args) -> list[str]:
 
 def run_worker(*args, devices: int = 8, timeout: int = 300) -> dict:
     """Runs ``tp_worker.py ARGS`` with ``devices`` fake CPU devices; returns its JSON result."""
-    proc = subprocess.run(worker_cmd(*args), capture_output=True, text=True,
-                          env=worker_env(devices), timeout=timeout, cwd=REPO)
+    return run_script(WORKER, *args, devices=devices, timeout=timeout)
+
+
+def run_script(script, *args, devices: int, timeout: int) -> dict:
+    """Runs the python file ``script`` with ``ARGS`` and ``devices`` fake CPU devices (a test
+    module run as its own worker); returns the JSON of its last output line."""
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True,
+                          text=True, env=worker_env(devices), timeout=timeout, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

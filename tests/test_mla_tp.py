@@ -221,7 +221,7 @@ def test_planner_counts_the_replicated_latent_and_projections():
     quantized o_proj's split is checked on its K = N x V."""
     from jaxkv.model.config import ModelConfig
     from jaxkv.model.deepseek_names import expected_shapes, replicated
-    from jaxkv.runner import memory_plan, sharding
+    from jaxkv.runner import device_shares, memory_plan, sharding
     from test_mla import V3
 
     c = ModelConfig.from_hf_dict(V3)
@@ -230,7 +230,7 @@ def test_planner_counts_the_replicated_latent_and_projections():
     whole = sum(np.prod(s) for n, s in expected_shapes(c).items() if replicated(n))
     split = memory_plan.num_parameters(c) - whole
     assert memory_plan.weights_bytes(c, "bfloat16", 8) == 2 * (whole + split // 8)
-    shapes = sharding.device_tensor_shapes(c, 8)
+    shapes = device_shares.device_tensor_shapes(c, 8)
     assert shapes["model.layers.3.self_attn.kv_a_proj_with_mqa.weight"] == (576, 7168)
     assert shapes["model.layers.3.self_attn.kv_b_proj.weight"] == (128 * 256 // 8, 512)
     assert sharding.valid_tensor_parallel_sizes(c, 8) == [1, 2, 4, 8]

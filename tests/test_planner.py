@@ -48,8 +48,18 @@ def test_parameter_counts_of_known_models():
     assert weights_bytes(LLAMA3_8B, "bfloat16") == 2 * 8_030_261_248
 
 
+# beyond the shared fields: the mixtures of experts (the experts, not one MLP, a layer),
+# Qwen3's q/k norms, Gemma 2's four norms a layer
+MOE_FIELDS = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+              "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+                                mlp_only_layers=[1]),
+              "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+              "qwen3": {}, "gemma2": {}}
+
+
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("llama", True),
-                                        ("qwen2", False), ("qwen2", True), ("mistral", False)])
+                                        ("qwen2", False), ("qwen2", True), ("mistral", False),
+                                        *((a, False) for a in MOE_FIELDS)])
 def test_weights_bytes_equal_hf_and_jaxkv_parameters(arch, tied):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
@@ -57,16 +67,17 @@ def test_weights_bytes_equal_hf_and_jaxkv_parameters(arch, tied):
     from jaxkv.model.llama import param_shapes
     import jax
 
-    cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config",
-                                                                   "Qwen2ForCausalLM"),
-           "mistral": ("MistralConfig", "MistralForCausalLM")}[arch]
-    hf_config = getattr(transformers, cls[0])(
+    cls = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "mixtral": "Mixtral",
+           "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "qwen3": "Qwen3",
+           "gemma2": "Gemma2"}[arch]
+    hf_config = getattr(transformers, f"{cls}Config")(
         vocab_size=96, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=4, tie_word_embeddings=tied)
-    model = getattr(transformers, cls[1])(hf_config)
+        num_attention_heads=6, num_key_value_heads=2, head_dim=4, tie_word_embeddings=tied,
+        **MOE_FIELDS.get(arch, {}))
+    model = getattr(transformers, f"{cls}ForCausalLM")(hf_config)
     hf_elems = sum(p.numel() for p in model.parameters())   # tied weights are counted once
     config = ModelConfig.from_hf_dict(hf_config.to_dict())
-    assert config.attention_bias == (arch == "qwen2")
+    assert config.attention_bias == (arch in ("qwen2", "gpt_oss"))
     assert weights_bytes(config, "float32") == 4 * hf_elems
     assert weights_bytes(config, "bfloat16") == 2 * hf_elems
     jaxkv_elems = sum(a.size for a in jax.tree_util.tree_leaves(param_shapes(config, jnp.float32)))

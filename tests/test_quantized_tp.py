@@ -169,6 +169,7 @@ def _run(model: str, tp: int, *, hlo: bool = False, **kw) -> dict:
 
     from jaxkv import LLM, SamplingParams
     from jaxkv.model.quantized import QuantizedWeight
+    from tp_runner import quantized_run
 
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     with LLM(model, tensor_parallel_size=tp, **kw, **ENGINE) as llm:
@@ -178,15 +179,7 @@ def _run(model: str, tp: int, *, hlo: bool = False, **kw) -> dict:
               for k, w in part.items() if isinstance(w, QuantizedWeight)}
         kept = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(
             w, QuantizedWeight)) if isinstance(w, QuantizedWeight)]
-        out = dict(tokens=[o.token_ids for o in done],
-                   logprobs=[[lp[t] for t, lp in zip(o.token_ids, o.logprobs)] for o in done],
-                   plan_weights=runner.memory_plan.weights_bytes,
-                   device0_bytes=sum(s.data.nbytes for a in jax.tree.leaves(runner.params)
-                                     for s in a.addressable_shards
-                                     if s.device == jax.devices()[0]),
-                   shards={k: [list(a.addressable_shards[0].data.shape) for a in (w.qs, w.d)]
-                           for k, w in ws.items()},
-                   kept=len(kept))
+        out = quantized_run(done, runner, ws) | dict(kept=len(kept))
         if hlo:
             text = runner.compiled_step_text(16, 2)
             out["whole_weights"] = WHOLE.findall(text)

@@ -63,3 +63,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def quantized_run(done, runner, weights: dict) -> dict:
+    """Of an engine's finished outputs ``done`` (one greedy completion each) and its
+    ``runner``: the tokens and their logprobs, the planned weights, device 0's bytes, and the
+    [codes, scales] shard shapes on device 0 of each ``QuantizedWeight`` of ``weights``."""
+    import jax
+
+    return dict(tokens=[o.token_ids for o in done],
+                logprobs=[[lp[t] for t, lp in zip(o.token_ids, o.logprobs)] for o in done],
+                plan_weights=runner.memory_plan.weights_bytes,
+                device0_bytes=sum(s.data.nbytes for a in jax.tree.leaves(runner.params)
+                                  for s in a.addressable_shards if s.device == jax.devices()[0]),
+                shards={k: [list(a.addressable_shards[0].data.shape) for a in (w.qs, w.d)]
+                        for k, w in weights.items()})

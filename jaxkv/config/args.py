@@ -33,7 +33,7 @@ class ModelArgs:
     quantization: str | None = option(
         None, "weights: as stored (unset: a GGUF's dense Q8_0/Q4_0/Q4_1 weights stay in their "
         "blocks, Q4_K/Q6_K repacked bit-exact, products dequantize them in registers), none (dequantize every weight to "
-        "dtype at load), or the dense projections quantized at load: int8 or fp8 (e4m3) with "
+        "dtype at load), or the dense projections and experts quantized at load: int8 or fp8 (e4m3) with "
         "a scale per output channel, int4 with a scale and minimum per group",
         choices=QUANTIZATION_MODES)
     quantization_group_size: int = option(

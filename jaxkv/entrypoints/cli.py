@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["as stored", *QUANTIZATION_MODES],
                    help="weights as saved: as stored (a GGUF's kept blocks, a compressed-tensors "
                         "checkpoint's codes), none (every weight in --dtype), or the dense "
-                        "projections quantized as LLM(quantization=...) does")
+                        "projections and experts quantized as LLM(quantization=...) does")
     v.add_argument("--quantization-group-size", type=int, default=DEFAULT_GROUP,
                    help="values per scale of --quantization int4 (a multiple of 32)")
     v.add_argument("--overwrite", action="store_true")

@@ -167,8 +167,8 @@ def convert(model: str | Path, path: str | Path, *, dtype: str = "float32",
     Args:
       quantization: None (as stored: a GGUF's kept blocks and a compressed-tensors
         checkpoint's codes stay quantized, as ``LLM(model)`` keeps them), ``"none"`` (every
-        weight dequantized) or one of ``quantization.METHODS`` (the dense projections quantized
-        as ``LLM(model, quantization=...)`` does); recorded in the metadata.
+        weight dequantized) or one of ``quantization.METHODS`` (the dense projections and
+        experts quantized as ``LLM(model, quantization=...)`` does); recorded in the metadata.
       group: int4's values per scale (``quantization_group_size``).
 
     Returns:

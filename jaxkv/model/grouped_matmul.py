@@ -7,6 +7,10 @@ Both paths walk the same schedule of row tiles (``tile_schedule``): group g's ro
 columns once. ``jax.lax.ragged_dot`` is neither: XLA (CPU, and GPU at jax 0.10.2) expands it
 into a product of the rows with every group's weight, masked (X times the work, and every
 expert's weights read at each step).
+
+Quantized experts (a stacked ``QuantizedWeight``, ``LLM(quantization=...)``) take the loop on
+every platform, each tile's product the fused-dequant kernel of ``linear`` (the C++ one on CPU,
+the Pallas w8a16 / w4a16 one on GPU): only the used experts' codes are read.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxkv.model.linear import linear
+from jaxkv.model.quantized import QuantizedWeight
 
 
 def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -35,6 +40,8 @@ def grouped_matmul(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         (Triton's dot), else ``ragged_dot``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
     """
+    if isinstance(w, QuantizedWeight):
+        return _tiles(rows, w, group_sizes)
     if impl is None:
         K, N = w.shape[1:]
         gpu = (functools.partial(_pallas, interpret=False) if K % 16 == 0 == N % 16
@@ -79,7 +86,8 @@ def _tiles(rows, w, group_sizes):
 
     def tile(i, out):
         g, r0, n = sched[i, 0], sched[i, 1], sched[i, 2]
-        y = linear(lax.dynamic_slice_in_dim(padded, r0, R), w[g])         # [R, N]
+        wg = w.expert(g) if isinstance(w, QuantizedWeight) else w[g]       # [K, N]
+        y = linear(lax.dynamic_slice_in_dim(padded, r0, R), wg)           # [R, N]
         old = lax.dynamic_slice_in_dim(out, r0, R)
         keep = (jnp.arange(R) < n)[:, None]
         return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y.astype(out.dtype), old),

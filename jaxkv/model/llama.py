@@ -26,7 +26,7 @@ from jaxkv.model import deepseek, mla, moe
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.linear import linear, linear_t, linears
-from jaxkv.model.quantized import QuantizedWeight, rows, to_device
+from jaxkv.model.quantized import QuantizedWeight, rows, stack, to_device
 from jaxkv.model.rope import attention_factor, inv_frequencies, rotate, rotation
 
 _List = getattr(nnx, "List", list)   # flax >= 0.12 wants module lists wrapped
@@ -465,7 +465,8 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jn
         for k in path[:-1]:
             node = node.setdefault(k, {})
         if isinstance(tensors[names[0]], QuantizedWeight):
-            node[path[-1]] = _quantized_param(tensors[names[0]], path, want, names[0], source)
+            node[path[-1]] = _quantized_param([tensors[n] for n in names], path, want,
+                                              names[0], source)
             continue
         value = np.asarray(convert(*(np.asarray(tensors[n]) for n in names)))
         if value.shape != want:
@@ -475,15 +476,20 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jn
     return params
 
 
-def _quantized_param(w: QuantizedWeight, path: tuple, want: tuple, name: str,
+def _quantized_param(ws: list[QuantizedWeight], path: tuple, want: tuple, name: str,
                      source: str) -> QuantizedWeight:
-    """A GGUF weight kept in its blocks, stored [out, in], as the param of shape ``want``: the
-    embedding [V, E] as stored, a linear weight read as [in..., out...] (``linear.linear``)."""
+    """A weight kept quantized, stored [out, in], as the param of shape ``want``: the embedding
+    [V, E] as stored, a linear weight read as [in..., out...] (``linear.linear``), X experts
+    (several names) stacked as [X, in, out] (``quantized.stack``)."""
+    w = ws[0] if len(ws) == 1 else stack(ws)
     q = dataclasses.replace(w, shape=tuple(want))
-    try:
-        ok = want == (w.rows, w.cols) if path == ("embed_tokens",) else bool(q.out_shape())
-    except ValueError:
-        ok = False
+    if len(ws) > 1 or path == ("embed_tokens",):
+        ok = want == (w.shape if len(ws) > 1 else (w.rows, w.cols))
+    else:
+        try:
+            ok = bool(q.out_shape())
+        except ValueError:
+            ok = False
     if not ok:
         raise ValueError(f"{source}: quantized tensor {name!r} [{w.rows}, {w.cols}] does not "
                          f"convert to {want}")

@@ -7,11 +7,13 @@ which the CPU and GPU kernels read as they read a GGUF's blocks:
                                                             (the last group of a row may be
                                                             partial)
 
-Only the dense layers' projections are quantized (q, k, v, o; gate, up, down), as vLLM's
-weight-only methods and llm-compressor's recipes do: the embedding is read a few rows a step,
-the head (tied to it or not) is the most sensitive product of the model (llm-compressor's
-``ignore: ["lm_head"]``), and norms, biases, routers and MoE experts keep ``dtype``.
-Scales are float16 (GGUF's), each code computed against its rounded scale.
+The dense layers' projections are quantized (q, k, v, o; gate, up, down; DeepSeek's shared
+experts) and a mixture's experts, each expert as a matrix of its own (``EXPERT``: Mixtral's,
+Qwen3-MoE's and DeepSeek's per-expert tensors), as vLLM's weight-only methods and
+llm-compressor's recipes do: the embedding is read a few rows a step, the head (tied to it or
+not) is the most sensitive product of the model (llm-compressor's ``ignore: ["lm_head"]``),
+and norms, biases, routers, MLA's latent projections and gpt-oss's stacked experts keep
+``dtype``. Scales are float16 (GGUF's), each code computed against its rounded scale.
 """
 
 from __future__ import annotations
@@ -22,12 +24,26 @@ import re
 import ml_dtypes
 import numpy as np
 
+from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.quantization import DEFAULT_GROUP, METHODS
 from jaxkv.model.quantized import BLOCK, QuantizedWeight, pack_nibbles
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)     # 448
-DENSE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                   r"\.weight")
+DENSE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                   r"mlp\.(shared_experts\.)?(gate|up|down)_proj)\.weight")
+EXPERT = re.compile(r"model\.layers\.\d+\.\w+\.experts\.\d+\.\w+\.weight")
+
+
+def experts_quantized(config) -> bool:
+    """Whether ``quantize_tensors`` quantizes a ``ModelConfig``'s experts (per-expert tensors;
+    not gpt-oss's stacks)."""
+    moe = ARCHITECTURES[config.architecture].moe
+    return bool(config.num_experts) and moe is not None and not moe.gpt_oss
+
+
+def quantizable(name: str) -> bool:
+    """Whether ``quantize_tensors`` quantizes the tensor of HF name ``name``."""
+    return DENSE.fullmatch(name) is not None or EXPERT.fullmatch(name) is not None
 
 
 def quantize(w: np.ndarray, method: str, group: int = DEFAULT_GROUP) -> QuantizedWeight:
@@ -71,8 +87,8 @@ def _int4(w: np.ndarray, group: int) -> QuantizedWeight:
 
 
 def quantize_tensors(tensors: dict, method: str, group: int, source: str) -> dict:
-    """``tensors`` (HF names -> float [out, in] arrays) with the dense projections
-    (``DENSE``) quantized by ``quantize``.
+    """``tensors`` (HF names -> float [out, in] arrays) with the dense projections and the
+    experts (``quantizable``) quantized by ``quantize``.
 
     Raises:
       ValueError: naming ``quantization`` and the tensor, where its K is not a multiple of 32
@@ -80,7 +96,7 @@ def quantize_tensors(tensors: dict, method: str, group: int, source: str) -> dic
     """
     out = dict(tensors)
     for name, w in tensors.items():
-        if DENSE.fullmatch(name) is None or isinstance(w, QuantizedWeight):
+        if not quantizable(name) or isinstance(w, QuantizedWeight):
             continue
         if w.ndim != 2 or w.shape[1] % BLOCK:
             raise ValueError(f"{source}: quantization={method!r}: tensor {name!r} "
@@ -99,11 +115,17 @@ def nbytes(method: str, n: int, k: int, group: int) -> int:
 def stored_bytes(shapes: dict, method: str, group: int, dtype_bytes: int) -> int:
     """Bytes of the tensors of ``shapes`` (HF name -> shape, ``weights.expected_shapes``)
     after ``quantize_tensors``, the others in a dtype of ``dtype_bytes``."""
-    return sum(nbytes(method, *shape, group) if DENSE.fullmatch(name) else
+    return sum(nbytes(method, *shape, group) if quantizable(name) else
                math.prod(shape) * dtype_bytes for name, shape in shapes.items())
 
 
-def describe(method: str, group: int) -> str:
-    """What ``method`` stores, in words (the planner's weights format)."""
+def what(config) -> str:
+    """The tensors ``quantize_tensors`` quantizes in a ``ModelConfig``'s model, in words."""
+    return "dense projections" + (" and experts" if experts_quantized(config) else "")
+
+
+def describe(method: str, group: int, config) -> str:
+    """What ``method`` stores of a ``ModelConfig``'s model, in words (the planner's weights
+    format)."""
     how = f"groups of {group}" if method == "int4" else "per channel"
-    return f"{method} ({how}) dense projections"
+    return f"{method} ({how}) {what(config)}"

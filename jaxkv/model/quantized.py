@@ -29,7 +29,9 @@ bit-exact as one rounding of the same product: 10 bits a weight (1.25 bytes; Q6_
 
 ``shape`` is the logical shape of the float parameter it stands for (``llama.param_shapes``):
 the model reads a linear weight as ``[K..., N...]`` (``linear.linear``) and the embedding as
-``[V, E]`` = ``[N, K]`` (``rows``, ``linear.linear_t``). The arrays are numpy at load and jax
+``[V, E]`` = ``[N, K]`` (``rows``, ``linear.linear_t``). A mixture's X experts are one stack
+(``stack``): each array gains a leading axis (qs [X, N, K...], d and m [X, N, G]) and the
+shape is the experts' ``[X, K, N]``; ``expert(g)`` is one of them. The arrays are numpy at load and jax
 arrays in the params; the class is a pytree whose leaves are the arrays.
 """
 
@@ -67,13 +69,22 @@ class QuantizedWeight:
 
     @property
     def rows(self) -> int:
-        """N: the stored rows (output channels)."""
-        return int(self.qs.shape[0])
+        """N: the stored rows (output channels; of each expert of a stack)."""
+        return int(self.qs.shape[-2])
 
     @property
     def cols(self) -> int:
         """K: values per stored row (the contracted axis)."""
-        return int(self.qs.shape[1]) * (2 if self.qtype in ("Q4_0", "Q4_1") else 1)
+        return int(self.qs.shape[-1]) * (2 if self.qtype in ("Q4_0", "Q4_1") else 1)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether this is a stack of experts (``stack``)."""
+        return len(self.qs.shape) == 3
+
+    def expert(self, g) -> "QuantizedWeight":
+        """Expert ``g`` (an int or a traced index) of a stack, read as ``[K, N]``."""
+        return dataclasses.replace(self.map_rows(lambda a: a[g]), shape=tuple(self.shape[1:]))
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +125,20 @@ class QuantizedWeight:
                 return tuple(self.shape[i:])
         raise ValueError(f"shape {self.shape} does not split into K={self.cols} then "
                          f"N={self.rows}")
+
+
+def stack(ws: list[QuantizedWeight]) -> QuantizedWeight:
+    """X numpy weights [N, K] of one qtype and group (a mixture's experts, each as stored
+    ``[out, in]``) as one stack of shape (X, K, N)."""
+    first = ws[0]
+    if any((w.qtype, w.group, w.rows, w.cols) != (first.qtype, first.group, first.rows,
+                                                  first.cols) for w in ws):
+        raise ValueError("a stack of experts needs one qtype, group and shape, got "
+                         f"{sorted({(w.qtype, w.group, w.rows, w.cols) for w in ws})}")
+    arrays = {k: None if getattr(first, k) is None else np.stack([getattr(w, k) for w in ws])
+              for k in ("qs", "d", "m")}
+    return QuantizedWeight(**arrays, qtype=first.qtype, shape=(len(ws), first.cols, first.rows),
+                           group=first.group)
 
 
 def kept_bytes(qtype: str, n_bytes: int, n_elements: int) -> int:

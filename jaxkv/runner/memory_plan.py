@@ -136,45 +136,24 @@ def kivi_residual_bytes(config: ModelConfig, kv_dtype: str, dtype: str, block_si
 
 
 def num_parameters(config: ModelConfig) -> int:
-    """Exact parameter count of the jaxkv (and HF) Llama-family decoder.
-
-    Embedding ``V x E``; per layer q/k/v/o projections ``E x (Hq + 2 Hkv) D + Hq D x E``, q/k/v
-    biases ``(Hq + 2 Hkv) D`` when ``attention_bias``, SwiGLU ``3 E F``, two RMSNorms ``2 E``;
-    final norm ``E``; LM head ``E x V`` unless tied to the embedding.
-    """
-    if config.mla:                  # DeepSeek: its checkpoint's tensors, counted exactly
-        from jaxkv.model.deepseek_names import expected_shapes
-        return sum(math.prod(shape) for shape in expected_shapes(config).values())
-    E, F, D = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * D
-    layer = E * qkv + config.num_heads * D * E + 3 * E * F + 2 * E
-    if config.attention_bias:
-        layer += qkv
-    head = 0 if config.tie_word_embeddings else E * config.vocab_size
-    return config.vocab_size * E + config.num_layers * layer + E + head
+    """Exact parameter count: the elements of every tensor of the model's checkpoint
+    (``weights.expected_shapes``: the embedding, each layer's attention, dense MLP or router
+    and experts, norms and biases, the LM head unless tied to the embedding)."""
+    from jaxkv.model.weights import expected_shapes
+    return sum(math.prod(shape) for shape in expected_shapes(config).values())
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_size: int = 1) -> int:
-    """Bytes of the parameters one device stores in ``dtype`` (one of ``WEIGHT_DTYPES``).
-
-    Under tensor parallelism the RMSNorm weights ``(2L + 1) E`` are replicated and everything
-    else is split ``tensor_parallel_size`` ways, with k/v projections counted at
-    ``max(Hkv, tp)`` heads (repeated kv heads, see jaxkv.runner.sharding); an MLA model's
-    latent down-projections and router are replicated too (``deepseek_names.replicated``).
-    """
+    """Bytes of the parameters one device stores in ``dtype`` (one of ``WEIGHT_DTYPES``): under
+    tensor parallelism each tensor's share on a device (``device_shares.device_tensor_shapes``:
+    k/v heads repeated up to the degree; norms, routers and an MLA model's latent
+    down-projections whole; the rest split)."""
     check_model_dtype(dtype)
-    t = tensor_parallel_size
-    if t == 1:
+    if tensor_parallel_size == 1:
         return num_parameters(config) * WEIGHT_DTYPES[dtype]
-    if config.mla:                  # DeepSeek: each tensor whole or split (deepseek_names)
-        from jaxkv.model.deepseek_names import expected_shapes, replicated
-        return WEIGHT_DTYPES[dtype] * sum(
-            math.prod(s) if replicated(n) else -(-math.prod(s) // t)
-            for n, s in expected_shapes(config).items())
-    norms = (2 * config.num_layers + 1) * config.hidden_size
-    split = num_parameters(dataclasses.replace(
-        config, num_kv_heads=max(config.num_kv_heads, t))) - norms
-    return (norms + -(-split // t)) * WEIGHT_DTYPES[dtype]
+    from jaxkv.runner.device_shares import device_tensor_shapes
+    shapes = device_tensor_shapes(config, tensor_parallel_size)
+    return WEIGHT_DTYPES[dtype] * sum(math.prod(s) for s in shapes.values())
 
 
 def activation_bytes_estimate(config: ModelConfig, *, dtype: str = "float32",
@@ -690,8 +669,8 @@ def _quantize_reason(config: ModelConfig, p: MemoryPlan, ok) -> str:
         fits = ok(stored_weights_bytes=stored, weights_format=methods[0])
         if fits or stored == min(options):
             also = f" (or {', '.join(map(repr, methods[1:]))})" if methods[1:] else ""
-            return (f"quantize the weights: quantization={methods[0]!r}{also} holds the dense "
-                    f"projections in {format_bytes(stored)} of weights, "
+            return (f"quantize the weights: quantization={methods[0]!r}{also} holds the "
+                    f"{quantize.what(config)} in {format_bytes(stored)} of weights, "
                     f"{'would fit' if fits else 'is not enough'}")
 
 

@@ -36,7 +36,7 @@ from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.quantization import scale_group
 from jaxkv.model.weights import kept_k_group, load_config, load_model_files, stored_weights_bytes
 from jaxkv.retention import from_args
-from jaxkv.runner import batch, memory_plan, sharding
+from jaxkv.runner import batch, device_shares, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
 from jaxkv.runner.step import DeviceStepInput, make_step, step_rng
 from jaxkv.sample.sampler import MAX_LOGPROBS, SamplingParams, SamplingTensors
@@ -191,7 +191,7 @@ def check_quantization(config: EngineConfig, from_checkpoint: bool, model_config
 def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
     """``memory_plan.plan``'s ``stored_weights_bytes`` (one device's) and ``weights_format``
     where weights are quantized at load or by ``jaxkv convert`` (under tensor parallelism each
-    tensor's shard, ``sharding.device_tensor_shapes``) or stay in a GGUF's blocks
+    tensor's shard, ``device_shares.device_tensor_shapes``) or stay in a GGUF's blocks
     (``keeps_quantized``, or an orbax checkpoint of them: under tensor parallelism the norms
     whole and the rest of the stored bytes times one device's share of the float weights, an
     estimate), else nothing."""
@@ -203,10 +203,11 @@ def _stored_weights(config: EngineConfig, model_config, dtype: str) -> dict:
         method, group = (held, held_group) if held in quantize.METHODS else (None, group)
     dtype_bytes = memory_plan.WEIGHT_DTYPES[dtype]
     if method in quantize.METHODS:
-        shapes = sharding.device_tensor_shapes(model_config, tp)
+        shapes = device_shares.device_tensor_shapes(model_config, tp)
         total = quantize.stored_bytes(shapes, method, group, dtype_bytes)
         return dict(stored_weights_bytes=total,
-                    weights_format=f"{quantize.describe(method, group)}, else {dtype}")
+                    weights_format=f"{quantize.describe(method, group, model_config)}, "
+                                   f"else {dtype}")
     if from_checkpoint:
         stored = checkpoint.stored_bytes(mc.model, dtype_bytes)
     elif keeps_quantized(config, model_config):
@@ -380,7 +381,8 @@ class ModelRunner:
         (its quantized weights restored as saved, each device reading its shards);
         ``keep_quantized``: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks
         (Q4_K / Q6_K repacked, ``quantized.from_gguf``);
-        ``mc.quantization`` one of ``quantize.METHODS``: the dense projections quantized."""
+        ``mc.quantization`` one of ``quantize.METHODS``: the dense projections and experts
+        quantized."""
         c, model = self.model_config, mc.model
         if from_checkpoint:
             target = checkpoint.restore_target(model, param_shapes(c, self.dtype))

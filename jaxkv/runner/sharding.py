@@ -10,7 +10,6 @@ over_heads``). Design notes: docs/runtime.md."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import jax
@@ -24,12 +23,12 @@ from jaxkv.kvcache.pages import PagedKVCache, abstract_cache
 from jaxkv.kvcache.pages import logical_axes as cache_logical_axes
 from jaxkv.kvcache.pools import HNDPages
 from jaxkv.kvcache.spec import KVCacheSpec
-from jaxkv.model import deepseek_names
+from jaxkv.model import quantize
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.llama import logical_axes
 from jaxkv.model.quantization import BLOCK
 from jaxkv.model.quantized import QuantizedWeight
-from jaxkv.model.weights import expected_shapes
+from jaxkv.runner.device_shares import kv_replication, tp_config
 
 MESH_AXES = ("dp", "tp")
 
@@ -111,18 +110,6 @@ def check_mesh(mesh: Mesh, tensor_parallel_size: int) -> None:
         raise ValueError(f"mesh={shape} does not match an engine mesh "
                          f"{{'dp': 1, 'tp': {tensor_parallel_size}}} with axes {MESH_AXES} "
                          f"(tensor_parallel_size={tensor_parallel_size})")
-
-
-def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
-    """How many times each kv head is repeated (1 = none; an MLA model's latent is never
-    repeated: its pool is replicated whole, ``cache_specs``)."""
-    return 1 if config.mla else max(tensor_parallel_size // config.num_kv_heads, 1)
-
-
-def tp_config(config: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
-    """The config the sharded engine runs: kv heads repeated up to ``tensor_parallel_size``."""
-    r = kv_replication(config, tensor_parallel_size)
-    return config if r == 1 else dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
 
 
 def spec(axes: tuple[str | None, ...], *, rules=LOGICAL_AXIS_RULES) -> P:
@@ -210,9 +197,12 @@ def stored_param_shardings(config: ModelConfig, mesh: Mesh, params: dict | None 
 
 def _row_col_axes(w: QuantizedWeight, axes: tuple, name: str) -> tuple[tuple, tuple]:
     """(logical axes of the stored rows N, of the stored columns K) of ``w``: the embedding
-    [V, E] is stored as read, a linear weight ``[K..., N...]`` transposed (``out_shape``)."""
+    [V, E] is stored as read, a linear weight ``[K..., N...]`` transposed (``out_shape``), a
+    stack of experts ``[X, K, N]`` as X weights [N, K]."""
     if name == "embed_tokens":
         return axes[:1], axes[1:]
+    if w.stacked:
+        return axes[2:], axes[1:2]
     n = len(w.out_shape())
     return axes[len(axes) - n:], axes[:len(axes) - n]
 
@@ -238,48 +228,32 @@ def quantized_specs(w: QuantizedWeight, axes: tuple, name: str, mesh: Mesh, *,
     """``w`` with a ``PartitionSpec`` for each array: qs, d and m split along their rows where
     N is split (column-parallel: q, k, v, gate, up, the embedding, the head); qs split along K
     where K is (row-parallel: o, down), d and m with it (whole groups on each device) or
-    replicated (one scale per row, G == 1). Raises ``_check_k_split``'s ValueError."""
+    replicated (one scale per row, G == 1); a stack of experts by its experts' rule, the
+    experts' axis as ``rules`` place it. Raises ``_check_k_split``'s ValueError."""
     row_axes, col_axes = _row_col_axes(w, axes, name)
     rows, cols = _mesh_axis(row_axes, rules), _mesh_axis(col_axes, rules)
-    scales = P(rows, None)
+    lead = (_mesh_axis(axes[:1], rules),) if w.stacked else ()
+    scales = P(*lead, rows, None)
     if cols is not None:
         _check_k_split(name, w.rows, w.cols, w.group, mesh.shape[cols])
-        scales = scales if w.d.shape[1] == 1 else P(rows, cols)
-    return dataclasses.replace(w, qs=P(rows, cols), d=scales,
+        scales = scales if w.d.shape[-1] == 1 else P(*lead, rows, cols)
+    return dataclasses.replace(w, qs=P(*lead, rows, cols), d=scales,
                                m=None if w.m is None else scales)
 
 
 def check_quantized_split(config: ModelConfig, group: int | None,
                           tensor_parallel_size: int) -> None:
     """``_check_k_split`` of the row-parallel projections (o_proj K = Hq x D, an MLA model's
-    Hq x V; down_proj K = F where the model has dense MLPs) quantized in groups of ``group``
-    (None: one scale per row), before any weight loads."""
+    Hq x V; down_proj K = F where the model has dense MLPs, an expert's K = its width)
+    quantized in groups of ``group`` (None: one scale per row), before any weight loads."""
     v = config.mla.v_head_dim if config.mla else config.head_dim     # o_proj's input per head
     split = [("o_proj", config.num_heads * v)]
     if not config.num_experts or config.dense_layers:
         split.append(("down_proj", config.intermediate_size))
+    if quantize.experts_quantized(config):
+        split.append(("experts' down_proj", config.expert_size))
     for name, k in split:
         _check_k_split(name, config.hidden_size, k, group or k, tensor_parallel_size)
-
-
-def device_tensor_shapes(config: ModelConfig, tensor_parallel_size: int) -> dict:
-    """HF name -> the shape of the part one tp device holds (``expected_shapes`` of
-    ``tp_config``): o_proj / down_proj [N, K / tp], the other dense weights, biases, the
-    embedding and the head split along axis 0, norms (and an MLA model's latent
-    down-projections and router, ``deepseek_names.replicated``) whole, anything else as its
-    1/tp share (as ``memory_plan.weights_bytes`` counts it)."""
-    t = tensor_parallel_size
-    out = {}
-    for name, shape in expected_shapes(tp_config(config, t)).items():
-        if t == 1 or "norm" in name or (config.mla and deepseek_names.replicated(name)):
-            out[name] = shape
-        elif re.search(r"(o_proj|down_proj)\.weight$", name) and len(shape) == 2:
-            out[name] = (shape[0], -(-shape[1] // t))
-        elif re.search(r"(_proj|embed_tokens|lm_head)\.(weight|bias)$", name):
-            out[name] = (-(-shape[0] // t), *shape[1:])
-        else:
-            out[name] = (-(-math.prod(shape) // t),)
-    return out
 
 
 def _shardings(params: dict, config: ModelConfig, mesh: Mesh, rules) -> dict:

@@ -1,5 +1,5 @@
 """The memory planner's before/after of weight quantization (issue 51): for real model shapes
-on one 80 GiB GPU, the weights, the KV pool they leave and the sequences of 8K tokens it holds
+(dense, and mixtures of experts) on one 80 GiB GPU, the weights, the KV pool they leave and the sequences of 8K tokens it holds
 at once, for each ``quantization`` (jaxkv.runner.model_runner.plan_memory: no weight is read).
 
     python3 bench/weight_quant_plan.py [--device-memory 80GiB] [--max-model-len 8192]
@@ -37,6 +37,21 @@ CONFIGS = {      # the fields of each model's config.json on the Hub
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rms_norm_eps=1e-6, rope_theta=1000000.0, vocab_size=151936,
                      tie_word_embeddings=False, max_position_embeddings=40960),
+    # mixtures of experts: the experts quantized with the dense projections
+    "Mixtral-8x7B": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                         hidden_act="silu", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+                         rope_theta=1000000.0, vocab_size=32000, tie_word_embeddings=False,
+                         max_position_embeddings=32768),
+    "Qwen3-30B-A3B": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_act="silu", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, vocab_size=151936, tie_word_embeddings=False,
+                          max_position_embeddings=40960),
 }
 MODES = (("none", 128), ("int8", 128), ("fp8", 128), ("int4", 128))
 

@@ -179,8 +179,9 @@ def gguf_tensors(tensors, cfg, family):
     return out
 
 
-def write_gguf(hf_dir, family, out):
-    """``hf_dir``'s checkpoint as llama.cpp's converter writes it (F32 tensors)."""
+def write_gguf(hf_dir, family, out, qtypes=None):
+    """``hf_dir``'s checkpoint as llama.cpp's converter writes it: F32 tensors, or those named
+    ``blk.{i}.{part}.*`` in ``qtypes[part]`` (quantized by the ``gguf`` package)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -189,7 +190,12 @@ def write_gguf(hf_dir, family, out):
     write_tokenizer(w, hf_dir)
     tensors = gguf_tensors(load_file(hf_dir / "model.safetensors"), cfg, family)
     for name, t in sorted(tensors.items()):
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        qtype = (qtypes or {}).get(name.split(".")[2] if name.startswith("blk.") else None)
+        if qtype is None:
+            w.add_tensor(name, t)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -747,9 +747,10 @@ def test_grouped_matmul_compiles_for_h100(case_id, tmp_path):
 
 
 def quantized_param_shapes(config, method: str, group: int) -> dict:
-    """``param_shapes(config)`` in bf16 with the dense projections as abstract
-    ``QuantizedWeight``s of ``method`` (what ``quantization=`` loads): [N, K] codes, f16
-    scales (and int4's minima), K the axes a projection contracts."""
+    """``param_shapes(config)`` in bf16 with the dense projections (and an MoE's experts) as
+    abstract ``QuantizedWeight``s of ``method`` (what ``quantization=`` loads): [N, K] codes
+    (a stack of experts [X, N, K]), f16 scales (and int4's minima), K the axes a projection
+    contracts."""
     from jaxkv.model.llama import param_shapes
     from jaxkv.model.quantized import QuantizedWeight
 
@@ -761,12 +762,14 @@ def quantized_param_shapes(config, method: str, group: int) -> dict:
                       "up_proj": 1, "down_proj": 1}.get(name)
         if contracted is None:
             return a
-        K, N = math.prod(a.shape[:contracted]), math.prod(a.shape[contracted:])
+        stack = a.shape[:1] if config.num_experts and path[-2].key == "mlp" else ()
+        shape = a.shape[len(stack):]
+        K, N = math.prod(shape[:contracted]), math.prod(shape[contracted:])
         g = group if method == "int4" else K
         codes = {"Q8_0": (K, jnp.int8), "F8_E4M3": (K, jnp.float8_e4m3fn)}.get(
             qtype, (K // 2, jnp.uint8))
-        d = jax.ShapeDtypeStruct((N, -(-K // g)), jnp.float16)
-        return QuantizedWeight(jax.ShapeDtypeStruct((N, codes[0]), codes[1]), d,
+        d = jax.ShapeDtypeStruct((*stack, N, -(-K // g)), jnp.float16)
+        return QuantizedWeight(jax.ShapeDtypeStruct((*stack, N, codes[0]), codes[1]), d,
                                d if qtype == "Q4_1" else None, qtype, a.shape, g)
 
     return jax.tree_util.tree_map_with_path(leaf, param_shapes(config, jnp.bfloat16))
@@ -816,6 +819,33 @@ def test_moe_engine_step_compiles_for_h100_with_the_grouped_kernel(tmp_path, mon
     assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
     for k in kernels:
         assert k.spill_stores == k.spill_loads == 0, k
+
+
+def test_moe_engine_step_with_quantized_experts_compiles_for_h100(tmp_path, monkeypatch):
+    """A Mixtral-shaped decode step (two layers, 8 experts of 4096 -> 14336) with int4 experts
+    (groups of 128) compiled for an H100 traced as on a GPU: the grouped matmul's tile loop
+    multiplies each tile by its expert with ``quantized_matmul`` (gate, up, down: 3 launches
+    a layer beside the attention's 4 projections), no spills, and no bf16 copy of an expert."""
+    from jaxkv.model import linear
+    from jaxkv.model.config import ModelConfig
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)     # the target's branch, traced here
+    config = ModelConfig(architecture="mixtral", num_layers=2, rms_norm_eps=1e-5,
+                         rope_scaling=None, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=True, **{**STEP_MODELS["llama3-8b"], "vocab_size": 32000})
+    step, args, _ = engine_step_args(config, "fp8_e4m3", 16, 16, context=4096)
+    args = (quantized_param_shapes(config, "int4", 128), *args[1:])
+    kernels, _, compiled = compile_for(H100, step, args, tmp_path, with_compiled=True,
+                                       static={"num_logprobs": 0, "decode_only": True})
+    hlo = compiled.as_text()
+    names = [k.name.split("__")[0] for k in kernels]
+    assert names.count("jaxkv_quantized_matmul") == 7 * config.num_layers, names
+    assert "jaxkv_grouped_matmul" not in names
+    for k in kernels:
+        assert (k.spill_stores, k.spill_loads) == (0, 0), k
+    for shape in ("bf16[4096,14336]", "bf16[14336,4096]", "bf16[8,4096,14336]"):
+        assert shape not in hlo, shape
 
 
 def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):

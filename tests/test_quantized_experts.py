@@ -2,7 +2,8 @@
 ``EXPERT``, stacked by ``quantized.stack``, multiplied by jaxkv/model/grouped_matmul.py's tile
 loop) against independent references: a float64 numpy grouped product of the dequantized
 experts, HF transformers running a checkpoint whose dense projections and experts were
-replaced by their quantized-then-dequantized values (the engine's own numbers), and one device
+replaced by their quantized-then-dequantized values (the engine's own numbers), a GGUF's
+experts kept in their blocks against the same file dequantized by ``gguf``, and one device
 against two (the multi-device check runs this file as a script with 2 fake CPU devices,
 ``tp_runner.run_script``, which prints one JSON line)."""
 
@@ -10,6 +11,7 @@ import json
 import shutil
 import sys
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,6 +142,42 @@ def test_checkpoint_convert_keeps_the_experts_quantized(moe_checkpoint, tmp_path
     params = checkpoint.restore_params(out)
     leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
     assert sum(isinstance(w, QuantizedWeight) and w.stacked for w in leaves) == len(stacked)
+
+
+Q = gguf.GGMLQuantizationType
+# a GGUF's stacked experts (and q) in three block types
+GGUF_TYPES = {"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1, "ffn_down_exps": Q.Q4_0,
+              "attn_q": Q.Q4_1}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_ggufs_experts_stay_in_their_blocks(kind, tmp_path):
+    """The converter's GGUF with Q8_0 / Q4_1 / Q4_0 experts: kept as stacks of those blocks,
+    the tokens and logprobs of the same file dequantized (``quantization="none"``), the
+    planner's weights the bytes held."""
+    from test_gguf_families import FAMILIES, write_gguf
+
+    family = FAMILIES[kind]
+    save_tokenizer(tmp_path)
+    save_tiny_model(tmp_path, kind, **family.overrides)
+    path = str(write_gguf(tmp_path, family, tmp_path / "q.gguf", GGUF_TYPES))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = {}
+    for mode in (None, "none"):
+        with LLM(path, quantization=mode, **ENGINE) as llm:
+            out = llm.generate({"prompt_token_ids": list(range(3, 40))}, sp,
+                               use_tqdm=False)[0].outputs[0]
+            runner = llm.engine.runner
+            stacks = {w.qtype for w in jax.tree.leaves(runner.params, is_leaf=lambda a: isinstance(
+                a, QuantizedWeight)) if isinstance(w, QuantizedWeight) and w.stacked}
+            held = sum(int(a.nbytes) for a in jax.tree.leaves(runner.params))
+            runs[mode] = (out.token_ids, [lp[t] for lp, t in zip(out.logprobs, out.token_ids)],
+                          stacks, held, runner.memory_plan.weights_bytes)
+    (tokens, logprobs, stacks, held, planned), ref = runs[None], runs["none"]
+    assert stacks == {"Q8_0", "Q4_1", "Q4_0"} and ref[2] == set()
+    assert held == planned < ref[3]
+    assert tokens == ref[0]
+    np.testing.assert_allclose(logprobs, ref[1], atol=1e-4, rtol=0)
 
 
 TP_MIXTRAL = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2,

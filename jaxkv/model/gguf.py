@@ -8,9 +8,9 @@ RoPE base, Gemma's attention scale, Qwen3-MoE's renormalised router: the ``gguf_
 ``Architecture``). Tensors of every type the ``gguf`` package's numpy reference decodes (F32,
 F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, MXFP4, the IQ types) are
 dequantized to float32 at load, except with ``keep_quantized``: the dense layers' and the
-embedding's / head's Q8_0, Q4_0 and Q4_1 tensors then stay in their blocks, and Q4_K's and
-Q6_K's are repacked bit-exactly as Q4_1 / Q8_0 codes with float32 scales
-(``jaxkv.model.quantized``).
+embedding's / head's Q8_0, Q4_0 and Q4_1 tensors (and Mixtral's and Qwen3-MoE's experts) then
+stay in their blocks, and Q4_K's and Q6_K's are repacked bit-exactly as Q4_1 / Q8_0 codes with
+float32 scales (``jaxkv.model.quantized``).
 
 GGUF stores a linear layer ``[out, in]`` with ``shape = [in, out]`` (ggml's ``ne0`` first); the
 reader hands back numpy arrays already in ``[out, in]`` row-major order. ``gguf_names`` maps the
@@ -28,7 +28,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from jaxkv.model import gguf_names, quantized
+from jaxkv.model import gguf_names, quantize, quantized
 from jaxkv.model.architectures import GGUF_ARCHITECTURES, Architecture
 from jaxkv.model.config import LAYER_TYPES, ModelConfig, RopeScaling
 
@@ -193,21 +193,29 @@ def _moe_fields(key, arch: Architecture) -> dict:
 
 
 # The tensors kept in their blocks with ``keep_quantized``: the dense layers' projections, the
-# embedding and the head (an MoE's experts and routers are dequantized).
+# embedding and the head, and a mixture's stacked experts where each expert is a matrix of its
+# own (Mixtral, Qwen3-MoE: ``quantize.experts_quantized``; gpt-oss's and the routers are
+# dequantized).
 _KEPT_NAMES = re.compile(r"(token_embd|output)\.weight|blk\.\d+\.(attn_[qkv]|attn_output|"
                          r"ffn_gate|ffn_up|ffn_down)\.weight")
+_KEPT_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
 
 
-def kept_quantized(name: str, qtype: gguf.GGMLQuantizationType) -> bool:
-    """Whether ``tensors_from_gguf(keep_quantized=True)`` keeps a tensor in its blocks."""
-    return qtype.name in quantized.KEPT_TYPES and _KEPT_NAMES.fullmatch(name) is not None
+def kept_quantized(name: str, qtype: gguf.GGMLQuantizationType, config: ModelConfig) -> bool:
+    """Whether ``tensors_from_gguf(keep_quantized=True)`` keeps a tensor of ``config``'s model
+    in its blocks."""
+    if qtype.name not in quantized.KEPT_TYPES:
+        return False
+    return _KEPT_NAMES.fullmatch(name) is not None or (
+        _KEPT_EXPERTS.fullmatch(name) is not None and quantize.experts_quantized(config))
 
 
 def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
                       keep_quantized: bool = False) -> dict[str, np.ndarray]:
     """Every tensor under its HF name, as ``gguf_names.hf_tensors`` undoes llama.cpp's
     converter (q/k rows, Gemma's ``w + 1`` norms, stacked experts): dequantized to float32,
-    or with ``keep_quantized`` the ``kept_quantized`` ones as numpy ``QuantizedWeight``.
+    or with ``keep_quantized`` the ``kept_quantized`` ones as numpy ``QuantizedWeight`` (a
+    stack of experts as one per expert).
 
     Args:
       reader: an open ``gguf.GGUFReader``.
@@ -231,8 +239,11 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
                 f"not supported; supported: {', '.join(q.name for q in SUPPORTED_QUANT_TYPES)}")
     out = {}
     for t in reader.tensors:
-        if keep_quantized and kept_quantized(t.name, t.tensor_type):
-            out[t.name] = quantized.from_gguf(t.data, t.tensor_type.name)   # copies
+        if keep_quantized and kept_quantized(t.name, t.tensor_type, config):
+            if t.data.ndim == 3:                            # experts [X, out, in bytes]
+                out[t.name] = [quantized.from_gguf(e, t.tensor_type.name) for e in t.data]
+            else:
+                out[t.name] = quantized.from_gguf(t.data, t.tensor_type.name)   # copies
             continue
         shape = tuple(int(n) for n in reversed(t.shape))  # ggml lists ne0 (the fastest axis) first
         # np.array copies, so no result aliases the file's memory map.
@@ -241,13 +252,14 @@ def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,
     return gguf_names.hf_tensors(out, config)
 
 
-def stored_bytes(reader: gguf.GGUFReader, dtype_bytes: int) -> tuple[int, tuple[str, ...]]:
+def stored_bytes(reader: gguf.GGUFReader, config: ModelConfig,
+                 dtype_bytes: int) -> tuple[int, tuple[str, ...]]:
     """(bytes of the params of ``tensors_from_gguf(keep_quantized=True)`` with every float
     tensor in a dtype of ``dtype_bytes``, the kept block types): the GGUF's own bytes for
     each kept tensor (the K-quants' repacked, ``quantized.kept_bytes``)."""
     total, kept = 0, {}
     for t in reader.tensors:
-        if kept_quantized(t.name, t.tensor_type):
+        if kept_quantized(t.name, t.tensor_type, config):
             total += quantized.kept_bytes(t.tensor_type.name, int(t.n_bytes), int(t.n_elements))
             kept[t.tensor_type.name] = None
         else:

@@ -140,8 +140,9 @@ def hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig) -> dict[str,
 
 def _split_experts(experts: dict[tuple[int, str, str], np.ndarray],
                    config: ModelConfig) -> dict[str, np.ndarray]:
-    """Mixtral / Qwen3-MoE: each stacked ``ffn_{proj}_exps.weight`` ``[X, out, in]`` -> one
-    ``{block}.experts.{x}.{name}.weight`` per expert."""
+    """Mixtral / Qwen3-MoE: each stacked ``ffn_{proj}_exps.weight`` ``[X, out, in]`` (or X
+    ``QuantizedWeight``s kept in their blocks) -> one ``{block}.experts.{x}.{name}.weight`` per
+    expert."""
     moe = ARCHITECTURES[config.architecture].moe
     names = {"gate": moe.gate, "up": moe.up, "down": moe.down}
     out = {}
@@ -150,7 +151,7 @@ def _split_experts(experts: dict[tuple[int, str, str], np.ndarray],
             raise ValueError(f"GGUF tensor 'blk.{layer}.ffn_{proj}_exps.{kind}' is not "
                              f"supported for {config.architecture}; supported: weight")
         prefix = f"model.layers.{layer}.{moe.block}.experts."
-        out |= {f"{prefix}{x}.{names[proj]}.weight": w[x] for x in range(w.shape[0])}
+        out |= {f"{prefix}{x}.{names[proj]}.weight": w[x] for x in range(len(w))}
     return out
 
 

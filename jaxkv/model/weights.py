@@ -215,7 +215,7 @@ def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
     reader = gguf.open_gguf(path)
     if gguf.config_from_gguf(reader) != config:
         return None
-    total, kept = gguf.stored_bytes(reader, dtype_bytes)
+    total, kept = gguf.stored_bytes(reader, config, dtype_bytes)
     return (total, f"{'/'.join(kept)} blocks kept") if kept else None
 
 

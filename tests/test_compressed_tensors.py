@@ -9,6 +9,7 @@ layouts.
 """
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -89,30 +90,33 @@ def _compressor(preset):
     return BaseCompressor.load_from_registry(fmt), scheme
 
 
-def write_compressed(path, preset, seed=0):
-    """A tiny Llama (and tokenizer) at ``path`` whose Linears but lm_head are compressed by the
-    compressed-tensors package as ``PRESETS[preset]``; returns the dense torch model."""
+def write_compressed(path, preset, seed=0, kind="llama", **shape):
+    """A tiny model of ``kind`` (a Llama of ``TINY`` by default; and tokenizer) at ``path``
+    whose Linears as stored (each expert's of an MoE) but lm_head and the router are compressed
+    by the compressed-tensors package as ``PRESETS[preset]`` (llm-compressor's MoE recipes
+    ignore the router); returns the dense torch model."""
     compressor, scheme = _compressor(preset)
     import torch
     from compressed_tensors.quantization import QuantizationConfig
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     save_tokenizer(path)
-    model = save_tiny_model(path, "llama", seed=seed, **TINY)
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            w = tensors.pop(f"{name}.weight")
-            scale, zero = reference_scales(w.numpy(), PRESETS[preset][1])
-            parts = {"weight": w, "weight_scale": torch.from_numpy(scale.view(np.int16)).view(
-                torch.bfloat16)}
-            if zero is not None:
-                parts["weight_zero_point"] = torch.from_numpy(zero)
-            tensors |= {f"{name}.{k}": v.contiguous()
-                        for k, v in compressor.compress(parts, scheme).items()}
+    model = save_tiny_model(path, kind, seed=seed, **(shape or TINY))
+    tensors = load_file(path / "model.safetensors")
+    linears = [k[:-len(".weight")] for k, v in tensors.items() if v.ndim == 2 and not re.search(
+        r"embed_tokens|lm_head|norm|\.gate\.weight$", k)]
+    for name in linears:
+        w = tensors.pop(f"{name}.weight")
+        scale, zero = reference_scales(w.numpy(), PRESETS[preset][1])
+        parts = {"weight": w, "weight_scale": torch.from_numpy(scale.view(np.int16)).view(
+            torch.bfloat16)}
+        if zero is not None:
+            parts["weight_zero_point"] = torch.from_numpy(zero)
+        tensors |= {f"{name}.{k}": v.contiguous()
+                    for k, v in compressor.compress(parts, scheme).items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     qc = QuantizationConfig(config_groups={"group_0": scheme}, format=PRESETS[preset][0],
-                            ignore=["lm_head"], quantization_status="compressed")
+                            ignore=["lm_head", r"re:.*\.gate$"], quantization_status="compressed")
     qc = {**qc.model_dump(mode="json"), "quant_method": ct.METHOD}
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))

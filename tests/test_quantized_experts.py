@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -76,19 +76,32 @@ def test_a_stack_refuses_experts_of_different_formats():
         stack([quantize.quantize(ws[0], "int8"), quantize.quantize(ws[1], "int4", 32)])
 
 
-def dequantized_copy(src, dst, method: str, group: int):
-    """``dst``: the checkpoint at ``src`` with each tensor ``quantize_tensors`` quantizes
-    replaced by its dequantized values, loaded by transformers."""
+def hf_with_weights(src, dst, weights: dict):
+    """transformers' float32 model of the checkpoint at ``src`` (copied to ``dst`` without its
+    ``quantization_config``) with each Linear ``P`` of ``weights`` ({P.weight: float32}) holding
+    those values in place of what ``src`` stores for it."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
     shutil.copytree(src, dst)
-    tensors = load_file(src / "model.safetensors")
-    n = 0
-    for name, w in tensors.items():
-        if quantize.quantizable(name):
-            tensors[name] = dequantize_numpy(quantize.quantize(w, method, group))
-            n += 1
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    model = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    return model, n
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config))
+    linears = {k.rsplit(".", 1)[0] for k in weights}
+    tensors = {k: v for k, v in load_torch(src / "model.safetensors").items()
+               if k.rsplit(".", 1)[0] not in linears}
+    tensors |= {k: torch.from_numpy(np.ascontiguousarray(w)) for k, w in weights.items()}
+    save_torch(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+def dequantized_copy(src, dst, method: str, group: int):
+    """(``hf_with_weights`` of the checkpoint at ``src`` with each tensor ``quantize_tensors``
+    quantizes replaced by its dequantized values, how many)."""
+    weights = {name: dequantize_numpy(quantize.quantize(w, method, group))
+               for name, w in load_file(src / "model.safetensors").items()
+               if quantize.quantizable(name)}
+    return hf_with_weights(src, dst, weights), len(weights)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -143,6 +156,39 @@ def test_checkpoint_convert_keeps_the_experts_quantized(moe_checkpoint, tmp_path
     params = checkpoint.restore_params(out)
     leaves = jax.tree.leaves(params, is_leaf=lambda a: isinstance(a, QuantizedWeight))
     assert sum(isinstance(w, QuantizedWeight) and w.stacked for w in leaves) == len(stacked)
+
+
+# a Qwen3-MoE whose Linears (each expert's) llm-compressor would compress: K of 128 everywhere
+CT_MOE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32,
+              num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
+
+
+@pytest.mark.parametrize("preset", ["W4A16_ASYM", "FP8"])
+def test_a_compressed_tensors_moe_keeps_its_experts_codes(preset, tmp_path):
+    """Experts compressed by the compressed-tensors package (int4 with zero points in groups of
+    64, fp8 per channel): kept as stacks of the preset's codes; the engine equals transformers
+    running the package's decompression of the same file; the planner counts the bytes held."""
+    pytest.importorskip("compressed_tensors")
+    from jaxkv.model.weights import load_model_files
+    from test_compressed_tensors import PRESETS, package_weights, write_compressed
+
+    path = tmp_path / "ct"
+    write_compressed(path, preset, kind="qwen3_moe", **CT_MOE)
+    theirs = package_weights(path, preset)
+    kept = {k: w for k, w in load_model_files(path, keep_quantized=True).tensors.items()
+            if isinstance(w, QuantizedWeight)}
+    config = load_config(path)
+    experts = [k for k in kept if quantize.EXPERT.fullmatch(k)]
+    assert len(experts) == 3 * config.num_experts * 2 and len(kept) == len(theirs)
+    assert {w.qtype for w in kept.values()} == {PRESETS[preset][2]}
+    hf = hf_with_weights(path, tmp_path / "oracle", theirs)
+    assert_greedy_equals_hf(path, hf, list(range(3, 40)), 24, **ENGINE)
+    with LLM(str(path), max_model_len=64, num_gpu_blocks_override=8, max_num_seqs=1) as llm:
+        runner = llm.engine.runner
+        assert sum(w.stacked for w in jax.tree.leaves(runner.params, is_leaf=lambda a: isinstance(
+            a, QuantizedWeight)) if isinstance(w, QuantizedWeight)) == 3 * 2
+        assert runner.memory_plan.weights_bytes == sum(
+            int(a.nbytes) for a in jax.tree.leaves(runner.params))
 
 
 Q = gguf.GGMLQuantizationType

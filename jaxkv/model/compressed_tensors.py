@@ -30,7 +30,7 @@ from typing import NoReturn
 import ml_dtypes
 import numpy as np
 
-from jaxkv.model.quantize import DENSE
+from jaxkv.model.quantize import quantizable
 from jaxkv.model.quantized import BLOCK, QuantizedWeight, dequantize_numpy, pack_nibbles
 
 METHOD = "compressed-tensors"
@@ -143,8 +143,9 @@ def _matches(module: str, target: str) -> bool:
 def convert(tensors: dict, sources: dict, qc: dict, config_file: str,
             keep_quantized: bool) -> dict:
     """``tensors`` (HF names -> arrays as stored) with each quantized Linear's parts replaced by
-    ``P.weight``: a ``QuantizedWeight`` for a dense projection (``quantize.DENSE``) with
-    ``keep_quantized``, else float32 [O, I] (its dequantized values); activation scales
+    ``P.weight``: a ``QuantizedWeight`` for a dense projection or an expert
+    (``quantize.quantizable``) with ``keep_quantized``, else float32 [O, I] (its dequantized
+    values); activation scales
     (``input_scale``) dropped. ``sources``: the file of each tensor, for messages.
 
     Raises:
@@ -161,7 +162,7 @@ def convert(tensors: dict, sources: dict, qc: dict, config_file: str,
             raise ValueError(f"{source}: {prefix}.weight_scale: no config group of "
                              f"{config_file} quantizes {prefix!r}")
         w = to_quantized(prefix, tensors, scheme, source)
-        out[name] = w if keep_quantized and DENSE.fullmatch(name) else dequantize_numpy(w)
+        out[name] = w if keep_quantized and quantizable(name) else dequantize_numpy(w)
     return out
 
 

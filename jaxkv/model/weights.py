@@ -20,6 +20,7 @@ from jaxkv.model import safetensors_loader, store
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.quantization import BLOCK
+from jaxkv.model.quantize import quantizable
 from jaxkv.model.tokenizer import Tokenizer
 
 # Buffers some HF checkpoints carry that are recomputed, never loaded.
@@ -161,7 +162,7 @@ def load_gguf(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
 
 def load_hf_dir(path: str | Path, *, keep_quantized: bool = False) -> LoadedModel:
     """Loads an HF transformers directory (``config.json``, safetensors, ``tokenizer.json``);
-    ``keep_quantized``: a compressed-tensors checkpoint's dense projections as
+    ``keep_quantized``: a compressed-tensors checkpoint's dense projections and experts as
     ``QuantizedWeight``."""
     config = safetensors_loader.read_hf_config(path)
     tensors = check_tensors(safetensors_loader.read_hf_tensors(path, keep_quantized=keep_quantized),
@@ -175,9 +176,9 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
     Args:
       path_or_name: ``*.gguf`` file; directory with ``config.json``; or a name from the local
         store (e.g. ``store.DEFAULT_MODEL``, downloaded on first use).
-      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights stay in their blocks (Q4_K /
-        Q6_K repacked), a
-        compressed-tensors checkpoint's dense projections in its codes
+      keep_quantized: a GGUF's dense Q8_0 / Q4_0 / Q4_1 weights (and experts) stay in their
+        blocks (Q4_K / Q6_K repacked), a compressed-tensors checkpoint's dense projections and
+        experts in its codes
         (``jaxkv.model.quantized.QuantizedWeight``, ``[out, in]``); no effect on float files.
 
     Returns:
@@ -202,10 +203,10 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
 def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
                          dtype_bytes: int) -> tuple[int, str] | None:
     """(bytes, what they are in words) of a model's params when a GGUF's dense Q8_0 / Q4_0 /
-    Q4_1 weights stay in their blocks, or a compressed-tensors checkpoint's dense projections
-    in its codes (``load_model_files(keep_quantized=True)``), and every other tensor is in a
-    dtype of ``dtype_bytes``; None when nothing would stay quantized, or when ``path_or_name``
-    is not the model ``config`` was read from (no tensor is loaded)."""
+    Q4_1 weights (and experts) stay in their blocks, or a compressed-tensors checkpoint's dense
+    projections and experts in its codes (``load_model_files(keep_quantized=True)``), and every
+    other tensor is in a dtype of ``dtype_bytes``; None when nothing would stay quantized, or
+    when ``path_or_name`` is not the model ``config`` was read from (no tensor is loaded)."""
     path = store.resolve(path_or_name)
     if path.is_dir() and (path / "config.json").is_file():
         return _compressed_tensors_bytes(path, config, dtype_bytes)
@@ -221,8 +222,8 @@ def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
 
 def _compressed_tensors_bytes(path: Path, config: ModelConfig,
                               dtype_bytes: int) -> tuple[int, str] | None:
-    """``stored_weights_bytes`` of an HF directory: its config's quantized dense projections
-    (``compressed_tensors.scheme_of``) as ``compressed_tensors.nbytes``, None if none."""
+    """``stored_weights_bytes`` of an HF directory: its config's quantized dense projections and
+    experts (``compressed_tensors.scheme_of``) as ``compressed_tensors.nbytes``, None if none."""
     schemes = _kept_schemes(path, config)
     if not schemes:
         return None
@@ -234,22 +235,23 @@ def _compressed_tensors_bytes(path: Path, config: ModelConfig,
 
 
 def _kept_schemes(path: Path, config: ModelConfig) -> dict[str, ct.Scheme]:
-    """{HF weight name: its scheme} of the dense projections a compressed-tensors checkpoint at
-    ``path`` keeps quantized; empty for any other directory or one not of ``config``."""
+    """{HF weight name: its scheme} of the projections and experts a compressed-tensors
+    checkpoint at ``path`` keeps quantized; empty for any other directory or one not of
+    ``config``."""
     file = path / "config.json"
     qc = json.loads(file.read_text(encoding="utf-8")).get("quantization_config") or {}
     if (qc.get("quant_method") != ct.METHOD
             or safetensors_loader.read_hf_config(path) != config):
         return {}
     schemes, ignore = ct.read_config(qc, str(file))
-    kept = {name: ct.DENSE.fullmatch(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes,
-                                                             ignore)
+    kept = {name: quantizable(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes, ignore)
             for name in expected_shapes(config)}
     return {name: s for name, s in kept.items() if s}
 
 
 def kept_k_group(path_or_name: str | Path, config: ModelConfig) -> int | None:
-    """The widest scale group along K of the row-parallel projections (o_proj, down_proj) that
+    """The widest scale group along K of the row-parallel projections (o_proj, down_proj, an
+    expert's down) that
     ``load_model_files(keep_quantized=True)`` keeps quantized, what a tensor-parallel split of
     K must not cut: a GGUF's 32-value blocks (Q4_K and Q6_K repacked in groups of 32 and 16), a
     compressed-tensors checkpoint's group or block width; None for a scale per row, or
@@ -259,8 +261,10 @@ def kept_k_group(path_or_name: str | Path, config: ModelConfig) -> int | None:
         return BLOCK
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
+    moe = ARCHITECTURES[config.architecture].moe
+    down = (f".{moe.down}.weight",) if moe and moe.down else ()      # an expert's (Mixtral: w2)
     groups = [s.group for name, s in _kept_schemes(path, config).items()
-              if name.endswith(("o_proj.weight", "down_proj.weight")) and s.group]
+              if name.endswith(("o_proj.weight", "down_proj.weight", *down)) and s.group]
     return max(groups, default=None)
 
 

@@ -31,8 +31,8 @@ bit-exact as one rounding of the same product: 10 bits a weight (1.25 bytes; Q6_
 the model reads a linear weight as ``[K..., N...]`` (``linear.linear``) and the embedding as
 ``[V, E]`` = ``[N, K]`` (``rows``, ``linear.linear_t``). A mixture's X experts are one stack
 (``stack``): each array gains a leading axis (qs [X, N, K...], d and m [X, N, G]) and the
-shape is the experts' ``[X, K, N]``; ``expert(g)`` is one of them. The arrays are numpy at load and jax
-arrays in the params; the class is a pytree whose leaves are the arrays.
+shape is the experts' ``[X, K, N]``; ``expert(g)`` is one of them. The arrays are numpy at
+load and jax arrays in the params; the class is a pytree whose leaves are the arrays.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What one tensor-parallel device holds of each checkpoint tensor, by name and shape (no
-jax: the planner counts weights with it, ``sharding`` places them by the same rule): k/v heads
-repeated up to the degree, row-parallel projections split along K, the rest along their
-rows, norms, routers and an MLA model's latent down-projections whole."""
+"""What one tensor-parallel device holds of each checkpoint tensor, by name and shape (the
+planner counts weights with it, ``sharding`` places them by the same rule): k/v heads repeated
+up to the degree, row-parallel projections split along K, the rest along their rows, norms,
+routers and an MLA model's latent down-projections whole."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def device_tensor_shapes(config: ModelConfig, tensor_parallel_size: int) -> dict
     anything else as its 1/tp share (as ``memory_plan.weights_bytes`` counts it)."""
     t = tensor_parallel_size
     moe = ARCHITECTURES[config.architecture].moe
-    down = re.compile(rf"(o_proj|down_proj|experts\.\d+\.{moe.down if moe else 'down_proj'})"
+    down = re.compile(rf"(o_proj|down_proj|experts\.\d+\.{(moe and moe.down) or 'down_proj'})"
                       r"\.weight$")
     router = moe and re.compile(rf"\.{moe.block}\.{moe.router}\.(weight|bias)$")
     out = {}

@@ -5,6 +5,7 @@ Design notes: docs/runtime.md."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -139,8 +140,7 @@ def num_parameters(config: ModelConfig) -> int:
     """Exact parameter count: the elements of every tensor of the model's checkpoint
     (``weights.expected_shapes``: the embedding, each layer's attention, dense MLP or router
     and experts, norms and biases, the LM head unless tied to the embedding)."""
-    from jaxkv.model.weights import expected_shapes
-    return sum(math.prod(shape) for shape in expected_shapes(config).values())
+    return _device_elements(config, 1)
 
 
 def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_size: int = 1) -> int:
@@ -149,11 +149,17 @@ def weights_bytes(config: ModelConfig, dtype: str = "float32", tensor_parallel_s
     k/v heads repeated up to the degree; norms, routers and an MLA model's latent
     down-projections whole; the rest split)."""
     check_model_dtype(dtype)
-    if tensor_parallel_size == 1:
-        return num_parameters(config) * WEIGHT_DTYPES[dtype]
+    return _device_elements(config, tensor_parallel_size) * WEIGHT_DTYPES[dtype]
+
+
+@functools.lru_cache(maxsize=64)
+def _device_elements(config: ModelConfig, tensor_parallel_size: int) -> int:
+    """Elements of the checkpoint's tensors one of ``tensor_parallel_size`` devices holds
+    (cached: a plan's levers ask for them hundreds of times, and DeepSeek-V3 names 47K
+    tensors)."""
     from jaxkv.runner.device_shares import device_tensor_shapes
     shapes = device_tensor_shapes(config, tensor_parallel_size)
-    return WEIGHT_DTYPES[dtype] * sum(math.prod(s) for s in shapes.values())
+    return sum(math.prod(s) for s in shapes.values())
 
 
 def activation_bytes_estimate(config: ModelConfig, *, dtype: str = "float32",

@@ -483,8 +483,10 @@ def _quantized_param(ws: list[QuantizedWeight], path: tuple, want: tuple, name: 
     (several names) stacked as [X, in, out] (``quantized.stack``)."""
     w = ws[0] if len(ws) == 1 else stack(ws)
     q = dataclasses.replace(w, shape=tuple(want))
-    if len(ws) > 1 or path == ("embed_tokens",):
-        ok = want == (w.shape if len(ws) > 1 else (w.rows, w.cols))
+    if len(ws) > 1:
+        ok = want == w.shape
+    elif path == ("embed_tokens",):
+        ok = want == (w.rows, w.cols)
     else:
         try:
             ok = bool(q.out_shape())

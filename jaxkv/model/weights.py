@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes = {k: v for k, v in shapes.items() if not k.startswith(p + "mlp.")}
             shapes |= _moe_shapes(config, p)
     return shapes
+
+
+def row_parallel(name: str, config: ModelConfig) -> bool:
+    """Whether the tensor of HF name ``name`` of ``config``'s model splits along K (its input)
+    under tensor parallelism: o_proj, a dense or shared down_proj, an expert's down (Mixtral's
+    w2)."""
+    moe = ARCHITECTURES[config.architecture].moe
+    down = (moe and moe.down) or "down_proj"
+    return re.search(rf"(o_proj|down_proj|experts\.\d+\.{down})\.weight$", name) is not None
 
 
 def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -261,10 +271,8 @@ def kept_k_group(path_or_name: str | Path, config: ModelConfig) -> int | None:
         return BLOCK
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
-    moe = ARCHITECTURES[config.architecture].moe
-    down = (f".{moe.down}.weight",) if moe and moe.down else ()      # an expert's (Mixtral: w2)
     groups = [s.group for name, s in _kept_schemes(path, config).items()
-              if name.endswith(("o_proj.weight", "down_proj.weight", *down)) and s.group]
+              if row_parallel(name, config) and s.group]
     return max(groups, default=None)
 
 

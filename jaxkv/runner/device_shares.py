@@ -12,7 +12,7 @@ import re
 from jaxkv.model import deepseek_names, quantize
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
-from jaxkv.model.weights import expected_shapes
+from jaxkv.model.weights import expected_shapes, row_parallel
 
 
 def kv_replication(config: ModelConfig, tensor_parallel_size: int) -> int:
@@ -35,15 +35,13 @@ def device_tensor_shapes(config: ModelConfig, tensor_parallel_size: int) -> dict
     anything else as its 1/tp share (as ``memory_plan.weights_bytes`` counts it)."""
     t = tensor_parallel_size
     moe = ARCHITECTURES[config.architecture].moe
-    down = re.compile(rf"(o_proj|down_proj|experts\.\d+\.{(moe and moe.down) or 'down_proj'})"
-                      r"\.weight$")
     router = moe and re.compile(rf"\.{moe.block}\.{moe.router}\.(weight|bias)$")
     out = {}
     for name, shape in expected_shapes(tp_config(config, t)).items():
         if (t == 1 or "norm" in name or (config.mla and deepseek_names.replicated(name))
                 or (router and router.search(name))):
             out[name] = shape
-        elif down.search(name) and len(shape) == 2:
+        elif row_parallel(name, config) and len(shape) == 2:
             out[name] = (shape[0], -(-shape[1] // t))
         elif re.search(r"(_proj|embed_tokens|lm_head)\.(weight|bias)$", name) or (
                 quantize.EXPERT.fullmatch(name)):

@@ -88,9 +88,9 @@ Sections, in the order they run:
       each kernel vs ``mla_attention_reference`` over its own pool;
   (g) quantized weights (issue 51): the Pallas ``quantized_matmul`` over square Q8_0 and Q4_1
       weights (GGUF's blocks), Q4_K and Q6_K as jaxkv keeps them (Q4_1 codes, an f32 scale and
-      minimum per 32; Q8_0 codes, an f32 scale per 16), int4 in groups of 128 and fp8 per
-      channel (made at load) of 4096 and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and
-      64 rows,
+      minimum per 32; Q8_0 codes, an f32 scale per 16), MXFP4 (gpt-oss's experts: e2m1 codes,
+      an E8M0 byte per 32), int4 in groups of 128 and fp8 per channel (made at load) of 4096
+      and 8192 (Llama-3-8B's and -70B's q/o_proj) at 1, 8 and 64 rows,
       bf16 activations: ms, GB/s over the stored bytes, fraction of copy; XLA's bf16 product
       with the dequantized weight beside it; the output vs float32 dequantize-then-dot;
   (e) host KV offload (issue 14): HostKVPool D2H/H2D GB/s of 2 MiB all-layer blocks (8B-class),
@@ -110,8 +110,8 @@ until 432, offload before 430, sweep rows until 440 (full only). The report coun
 each guard dropped.
 
 Time estimate (no device has run this yet: from the structure, and compile times measured
-deviceless here). The full run has 417 executables: (a) 84 (41 kernel checks, 35 references, 8
-Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 26, (g) 114 (6
+deviceless here). The full run has 435 executables: (a) 84 (41 kernel checks, 35 references, 8
+Quest selections), (b)+(b2) 88 timing loops, (c) 5, (b3) 47, (b4) 16, (b5) 26, (g) 132 (7
 formats x 2 sizes x 3 batches: the kernel's check and timing loop and the reference, + 6 bf16
 timing loops), (d) 36, the copy 1 (the estimate below predates (g) and (b5)). Their
 deviceless compile for an H100 (jax 0.11.2) took 1348 s summed, 4.9 s each, on 2 shared cores
@@ -245,7 +245,7 @@ class Settings:
     mla_latent: tuple[int, int] = (512, 64)       # (Lkv, R)
     weight_sizes: tuple[int, ...] = ()            # (g): square [K, K] weights
     weight_batches: tuple[int, ...] = (1, 8, 64)
-    weight_formats: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_K", "Q6_K", "int4-g128",
+    weight_formats: tuple[str, ...] = ("Q8_0", "Q4_1", "Q4_K", "Q6_K", "MXFP4", "int4-g128",
                                        "fp8")             # WEIGHT_FORMATS
     offload_layers: int = 32       # (e): the block geometry moved to and from the host
     offload_kv_heads: int = 8
@@ -1192,15 +1192,16 @@ def bench_weights(run: Run) -> list[dict]:
 
 # (g)'s formats: (qtype, values per scale (0: per output channel), the scales' dtype); GGUF's
 # Q4_K and Q6_K as jaxkv keeps them (jaxkv/model/quantized.py: Q4_1 codes with float32 scales
-# and minima per 32, Q8_0 codes with a float32 scale per 16)
+# and minima per 32, Q8_0 codes with a float32 scale per 16); MXFP4's scales E8M0 bytes
 WEIGHT_FORMATS = {"Q8_0": ("Q8_0", 32, jnp.float16), "Q4_1": ("Q4_1", 32, jnp.float16),
                   "Q4_K": ("Q4_1", 32, jnp.float32), "Q6_K": ("Q8_0", 16, jnp.float32),
+                  "MXFP4": ("MXFP4", 32, jnp.uint8),
                   "int4-g128": ("Q4_1", 128, jnp.float16), "fp8": ("F8_E4M3", 0, jnp.float16)}
 
 
 def random_blocks(K: int, fmt: str) -> QuantizedWeight:
     """A [K, K] weight of ``WEIGHT_FORMATS[fmt]``: random codes (fp8: bytes with bit 3 clear,
-    never NaN), scales ~1e-2 and (Q4_1, Q4_K) minimums, on the device."""
+    never NaN), scales ~1e-2 (MXFP4: 2^-9 .. 2^-5) and (Q4_1, Q4_K) minimums, on the device."""
     qtype, group, scale_dtype = WEIGHT_FORMATS[fmt]
     group = group or K
     kq, kd, km = jax.random.split(jax.random.key(K), 3)
@@ -1212,6 +1213,8 @@ def random_blocks(K: int, fmt: str) -> QuantizedWeight:
     else:
         qs = jax.random.randint(kq, (K, K // 2), 0, 256).astype(jnp.uint8)
     d = (jax.random.uniform(kd, (K, -(-K // group))) * 0.02).astype(scale_dtype)
+    if qtype == "MXFP4":
+        d = jax.random.randint(kd, d.shape, 118, 123).astype(jnp.uint8)
     m = (jax.random.normal(km, d.shape) * 0.01).astype(scale_dtype)
     return QuantizedWeight(qs, d, m if qtype == "Q4_1" else None, qtype, (K, K), group)
 

@@ -6,6 +6,8 @@ at once, for each ``quantization`` (jaxkv.runner.model_runner.plan_memory: no we
 
 The shapes are the models' HF config.json fields (written to a temporary directory); the
 default model's row reads its GGUF's metadata. bf16 weights and KV cache (the GPU default).
+gpt-oss ships its experts in MXFP4: as stored (``quantization=None``) they stay in their codes,
+``"none"`` de-quantizes them to bf16 (the methods quantize dense projections, not its stacks).
 """
 
 from __future__ import annotations
@@ -53,16 +55,32 @@ CONFIGS = {      # the fields of each model's config.json on the Hub
                           rope_theta=1000000.0, vocab_size=151936, tie_word_embeddings=False,
                           max_position_embeddings=40960),
 }
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_act="silu",
+                hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=64, num_experts_per_tok=4, vocab_size=201088,
+                rms_norm_eps=1e-5, rope_theta=150000.0, sliding_window=128,
+                rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                  truncate=False, original_max_position_embeddings=4096),
+                max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0,
+                tie_word_embeddings=False, quantization_config=dict(
+                    quant_method="mxfp4", modules_to_not_convert=[
+                        "model.layers.*.self_attn", "model.layers.*.mlp.router",
+                        "model.embed_tokens", "lm_head"]))
+for _name, _layers, _experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+    CONFIGS[_name] = {**_GPT_OSS, "num_hidden_layers": _layers, "num_local_experts": _experts,
+                      "layer_types": ["sliding_attention", "full_attention"] * (_layers // 2)}
 MODES = (("none", 128), ("int8", 128), ("fp8", 128), ("int4", 128))
+MXFP4_MODES = ((None, 32), ("none", 128))      # an MXFP4 checkpoint: as stored, de-quantized
 
 
-def row(name: str, model: str, mode: str, group: int, a) -> str:
+def row(name: str, model: str, mode: str | None, group: int, a) -> str:
     engine = EngineConfig.from_kwargs(
         model=model, dtype="bfloat16", kv_cache_dtype="auto", quantization=mode,
         quantization_group_size=group, max_model_len=a.max_model_len, max_num_seqs=1024)
     p = plan_memory(engine, load_config(model), device_memory_bytes=a.device_memory)
     seqs = p.num_usable_blocks // p.blocks_per_seq if p.runs else 0
-    label = f"{mode} (g{group})" if mode == "int4" else mode
+    label = (f"{mode} (g{group})" if mode == "int4" else mode if mode
+             else "None (MXFP4 experts kept)")
     return (f"| {name} | {label} | {format_bytes(p.weights_bytes)} | "
             f"{format_bytes(p.kv_cache_bytes) if p.runs else 'does not fit'} | "
             f"{p.max_num_tokens if p.runs else 0:,} | {seqs} |")
@@ -79,10 +97,10 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, fields in CONFIGS.items():
-            path = Path(tmp) / name / "config.json"
-            path.parent.mkdir()
-            path.write_text(json.dumps(fields))
-            for mode, group in MODES:
+            path = Path(tmp) / name
+            path.mkdir()
+            (path / "config.json").write_text(json.dumps(fields))
+            for mode, group in MXFP4_MODES if "quantization_config" in fields else MODES:
                 print(row(name, str(path), mode, group, a))
 
 

@@ -181,7 +181,7 @@ def gguf_tensors(tensors, cfg, family):
 
 def write_gguf(hf_dir, family, out, qtypes=None):
     """``hf_dir``'s checkpoint as llama.cpp's converter writes it: F32 tensors, or those named
-    ``blk.{i}.{part}.*`` in ``qtypes[part]`` (quantized by the ``gguf`` package)."""
+    ``blk.{i}.{part}.weight`` in ``qtypes[part]`` (quantized by the ``gguf`` package)."""
     from safetensors.numpy import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -191,7 +191,8 @@ def write_gguf(hf_dir, family, out, qtypes=None):
     tensors = gguf_tensors(load_file(hf_dir / "model.safetensors"), cfg, family)
     for name, t in sorted(tensors.items()):
         t = np.ascontiguousarray(t, dtype=np.float32)
-        qtype = (qtypes or {}).get(name.split(".")[2] if name.startswith("blk.") else None)
+        part = name.split(".")[2] if name.startswith("blk.") and name.endswith(".weight") else None
+        qtype = (qtypes or {}).get(part)
         if qtype is None:
             w.add_tensor(name, t)
         else:

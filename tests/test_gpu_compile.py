@@ -750,11 +750,11 @@ def quantized_param_shapes(config, method: str, group: int) -> dict:
     """``param_shapes(config)`` in bf16 with the dense projections (and an MoE's experts) as
     abstract ``QuantizedWeight``s of ``method`` (what ``quantization=`` loads): [N, K] codes
     (a stack of experts [X, N, K]), f16 scales (and int4's minima), K the axes a projection
-    contracts."""
+    contracts; ``"mxfp4"``: only the experts, with E8M0 scales (an MXFP4 checkpoint's)."""
     from jaxkv.model.llama import param_shapes
     from jaxkv.model.quantized import QuantizedWeight
 
-    qtype = {"int8": "Q8_0", "fp8": "F8_E4M3", "int4": "Q4_1"}[method]
+    qtype = {"int8": "Q8_0", "fp8": "F8_E4M3", "int4": "Q4_1", "mxfp4": "MXFP4"}[method]
 
     def leaf(path, a):
         name = path[-1].key
@@ -763,12 +763,15 @@ def quantized_param_shapes(config, method: str, group: int) -> dict:
         if contracted is None:
             return a
         stack = a.shape[:1] if config.num_experts and path[-2].key == "mlp" else ()
+        if method == "mxfp4" and not stack:
+            return a
         shape = a.shape[len(stack):]
         K, N = math.prod(shape[:contracted]), math.prod(shape[contracted:])
-        g = group if method == "int4" else K
+        g = group if method in ("int4", "mxfp4") else K
         codes = {"Q8_0": (K, jnp.int8), "F8_E4M3": (K, jnp.float8_e4m3fn)}.get(
             qtype, (K // 2, jnp.uint8))
-        d = jax.ShapeDtypeStruct((*stack, N, -(-K // g)), jnp.float16)
+        d = jax.ShapeDtypeStruct((*stack, N, -(-K // g)),
+                                 jnp.uint8 if method == "mxfp4" else jnp.float16)
         return QuantizedWeight(jax.ShapeDtypeStruct((*stack, N, codes[0]), codes[1]), d,
                                d if qtype == "Q4_1" else None, qtype, a.shape, g)
 
@@ -848,23 +851,29 @@ def test_moe_engine_step_with_quantized_experts_compiles_for_h100(tmp_path, monk
         assert shape not in hlo, shape
 
 
-def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
-    """A gpt-oss-20b-shaped step (a sliding layer with window 128 and a full one, learned
-    sinks, biases, 32 experts top 4 with the clamped SwiGLU, YaRN) over a hybrid cache (two
-    groups overlaying one pool slot) compiles deviceless for an H100: each layer's ragged
-    kernel (the sinks come from its lse) and three grouped matmuls, no spills."""
-    from jaxkv.config.kv_groups import KVGroups
+def gpt_oss_20b(num_layers: int = 2):
+    """gpt-oss-20b's ``ModelConfig`` (a sliding layer with window 128, then a full one)."""
     from jaxkv.model.config import ModelConfig, RopeScaling
 
-    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
-    config = ModelConfig(
-        architecture="gpt_oss", num_layers=2, vocab_size=201088, hidden_size=2880,
+    return ModelConfig(
+        architecture="gpt_oss", num_layers=num_layers, vocab_size=201088, hidden_size=2880,
         intermediate_size=2880, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
         rope_theta=150000.0, rope_scaling=RopeScaling(
             rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
             truncate=False), max_position_embeddings=131072, attention_bias=True,
         attention_sinks=True, num_experts=32, num_experts_per_tok=4, swiglu_limit=7.0,
         sliding_window=128, layer_types=("sliding_attention", "full_attention"))
+
+
+def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
+    """A gpt-oss-20b-shaped step (a sliding layer with window 128 and a full one, learned
+    sinks, biases, 32 experts top 4 with the clamped SwiGLU, YaRN) over a hybrid cache (two
+    groups overlaying one pool slot) compiles deviceless for an H100: each layer's ragged
+    kernel (the sinks come from its lse) and three grouped matmuls, no spills."""
+    from jaxkv.config.kv_groups import KVGroups
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    config = gpt_oss_20b()
     groups = KVGroups.of_model(config)
     assert groups.windows == (None, 128) and groups.num_slots(2) == 1
     step, args, _ = engine_step_args(config, "bf16", 256, 16, context=4096, kv_groups=groups)
@@ -874,6 +883,30 @@ def test_gpt_oss_hybrid_engine_step_compiles_for_h100(tmp_path, monkeypatch):
     assert names.count("jaxkv_ragged_paged_attention") == config.num_layers, names
     for k in kernels:
         assert k.spill_stores == k.spill_loads == 0, k
+
+
+def test_gpt_oss_step_with_mxfp4_experts_compiles_for_h100(tmp_path, monkeypatch):
+    """gpt-oss-20b's decode step with its experts kept MXFP4 as shipped (jaxkv/model/mxfp4.py)
+    traced as on a GPU: each used tile of experts one ``quantized_matmul`` launch (gate, up,
+    down: 3 a layer; the attention's projections bf16 dots), no spills, no bf16 copy of an
+    expert stack."""
+    from jaxkv.config.kv_groups import KVGroups
+    from jaxkv.model import linear
+
+    monkeypatch.setenv("JAXKV_CPU_KERNELS", "0")
+    monkeypatch.setattr(linear, "on_gpu", lambda: True)     # the target's branch, traced here
+    config = gpt_oss_20b()
+    step, args, _ = engine_step_args(config, "bf16", 16, 16, context=4096,
+                                     kv_groups=KVGroups.of_model(config))
+    args = (quantized_param_shapes(config, "mxfp4", 32), *args[1:])
+    kernels, _, compiled = compile_for(H100, step, args, tmp_path, with_compiled=True,
+                                       static={"num_logprobs": 0, "decode_only": True})
+    names = [k.name.split("__")[0] for k in kernels]
+    assert names.count("jaxkv_quantized_matmul") == 3 * config.num_layers, names
+    assert "jaxkv_grouped_matmul" not in names
+    for k in kernels:
+        assert (k.spill_stores, k.spill_loads) == (0, 0), k
+    assert "bf16[32,2880,2880]" not in compiled.as_text()
 
 
 # --------------------------------------------------------------------------------------------
@@ -895,6 +928,7 @@ QUANT_FORMATS = {   # (qtype, values per scale (0: per output channel), the scal
     "Q4_K": ("Q4_1", 32, jnp.float32), "Q6_K": ("Q8_0", 16, jnp.float32),  # GGUF's, repacked
     "int8": ("Q8_0", 0, jnp.float16), "fp8": ("F8_E4M3", 0, jnp.float16),   # made at load
     "int4-g128": ("Q4_1", 128, jnp.float16),
+    "mxfp4": ("MXFP4", 32, jnp.uint8),                                      # gpt-oss's experts
 }
 
 
@@ -903,7 +937,8 @@ QUANT_FORMATS = {   # (qtype, values per scale (0: per output channel), the scal
 def test_quantized_matmul_compiles_for_h100(case_id, fmt, tmp_path):
     """The Pallas matmul over quantized weights (bf16 activations), GGUF's blocks (Q4_K
     repacked as Q4_1 with float32 scales and minima, Q6_K as Q8_0 codes in groups of 16 with
-    float32 scales, jaxkv/model/quantized.py) and the formats ``quantization=`` makes at load:
+    float32 scales, jaxkv/model/quantized.py), MXFP4 (E8M0 scales) and the formats
+    ``quantization=`` makes at load:
     one launch of row tiles x column tiles, within shared memory, no spills."""
     from jaxkv.model.quantized import QuantizedWeight
     from jaxkv.model.quantized_matmul import quantized_matmul

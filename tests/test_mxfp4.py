@@ -1,17 +1,25 @@
-"""MXFP4 checkpoints (gpt-oss's experts as shipped), de-quantized at load: the decoder against
-transformers' own (``convert_moe_packed_tensors``), and a tiny gpt-oss whose experts are
-MXFP4 through the engine against transformers loading the same directory with
-``Mxfp4Config(dequantize=True)`` (fp32, greedy tokens and logprobs)."""
+"""MXFP4 checkpoints (gpt-oss's experts as shipped), kept in their codes or de-quantized at
+load: the decoder against transformers' own (``convert_moe_packed_tensors``), the kept stacks
+bit-exact to it and the CPU kernel's product against a float64 one, and a tiny gpt-oss whose
+experts are MXFP4 through the engine, kept and de-quantized, against transformers loading the
+same directory with ``Mxfp4Config(dequantize=True)`` (fp32, greedy tokens and logprobs).
+tests/test_pallas_quantized_matmul.py checks the GPU kernel, tests/test_gpu_compile.py
+compiles it."""
 
 import json
+import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxkv.model import mxfp4  # noqa: E402
+from jaxkv import LLM, SamplingParams, cpu_kernels  # noqa: E402
+from jaxkv.model import mxfp4, quantized  # noqa: E402
+from jaxkv.model.quantized import QuantizedWeight  # noqa: E402
 from jaxkv.model.weights import load_model_files  # noqa: E402
 from tiny_models import (  # noqa: E402
     assert_greedy_equals_hf, austen_text, save_tiny_model, save_tokenizer)
@@ -35,10 +43,37 @@ def test_dequantize_equals_transformers():
     blocks, scales = _random_packed((3, 40, 96), seed=1)
     scales[0, 0, 0], scales[1, 2, 1] = 0, 255          # the extreme exponents, too
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).numpy()   # [X, in, out]
-    got = mxfp4.dequantize_checkpoint({"w_blocks": blocks.numpy(), "w_scales": scales.numpy()},
+    got = mxfp4.convert_checkpoint({"w_blocks": blocks.numpy(), "w_scales": scales.numpy()},
                                       "test")["w"]
     assert got.shape == want.shape == (3, 96, 40)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_kept_stack_is_bit_exact_and_the_kernel_equals_the_product(rows):
+    """``mxfp4.keep``'s codes and E8M0 scales dequantize (numpy and jax) to exactly the
+    decoder's values, expert by expert; the C++ kernel's product (few rows in registers, 40
+    through a dequantized panel) equals a float64 product within rtol 1e-5. Scales 2^-125 ..
+    2^8: XLA flushes a subnormal product to zero, the smallest exponents (0, 1) make them."""
+    blocks, scales = _random_packed((2, 48, 160), seed=rows)
+    scales[0, 0, 0], scales[1, 3, 4] = 2, 135
+    blocks, scales = blocks.numpy(), scales.numpy()
+    w = mxfp4.keep(blocks, scales)
+    assert (w.qtype, w.shape, w.group, w.qs.shape, w.d.dtype) == (
+        "MXFP4", (2, 160, 48), 32, (2, 48, 80), np.uint8)
+    assert w.nbytes == mxfp4.nbytes(w.shape) == 2 * 48 * (80 + 5)
+    want = mxfp4.dequantize(blocks, scales)                        # [X, out, in]
+    x = np.random.default_rng(rows).normal(size=(rows, 160)).astype(np.float32)
+    for g in range(2):
+        e = w.expert(g)
+        np.testing.assert_array_equal(quantized.dequantize_numpy(e), want[g])
+        on_device = jax.tree.map(jnp.asarray, e)
+        np.testing.assert_array_equal(np.asarray(quantized.dequantize(on_device)), want[g])
+        if cpu_kernels.native():
+            (got,) = cpu_kernels.quant_matmuls(jnp.asarray(x), [on_device])
+            ref = x.astype(np.float64) @ want[g].T.astype(np.float64)
+            np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5,
+                                       atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +101,42 @@ def gpt_oss_mxfp4(tmp_path_factory):
     return path
 
 
-def test_mxfp4_gpt_oss_equals_transformers(gpt_oss_mxfp4):
-    """jaxkv's engine (hybrid cache, chunked prefill) on the MXFP4 directory gives the greedy
-    tokens and logprobs of transformers de-quantizing the same files."""
+@pytest.mark.parametrize("quantization", [None, "none"])
+def test_mxfp4_gpt_oss_equals_transformers(gpt_oss_mxfp4, quantization):
+    """jaxkv's engine (hybrid cache, chunked prefill) on the MXFP4 directory, its experts kept
+    (as stored, the default) or de-quantized, gives the greedy tokens and logprobs of
+    transformers de-quantizing the same files."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         gpt_oss_mxfp4, quantization_config=transformers.Mxfp4Config(dequantize=True),
         dtype=torch.float32).eval()
     prompt = transformers.AutoTokenizer.from_pretrained(gpt_oss_mxfp4)(austen_text(3000)).input_ids
-    assert_greedy_equals_hf(gpt_oss_mxfp4, hf, prompt[:70], NEW_TOKENS, **ENGINE)
+    assert_greedy_equals_hf(gpt_oss_mxfp4, hf, prompt[:70], NEW_TOKENS, quantization=quantization,
+                            **ENGINE)
+
+
+def test_kept_experts_are_mxfp4_stacks_the_planner_counts(gpt_oss_mxfp4):
+    """As stored, each layer's gate, up and down are MXFP4 stacks (gate and up the interleaved
+    rows of gate_up_proj), and the planner's weights are the bytes the engine holds, below the
+    de-quantized engine's."""
+    held = {}
+    for mode in (None, "none"):
+        with LLM(str(gpt_oss_mxfp4), quantization=mode, **ENGINE) as llm:
+            runner = llm.engine.runner
+            kept = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda a: isinstance(
+                a, QuantizedWeight)) if isinstance(w, QuantizedWeight)]
+            held[mode] = sum(int(a.nbytes) for a in jax.tree.leaves(runner.params))
+            assert runner.memory_plan.weights_bytes == held[mode]
+            if mode is None:
+                mlp = runner.params["layers"][0]["mlp"]
+                up_codes = np.asarray(mlp["up_proj"].qs)
+                assert "MXFP4 experts kept" in runner.memory_plan.weights_format
+        assert len(kept) == (9 if mode is None else 0)
+    assert {(w.qtype, w.shape, w.group) for w in [mlp["gate_proj"], mlp["up_proj"],
+                                                  mlp["down_proj"]]} == {("MXFP4", (6, 64, 64), 32)}
+    tensors = load_model_files(gpt_oss_mxfp4, keep_quantized=True).tensors
+    gate_up = tensors["model.layers.0.mlp.experts.gate_up_proj"]      # rows: gate, up, gate...
+    np.testing.assert_array_equal(up_codes, gate_up.qs[:, 1::2])
+    assert held[None] < held["none"]
 
 
 def test_bad_quantized_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):
@@ -86,6 +149,37 @@ def test_bad_quantized_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):
     with pytest.raises(ValueError, match="quantization_config.quant_method='awq' is not supported"):
         load_model_files(tmp_path)
     with pytest.raises(ValueError, match="'w' needs both w_blocks and w_scales"):
-        mxfp4.dequantize_checkpoint({"w_blocks": np.zeros((1, 2, 1, 16), np.uint8)}, "test")
+        mxfp4.convert_checkpoint({"w_blocks": np.zeros((1, 2, 1, 16), np.uint8)}, "test")
     with pytest.raises(ValueError, match="do not match scales"):
         mxfp4.dequantize(np.zeros((2, 1, 16), np.uint8), np.zeros((2, 2), np.uint8))
+
+
+def _tp_run(path: str, tp: int) -> dict:
+    """Greedy tokens, logprobs and layer 0's stacks' shard shapes of one engine at ``tp``."""
+    from tp_runner import quantized_run
+
+    with LLM(path, tensor_parallel_size=tp, **{**ENGINE, "token_buckets": (32,)}) as llm:
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+        done = [o.outputs[0] for o in llm.generate(["Emma Woodhouse, handsome,", "and rich"], sp,
+                                                   use_tqdm=False)]
+        mlp = llm.engine.runner.params["layers"][0]["mlp"]
+        return quantized_run(done, llm.engine.runner, {k: w for k, w in mlp.items()
+                                                       if isinstance(w, QuantizedWeight)})
+
+
+def test_tp_splits_the_mxfp4_experts_by_width(gpt_oss_mxfp4):
+    """At tp 2 the experts stay MXFP4 (each device's K of down, 32 of 64, whole blocks; the
+    attention's o_proj, 96 wide, is float and need not split into blocks): gate and up split
+    by rows, down by K with its scales; the tokens and logprobs of one device."""
+    from tp_runner import run_script
+
+    one, two = (run_script(__file__, gpt_oss_mxfp4, devices=2, timeout=300)[k] for k in "12")
+    assert one["shards"]["down_proj"] == [[6, 64, 32], [6, 64, 2]]
+    assert two["shards"] == {"gate_proj": [[6, 32, 32], [6, 32, 2]], "up_proj": [[6, 32, 32],
+                             [6, 32, 2]], "down_proj": [[6, 64, 16], [6, 64, 1]]}
+    assert two["tokens"] == one["tokens"]
+    np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4, rtol=0)
+
+
+if __name__ == "__main__":
+    print(json.dumps({str(tp): _tp_run(sys.argv[1], tp) for tp in (1, 2)}))

@@ -1,6 +1,7 @@
 """The Pallas matmul over quantized weights (jaxkv/model/quantized_matmul.py) in interpret mode
-against numpy's dequantize-then-dot (float64): every GGUF kept type, the groups and fp8 codes
-of weights quantized at load, odd row counts, float32 and bfloat16 activations.
+against numpy's dequantize-then-dot (float64): every GGUF kept type, MXFP4 (gpt-oss's experts),
+the groups and fp8 codes of weights quantized at load, odd row counts, float32 and bfloat16
+activations.
 tests/test_gpu_compile.py compiles it for an H100."""
 
 import jax
@@ -13,10 +14,13 @@ from jaxkv.model.quantized_matmul import quantized_matmul
 
 
 def random_weight(rng, qtype: str, N: int, K: int, group: int = 32) -> QuantizedWeight:
-    """Random codes (fp8: bytes with bit 3 clear, never e4m3's NaN), scales and (Q4_1)
-    minimums in the stored layout, one scale per ``group`` values, as jax arrays."""
+    """Random codes (fp8: bytes with bit 3 clear, never e4m3's NaN), scales (MXFP4: E8M0
+    exponents 2^-10 .. 2^4) and (Q4_1) minimums in the stored layout, one scale per ``group``
+    values, as jax arrays."""
     groups = -(-K // group)
     d = (rng.random((N, groups)) * 0.02 + 1e-3).astype(np.float16)
+    if qtype == "MXFP4":
+        d = rng.integers(117, 132, (N, groups), dtype=np.uint8)
     m = (rng.normal(size=(N, groups)) * 0.01).astype(np.float16) if qtype == "Q4_1" else None
     if qtype == "Q8_0":
         qs = rng.integers(-128, 128, (N, K), dtype=np.int8)
@@ -27,7 +31,7 @@ def random_weight(rng, qtype: str, N: int, K: int, group: int = 32) -> Quantized
     return jax.tree.map(jnp.asarray, QuantizedWeight(qs, d, m, qtype, (N, K), group))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "MXFP4"])
 @pytest.mark.parametrize("M,N,K", [(1, 64, 64), (3, 128, 96), (17, 192, 160), (40, 128, 64)])
 def test_equals_dequantize_then_dot(qtype, M, N, K):
     rng = np.random.default_rng(M * N + K)

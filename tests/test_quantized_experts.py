@@ -7,6 +7,7 @@ experts kept in their blocks against the same file dequantized by ``gguf``, and 
 against two (the multi-device check runs this file as a script with 2 fake CPU devices,
 ``tp_runner.run_script``, which prints one JSON line)."""
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -195,19 +196,24 @@ Q = gguf.GGMLQuantizationType
 # a GGUF's stacked experts (and q) in three block types
 GGUF_TYPES = {"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_1, "ffn_down_exps": Q.Q4_0,
               "attn_q": Q.Q4_1}
+MXFP4_TYPES = dict.fromkeys(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), Q.MXFP4)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_a_ggufs_experts_stay_in_their_blocks(kind, tmp_path):
-    """The converter's GGUF with Q8_0 / Q4_1 / Q4_0 experts: kept as stacks of those blocks,
-    the tokens and logprobs of the same file dequantized (``quantization="none"``), the
-    planner's weights the bytes held."""
+    """The converter's GGUF with Q8_0 / Q4_1 / Q4_0 experts (gpt-oss: MXFP4, as its GGUFs
+    ship, expert width 64): kept as stacks of those blocks, the tokens and logprobs of the
+    same file dequantized (``quantization="none"``), the planner's weights the bytes held."""
     from test_gguf_families import FAMILIES, write_gguf
 
     family = FAMILIES[kind]
+    types = MXFP4_TYPES if kind == "gpt_oss" else GGUF_TYPES
+    if kind == "gpt_oss":
+        family = dataclasses.replace(family, overrides={**family.overrides,
+                                                        "intermediate_size": 64})
     save_tokenizer(tmp_path)
     save_tiny_model(tmp_path, kind, **family.overrides)
-    path = str(write_gguf(tmp_path, family, tmp_path / "q.gguf", GGUF_TYPES))
+    path = str(write_gguf(tmp_path, family, tmp_path / "q.gguf", types))
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     runs = {}
     for mode in (None, "none"):
@@ -221,7 +227,7 @@ def test_a_ggufs_experts_stay_in_their_blocks(kind, tmp_path):
             runs[mode] = (out.token_ids, [lp[t] for lp, t in zip(out.logprobs, out.token_ids)],
                           stacks, held, runner.memory_plan.weights_bytes)
     (tokens, logprobs, stacks, held, planned), ref = runs[None], runs["none"]
-    assert stacks == {"Q8_0", "Q4_1", "Q4_0"} and ref[2] == set()
+    assert stacks == {t.name for k, t in types.items() if k.endswith("exps")} and ref[2] == set()
     assert held == planned < ref[3]
     assert tokens == ref[0]
     np.testing.assert_allclose(logprobs, ref[1], atol=1e-4, rtol=0)

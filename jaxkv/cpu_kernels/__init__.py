@@ -262,7 +262,7 @@ def matmuls(x: jax.Array, ws, *, transposed_w: bool = False) -> tuple[jax.Array,
 
 
 # The quantized weights' code types the kernel reads (``jaxkv.model.quantized``), by its code.
-QUANT_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "F8_E4M3": 3}
+QUANT_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "F8_E4M3": 3, "MXFP4": 5}
 
 
 def quant_matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:

@@ -6,16 +6,18 @@
 //   per weight j (same qtype and group G for all; G a multiple of 32, or 16 for Q8_0 codes
 //   (a GGUF Q6_K repacked: a scale per 16 values), S = ceil(K / G)):
 //   qs_j   s8 [N_j, K]         Q8_0 codes, or
-//          u8 [N_j, K / 2]     Q4_0 / Q4_1: each 32 values' 16 bytes as GGUF stores a block
-//                              (low nibbles its elements 0-15, high nibbles 16-31), or
+//          u8 [N_j, K / 2]     Q4_0 / Q4_1 / MXFP4: each 32 values' 16 bytes as GGUF stores a
+//                              block (low nibbles its elements 0-15, high nibbles 16-31), or
 //          f8e4m3 [N_j, K]     F8_E4M3 codes
 //   d_j    f16 [N_j, S]        each group's scale (the last group may be partial), or f32
-//                              (a GGUF Q4_K repacked as Q4_1: d x sc in float32, as ggml)
+//                              (a GGUF Q4_K repacked as Q4_1: d x sc in float32, as ggml), or
+//                              u8 (MXFP4: E8M0 exponents, 2^(d - 127), group 32)
 //   m_j    f16 [N_j, S]        each group's minimum (Q4_1, f32 where d_j is; any array
 //                              otherwise, unread)
 //   out_j  f32 [M, N_j]        x @ w_j^T, w_j = the dequantized [N_j, K]
 //
-//   w = q * d (Q8_0, F8_E4M3), (q - 8) * d (Q4_0), q * d + m (Q4_1): as ggml's
+//   w = q * d (Q8_0, F8_E4M3), (q - 8) * d (Q4_0), q * d + m (Q4_1), FP4[q] * d (MXFP4,
+//   e2m1 codes): as ggml's
 //   dequantize_row_*, so the result equals dequantize-then-dot up to summation order (and the
 //   fused q * d + m).
 //
@@ -68,7 +70,9 @@ constexpr int64_t kSpanRows = 512;          // more rows: rows of x per work ite
 constexpr int64_t kChunkRows = 32;          // rows of x per walk over the panel
 
 // kPanel: dequantized floats
-enum QType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF8 = 3, kPanel = 4 };
+enum QType : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kF8 = 3, kPanel = 4, kMxfp4 = 5 };
+// How a weight's scales are stored.
+enum Scales : int { kF16, kF32, kE8M0 };
 
 // kLanes bytes from p as int32 lanes, sign- or zero-extended (one vpmov[sz]xbd: GCC 12 builds
 // a widened byte vector of its own lane by lane).
@@ -123,21 +127,39 @@ inline Vec fp8_to_float(IVec c) {
   return reinterpret_cast<const Vec&>(bits);
 }
 
-// Scale i of scales p: f16, or f32 where `wide`.
-inline float scale_at(const void* p, int64_t i, bool wide) {
-  return wide ? static_cast<const float*>(p)[i]
-              : half_to_float(static_cast<const uint16_t*>(p)[i]);
+// kLanes e2m1 codes (0..15, zero-extended) as floats: a code's exponent and mantissa bits
+// moved into a float's (bias 1 -> 127), zero and the subnormal 0.5 by hand, then the sign.
+inline Vec fp4_to_float(IVec c) {
+  const IVec mag = c & 7;
+  const IVec moved = (mag << 22) + (126 << 23);
+  const Vec normal = reinterpret_cast<const Vec&>(moved);
+  const Vec small = __builtin_convertvector(mag, Vec) * 0.5f;
+  const Vec v = mag < 2 ? small : normal;
+  const IVec sign = (c & 8) != 0;                                 // -1 where negative
+  const IVec bits = reinterpret_cast<const IVec&>(v) | (sign & (IVec{} + INT32_MIN));
+  return reinterpret_cast<const Vec&>(bits);
 }
-// p advanced by i scales (f16, or f32 where `wide`).
-inline const void* scales_from(const void* p, int64_t i, bool wide) {
-  return static_cast<const char*>(p) + i * (wide ? 4 : 2);
+
+// Scale i of scales p (of kind k): f16, f32, or E8M0's 2^(e - 127) (e = 0: 2^-127).
+inline float scale_at(const void* p, int64_t i, Scales k) {
+  if (k == kF32) return static_cast<const float*>(p)[i];
+  if (k == kF16) return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  const uint32_t e = static_cast<const uint8_t*>(p)[i];
+  const uint32_t bits = e ? e << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// p advanced by i scales (of kind k).
+inline const void* scales_from(const void* p, int64_t i, Scales k) {
+  return static_cast<const char*>(p) + i * (k == kF32 ? 4 : k == kF16 ? 2 : 1);
 }
 // One weight of a call, as the kernel reads it.
 struct Weight {
   const uint8_t* qs;
-  const void* d;          // f16, or f32 where `wide`
+  const void* d;          // of kind `kind`
   const void* m;
-  bool wide;
+  Scales kind;
   float* out;
   int64_t N;
   int64_t row_bytes;      // bytes of qs per weight row
@@ -157,7 +179,7 @@ struct Rows {
   const void* m[C];
   const float* f[C];
   int64_t gb;             // blocks per scale (a panel: all of them)
-  bool wide;              // f32 scales
+  Scales kind;
   bool halves;            // two scales per block (G = 16, Q8_0 codes)
 };
 
@@ -175,6 +197,7 @@ inline Vec weights(const uint8_t* q, const float* f, int64_t b, int s, Vec d, Ve
     const IVec c = widen<false>(q + b * (kBlock / 2) + (s % kHalf) * kLanes);
     const IVec i = s < kHalf ? (c & 0xF) : (c >> 4);
     if constexpr (QT == kQ4_0) return __builtin_convertvector(i - 8, Vec) * d;
+    else if constexpr (QT == kMxfp4) return fp4_to_float(i) * d;
     else return __builtin_convertvector(i, Vec) * d + m;
   }
 }
@@ -193,13 +216,14 @@ void rows_q(const float* x, int64_t K, const Rows<QT, C>& w, float* out, int64_t
   for (int64_t b = 0; b < blocks; ++b) {
     if (!w.halves && b % w.gb == 0)
       for (int c = 0; c < C; ++c) {
-        if constexpr (QT != kPanel) d[c] = Vec{} + scale_at(w.d[c], b / w.gb, w.wide);
-        if constexpr (QT == kQ4_1) m[c] = Vec{} + scale_at(w.m[c], b / w.gb, w.wide);
+        if constexpr (QT != kPanel) d[c] = Vec{} + scale_at(w.d[c], b / w.gb, w.kind);
+        if constexpr (QT == kQ4_1) m[c] = Vec{} + scale_at(w.m[c], b / w.gb, w.kind);
       }
     for (int s = 0; s < kParts; ++s) {
       if constexpr (QT == kQ8_0)
         if (w.halves && s % kHalfParts == 0)
-          for (int c = 0; c < C; ++c) d[c] = Vec{} + scale_at(w.d[c], 2 * b + s / kHalfParts, true);
+          for (int c = 0; c < C; ++c)
+            d[c] = Vec{} + scale_at(w.d[c], 2 * b + s / kHalfParts, kF32);
       Vec wv[C];
       for (int c = 0; c < C; ++c) {
         wv[c] = weights<QT>(w.q[c], w.f[c], b, s, d[c], m[c]);
@@ -237,12 +261,12 @@ template <int QT, int C>
 Rows<QT, C> rows_of(const Weight& p, int64_t K, int64_t n, const float* panel, int64_t n0) {
   Rows<QT, C> w{};
   w.gb = panel ? K / kBlock : p.gb;
-  w.wide = p.wide;
+  w.kind = p.kind;
   w.halves = !panel && p.halves;
   for (int c = 0; c < C; ++c) {
     w.q[c] = p.qs + (n + c) * p.row_bytes;
-    w.d[c] = scales_from(p.d, (n + c) * p.scales, p.wide);
-    w.m[c] = scales_from(p.m, (n + c) * p.scales, p.wide);
+    w.d[c] = scales_from(p.d, (n + c) * p.scales, p.kind);
+    w.m[c] = scales_from(p.m, (n + c) * p.scales, p.kind);
     w.f[c] = panel ? panel + (n + c - n0) * K : nullptr;
   }
   return w;
@@ -269,11 +293,11 @@ void dequantize_rows(const Weight& p, int64_t K, int64_t n0, int64_t n1, float* 
     float* f = panel + (n - n0) * K;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t g = n * p.scales + b / gb;
-      Vec d = Vec{} + scale_at(p.d, g, p.wide);
-      const Vec m = QT == kQ4_1 ? Vec{} + scale_at(p.m, g, p.wide) : Vec{};
+      Vec d = Vec{} + scale_at(p.d, g, p.kind);
+      const Vec m = QT == kQ4_1 ? Vec{} + scale_at(p.m, g, p.kind) : Vec{};
       for (int s = 0; s < kParts; ++s) {
         if (p.halves && s % kHalfParts == 0)
-          d = Vec{} + scale_at(p.d, n * p.scales + 2 * b + s / kHalfParts, true);
+          d = Vec{} + scale_at(p.d, n * p.scales + 2 * b + s / kHalfParts, kF32);
         *reinterpret_cast<Vec*>(f + b * kBlock + s * kLanes) =
             weights<QT>(q, nullptr, b, s, d, m);
       }
@@ -307,9 +331,10 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     return ffi::Error::InvalidArgument(
         "quant_matmul: the group must be a multiple of 32 (or 16 with Q8_0 codes)");
   const int64_t scales = (K + group - 1) / group;
-  if (qtype < kQ8_0 || qtype > kF8)
+  if (qtype < kQ8_0 || qtype > kMxfp4 || qtype == kPanel || (qtype == kMxfp4 && group != kBlock))
     return ffi::Error::InvalidArgument(
-        "quant_matmul: qtype must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1) or 3 (F8_E4M3)");
+        "quant_matmul: qtype must be 0 (Q8_0), 1 (Q4_0), 2 (Q4_1), 3 (F8_E4M3) or 5 (MXFP4, "
+        "group 32)");
   if (args.size() == 0 || args.size() != 3 * outs.size())
     return ffi::Error::InvalidArgument("quant_matmul: three arrays (qs, d, m) per output");
   const int64_t row_bytes = qtype == kQ8_0 || qtype == kF8 ? K : K / 2;
@@ -325,16 +350,18 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
     if (!qs.has_value() || !d.has_value() || !m.has_value() || !out.has_value())
       return ffi::Error::InvalidArgument("quant_matmul: bad operand");
     const auto qd = qs->dimensions(), dd = d->dimensions(), md = m->dimensions();
-    const bool wide = d->element_type() == ffi::DataType::F32;
+    const auto dt = d->element_type();
+    const Scales kind = dt == ffi::DataType::F32 ? kF32 : dt == ffi::DataType::U8 ? kE8M0 : kF16;
     const bool m_ok = qtype != kQ4_1 || (md.size() == 2 && md[0] == dd[0] && md[1] == dd[1] &&
-                                         m->element_type() == d->element_type());
+                                         m->element_type() == dt);
+    const bool kind_ok = (kind == kE8M0) == (qtype == kMxfp4) &&
+                         (kind != kF16 || dt == ffi::DataType::F16) && (!halves || kind == kF32);
     if (qd.size() != 2 || qd[1] != row_bytes || dd.size() != 2 || dd[0] != qd[0] ||
-        dd[1] != scales || !m_ok || (!wide && d->element_type() != ffi::DataType::F16) ||
-        (halves && !wide))
+        dd[1] != scales || !m_ok || !kind_ok)
       return ffi::Error::InvalidArgument("quant_matmul: a weight's arrays do not match x's K "
-                                         "(or its scales are neither f16 nor f32)");
+                                         "(or its scales are not f16, f32 or MXFP4's u8)");
     Weight w{static_cast<const uint8_t*>(qs->untyped_data()), d->untyped_data(),
-             m->untyped_data(), wide, (*out)->typed_data(), qd[0],
+             m->untyped_data(), kind, (*out)->typed_data(), qd[0],
              row_bytes, scales, halves ? 1 : group / kBlock, halves,
              (qd[0] + per_item - 1) / per_item, 0};
     w.items = w.blocks * spans;
@@ -353,6 +380,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::R
       case kQ8_0: item<kQ8_0>(xp, M, K, p, n0, n1, m0, m1); break;
       case kQ4_0: item<kQ4_0>(xp, M, K, p, n0, n1, m0, m1); break;
       case kF8: item<kF8>(xp, M, K, p, n0, n1, m0, m1); break;
+      case kMxfp4: item<kMxfp4>(xp, M, K, p, n0, n1, m0, m1); break;
       default: item<kQ4_1>(xp, M, K, p, n0, n1, m0, m1);
     }
   });

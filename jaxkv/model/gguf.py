@@ -8,9 +8,9 @@ RoPE base, Gemma's attention scale, Qwen3-MoE's renormalised router: the ``gguf_
 ``Architecture``). Tensors of every type the ``gguf`` package's numpy reference decodes (F32,
 F16, BF16, Q8_0, Q4_0/1, Q5_0/1, the K-quants Q2_K..Q6_K, MXFP4, the IQ types) are
 dequantized to float32 at load, except with ``keep_quantized``: the dense layers' and the
-embedding's / head's Q8_0, Q4_0 and Q4_1 tensors (and Mixtral's and Qwen3-MoE's experts) then
-stay in their blocks, and Q4_K's and Q6_K's are repacked bit-exactly as Q4_1 / Q8_0 codes with
-float32 scales (``jaxkv.model.quantized``).
+embedding's / head's Q8_0, Q4_0, Q4_1 and MXFP4 tensors (and Mixtral's and Qwen3-MoE's experts,
+gpt-oss's MXFP4 ones) then stay in their blocks, and Q4_K's and Q6_K's are repacked bit-exactly
+as Q4_1 / Q8_0 codes with float32 scales (``jaxkv.model.quantized``).
 
 GGUF stores a linear layer ``[out, in]`` with ``shape = [in, out]`` (ggml's ``ne0`` first); the
 reader hands back numpy arrays already in ``[out, in]`` row-major order. ``gguf_names`` maps the
@@ -194,8 +194,8 @@ def _moe_fields(key, arch: Architecture) -> dict:
 
 # The tensors kept in their blocks with ``keep_quantized``: the dense layers' projections, the
 # embedding and the head, and a mixture's stacked experts where each expert is a matrix of its
-# own (Mixtral, Qwen3-MoE: ``quantize.experts_quantized``; gpt-oss's and the routers are
-# dequantized).
+# own (Mixtral, Qwen3-MoE: ``quantize.experts_quantized``) or in MXFP4 (gpt-oss's as its GGUFs
+# ship them; in other types its experts, and the routers, are dequantized).
 _KEPT_NAMES = re.compile(r"(token_embd|output)\.weight|blk\.\d+\.(attn_[qkv]|attn_output|"
                          r"ffn_gate|ffn_up|ffn_down)\.weight")
 _KEPT_EXPERTS = re.compile(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight")
@@ -207,7 +207,8 @@ def kept_quantized(name: str, qtype: gguf.GGMLQuantizationType, config: ModelCon
     if qtype.name not in quantized.KEPT_TYPES:
         return False
     return _KEPT_NAMES.fullmatch(name) is not None or (
-        _KEPT_EXPERTS.fullmatch(name) is not None and quantize.experts_quantized(config))
+        _KEPT_EXPERTS.fullmatch(name) is not None
+        and (quantize.experts_quantized(config) or qtype.name == "MXFP4"))
 
 
 def tensors_from_gguf(reader: gguf.GGUFReader, config: ModelConfig, *,

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
+from jaxkv.model import quantized
 from jaxkv.model.quantized import QuantizedWeight
 
 GLOBAL_NAMES = {
@@ -159,7 +160,8 @@ def _stacked_experts(experts: dict[tuple[int, str, str], np.ndarray],
                      config: ModelConfig) -> dict[str, np.ndarray]:
     """gpt-oss: ``ffn_{gate,up}_exps`` ``[X, F, E]`` (biases ``[X, F]``) -> ``gate_up_proj``
     ``[X, E, 2F]`` with gate in the even columns (bias ``[X, 2F]``); ``ffn_down_exps``
-    ``[X, E, F]`` -> ``down_proj`` ``[X, F, E]`` (bias ``[X, E]`` as stored)."""
+    ``[X, E, F]`` -> ``down_proj`` ``[X, F, E]`` (bias ``[X, E]`` as stored). Experts kept in
+    their blocks (X ``QuantizedWeight``s each) become stacks, gate_up's rows interleaved."""
     moe = ARCHITECTURES[config.architecture].moe
     out = {}
     for layer in sorted({k[0] for k in experts}):
@@ -170,12 +172,39 @@ def _stacked_experts(experts: dict[tuple[int, str, str], np.ndarray],
                 raise ValueError(f"GGUF tensor 'blk.{layer}.ffn_{proj}_exps.{kind}' is missing")
             return experts[layer, proj, kind]
         gate, up = get("gate", "weight"), get("up", "weight")
-        gate_up = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
-        gate_up[:, 0::2], gate_up[:, 1::2] = gate, up
-        bias = np.empty((gate.shape[0], 2 * gate.shape[1]), np.float32)
+        bias = np.empty((len(gate), 2 * gate[0].shape[0]), np.float32)
         bias[:, 0::2], bias[:, 1::2] = get("gate", "bias"), get("up", "bias")
-        out |= {p + "gate_up_proj": np.ascontiguousarray(gate_up.transpose(0, 2, 1)),
-                p + "gate_up_proj_bias": bias,
-                p + "down_proj": np.ascontiguousarray(get("down", "weight").transpose(0, 2, 1)),
+        out |= {p + "gate_up_proj": _interleaved(gate, up), p + "gate_up_proj_bias": bias,
+                p + "down_proj": _in_out(get("down", "weight")),
                 p + "down_proj_bias": get("down", "bias")}
     return out
+
+
+def _kept(w) -> bool:
+    """Whether ``w`` is a GGUF's experts kept in their blocks (a list of ``QuantizedWeight``)."""
+    return isinstance(w, list)
+
+
+def _in_out(w):
+    """Experts ``[X, out, in]`` (float, or kept: stacked, ``[X, in, out]`` being its shape)
+    as ``[X, in, out]``."""
+    return quantized.stack(w) if _kept(w) else np.ascontiguousarray(w.transpose(0, 2, 1))
+
+
+def _interleaved(gate, up):
+    """gpt-oss's ``gate_up_proj`` ``[X, E, 2F]`` of gate and up ``[X, F, E]``: gate in the even
+    columns (a kept stack's rows)."""
+    if _kept(gate) and _kept(up) and gate[0].qtype == up[0].qtype:
+        g, u = quantized.stack(gate), quantized.stack(up)
+        x, e, f = g.shape
+
+        def rows(k):                                   # [X, 2F, ...]: gate's row, up's row, ...
+            a = getattr(g, k)
+            return None if a is None else np.stack([a, getattr(u, k)], axis=2).reshape(
+                x, 2 * f, -1)
+        return QuantizedWeight(rows("qs"), rows("d"), rows("m"), g.qtype, (x, e, 2 * f), g.group)
+    gate, up = (np.stack([quantized.dequantize_numpy(e) for e in w]) if _kept(w) else w
+                for w in (gate, up))
+    gate_up = np.empty((gate.shape[0], 2 * gate.shape[1], gate.shape[2]), np.float32)
+    gate_up[:, 0::2], gate_up[:, 1::2] = gate, up
+    return np.ascontiguousarray(gate_up.transpose(0, 2, 1))

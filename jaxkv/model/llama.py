@@ -421,17 +421,26 @@ def _hf_moe_map(c: ModelConfig, i: int) -> dict[str | tuple, tuple[tuple, Any]]:
 def _hf_gpt_oss_experts(p: str, a: tuple) -> dict[str, tuple[tuple, Any]]:
     """gpt-oss's router bias and experts, stored [X, in, out] whole: the gate and up columns
     of ``gate_up_proj`` (and its bias) interleaved, gate first (a 1-tuple key names the same
-    tensor a second time)."""
+    tensor a second time); kept MXFP4, the same columns are a stack's rows."""
     e = p + "experts."
     return {
         p + "router.bias": (a + ("router_bias",), lambda b: b),
-        e + "gate_up_proj": (a + ("gate_proj",), lambda w: w[..., ::2]),
-        (e + "gate_up_proj",): (a + ("up_proj",), lambda w: w[..., 1::2]),
+        e + "gate_up_proj": (a + ("gate_proj",), lambda w: _every_other_column(w, 0)),
+        (e + "gate_up_proj",): (a + ("up_proj",), lambda w: _every_other_column(w, 1)),
         e + "gate_up_proj_bias": (a + ("gate_bias",), lambda b: b[..., ::2]),
         (e + "gate_up_proj_bias",): (a + ("up_bias",), lambda b: b[..., 1::2]),
         e + "down_proj": (a + ("down_proj",), lambda w: w),
         e + "down_proj_bias": (a + ("down_bias",), lambda b: b),
     }
+
+
+def _every_other_column(w, first: int):
+    """Columns ``first``, ``first + 2``, ... of experts [X, in, out]: float, or a stack of
+    quantized experts (whose stored rows are the columns)."""
+    if isinstance(w, QuantizedWeight):
+        x, k, n = w.shape
+        return dataclasses.replace(w.map_rows(lambda r: r[:, first::2]), shape=(x, k, n // 2))
+    return w[..., first::2]
 
 
 def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,
@@ -465,8 +474,10 @@ def params_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], dtype=jn
         for k in path[:-1]:
             node = node.setdefault(k, {})
         if isinstance(tensors[names[0]], QuantizedWeight):
-            node[path[-1]] = _quantized_param([tensors[n] for n in names], path, want,
-                                              names[0], source)
+            ws = [tensors[n] for n in names]
+            if ws[0].stacked:                   # stored as one stack: converted as stored
+                ws = [convert(*ws)]
+            node[path[-1]] = _quantized_param(ws, path, want, names[0], source)
             continue
         value = np.asarray(convert(*(np.asarray(tensors[n]) for n in names)))
         if value.shape != want:
@@ -480,10 +491,10 @@ def _quantized_param(ws: list[QuantizedWeight], path: tuple, want: tuple, name: 
                      source: str) -> QuantizedWeight:
     """A weight kept quantized, stored [out, in], as the param of shape ``want``: the embedding
     [V, E] as stored, a linear weight read as [in..., out...] (``linear.linear``), X experts
-    (several names) stacked as [X, in, out] (``quantized.stack``)."""
+    (several names) stacked as [X, in, out] (``quantized.stack``), or stored as a stack."""
     w = ws[0] if len(ws) == 1 else stack(ws)
     q = dataclasses.replace(w, shape=tuple(want))
-    if len(ws) > 1:
+    if w.stacked:
         ok = want == w.shape
     elif path == ("embed_tokens",):
         ok = want == (w.rows, w.cols)

@@ -1,19 +1,20 @@
 """Weights kept quantized: ``QuantizedWeight``, a params leaf holding a GGUF's Q8_0 / Q4_0 /
-Q4_1 blocks as stored (Q4_K's and Q6_K's repacked), or what ``jaxkv.model.quantize`` makes of float
-weights at load.
+Q4_1 blocks as stored (Q4_K's and Q6_K's repacked), an MXFP4 checkpoint's experts (gpt-oss), or
+what ``jaxkv.model.quantize`` makes of float weights at load.
 
 A weight ``[N, K]`` (rows = output channels) is stored as codes along K, one scale (and
 minimum) per ``group`` values of a row (a multiple of 32, or 16 for Q6_K; the last group may
 be partial, as compressed-tensors' ``ceil(K / group)`` scales); GGUF's blocks are groups of
 32 (llama.cpp's ggml-common.h), repacked by ``from_gguf`` into separate arrays, the same bytes, bit-exact:
 
-    qs  int8 [N, K] (Q8_0), uint8 [N, K / 2] (Q4_0, Q4_1: each 32 values' 16 bytes as
-        GGUF stores a block, the low nibbles its elements 0-15, the high ones 16-31) or
+    qs  int8 [N, K] (Q8_0), uint8 [N, K / 2] (Q4_0, Q4_1, MXFP4: each 32 values' 16 bytes
+        as GGUF stores a block, the low nibbles its elements 0-15, the high ones 16-31) or
         float8_e4m3fn [N, K] (F8_E4M3)
-    d   float16 [N, G]  each group's scale, G = ceil(K / group)
+    d   float16 [N, G]  each group's scale, G = ceil(K / group) (MXFP4: uint8 E8M0 exponents)
     m   float16 [N, G]  each group's minimum (Q4_1; None otherwise)
 
-    value = q * d (Q8_0, F8_E4M3),  (q - 8) * d (Q4_0),  q * d + m (Q4_1)
+    value = q * d (Q8_0, F8_E4M3),  (q - 8) * d (Q4_0),  q * d + m (Q4_1),
+            FP4[q] * 2^(d - 127) (MXFP4: e2m1 codes, ``FP4_VALUES``; d = 0 is 2^-127)
 
 A GGUF Q4_K tensor (super-blocks of 256: f16 ``d`` and ``dmin``, eight 6-bit sub-block scales
 ``sc`` and minima ``mn``, 4-bit codes; ``x = d*sc * q - dmin*mn``) is repacked by ``from_q4_k``
@@ -46,10 +47,14 @@ import numpy as np
 
 from jaxkv.model.quantization import BLOCK     # values per GGUF block; groups are multiples
 
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1")      # GGUF types kept in their own blocks
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "MXFP4")   # GGUF types kept in their own blocks
 KEPT_TYPES = (*BLOCK_TYPES, "Q4_K", "Q6_K")  # the GGUF types kept quantized (K-quants repacked)
-CODE_TYPES = (*BLOCK_TYPES, "F8_E4M3")      # how codes decode (module docstring)
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+NIBBLE_TYPES = ("Q4_0", "Q4_1", "MXFP4")    # two 4-bit codes a byte
+# e2m1 codes 0..15: sign bit 3, two exponent bits, one mantissa bit
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "MXFP4": 17}
+_SCALE_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 2, "MXFP4": 1}   # f16, or MXFP4's E8M0 byte
 _Q4_K_BYTES = 144                           # its bytes: d, dmin, 12 of scales, 128 of codes
 _Q6_K_BYTES = 210                           # Q6_K's: 128 of low 4 bits, 64 of high 2, 16 scales, d
 
@@ -75,7 +80,7 @@ class QuantizedWeight:
     @property
     def cols(self) -> int:
         """K: values per stored row (the contracted axis)."""
-        return int(self.qs.shape[-1]) * (2 if self.qtype in ("Q4_0", "Q4_1") else 1)
+        return int(self.qs.shape[-1]) * (2 if self.qtype in NIBBLE_TYPES else 1)
 
     @property
     def stacked(self) -> bool:
@@ -150,15 +155,17 @@ def kept_bytes(qtype: str, n_bytes: int, n_elements: int) -> int:
 def from_gguf(data: np.ndarray, qtype: str) -> QuantizedWeight:
     """Repacks a GGUF tensor's bytes uint8 [N, K / 32 * block_bytes] (``ReaderTensor.data``;
     Q4_K: [N, K / 256 * 144], ``from_q4_k``) into a numpy ``QuantizedWeight`` of logical
-    shape (N, K)."""
+    shape (N, K). An MXFP4 block is its E8M0 byte and 16 bytes of codes in Q4's nibble order;
+    ggml's ``2 x FP4`` codes times ``2^(e - 128)`` are this module's ``FP4 x 2^(e - 127)``."""
     if qtype in ("Q4_K", "Q6_K"):
         return (from_q4_k if qtype == "Q4_K" else from_q6_k)(data)
     data = np.asarray(data, np.uint8)
-    n = data.shape[0]
+    n, sb = data.shape[0], _SCALE_BYTES[qtype]
     blocks = data.reshape(n, -1, _BLOCK_BYTES[qtype])                 # [N, K / 32, bytes]
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    d = np.ascontiguousarray(blocks[..., 0:sb])
+    d = d[..., 0] if qtype == "MXFP4" else d.view(np.float16)[..., 0]
     m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if qtype == "Q4_1" else None
-    qs = np.ascontiguousarray(blocks[..., 4 if qtype == "Q4_1" else 2:]).reshape(n, -1)
+    qs = np.ascontiguousarray(blocks[..., 2 * sb if qtype == "Q4_1" else sb:]).reshape(n, -1)
     if qtype == "Q8_0":
         qs = qs.view(np.int8)
     return QuantizedWeight(qs, d, m, qtype, (n, blocks.shape[1] * BLOCK))
@@ -210,7 +217,7 @@ def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def to_gguf(w: QuantizedWeight) -> np.ndarray:
     """The GGUF bytes uint8 [N, K / 32 * block_bytes] of numpy ``w`` (``from_gguf``'s inverse)."""
     n, nb = w.rows, w.cols // BLOCK
-    parts = [np.asarray(w.d).view(np.uint8).reshape(n, nb, 2)]
+    parts = [np.asarray(w.d).view(np.uint8).reshape(n, nb, -1)]
     if w.m is not None:
         parts.append(np.asarray(w.m).view(np.uint8).reshape(n, nb, 2))
     parts.append(np.asarray(w.qs).view(np.uint8).reshape(n, nb, -1))
@@ -230,16 +237,27 @@ def _codes(xp, qs, qtype: str, n: int):
         return qs.reshape(n, -1, BLOCK).astype(xp.float32)
     q = qs.reshape(n, -1, BLOCK // 2)
     q = xp.concatenate([q & 0xF, q >> 4], axis=-1)                    # elements 0-15, 16-31
+    if qtype == "MXFP4":
+        return xp.asarray(FP4_VALUES)[q.astype(xp.int32)]
     if qtype == "Q4_0":
         q = q.astype(xp.int8) - xp.int8(8)
     return q.astype(xp.float32)
+
+
+def e8m0_scales(xp, e):
+    """float32 ``2^(e - 127)`` of E8M0 exponents ``e`` (uint8; 0 is 2^-127, a subnormal; 255,
+    NaN in the format, reads as 2^128 = inf, as transformers' ``ldexp``)."""
+    bits = e.astype(xp.uint32) << 23
+    subnormal = xp.asarray(np.uint32(0x00400000))                     # 2^-127
+    return (xp.where(e == 0, subnormal, bits)).view(xp.float32)
 
 
 def _per_block(xp, a, w: QuantizedWeight):
     """float32 [N, K / u, 1]: each u-value unit's entry of ``a`` [N, G] (its group's); u is a
     block (32) or, for group 16, half of one."""
     u = min(w.group, BLOCK)
-    a = xp.repeat(a.astype(xp.float32), w.group // u, axis=1)[:, :w.cols // u]
+    a = e8m0_scales(xp, a) if w.qtype == "MXFP4" else a.astype(xp.float32)
+    a = xp.repeat(a, w.group // u, axis=1)[:, :w.cols // u]
     return a[..., None]
 
 

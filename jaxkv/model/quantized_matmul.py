@@ -7,7 +7,8 @@ Grid (row tiles, column tiles); a program walks K one 32-value block at a time: 
 ``[bn, 32]`` (Q4: the 16 stored bytes, low nibbles the block's elements 0-15, high nibbles
 16-31, each half a ``[bm, 16] x [16, bn]`` product with the matching half of x; F8_E4M3:
 float8 codes converted), scaled per output column by its group's ``d``; Q4_0 subtracts 8
-from the codes, Q4_1 adds ``m`` times the block's row sums of x; Q8_0 codes in groups of 16 (a
+from the codes, Q4_1 adds ``m`` times the block's row sums of x, MXFP4 decodes its e2m1 codes
+and its E8M0 scales (``2^(d - 127)``); Q8_0 codes in groups of 16 (a
 GGUF Q6_K repacked) take each half block's product with its own scale. Accumulation is
 float32, so the result equals dequantize-then-dot up to summation order.
 """
@@ -74,6 +75,23 @@ def _dot_t(a, b):
                            preferred_element_type=jnp.float32)
 
 
+def _fp4(q, dtype):
+    """e2m1 codes q int32 (0..15) as ``dtype``: sign bit 3, exponent bits 2-1, mantissa bit 0
+    (``quantized.FP4_VALUES``)."""
+    mag, e = q & 7, (q & 7) >> 1
+    m = (mag & 1).astype(jnp.float32)
+    v = jnp.where(e == 0, 0.5 * m, (2 + m) * jnp.left_shift(1, e).astype(jnp.float32) * 0.25)
+    return jnp.where((q & 8) != 0, -v, v).astype(dtype)
+
+
+def _scales(d, qtype: str):
+    """float32 of a block's scales ``d`` [bn] (MXFP4: E8M0 exponents, ``2^(d - 127)``)."""
+    if qtype != "MXFP4":
+        return d.astype(jnp.float32)
+    e = d.astype(jnp.int32)
+    return lax.bitcast_convert_type(jnp.where(e == 0, 1 << 22, e << 23), jnp.float32)
+
+
 def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, group: int, bm: int, bn: int):
     """Blocks of 32 values along K; their scale (and minimum) is group ``b // gb``'s (group
     16: each half block's own)."""
@@ -90,7 +108,7 @@ def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, group: int, bm: i
                 acc = acc + _dot_t(x_ref[r, k], q) * d_ref[c, 2 * b + h].astype(
                     jnp.float32)[None, :]
             return acc
-        d = d_ref[c, b // gb].astype(jnp.float32)                   # [bn]
+        d = _scales(d_ref[c, b // gb], qtype)                       # [bn]
         if qtype in ("Q8_0", "F8_E4M3"):
             q = qs_ref[c, pl.ds(b * BLOCK, BLOCK)].astype(dtype)   # [bn, 32]
             return acc + _dot_t(x_ref[r, pl.ds(b * BLOCK, BLOCK)], q) * d[None, :]
@@ -100,7 +118,9 @@ def _kernel(x_ref, qs_ref, d_ref, m_ref, o_ref, *, qtype: str, group: int, bm: i
         q_lo, q_hi = (q & 0xF).astype(jnp.int32), (q >> 4).astype(jnp.int32)
         if qtype == "Q4_0":
             q_lo, q_hi = q_lo - 8, q_hi - 8
-        part = _dot_t(lo, q_lo.astype(dtype)) + _dot_t(hi, q_hi.astype(dtype))
+        decode = functools.partial(_fp4, dtype=dtype) if qtype == "MXFP4" else (
+            lambda q: q.astype(dtype))
+        part = _dot_t(lo, decode(q_lo)) + _dot_t(hi, decode(q_hi))
         acc = acc + part * d[None, :]
         if qtype == "Q4_1":
             sums = (jnp.sum(lo.astype(jnp.float32), axis=1)

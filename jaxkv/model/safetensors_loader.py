@@ -1,6 +1,6 @@
 """HF model directories: ``config.json`` -> ModelConfig, ``*.safetensors`` -> float32 numpy
-(an MXFP4 checkpoint's packed weights de-quantized: jaxkv/model/mxfp4.py; a compressed-tensors
-checkpoint's kept quantized or de-quantized: jaxkv/model/compressed_tensors.py).
+(an MXFP4 checkpoint's packed experts and a compressed-tensors checkpoint's codes kept quantized
+or de-quantized: jaxkv/model/mxfp4.py, jaxkv/model/compressed_tensors.py).
 
 The safetensors layout is small enough to read directly, which lets bf16 through (safetensors'
 numpy API rejects it) and lets every corruption error name the file and the tensor::
@@ -150,13 +150,15 @@ def read_hf_tensors(path: str | Path, *, keep_quantized: bool = False) -> dict[s
     """Reads all weight files of an HF directory (single or sharded) as float32.
 
     Args:
-      keep_quantized: a compressed-tensors checkpoint's dense projections as
-        ``QuantizedWeight`` (else, as its other quantized Linears, float32).
+      keep_quantized: a compressed-tensors checkpoint's dense projections and an MXFP4
+        checkpoint's experts as ``QuantizedWeight`` (else, as a compressed-tensors checkpoint's
+        other quantized Linears, float32).
 
     Returns:
       ``{hf_name: float32 array}``, exactly the stored names and shapes; an MXFP4 checkpoint's
-      ``W_blocks`` / ``W_scales`` pairs as the float32 ``W`` they encode; a compressed-tensors
-      checkpoint's Linear parts as ``P.weight`` (``compressed_tensors.convert``).
+      ``W_blocks`` / ``W_scales`` pairs as the ``W`` they encode (``mxfp4.convert_checkpoint``);
+      a compressed-tensors checkpoint's Linear parts as ``P.weight``
+      (``compressed_tensors.convert``).
     """
     out, sources = {}, {}
     for file in safetensors_files(path):
@@ -167,7 +169,7 @@ def read_hf_tensors(path: str | Path, *, keep_quantized: bool = False) -> dict[s
     cfg = _read_json(config) if config.is_file() else {}
     method = _quant_method(cfg, config)
     if method == "mxfp4":
-        out = mxfp4.dequantize_checkpoint(out, str(path))
+        out = mxfp4.convert_checkpoint(out, str(path), keep_quantized)
     if method == compressed_tensors.METHOD:
         out = compressed_tensors.convert(out, sources, cfg["quantization_config"], str(config),
                                          keep_quantized)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxkv.model import compressed_tensors as ct
-from jaxkv.model import safetensors_loader, store
+from jaxkv.model import mxfp4, safetensors_loader, store
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
 from jaxkv.model.quantization import BLOCK
@@ -213,13 +213,15 @@ def load_model_files(path_or_name: str | Path, *, keep_quantized: bool = False) 
 def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
                          dtype_bytes: int) -> tuple[int, str] | None:
     """(bytes, what they are in words) of a model's params when a GGUF's dense Q8_0 / Q4_0 /
-    Q4_1 weights (and experts) stay in their blocks, or a compressed-tensors checkpoint's dense
-    projections and experts in its codes (``load_model_files(keep_quantized=True)``), and every
-    other tensor is in a dtype of ``dtype_bytes``; None when nothing would stay quantized, or
-    when ``path_or_name`` is not the model ``config`` was read from (no tensor is loaded)."""
+    Q4_1 weights (and experts) stay in their blocks, a compressed-tensors checkpoint's dense
+    projections and experts in its codes, or an MXFP4 checkpoint's experts in theirs
+    (``load_model_files(keep_quantized=True)``), and every other tensor is in a dtype of
+    ``dtype_bytes``; None when nothing would stay quantized, or when ``path_or_name`` is not
+    the model ``config`` was read from (no tensor is loaded)."""
     path = store.resolve(path_or_name)
     if path.is_dir() and (path / "config.json").is_file():
-        return _compressed_tensors_bytes(path, config, dtype_bytes)
+        return (_mxfp4_bytes(path, config, dtype_bytes)
+                or _compressed_tensors_bytes(path, config, dtype_bytes))
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
     from jaxkv.model import gguf
@@ -228,6 +230,33 @@ def stored_weights_bytes(path_or_name: str | Path, config: ModelConfig,
         return None
     total, kept = gguf.stored_bytes(reader, config, dtype_bytes)
     return (total, f"{'/'.join(kept)} blocks kept") if kept else None
+
+
+MXFP4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")   # what an MXFP4 checkpoint packs
+
+
+def _quant_method(path: Path) -> str | None:
+    """An HF directory's ``quantization_config.quant_method`` (None for none)."""
+    qc = json.loads((path / "config.json").read_text(encoding="utf-8")).get("quantization_config")
+    return (qc or {}).get("quant_method")
+
+
+def is_mxfp4(path_or_name: str | Path) -> bool:
+    """Whether ``path_or_name`` is an HF directory of an MXFP4 checkpoint (gpt-oss as shipped),
+    whose experts alone are quantized."""
+    path = store.resolve(path_or_name)
+    return path.is_dir() and (path / "config.json").is_file() and _quant_method(path) == "mxfp4"
+
+
+def _mxfp4_bytes(path: Path, config: ModelConfig, dtype_bytes: int) -> tuple[int, str] | None:
+    """``stored_weights_bytes`` of an MXFP4 checkpoint (gpt-oss): its stacked experts at 4.25
+    bits a weight (``mxfp4.nbytes``); None for any other directory or one not of ``config``."""
+    if _quant_method(path) != "mxfp4" or safetensors_loader.read_hf_config(path) != config:
+        return None
+    total = sum(mxfp4.nbytes(shape) if name.endswith(MXFP4_EXPERTS)
+                else math.prod(shape) * dtype_bytes
+                for name, shape in expected_shapes(config).items())
+    return total, "MXFP4 experts kept"
 
 
 def _compressed_tensors_bytes(path: Path, config: ModelConfig,
@@ -249,10 +278,9 @@ def _kept_schemes(path: Path, config: ModelConfig) -> dict[str, ct.Scheme]:
     checkpoint at ``path`` keeps quantized; empty for any other directory or one not of
     ``config``."""
     file = path / "config.json"
-    qc = json.loads(file.read_text(encoding="utf-8")).get("quantization_config") or {}
-    if (qc.get("quant_method") != ct.METHOD
-            or safetensors_loader.read_hf_config(path) != config):
+    if _quant_method(path) != ct.METHOD or safetensors_loader.read_hf_config(path) != config:
         return {}
+    qc = json.loads(file.read_text(encoding="utf-8"))["quantization_config"]
     schemes, ignore = ct.read_config(qc, str(file))
     kept = {name: quantizable(name) and ct.scheme_of(name.rsplit(".", 1)[0], schemes, ignore)
             for name in expected_shapes(config)}
@@ -263,14 +291,16 @@ def kept_k_group(path_or_name: str | Path, config: ModelConfig) -> int | None:
     """The widest scale group along K of the row-parallel projections (o_proj, down_proj, an
     expert's down) that
     ``load_model_files(keep_quantized=True)`` keeps quantized, what a tensor-parallel split of
-    K must not cut: a GGUF's 32-value blocks (Q4_K and Q6_K repacked in groups of 32 and 16), a
-    compressed-tensors checkpoint's group or block width; None for a scale per row, or
-    nothing kept."""
+    K must not cut: a GGUF's 32-value blocks (Q4_K and Q6_K repacked in groups of 32 and 16),
+    an MXFP4 checkpoint's, a compressed-tensors checkpoint's group or block width; None for a
+    scale per row, or nothing kept."""
     path = store.resolve(path_or_name)
     if path.is_file() and path.suffix == ".gguf":
         return BLOCK
     if not (path.is_dir() and (path / "config.json").is_file()):
         return None
+    if _quant_method(path) == "mxfp4":
+        return BLOCK
     groups = [s.group for name, s in _kept_schemes(path, config).items()
               if row_parallel(name, config) and s.group]
     return max(groups, default=None)

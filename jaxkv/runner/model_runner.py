@@ -34,7 +34,8 @@ from jaxkv.kvcache.spec import KVCacheSpec, kivi_residual_slots
 from jaxkv.model import checkpoint, quantize
 from jaxkv.model.llama import param_shapes, params_from_hf
 from jaxkv.model.quantization import scale_group
-from jaxkv.model.weights import kept_k_group, load_config, load_model_files, stored_weights_bytes
+from jaxkv.model.weights import (is_mxfp4, kept_k_group, load_config, load_model_files,
+                                 stored_weights_bytes)
 from jaxkv.retention import from_args
 from jaxkv.runner import batch, device_shares, memory_plan, sharding
 from jaxkv.runner.kv_offload import KVOffload
@@ -160,7 +161,8 @@ def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
         return True
     model_config = model_config or load_config(mc.model)
     try:
-        sharding.check_quantized_split(model_config, kept_k_group(mc.model, model_config), tp)
+        sharding.check_quantized_split(model_config, kept_k_group(mc.model, model_config), tp,
+                                       only_experts=is_mxfp4(mc.model))
     except ValueError:
         return False
     return True

@@ -242,15 +242,16 @@ def quantized_specs(w: QuantizedWeight, axes: tuple, name: str, mesh: Mesh, *,
 
 
 def check_quantized_split(config: ModelConfig, group: int | None,
-                          tensor_parallel_size: int) -> None:
+                          tensor_parallel_size: int, *, only_experts: bool = False) -> None:
     """``_check_k_split`` of the row-parallel projections (o_proj K = Hq x D, an MLA model's
     Hq x V; down_proj K = F where the model has dense MLPs, an expert's K = its width)
-    quantized in groups of ``group`` (None: one scale per row), before any weight loads."""
+    quantized in groups of ``group`` (None: one scale per row), before any weight loads;
+    ``only_experts``: only the experts are quantized (an MXFP4 checkpoint's)."""
     v = config.mla.v_head_dim if config.mla else config.head_dim     # o_proj's input per head
-    split = [("o_proj", config.num_heads * v)]
-    if not config.num_experts or config.dense_layers:
+    split = [] if only_experts else [("o_proj", config.num_heads * v)]
+    if not only_experts and (not config.num_experts or config.dense_layers):
         split.append(("down_proj", config.intermediate_size))
-    if quantize.experts_quantized(config):
+    if only_experts or quantize.experts_quantized(config):
         split.append(("experts' down_proj", config.expert_size))
     for name, k in split:
         _check_k_split(name, config.hidden_size, k, group or k, tensor_parallel_size)

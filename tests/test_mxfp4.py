@@ -154,32 +154,43 @@ def test_bad_quantized_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):
         mxfp4.dequantize(np.zeros((2, 1, 16), np.uint8), np.zeros((2, 2), np.uint8))
 
 
-def _tp_run(path: str, tp: int) -> dict:
-    """Greedy tokens, logprobs and layer 0's stacks' shard shapes of one engine at ``tp``."""
+def _tp_run(path: str) -> dict:
+    """Greedy tokens, logprobs and layer 0's stacks' shard shapes of one engine at tp 2."""
     from tp_runner import quantized_run
 
-    with LLM(path, tensor_parallel_size=tp, **{**ENGINE, "token_buckets": (32,)}) as llm:
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as llm:
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-        done = [o.outputs[0] for o in llm.generate(["Emma Woodhouse, handsome,", "and rich"], sp,
-                                                   use_tqdm=False)]
+        done = [llm.generate({"prompt_token_ids": TP_PROMPT}, sp, use_tqdm=False)[0].outputs[0]]
         mlp = llm.engine.runner.params["layers"][0]["mlp"]
         return quantized_run(done, llm.engine.runner, {k: w for k, w in mlp.items()
                                                        if isinstance(w, QuantizedWeight)})
 
 
+TP_PROMPT = list(range(3, 40))
+
+
 def test_tp_splits_the_mxfp4_experts_by_width(gpt_oss_mxfp4):
     """At tp 2 the experts stay MXFP4 (each device's K of down, 32 of 64, whole blocks; the
     attention's o_proj, 96 wide, is float and need not split into blocks): gate and up split
-    by rows, down by K with its scales; the tokens and logprobs of one device."""
+    by rows, down by K with its scales; the greedy tokens and logprobs of transformers
+    de-quantizing the same files."""
     from tp_runner import run_script
 
-    one, two = (run_script(__file__, gpt_oss_mxfp4, devices=2, timeout=300)[k] for k in "12")
-    assert one["shards"]["down_proj"] == [[6, 64, 32], [6, 64, 2]]
-    assert two["shards"] == {"gate_proj": [[6, 32, 32], [6, 32, 2]], "up_proj": [[6, 32, 32],
+    got = run_script(__file__, gpt_oss_mxfp4, devices=2, timeout=300)
+    assert got["shards"] == {"gate_proj": [[6, 32, 32], [6, 32, 2]], "up_proj": [[6, 32, 32],
                              [6, 32, 2]], "down_proj": [[6, 64, 16], [6, 64, 1]]}
-    assert two["tokens"] == one["tokens"]
-    np.testing.assert_allclose(two["logprobs"], one["logprobs"], atol=1e-4, rtol=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gpt_oss_mxfp4, quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([TP_PROMPT]), max_new_tokens=8, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)[0]
+        logits = hf(out[None]).logits[0, len(TP_PROMPT) - 1:-1].double()
+    want = out[len(TP_PROMPT):]
+    assert got["tokens"] == [want.tolist()]
+    np.testing.assert_allclose(got["logprobs"][0], torch.log_softmax(logits, -1)[
+        torch.arange(8), want].numpy(), atol=1e-4, rtol=0)
 
 
 if __name__ == "__main__":
-    print(json.dumps({str(tp): _tp_run(sys.argv[1], tp) for tp in (1, 2)}))
+    print(json.dumps(_tp_run(sys.argv[1])))

@@ -228,6 +228,16 @@ def test_a_ggufs_experts_stay_in_their_blocks(kind, tmp_path):
                           stacks, held, runner.memory_plan.weights_bytes)
     (tokens, logprobs, stacks, held, planned), ref = runs[None], runs["none"]
     assert stacks == {t.name for k, t in types.items() if k.endswith("exps")} and ref[2] == set()
+    if kind == "gpt_oss":    # under TP the experts stay kept where a device's K is whole blocks
+        from jaxkv.config import EngineConfig
+        from jaxkv.runner.model_runner import keeps_quantized
+
+        # gpt-oss-20b's widths: o_proj's 4,096 splits into whole blocks at tp 2 and 4, the
+        # experts' 2,880 at tp 2 (1,440), not at tp 4 (720)
+        twenty_b = dataclasses.replace(load_config(path), num_heads=64, head_dim=64,
+                                       intermediate_size=2880, moe_intermediate_size=2880)
+        assert [keeps_quantized(EngineConfig.from_kwargs(model=path, tensor_parallel_size=tp),
+                                twenty_b) for tp in (2, 4)] == [True, False]
     assert held == planned < ref[3]
     assert tokens == ref[0]
     np.testing.assert_allclose(logprobs, ref[1], atol=1e-4, rtol=0)

@@ -21,9 +21,9 @@ import re
 
 import numpy as np
 
+from jaxkv.model import quantized
 from jaxkv.model.architectures import ARCHITECTURES
 from jaxkv.model.config import ModelConfig
-from jaxkv.model import quantized
 from jaxkv.model.quantized import QuantizedWeight
 
 GLOBAL_NAMES = {

@@ -149,20 +149,23 @@ def plan_memory(config: EngineConfig, model_config,
 
 def keeps_quantized(config: EngineConfig, model_config=None) -> bool:
     """Whether the engine keeps a GGUF's quantized weights in their blocks (or a
-    compressed-tensors checkpoint's in its codes): ``quantization`` None (as stored), on one
-    device or under tensor parallelism where each device's share of o_proj's and down_proj's K
-    is whole groups (``weights.kept_k_group``, ``sharding.check_quantized_split``; elsewhere
-    they are dequantized as with ``quantization='none'``). ``model_config``: the model's, else
-    read from ``config.model.model``."""
+    compressed-tensors checkpoint's in its codes, an MXFP4 checkpoint's experts in theirs):
+    ``quantization`` None (as stored), on one device or under tensor parallelism where each
+    device's share of o_proj's, down_proj's and an expert's down's K is whole groups
+    (``weights.kept_k_group``, ``sharding.check_quantized_split``; elsewhere they are
+    dequantized as with ``quantization='none'``). ``model_config``: the model's, else read
+    from ``config.model.model``."""
     mc, tp = config.model, config.parallel.tensor_parallel_size
     if mc.quantization is not None:
         return False
     if tp == 1:
         return True
     model_config = model_config or load_config(mc.model)
+    group, only_experts = kept_k_group(mc.model, model_config), is_mxfp4(mc.model)
     try:
-        sharding.check_quantized_split(model_config, kept_k_group(mc.model, model_config), tp,
-                                       only_experts=is_mxfp4(mc.model))
+        sharding.check_quantized_split(model_config, group, tp, only_experts=only_experts)
+        if model_config.num_experts:      # a GGUF's kept experts (gpt-oss's MXFP4 among them)
+            sharding.check_quantized_split(model_config, group, tp, only_experts=True)
     except ValueError:
         return False
     return True
